@@ -1,0 +1,1 @@
+"""Prefect flows: thin, readable top to bottom; no torch import."""

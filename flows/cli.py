@@ -1,0 +1,86 @@
+"""The `lmyard` command line: run the pipeline's flows here.
+
+    lmyard run RECIPE [--set dotted.key=value ...]     the pretrain flow
+    lmyard shard RECIPE [--set dotted.key=value ...]   tokenize-and-shard only
+    lmyard config [RECIPE] [--set ...]                 print the resolved config (YAML)
+
+RECIPE is a built-in name (`smoke`, the CPU default) or a YAML path.
+User mistakes print one line, `lmyard: error: ...`, and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+class _NoTracebackForUserErrors(logging.Filter):
+    """Prefect logs failed runs with their traceback; a user mistake needs only its message."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from lmyard.errors import UserError
+
+        if record.exc_info and isinstance(record.exc_info[1], UserError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_user_errors() -> None:
+    f = _NoTracebackForUserErrors()
+    for name in ("prefect", "prefect.flow_runs", "prefect.task_runs"):
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(f)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lmyard", description="Pretrain GPT-style language models.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_ in (("run", "run the pretrain flow"), ("shard", "tokenize-and-shard only"),
+                        ("config", "print the resolved config as YAML")):
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("recipe", nargs="?" if name == "config" else None, default="smoke",
+                       help="`smoke` (CPU default), another name under deploy/recipes, or a YAML path")
+        s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config field, e.g. --set train.max_steps=50 (repeatable)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from lmyard.config import load_recipe
+    from lmyard.errors import UserError
+
+    try:
+        config = load_recipe(args.recipe, args.overrides)
+        if args.command == "config":
+            import yaml
+
+            print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+            return 0
+        # Offline-friendly Prefect defaults; an operator's own settings win.
+        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        if args.command == "run":
+            from flows.pretrain import pretrain as flow_fn
+        else:
+            from flows.shard import shard as flow_fn
+        _quiet_user_errors()
+        result = flow_fn(config=config)
+    except UserError as e:
+        print(f"lmyard: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lmyard: interrupted; run the same command again to resume from the latest checkpoint",
+              file=sys.stderr)
+        return 130
+    if args.command == "run":
+        print(f"lmyard: {result['run_name']} finished at step {result['steps']}: val loss {result['val_loss']:.4f} "
+              f"(MLflow run {result['mlflow_run_id']})")
+    else:
+        print(f"lmyard: shard set {result['address']} at {result['uri']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

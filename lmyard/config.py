@@ -1,0 +1,268 @@
+"""The one config of a run: a validated pydantic model.
+
+It is the Prefect flow's parameter (the UI renders a form from it), it is
+logged whole to MLflow, and its relevant parts hash into content addresses.
+The field defaults are the `smoke` recipe, the embedded default: a tiny
+byte-level GPT trained on CPython's own documentation with 2 CPU ranks.
+
+Named recipes are YAML files under deploy/recipes/; `--set a.b=value`
+overrides any field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lmyard.errors import UserError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    source: str = Field(
+        "builtin:pydoc-topics",
+        description="Hub dataset name, local file/glob (txt, jsonl, parquet), s3:// URI, "
+        "or `builtin:pydoc-topics` (CPython's bundled documentation, ~465 KB).",
+    )
+    name: str | None = Field(None, description="Hub dataset config name (e.g. `sample-10BT`).")
+    split: str = Field("train", description="Dataset split to read.")
+    revision: str | None = Field(None, description="Hub dataset revision (commit); pins the content address.")
+    text_field: str = Field("text", description="Field that holds each document's text.")
+    shard_tokens: int = Field(100_000_000, gt=0, description="Tokens per shard file.")
+    val_every: int = Field(
+        10, ge=2, description="Split rule: document i goes to validation when i % val_every == 0."
+    )
+    max_documents: int | None = Field(None, gt=0, description="Stop after this many documents (smoke runs).")
+
+
+class TokenizerConfig(_Section):
+    name: str = Field(
+        "bytes",
+        description="`bytes` (256 byte tokens + end-of-text, built in code) or a tiktoken "
+        "encoding: gpt2 / r50k_base, p50k_base, cl100k_base, o200k_base.",
+    )
+    ranks_file: str | None = Field(
+        None, description="A .tiktoken ranks file (local path or s3:// URI) for the named encoding."
+    )
+
+
+PRESETS: dict[str, dict[str, int]] = {
+    # name: layers, heads, width, context
+    "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
+    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
+    "gpt2-350m": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),
+    "gpt2-774m": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),
+    "gpt2-1.5b": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024),
+}
+
+
+class ModelConfig(_Section):
+    preset: str | None = Field("tiny", description=f"One of {sorted(PRESETS)}, or null for free-form sizes.")
+    n_layer: int | None = Field(None, gt=0, description="Transformer blocks (overrides the preset).")
+    n_head: int | None = Field(None, gt=0, description="Attention heads (overrides the preset).")
+    n_embd: int | None = Field(None, gt=0, description="Model width (overrides the preset).")
+    block_size: int | None = Field(None, gt=0, description="Context length in tokens (overrides the preset).")
+    vocab_size: int | None = Field(
+        None, gt=0, description="Embedding rows; default: the tokenizer's vocabulary rounded up to 64."
+    )
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    bias: bool = True
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str | None) -> str | None:
+        if v is not None and v not in PRESETS:
+            raise ValueError(f"unknown preset {v!r}; choose one of {sorted(PRESETS)} or set it to null")
+        return v
+
+    @model_validator(mode="after")
+    def _complete(self) -> ModelConfig:
+        dims = self.dims()
+        missing = [k for k, v in dims.items() if v is None]
+        if missing:
+            raise ValueError(f"model.preset is null, so model.{', model.'.join(missing)} must be set")
+        if dims["n_embd"] % dims["n_head"]:
+            raise ValueError(f"model.n_embd ({dims['n_embd']}) must be a multiple of model.n_head ({dims['n_head']})")
+        return self
+
+    def dims(self) -> dict[str, int | None]:
+        base = PRESETS.get(self.preset or "", {})
+        return {k: getattr(self, k) if getattr(self, k) is not None else base.get(k)
+                for k in ("n_layer", "n_head", "n_embd", "block_size")}
+
+
+class TrainConfig(_Section):
+    max_steps: int = Field(300, gt=0, description="Optimizer steps in the whole run.")
+    batch_tokens: int = Field(
+        4096, gt=0, description="Tokens per optimizer step, all ranks and micro-steps together."
+    )
+    micro_batch: int = Field(16, gt=0, description="Sequences per rank per forward/backward.")
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of the peak (cosine decay).")
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decay, applied to matrices only.")
+    beta1: float = Field(0.9, gt=0, lt=1)
+    beta2: float = Field(0.95, gt=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0, description="Max global grad norm; 0 disables clipping.")
+    seed: int = 1337
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto`: CUDA when present.")
+    compile: bool | None = Field(None, description="torch.compile the model; default: on for CUDA.")
+    threads_per_rank: int | None = Field(
+        None, gt=0, description="CPU threads per rank; default: cores / local ranks."
+    )
+    log_interval: int = Field(10, gt=0, description="Steps between metric logs.")
+
+
+class EvalConfig(_Section):
+    interval: int = Field(50, gt=0, description="Steps between validation-loss evaluations.")
+    val_tokens: int = Field(32768, gt=0, description="Validation tokens scored per evaluation.")
+    prompts: list[str] = Field(
+        default_factory=lambda: ["The for statement", "Exceptions are", "A class is"],
+        description="Fixed prompts sampled at the end of the run.",
+    )
+    sample_tokens: int = Field(160, ge=0, description="Tokens generated per prompt.")
+    temperature: float = Field(0.8, gt=0)
+    top_k: int | None = Field(40, gt=0)
+
+
+class CheckpointConfig(_Section):
+    interval: int = Field(50, gt=0, description="Steps between checkpoints (the last step is always saved).")
+
+
+class LaunchConfig(_Section):
+    backend: Literal["local", "docker"] = "local"
+    nnodes: int = Field(1, gt=0)
+    nproc_per_node: int = Field(2, gt=0, description="Ranks per node (GPUs per node on CUDA).")
+    rdzv_endpoint: str | None = Field(None, description="host:port of node 0 for multi-node rendezvous.")
+
+
+class TrackingConfig(_Section):
+    uri: str = Field("sqlite:///.lmyard/mlflow.db", description="MLflow tracking URI.")
+    experiment: str = Field("lmyard", description="MLflow experiment name.")
+
+
+class RunConfig(_Section):
+    store: str = Field(".lmyard/store", description="Root URI of shards and runs: a local path or s3://bucket/prefix.")
+    run_name: str = Field("smoke", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="The lineage's name.")
+    data: DataConfig = Field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    def world_size(self) -> int:
+        return self.launch.nnodes * self.launch.nproc_per_node
+
+    def flat(self) -> dict[str, str]:
+        """Dotted key -> value, for MLflow params."""
+        out: dict[str, str] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+        walk("", self.model_dump(mode="json"))
+        return out
+
+
+# ---------------------------------------------------------------- recipes
+
+RECIPE_DIRS = (Path.cwd() / "deploy" / "recipes", Path(__file__).resolve().parents[1] / "deploy" / "recipes")
+
+
+def builtin_recipes() -> list[str]:
+    names = {"smoke"}
+    for d in RECIPE_DIRS:
+        names.update(p.stem for p in d.glob("*.yaml"))
+    return sorted(names)
+
+
+def _recipe_dict(recipe: str) -> dict[str, Any]:
+    if recipe == "smoke":
+        return {}
+    path = Path(recipe)
+    if not path.suffix:
+        for d in RECIPE_DIRS:
+            if (d / f"{recipe}.yaml").is_file():
+                path = d / f"{recipe}.yaml"
+                break
+    if not path.is_file():
+        raise UserError(f"unknown recipe {recipe!r}: give a built-in name ({', '.join(builtin_recipes())}) "
+                        "or the path of a YAML file")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"recipe {path} must be a YAML mapping of config sections")
+    return data
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply one `dotted.key=value` to a nested dict; the value is parsed as YAML."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key.strip():
+        raise UserError(f"--set {assignment!r}: expected dotted.key=value, e.g. --set train.max_steps=50")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else raw
+    except yaml.YAMLError:
+        value = raw
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"--set {key}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def format_validation_error(err: ValidationError) -> str:
+    msgs = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        if e["type"] == "extra_forbidden":
+            msgs.append(f"unknown config key {loc!r} (see the config reference: `lmyard config`)")
+        else:
+            got = e.get("input")
+            msg = e["msg"].removeprefix("Value error, ")
+            if isinstance(got, (str, int, float, bool)) and e["type"] not in ("value_error",):
+                msgs.append(f"{loc}: {msg}, got {got!r}" if loc else msg)
+            else:
+                msgs.append(f"{loc}: {msg}" if loc else msg)
+    return "invalid config: " + "; ".join(msgs)
+
+
+def validate(data: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise UserError(format_validation_error(e)) from None
+
+
+def load_recipe(recipe: str = "smoke", overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """A recipe by built-in name or YAML path, with `dotted.key=value` overrides applied."""
+    data = _recipe_dict(recipe)
+    for assignment in overrides:
+        apply_override(data, assignment)
+    return validate(data)
+
+
+def digest(obj: Any, n: int = 16) -> str:
+    """A short, stable content hash of JSON-able data."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:n]

@@ -1,0 +1,160 @@
+"""Text sources through HF `datasets`, each with a content fingerprint.
+
+`data.source` is one of:
+- `builtin:pydoc-topics`: the English documentation bundled with every CPython
+  (`pydoc_data.topics`), one document per topic. Offline; the smoke corpus.
+- a local file or glob: .txt (one document per file), .jsonl/.json, .parquet.
+- s3://bucket/key-or-glob: the same file types, fetched through boto3.
+- anything else: a Hugging Face hub dataset name (streamed).
+
+The fingerprint pins the content: a hash of file names, sizes and checksums
+(local), of keys, sizes and ETags (S3), or the hub commit.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import hashlib
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from lmyard.config import DataConfig
+from lmyard.errors import UserError
+
+BUILTIN_PYDOC = "builtin:pydoc-topics"
+_BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+@dataclass
+class Source:
+    kind: str
+    fingerprint: dict
+    _documents: object = field(repr=False)
+
+    def documents(self) -> Iterator[str]:
+        """Document texts in a fixed order."""
+        return self._documents()
+
+
+def _pydoc_topics() -> Source:
+    from pydoc_data.topics import topics
+
+    keys = sorted(topics)
+    h = hashlib.sha256()
+    for k in keys:
+        h.update(k.encode())
+        h.update(topics[k].encode())
+    fp = {"kind": "builtin", "name": "pydoc-topics", "python": sys.version.split()[0], "sha256": h.hexdigest()}
+    return Source("builtin", fp, lambda: (topics[k] for k in keys))
+
+
+def _builder_for(paths: list[str]) -> str:
+    exts = {os.path.splitext(p)[1].lower() for p in paths}
+    builders = {_BUILDERS.get(e) for e in exts}
+    if None in builders or len(builders) != 1:
+        raise UserError(f"data.source: cannot read files with extensions {sorted(exts)}; "
+                        f"use one kind of {sorted(_BUILDERS)}")
+    return builders.pop()
+
+
+def _dataset_documents(builder: str, files: list[str], text_field: str, where: str):
+    def gen() -> Iterator[str]:
+        import datasets
+
+        kwargs = {"sample_by": "document"} if builder == "text" else {}
+        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
+        yield from _texts(ds, text_field, where)
+    return gen
+
+
+def _texts(ds, text_field: str, where: str) -> Iterator[str]:
+    for i, row in enumerate(ds):
+        if text_field not in row:
+            raise UserError(f"data.text_field {text_field!r} is not in {where} (row {i} has fields "
+                            f"{sorted(row)}); set data.text_field to one of them")
+        text = row[text_field]
+        if not isinstance(text, str):
+            raise UserError(f"{where} row {i}: field {text_field!r} holds {type(text).__name__}, not text")
+        yield text
+
+
+def _local(cfg: DataConfig) -> Source:
+    pattern = os.path.expanduser(cfg.source.removeprefix("file://"))
+    files = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else (
+        [pattern] if os.path.isfile(pattern) else
+        sorted(p for p in glob.glob(os.path.join(pattern, "**", "*"), recursive=True) if os.path.isfile(p))
+        if os.path.isdir(pattern) else [])
+    if not files:
+        raise UserError(f"data.source {cfg.source!r} matches no file")
+    builder = _builder_for(files)
+    entries = []
+    for p in files:
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            while block := f.read(1 << 22):
+                h.update(block)
+        entries.append({"name": os.path.abspath(p), "size": os.path.getsize(p), "sha256": h.hexdigest()})
+    fp = {"kind": "files", "builder": builder, "files": entries}
+    return Source("files", fp, _dataset_documents(builder, files, cfg.text_field, cfg.source))
+
+
+def _s3(cfg: DataConfig, cache_dir: str) -> Source:
+    import boto3
+
+    bucket, _, pattern = cfg.source.removeprefix("s3://").partition("/")
+    client = boto3.client("s3")
+    literal = pattern.split("*")[0].split("?")[0].split("[")[0]
+    objs = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=literal):
+        objs.extend(o for o in page.get("Contents", []) if fnmatch.fnmatchcase(o["Key"], pattern) or o["Key"] == pattern)
+    if not objs:
+        raise UserError(f"data.source {cfg.source!r} matches no object")
+    builder = _builder_for([o["Key"] for o in objs])
+    fp = {"kind": "s3", "builder": builder,
+          "files": [{"name": f"s3://{bucket}/{o['Key']}", "size": o["Size"], "etag": o["ETag"].strip('"')} for o in objs]}
+
+    def gen() -> Iterator[str]:
+        local = []
+        for o in objs:
+            dest = os.path.join(cache_dir, "sources", bucket, o["Key"])
+            if not (os.path.exists(dest) and os.path.getsize(dest) == o["Size"]):
+                os.makedirs(os.path.dirname(dest), exist_ok=True)
+                client.download_file(bucket, o["Key"], dest + ".part")
+                os.replace(dest + ".part", dest)
+            local.append(dest)
+        yield from _dataset_documents(builder, local, cfg.text_field, cfg.source)()
+    return Source("s3", fp, gen)
+
+
+def _hub(cfg: DataConfig) -> Source:
+    try:
+        from huggingface_hub import HfApi
+
+        info = HfApi().dataset_info(cfg.source, revision=cfg.revision)
+    except Exception as e:  # noqa: BLE001 - network, auth and not-found errors all mean the same to the user
+        raise UserError(f"data.source {cfg.source!r} is not a local file and the hub dataset could not be "
+                        f"resolved ({type(e).__name__}); check the name, the network, or HF_TOKEN") from None
+    fp = {"kind": "hub", "name": cfg.source, "config": cfg.name, "split": cfg.split, "revision": info.sha}
+
+    def gen() -> Iterator[str]:
+        import datasets
+
+        ds = datasets.load_dataset(cfg.source, cfg.name, split=cfg.split, revision=info.sha, streaming=True)
+        yield from _texts(ds, cfg.text_field, cfg.source)
+    return Source("hub", fp, gen)
+
+
+def open_source(cfg: DataConfig, cache_dir: str) -> Source:
+    if cfg.source == BUILTIN_PYDOC:
+        return _pydoc_topics()
+    if cfg.source.startswith("builtin:"):
+        raise UserError(f"unknown built-in source {cfg.source!r}; the built-in corpus is {BUILTIN_PYDOC!r}")
+    if cfg.source.startswith("s3://"):
+        return _s3(cfg, cache_dir)
+    path = os.path.expanduser(cfg.source.removeprefix("file://"))
+    if cfg.source.startswith(("file://", "/", ".", "~")) or glob.has_magic(path) or os.path.exists(path):
+        return _local(cfg)
+    return _hub(cfg)

@@ -1,0 +1,1 @@
+"""Prefect tasks: each one observable side effect of the pipeline."""
