@@ -64,8 +64,11 @@ def _dataset_documents(builder: str, files: list[str], text_field: str, where: s
     def gen() -> Iterator[str]:
         import datasets
 
+        nonempty = [f for f in files if os.path.getsize(f) > 0]  # datasets' readers fail on empty files
+        if not nonempty:
+            return
         kwargs = {"sample_by": "document"} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
+        ds = datasets.load_dataset(builder, data_files=nonempty, split="train", streaming=True, **kwargs)
         yield from _texts(ds, text_field, where)
     return gen
 

@@ -1,0 +1,96 @@
+"""The pretrain flow end to end: Prefect server, trainer ranks, MLflow, store."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import REPO, lmyard_cmd, tiny_overrides
+from lmyard.checkpoint import complete_steps
+from lmyard.config import load_recipe
+from lmyard.store import open_store
+
+pytestmark = pytest.mark.slow
+
+
+def test_flow_runs_end_to_end_and_tracks_the_run(prefect_api_url, tmp_path, monkeypatch):
+    from flows.pretrain import pretrain
+
+    monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
+    cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=6))
+    summary = pretrain(config=cfg)
+
+    assert summary["steps"] == 6
+    assert complete_steps(open_store(cfg.store), cfg.run_name) == [3, 6]
+    client = MlflowClient(cfg.tracking.uri)
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.max_steps"] == "6"
+    assert run.data.tags["lmyard.shard_address"] == summary["shard_address"]
+    losses = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in losses] == [1, 2, 3, 4, 5, 6]
+    val = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val/loss")}
+    assert sorted(val) == [3, 6]
+    # the evaluate task's val loss of the final checkpoint is the trainer's own val loss at that step
+    evaluated = client.get_metric_history(run.info.run_id, "eval/val_loss")
+    assert evaluated[0].step == 6 and evaluated[0].value == pytest.approx(val[6], rel=1e-4)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "summary.json", "samples", "shards"} <= artifacts
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    parent = psutil.Process(proc.pid)
+    for p in [*parent.children(recursive=True), parent]:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+
+
+def test_killed_run_resumes_from_its_checkpoint_without_retokenizing(cli_env, tmp_path):
+    overrides = tiny_overrides(tmp_path, steps=400, **{"checkpoint.interval": 5, "eval.interval": 5})
+    args = lmyard_cmd("run", "smoke", *[a for o in overrides for a in ("--set", o)])
+    store = open_store(str(tmp_path / "store"))
+    log1 = tmp_path / "first.log"
+    with open(log1, "w") as out:
+        proc = subprocess.Popen(args, cwd=tmp_path, env=cli_env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.time() + 240
+        while not complete_steps(store, "smoke") and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        _kill_tree(proc)
+    first = log1.read_text()
+    killed_at = complete_steps(store, "smoke")
+    assert killed_at and killed_at[-1] < 400, first[-3000:]
+    assert "wrote shard set" in first
+
+    second = subprocess.run([*args[:-1], "train.max_steps=20"], cwd=tmp_path, env=cli_env, capture_output=True,
+                            text=True, timeout=400)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    out = second.stdout + second.stderr
+    assert f"resuming from {store.uri(f'runs/smoke/checkpoints/step_{killed_at[-1]:08d}')} at step {killed_at[-1]}" in out
+    assert "already complete" in out and "tokenizing" not in out
+    assert complete_steps(store, "smoke")[-1] == 20
+    lineage = json.loads(store.read_bytes("runs/smoke/lineage.json"))
+    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(lineage["mlflow_run_id"])
+    assert run.data.tags["lmyard.attempts"] == "2"
+    assert run.data.tags["lmyard.attempt.2.start_step"] == str(killed_at[-1])
+    assert run.info.status == "FINISHED"
+
+
+def test_empty_corpus_fails_with_one_line_and_no_traceback(cli_env, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    proc = subprocess.run(lmyard_cmd("shard", "smoke", "--set", f"store={tmp_path / 's'}", "--set", f"data.source={empty}"),
+                          cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("lmyard: error: data.source")
+    assert "holds no documents" in proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
