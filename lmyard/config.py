@@ -100,14 +100,14 @@ class ModelConfig(_Section):
 
 
 class TrainConfig(_Section):
-    max_steps: int = Field(300, gt=0, description="Optimizer steps in the whole run.")
+    max_steps: int = Field(800, gt=0, description="Optimizer steps in the whole run.")
     batch_tokens: int = Field(
         4096, gt=0, description="Tokens per optimizer step, all ranks and micro-steps together."
     )
     micro_batch: int = Field(16, gt=0, description="Sequences per rank per forward/backward.")
-    lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    lr: float = Field(2e-3, gt=0, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of the peak (cosine decay).")
-    warmup_steps: int = Field(20, ge=0)
+    warmup_steps: int = Field(40, ge=0)
     weight_decay: float = Field(0.1, ge=0, description="AdamW decay, applied to matrices only.")
     beta1: float = Field(0.9, gt=0, lt=1)
     beta2: float = Field(0.95, gt=0, lt=1)
@@ -118,11 +118,11 @@ class TrainConfig(_Section):
     threads_per_rank: int | None = Field(
         None, gt=0, description="CPU threads per rank; default: cores / local ranks."
     )
-    log_interval: int = Field(10, gt=0, description="Steps between metric logs.")
+    log_interval: int = Field(20, gt=0, description="Steps between metric logs.")
 
 
 class EvalConfig(_Section):
-    interval: int = Field(50, gt=0, description="Steps between validation-loss evaluations.")
+    interval: int = Field(100, gt=0, description="Steps between validation-loss evaluations.")
     val_tokens: int = Field(32768, gt=0, description="Validation tokens scored per evaluation.")
     prompts: list[str] = Field(
         default_factory=lambda: ["The for statement", "Exceptions are", "A class is"],
@@ -134,7 +134,7 @@ class EvalConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    interval: int = Field(50, gt=0, description="Steps between checkpoints (the last step is always saved).")
+    interval: int = Field(100, gt=0, description="Steps between checkpoints (the last step is always saved).")
 
 
 class LaunchConfig(_Section):
