@@ -99,6 +99,16 @@ class ModelConfig(_Section):
                 for k in ("n_layer", "n_head", "n_embd", "block_size")}
 
 
+class GuardConfig(_Section):
+    policy: Literal["stop", "rollback"] = Field(
+        "stop", description="On divergence: `stop` with an error, or `rollback` to the last checkpoint and "
+        "skip the batches between it and the bad step.")
+    spike_factor: float | None = Field(
+        None, gt=1, description="A checked loss above spike_factor x the running mean of earlier checked losses "
+        "is divergence too; null: only non-finite losses are.")
+    max_rollbacks: int = Field(3, ge=0, description="Rollbacks allowed in one run before it stops.")
+
+
 class TrainConfig(_Section):
     max_steps: int = Field(800, gt=0, description="Optimizer steps in the whole run.")
     batch_tokens: int = Field(
@@ -118,7 +128,8 @@ class TrainConfig(_Section):
     threads_per_rank: int | None = Field(
         None, gt=0, description="CPU threads per rank; default: cores / local ranks."
     )
-    log_interval: int = Field(20, gt=0, description="Steps between metric logs.")
+    log_interval: int = Field(20, gt=0, description="Steps between metric logs (and divergence checks).")
+    guard: GuardConfig = Field(default_factory=GuardConfig)
 
 
 class EvalConfig(_Section):

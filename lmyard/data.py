@@ -9,27 +9,88 @@ Every optimizer step takes the next N = batch_tokens / T global sequences.
 Micro-step m on rank r of W reads sequences m*W*B + r*B ... + B of them.
 The cursor (global sequences consumed) is the whole data state: the token
 order does not depend on the world size, and resuming is exact.
+
+Shards come from a node-local cache filled from the store on first use
+(a local store is read in place); the next shard is fetched in the
+background, and batches are built ahead of the GPU by a background thread.
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from lmyard.errors import UserError
-from lmyard.shards import ShardSet, read_shard
-from lmyard.store import fetch_to_cache, open_store
+from lmyard.shards import ShardSet, read_header, read_shard, sha256_file
+from lmyard.store import open_store
+
+
+class ShardFiles:
+    """Local paths of one split's shards; fetching shard i starts the fetch of shard i+1."""
+
+    def __init__(self, shards: ShardSet, store_uri: str, split: str, cache_dir: str):
+        self.store = open_store(store_uri)
+        self.files = shards.files(split)
+        self.prefix = f"shards/{shards.address}"
+        self.cache_dir = cache_dir
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-fetch")
+        self.futures: dict[int, Future] = {}
+        self.lock = threading.Lock()
+
+    @property
+    def sizes(self) -> list[int]:
+        return [f["tokens"] for f in self.files]
+
+    def _fetch(self, i: int) -> str:
+        meta = self.files[i]
+        key = f"{self.prefix}/{meta['name']}"
+        direct = self.store.local_path(key)
+        if direct is not None:
+            return direct
+        dest = os.path.join(self.cache_dir, key)
+        if not (os.path.exists(dest) and os.path.getsize(dest) == meta["bytes"]):
+            self.store.download(key, dest)
+            if sha256_file(dest) != meta["sha256"]:
+                os.unlink(dest)
+                raise OSError(f"{self.store.uri(key)} does not match its manifest checksum")
+        return dest
+
+    def _future(self, i: int) -> Future:
+        with self.lock:
+            if i not in self.futures:
+                self.futures[i] = self.pool.submit(self._fetch, i)
+            return self.futures[i]
+
+    def path(self, i: int) -> str:
+        fut = self._future(i)
+        if i + 1 < len(self.files):
+            self._future(i + 1)
+        return fut.result()
 
 
 class TokenStream:
-    """Shards concatenated into one random-access array of tokens."""
+    """Shards concatenated into one random-access array of tokens, opened lazily."""
 
-    def __init__(self, paths: list[str]):
-        self.arrays = [read_shard(p) for p in paths]
-        self.starts = np.cumsum([0] + [a.size for a in self.arrays])
+    def __init__(self, files: ShardFiles | list[str]):
+        if isinstance(files, ShardFiles):
+            sizes, self._path = files.sizes, files.path
+        else:
+            paths = list(files)
+            sizes, self._path = [read_header(p)[1] for p in paths], paths.__getitem__
+        self.arrays: dict[int, np.ndarray] = {}
+        self.starts = np.cumsum([0, *sizes])
         self.total = int(self.starts[-1])
+
+    def _array(self, i: int) -> np.ndarray:
+        if i not in self.arrays:
+            self.arrays[i] = read_shard(self._path(i))
+        return self.arrays[i]
 
     def read(self, start: int, n: int) -> np.ndarray:
         assert 0 <= start and start + n <= self.total, (start, n, self.total)
@@ -37,17 +98,11 @@ class TokenStream:
         i = int(np.searchsorted(self.starts, start, side="right")) - 1
         pos, filled = start - int(self.starts[i]), 0
         while filled < n:
-            take = min(n - filled, self.arrays[i].size - pos)
-            out[filled:filled + take] = self.arrays[i][pos:pos + take]
+            arr = self._array(i)
+            take = min(n - filled, arr.size - pos)
+            out[filled:filled + take] = arr[pos:pos + take]
             filled, i, pos = filled + take, i + 1, 0
         return out
-
-
-def local_shards(shards: ShardSet, store_uri: str, split: str, cache_dir: str) -> list[str]:
-    """Local paths of a split's shards: the store's own files, or downloads in the node-local cache."""
-    store = open_store(store_uri)
-    prefix = f"shards/{shards.address}"
-    return [fetch_to_cache(store, f"{prefix}/{f['name']}", cache_dir) for f in shards.files(split)]
 
 
 class TrainBatches:
@@ -73,6 +128,63 @@ class TrainBatches:
         return rows[:, :-1], rows[:, 1:]
 
 
+class Prefetcher:
+    """Builds this rank's micro-batches ahead of use in a background thread (pinned memory on CUDA).
+
+    `get()` returns the next (inputs, targets) on the device, in order: step by step
+    from `cursor`, micro-step by micro-step. `waited_s` adds up the time `get()`
+    blocked because the next batch was not ready.
+    """
+
+    def __init__(self, batches: TrainBatches, cursor: int, device: torch.device, depth: int = 4):
+        self.batches, self.device, self.depth = batches, device, depth
+        self.pin = device.type == "cuda"
+        self.waited_s = 0.0
+        self._start(cursor)
+
+    def _start(self, cursor: int) -> None:
+        self.queue: queue.Queue = queue.Queue(maxsize=self.depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._produce, args=(cursor, self.queue, self.stop), daemon=True,
+                                       name="batch-prefetch")
+        self.thread.start()
+
+    def _produce(self, cursor: int, q: queue.Queue, stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                for micro in range(self.batches.accum):
+                    x, y = self.batches.micro_batch(cursor, micro)
+                    if self.pin:
+                        x, y = x.pin_memory(), y.pin_memory()
+                    while not stop.is_set():
+                        try:
+                            q.put((x, y), timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                cursor += self.batches.per_step
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+            q.put(e)
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        item = self.queue.get()
+        self.waited_s += time.perf_counter() - t0
+        if isinstance(item, BaseException):
+            raise item
+        x, y = item
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def reset(self, cursor: int) -> None:
+        """Drop what was built ahead and continue from `cursor` (after a rollback)."""
+        self.close()
+        self._start(cursor)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+
 def val_sequences(stream: TokenStream, seq_len: int, max_tokens: int) -> torch.Tensor:
     """The fixed validation set: consecutive sequences from the start of the val split, (n, T+1)."""
     n = min(max_tokens // seq_len, (stream.total - 1) // seq_len)
@@ -80,6 +192,10 @@ def val_sequences(stream: TokenStream, seq_len: int, max_tokens: int) -> torch.T
         raise UserError(f"the val split holds {stream.total} tokens, fewer than one sequence of {seq_len + 1}; "
                         "lower data.val_every or model.block_size")
     return torch.stack([torch.from_numpy(stream.read(i * seq_len, seq_len + 1)) for i in range(n)])
+
+
+def split_stream(shards: ShardSet, store_uri: str, split: str, cache_dir: str) -> TokenStream:
+    return TokenStream(ShardFiles(shards, store_uri, split, cache_dir))
 
 
 def default_cache_dir() -> str:

@@ -10,7 +10,7 @@ import torch
 
 from lmyard import checkpoint
 from lmyard.config import RunConfig
-from lmyard.data import TokenStream, default_cache_dir, local_shards, val_sequences
+from lmyard.data import default_cache_dir, split_stream, val_sequences
 from lmyard.model import GPT, GPTConfig
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
@@ -28,7 +28,7 @@ def val_loss(model: GPT, val: torch.Tensor, batch: int = 16, device: str = "cpu"
     total, n = 0.0, 0
     for i in range(0, val.size(0), batch):
         rows = val[i:i + batch].to(device)
-        _, loss = model(rows[:, :-1], rows[:, 1:])
+        loss = model(rows[:, :-1], rows[:, 1:])
         total += float(loss) * rows.size(0)
         n += rows.size(0)
     return total / n
@@ -55,7 +55,7 @@ def evaluate_latest(cfg: RunConfig, shards: ShardSet, device: str = "cpu") -> di
     if ckpt is None:
         raise RuntimeError(f"no complete checkpoint under {store.uri(checkpoint.checkpoints_prefix(cfg.run_name))}")
     model = load_model(ckpt, device)
-    val = val_sequences(TokenStream(local_shards(shards, cfg.store, "val", cache)), model.config.block_size,
+    val = val_sequences(split_stream(shards, cfg.store, "val", cache), model.config.block_size,
                         cfg.eval.val_tokens)
     return {"step": ckpt.step, "checkpoint": ckpt.uri, "tokens_seen": ckpt.state["tokens_seen"],
             "val_loss": val_loss(model, val, device=device), "samples": samples(model, cfg, device=device)}

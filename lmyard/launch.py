@@ -56,6 +56,7 @@ def run_local(cfg: RunConfig, spec: dict, on_line: Callable[[str], None] = print
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     result: dict | None = None
+    user_error: str | None = None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
                             start_new_session=True, preexec_fn=_die_with_parent)
     try:
@@ -66,6 +67,8 @@ def run_local(cfg: RunConfig, spec: dict, on_line: Callable[[str], None] = print
             if line.startswith("result "):
                 result = json.loads(line.removeprefix("result "))
             else:
+                if user_error is None and "lmyard: error:" in line:
+                    user_error = line.split("lmyard: error:", 1)[1].strip()
                 on_line(line)
         rc = proc.wait()
     except BaseException:
@@ -74,9 +77,8 @@ def run_local(cfg: RunConfig, spec: dict, on_line: Callable[[str], None] = print
     finally:
         os.unlink(spec_path)
     if rc != 0:
-        user_error = next((ln for ln in reversed(tail) if "lmyard: error:" in ln), None)
         if user_error:
-            raise UserError(user_error.split("lmyard: error:", 1)[1].strip())
+            raise UserError(user_error)
         raise TrainingFailed(f"training exited with code {rc}; last lines:\n" + "\n".join(tail))
     if result is None:
         raise TrainingFailed("training exited without a result line; last lines:\n" + "\n".join(tail))

@@ -93,8 +93,8 @@ class GPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits (B, T, V), and the mean cross-entropy when targets are given."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V); with targets, only the mean cross-entropy (logits never leave the graph)."""
         T = idx.size(1)
         assert T <= self.config.block_size, f"sequence of {T} exceeds block_size {self.config.block_size}"
         pos = torch.arange(T, device=idx.device)
@@ -103,9 +103,8 @@ class GPT(nn.Module):
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))  # fp32 under autocast
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -128,7 +127,7 @@ class GPT(nn.Module):
         """Sample continuations; `vocab_limit` masks the padding rows above the tokenizer's vocabulary."""
         for _ in range(max_new_tokens):
             cond = idx[:, -self.config.block_size:]
-            logits, _ = self(cond)
+            logits = self(cond)
             logits = logits[:, -1, :].float() / temperature
             if vocab_limit is not None:
                 logits[:, vocab_limit:] = -float("inf")

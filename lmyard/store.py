@@ -133,7 +133,7 @@ class S3Store:
 
     def download(self, key: str, local_path: str) -> None:
         Path(local_path).parent.mkdir(parents=True, exist_ok=True)
-        tmp = f"{local_path}.part"
+        tmp = f"{local_path}.{os.getpid()}.part"  # ranks of one node may fetch the same file at once
         self.client.download_file(self.bucket, self._key(key), tmp)
         os.replace(tmp, local_path)
 

@@ -32,30 +32,48 @@ class NullSink:
 
 
 class MLflowSink:
-    """Buffers metrics and sends them to one MLflow run in batches."""
+    """Sends metrics to one MLflow run in batches, from a background thread: logging never stalls a step."""
 
-    def __init__(self, tracking_uri: str, run_id: str, flush_every: int = 1):
+    def __init__(self, tracking_uri: str, run_id: str):
+        import queue
+        import threading
+
         from mlflow.tracking import MlflowClient
 
         self.client, self.run_id = MlflowClient(tracking_uri), run_id
-        self.buffer: list = []
-        self.flush_every = flush_every
+        self.queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._send, daemon=True, name="mlflow-sink")
+        self.thread.start()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.buffer.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
-        if len(self.buffer) >= self.flush_every:
-            self.flush()
+        self.queue.put([Metric(k, float(v), now, step) for k, v in metrics.items()])
 
-    def flush(self) -> None:
-        for i in range(0, len(self.buffer), 1000):
-            self.client.log_batch(self.run_id, metrics=self.buffer[i:i + 1000])
-        self.buffer = []
+    def _send(self) -> None:
+        while True:
+            batch = self.queue.get()
+            if batch is None:
+                return
+            while not self.queue.empty() and len(batch) < 1000:  # coalesce what has queued up meanwhile
+                more = self.queue.get()
+                if more is None:
+                    self.queue.put(None)
+                    break
+                batch.extend(more)
+            try:
+                self.client.log_batch(self.run_id, metrics=batch)
+            except Exception as e:  # noqa: BLE001 - reported at close(); training must not stop for tracking
+                self.error = e
 
     def close(self) -> None:
-        self.flush()
+        """Send everything queued, then stop; raises if a batch could not be sent."""
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"MLflow logging failed: {self.error}") from self.error
 
 
 # ---------------------------------------------------------------- lineage

@@ -1,13 +1,14 @@
 """The training loop: the torchrun entrypoint run on every node.
 
-    torchrun --nproc_per_node=2 -m lmyard.train --spec spec.json
+    torchrun --nproc_per_node=8 -m lmyard.train --spec spec.json
 
 The spec (a JSON file, or the LMYARD_SPEC environment variable) holds the
 run config, the shard set and the lineage. `train()` reads top to bottom:
-set up -> resume -> loop { lr -> micro-steps -> clip -> step -> log ->
-evaluate -> checkpoint }. It resumes from the newest complete checkpoint of
-`runs/<run_name>` in the store, exactly: weights, AdamW state, step, data
-cursor and every rank's RNG state.
+set up -> resume -> loop { lr -> micro-steps -> clip -> step -> check & log
+-> evaluate -> checkpoint }. It resumes from the newest complete checkpoint
+of `runs/<run_name>` in the store, exactly: weights, AdamW state, step, data
+cursor and every rank's RNG state. Imports stay light (no mlflow or boto3
+until used) so the entrypoint starts fast on GPU nodes.
 """
 
 from __future__ import annotations
@@ -25,17 +26,23 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lmyard import checkpoint
+from lmyard import checkpoint, faults
 from lmyard.config import RunConfig, TrainConfig
-from lmyard.data import TokenStream, TrainBatches, default_cache_dir, local_shards, val_sequences
+from lmyard.data import Prefetcher, TrainBatches, default_cache_dir, split_stream, val_sequences
 from lmyard.errors import UserError
 from lmyard.model import GPT, GPTConfig
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
 from lmyard.tracking import Lineage, MetricsSink, MLflowSink, NullSink
 
-# Dense bf16 peak FLOP/s per GPU, for MFU (vendor datasheets, SXM parts, no sparsity).
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
+# Dense bf16 peak FLOP/s per GPU for MFU (vendor datasheets, SXM parts, no sparsity).
+# MFU = tokens/s * flops_per_token / (peak * GPUs), flops_per_token = 6N + 12*L*d*T.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2250e12, "A100": 312e12,
+              "L40S": 362e12, "L4": 121e12, "A10": 125e12}
+
+
+class Diverged(RuntimeError):
+    """The loss became non-finite or spiked, and the guard's policy stops the run."""
 
 
 @dataclass(frozen=True)
@@ -94,12 +101,32 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
+def check_fits(model: GPT, micro_batch: int, device: torch.device) -> None:
+    """Refuse, before the first step, a model whose weights, grads and AdamW state exceed the GPU's memory."""
+    if device.type != "cuda":
+        return
+    c = model.config
+    static = model.num_params() * 16  # fp32 weights + grads + two AdamW moments
+    # bf16 activations kept for backward: ~34 bytes per token per layer per width unit with flash
+    # attention (Korthikanti et al. 2022), plus bf16 logits and their fp32 softmax.
+    activations = c.n_layer * micro_batch * c.block_size * c.n_embd * 34 + micro_batch * c.block_size * c.vocab_size * 6
+    free, total = torch.cuda.mem_get_info(device)
+    gib = 2**30
+    if static > free:
+        raise UserError(f"the model's weights, gradients and AdamW state need {static / gib:.1f} GiB but "
+                        f"{torch.cuda.get_device_name(device)} has {free / gib:.1f} GiB free of {total / gib:.1f}: "
+                        "choose a smaller model.preset")
+    if static + activations > free:
+        print(f"warning: this step may not fit: ~{(static + activations) / gib:.1f} GiB estimated, "
+              f"{free / gib:.1f} GiB free; lower train.micro_batch (batch_tokens stays, accumulation grows)",
+              flush=True)
+
+
 def all_mean(value: torch.Tensor, d: Dist) -> float:
     if d.world > 1:
         value = value.detach().clone()
-        dist.all_reduce(value, op=dist.ReduceOp.AVG if value.is_cuda else dist.ReduceOp.SUM)
-        if not value.is_cuda:
-            value /= d.world
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= d.world
     return float(value)
 
 
@@ -112,18 +139,58 @@ def evaluate_loss(model: torch.nn.Module, val: torch.Tensor, d: Dist, micro_batc
     for i in range(0, mine.size(0), micro_batch):
         rows = mine[i:i + micro_batch].to(d.device)
         with autocast:
-            _, loss = model(rows[:, :-1], rows[:, 1:])
-        total += torch.tensor([float(loss) * rows.size(0), rows.size(0)], dtype=torch.float64, device=d.device)
+            loss = model(rows[:, :-1], rows[:, 1:])
+        total[0] += loss.double() * rows.size(0)
+        total[1] += rows.size(0)
     if d.world > 1:
         dist.all_reduce(total)
     model.train()
     return float(total[0] / total[1])
 
 
+def train_step(model: torch.nn.Module, params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+               next_batch, accum: int, lr: float, grad_clip: float, autocast, distributed: bool,
+               poison: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over `accum` micro-batches; returns (mean loss, grad norm) as device tensors."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = None
+    for micro in range(accum):
+        x, y = next_batch()
+        sync = micro == accum - 1 or not distributed  # DDP all-reduces gradients on the last micro-step only
+        with (contextlib.nullcontext() if sync else model.no_sync()), autocast:
+            loss = model(x, y)
+        if poison:
+            loss = loss * float("nan")
+        (loss / accum).backward()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum / accum, grad_norm
+
+
+class Guard:
+    """Decides whether a checked loss means divergence (non-finite, or a spike over the running mean)."""
+
+    def __init__(self, spike_factor: float | None):
+        self.spike_factor, self.mean, self.seen = spike_factor, None, 0
+
+    def bad(self, loss: float) -> str | None:
+        if not math.isfinite(loss):
+            return f"loss is {loss}"
+        if self.spike_factor and self.mean is not None and self.seen >= 3 and loss > self.spike_factor * self.mean:
+            return f"loss {loss:.4f} is over {self.spike_factor} x its running mean {self.mean:.4f}"
+        self.mean = loss if self.mean is None else 0.9 * self.mean + 0.1 * loss
+        self.seen += 1
+        return None
+
+
 def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, sink: MetricsSink) -> dict:
     t = cfg.train
     store = open_store(cfg.store)
     cache = default_cache_dir()
+    cuda = d.device.type == "cuda"
 
     # ---- model, optimizer, data -------------------------------------------------
     torch.manual_seed(t.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
@@ -131,32 +198,39 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
     if gcfg.vocab_size < shards.n_vocab:
         raise UserError(f"model.vocab_size ({gcfg.vocab_size}) is smaller than the shard set's vocabulary "
                         f"({shards.n_vocab}, {shards.manifest['tokenizer']['name']}); unset it or raise it")
-    raw_model = GPT(gcfg).to(d.device)
+    raw_model = GPT(gcfg)
+    check_fits(raw_model, t.micro_batch, d.device)
+    raw_model.to(d.device)
     T = gcfg.block_size
     accum = grad_accum_steps(cfg, d.world, T)
-    cuda = d.device.type == "cuda"
     optimizer = torch.optim.AdamW(raw_model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                   fused=cuda)
-    train_data = TrainBatches(TokenStream(local_shards(shards, cfg.store, "train", cache)), T, t.micro_batch,
-                              accum, d.rank, d.world)
-    val = val_sequences(TokenStream(local_shards(shards, cfg.store, "val", cache)), T, cfg.eval.val_tokens)
+    train_data = TrainBatches(split_stream(shards, cfg.store, "train", cache), T, t.micro_batch, accum,
+                              d.rank, d.world)
+    val = val_sequences(split_stream(shards, cfg.store, "val", cache), T, cfg.eval.val_tokens)
 
     # ---- resume from the newest complete checkpoint -------------------------------
     step, cursor, tokens_seen = 0, 0, 0
-    ckpt = checkpoint.load_latest(store, cfg.run_name, cache)
-    steps_seen = [None] * d.world
-    if d.world > 1:
-        dist.all_gather_object(steps_seen, ckpt.step if ckpt else None)
-        assert len(set(steps_seen)) == 1, f"ranks found different checkpoints: {steps_seen}"
-    if ckpt is not None:
+
+    def restore(ckpt: checkpoint.Checkpoint) -> None:
+        nonlocal step, tokens_seen
         raw_model.load_state_dict(ckpt.model)
         optimizer.load_state_dict(ckpt.optim)
-        step, cursor, tokens_seen = ckpt.state["step"], ckpt.state["cursor"], ckpt.state["tokens_seen"]
+        step, tokens_seen = ckpt.state["step"], ckpt.state["tokens_seen"]
         if ckpt.state["world_size"] == d.world:
             checkpoint.set_rng_state(ckpt.rng[d.rank])
         elif d.is_main:
             print(f"resuming on {d.world} ranks from a checkpoint of {ckpt.state['world_size']}: "
                   "the token stream continues, per-rank RNG states restart", flush=True)
+
+    ckpt = checkpoint.load_latest(store, cfg.run_name, cache)
+    if d.world > 1:
+        found = [None] * d.world
+        dist.all_gather_object(found, ckpt.step if ckpt else None)
+        assert len(set(found)) == 1, f"ranks found different checkpoints: {found}"
+    if ckpt is not None:
+        restore(ckpt)
+        cursor = ckpt.state["cursor"]
         if d.is_main:
             print(f"resuming from {ckpt.uri} at step {step} ({tokens_seen:,} tokens seen)", flush=True)
     del ckpt
@@ -170,6 +244,7 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    params = list(raw_model.parameters())
     flops_tok = raw_model.flops_per_token()
     peak = peak_flops(d.device)
     if d.is_main:
@@ -188,81 +263,102 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
             state = {"step": step, "cursor": cursor, "tokens_seen": tokens_seen, "world_size": d.world,
                      "val_loss": val_loss, "train_loss": train_loss, "shard_address": shards.address,
                      "config": cfg.model_dump(mode="json"), "lineage": lineage.to_dict() if lineage else None,
-                     "model": gcfg.__dict__}
+                     "model": gcfg.__dict__, "rollbacks": rollbacks}
             uri = checkpoint.save(store, cfg.run_name, step, raw_model.state_dict(), optimizer.state_dict(), rng, state)
             print(f"checkpoint step {step} -> {uri}", flush=True)
         if d.world > 1:
             dist.barrier()
 
     # ---- the loop -------------------------------------------------------------------
+    batches = Prefetcher(train_data, cursor, d.device)
+    guard, rollbacks = Guard(t.guard.spike_factor), 0
     val_loss = train_loss = None
-    t_log, steps_since_log, wait_s = time.perf_counter(), 0, 0.0
-    while step < t.max_steps:
-        # learning rate for this step
-        lr = lr_at(step, t)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    t_log, steps_since_log, wait_at_log = time.perf_counter(), 0, 0.0
+    try:
+        while step < t.max_steps:
+            # one optimizer step: lr, micro-steps, clip, AdamW
+            lr = lr_at(step, t)
+            loss, grad_norm = train_step(model, params, optimizer, batches.get, accum, lr, t.grad_clip, autocast,
+                                         d.world > 1, poison=faults.fires("nan_loss", step + 1))
+            step += 1
+            cursor += train_data.per_step
+            tokens_seen += t.batch_tokens
+            steps_since_log += 1
+            last = step == t.max_steps
+            checkpoint_due = step % cfg.checkpoint.interval == 0 or last
 
-        # forward/backward over the micro-steps; DDP syncs gradients on the last one only
-        loss_sum = torch.zeros((), device=d.device)
-        for micro in range(accum):
-            t_wait = time.perf_counter()
-            x, y = train_data.micro_batch(cursor, micro)
-            x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
-            wait_s += time.perf_counter() - t_wait
-            sync = micro == accum - 1 or d.world == 1
-            with (contextlib.nullcontext() if sync else model.no_sync()), autocast:
-                _, loss = model(x, y)
-            (loss / accum).backward()
-            loss_sum += loss.detach()
+            # check the loss (and log) on log steps, and always before a checkpoint
+            if step % t.log_interval == 0 or checkpoint_due:
+                train_loss = all_mean(loss, d)
+                problem = guard.bad(train_loss)
+                if problem:
+                    ckpt = _rollback_target(cfg, t, store, cache, step, problem, rollbacks, d)
+                    rollbacks += 1
+                    bad_step, skipped = step, cursor - ckpt.state["cursor"]
+                    restore(ckpt)
+                    batches.reset(cursor)  # the data cursor stays: the batches since the checkpoint are skipped
+                    if d.is_main:
+                        sink.log({"guard/rollbacks": rollbacks, "guard/skipped_sequences": skipped}, bad_step)
+                        print(f"divergence at step {bad_step}: {problem}; rolled back to {ckpt.uri} (step {ckpt.step}), "
+                              f"skipping {skipped} sequences; rollback {rollbacks} of {t.guard.max_rollbacks}", flush=True)
+                    del ckpt
+                    t_log, steps_since_log, wait_at_log = time.perf_counter(), 0, batches.waited_s
+                    continue
+                if cuda:
+                    torch.cuda.synchronize()
+                dt = (time.perf_counter() - t_log) / steps_since_log
+                tok_s = t.batch_tokens / dt
+                metrics = {"train/loss": train_loss, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tok_s,
+                           "step_time_s": dt, "data_wait_frac": (batches.waited_s - wait_at_log) / (dt * steps_since_log),
+                           "tokens_seen": tokens_seen}
+                if peak:
+                    metrics["mfu"] = tok_s * flops_tok / (peak * d.world)
+                if cuda:
+                    metrics["peak_mem_gb"] = torch.cuda.max_memory_allocated(d.device) / 2**30
+                if d.is_main:
+                    sink.log(metrics, step)
+                    print(f"step {step}/{t.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | grad {float(grad_norm):.3f} | "
+                          f"{tok_s:,.0f} tok/s | {dt * 1000:.1f} ms/step | data wait {metrics['data_wait_frac']:.2%}"
+                          + (f" | mfu {metrics['mfu']:.1%}" if peak else ""), flush=True)
+                t_log, steps_since_log, wait_at_log = time.perf_counter(), 0, batches.waited_s
 
-        # clip, step
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        cursor += train_data.per_step
-        tokens_seen += t.batch_tokens
-        steps_since_log += 1
+            # evaluate
+            if step % cfg.eval.interval == 0 or last:
+                val_loss = evaluate_loss(model, val, d, t.micro_batch, autocast)
+                if d.is_main:
+                    sink.log({"val/loss": val_loss}, step)
+                    print(f"step {step} | val loss {val_loss:.4f}", flush=True)
+                t_log = time.perf_counter()
 
-        # log
-        last = step == t.max_steps
-        if step % t.log_interval == 0 or last:
-            train_loss = all_mean(loss_sum / accum, d)
-            if not math.isfinite(train_loss):
-                raise RuntimeError(f"training diverged: loss is {train_loss} at step {step}; lower train.lr "
-                                   f"or resume from an earlier checkpoint")
-            if cuda:
-                torch.cuda.synchronize()
-            dt = (time.perf_counter() - t_log) / steps_since_log
-            tok_s = t.batch_tokens / dt
-            metrics = {"train/loss": train_loss, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tok_s,
-                       "step_time_s": dt, "data_wait_frac": wait_s / (dt * steps_since_log), "tokens_seen": tokens_seen}
-            if peak:
-                metrics["mfu"] = tok_s * flops_tok / (peak * d.world)
-            if cuda:
-                metrics["peak_mem_gb"] = torch.cuda.max_memory_allocated(d.device) / 2**30
-            if d.is_main:
-                sink.log(metrics, step)
-                print(f"step {step}/{t.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | grad {float(grad_norm):.3f} | "
-                      f"{tok_s:,.0f} tok/s | {dt * 1000:.0f} ms/step" + (f" | mfu {metrics['mfu']:.1%}" if peak else ""),
-                      flush=True)
-            t_log, steps_since_log, wait_s = time.perf_counter(), 0, 0.0
+            # checkpoint
+            if checkpoint_due:
+                save(val_loss, train_loss)
+                t_log = time.perf_counter()
 
-        # evaluate
-        if step % cfg.eval.interval == 0 or last:
-            val_loss = evaluate_loss(model, val, d, t.micro_batch, autocast)
-            if d.is_main:
-                sink.log({"val/loss": val_loss}, step)
-                print(f"step {step} | val loss {val_loss:.4f}", flush=True)
-            t_log = time.perf_counter()
+            if faults.fires("crash", step):
+                print(f"injected crash after step {step}", flush=True)
+                os._exit(1)
+    finally:
+        batches.close()
 
-        # checkpoint
-        if step % cfg.checkpoint.interval == 0 or last:
-            save(val_loss, train_loss)
-            t_log = time.perf_counter()
+    return {"step": step, "tokens_seen": tokens_seen, "val_loss": val_loss, "train_loss": train_loss,
+            "rollbacks": rollbacks}
 
-    return {"step": step, "tokens_seen": tokens_seen, "val_loss": val_loss, "train_loss": train_loss}
+
+def _rollback_target(cfg: RunConfig, t: TrainConfig, store, cache: str, step: int, problem: str, rollbacks: int,
+                     d: Dist) -> checkpoint.Checkpoint:
+    """The checkpoint to roll back to, or Diverged when the policy or the cap says stop."""
+    if t.guard.policy == "stop":
+        raise Diverged(f"training diverged at step {step}: {problem}. Resume from the last checkpoint with a lower "
+                       "train.lr, or set train.guard.policy=rollback")
+    if rollbacks >= t.guard.max_rollbacks:
+        raise Diverged(f"training diverged at step {step}: {problem}, after {rollbacks} rollbacks "
+                       f"(train.guard.max_rollbacks); lower train.lr")
+    ckpt = checkpoint.load_latest(store, cfg.run_name, cache)
+    if ckpt is None:
+        raise Diverged(f"training diverged at step {step}: {problem}, and there is no checkpoint to roll back to; "
+                       "lower train.lr or checkpoint.interval")
+    return ckpt
 
 
 def read_spec(argv: list[str] | None) -> dict:
@@ -291,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         if d.is_main:
             print("result " + json.dumps(result), flush=True)
         return 0
-    except UserError as e:
+    except (UserError, Diverged) as e:
         if d.is_main:
             print(f"lmyard: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -1,0 +1,128 @@
+"""The trainer: exact resume, world-size changes, the divergence guard, gradient accumulation."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import tiny_overrides
+from lmyard.config import load_recipe
+from lmyard.errors import UserError
+from lmyard.launch import run_local
+from lmyard.model import GPT, GPTConfig
+from lmyard.sharding import tokenize_and_shard
+from lmyard.train import grad_accum_steps, train_step
+
+
+@pytest.fixture(scope="module")
+def shard_env(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trainer")
+    cfg = load_recipe("smoke", tiny_overrides(tmp))
+    shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
+    return tmp, shards
+
+
+def _run(shard_env, run_name, *, nproc=2, steps=12, faults="", expect_fail=False, **extra):
+    tmp, shards = shard_env
+    values = {"run_name": run_name, "launch.nproc_per_node": nproc, "train.batch_tokens": 1024,
+              "checkpoint.interval": 4, "eval.interval": 100, **extra}
+    cfg = load_recipe("smoke", tiny_overrides(tmp, steps=steps, **values))
+    spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
+    env_before = os.environ.get("LMYARD_FAULTS")
+    os.environ["LMYARD_FAULTS"] = faults
+    os.environ["LMYARD_CACHE"] = str(tmp / "cache")
+    lines: list[str] = []
+    try:
+        if expect_fail:
+            with pytest.raises(Exception) as info:
+                run_local(cfg, spec, on_line=lines.append)
+            return info.value, lines
+        return run_local(cfg, spec, on_line=lines.append), lines
+    finally:
+        os.environ.pop("LMYARD_FAULTS") if env_before is None else os.environ.update(LMYARD_FAULTS=env_before)
+
+
+def _state(shard_env, run_name, step):
+    tmp, _ = shard_env
+    d = tmp / "store" / "runs" / run_name / "checkpoints" / f"step_{step:08d}"
+    load = lambda name: torch.load(d / name, weights_only=True)  # noqa: E731
+    return load("model.pt"), load("optim.pt")
+
+
+def _flat(tree):
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for k in sorted(tree, key=str) for t in _flat(tree[k])]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _flat(v)]
+    return []
+
+
+def test_resume_after_a_crash_reproduces_the_uninterrupted_run_bit_for_bit(shard_env):
+    _run(shard_env, "straight")
+    err, lines = _run(shard_env, "crashed", faults="crash@10", expect_fail=True)
+    assert "injected crash after step 10" in "\n".join(lines)
+    result, lines = _run(shard_env, "crashed")
+    assert any("resuming from" in ln and "at step 8" in ln for ln in lines)
+    assert result["step"] == 12
+    a, b = _state(shard_env, "straight", 12), _state(shard_env, "crashed", 12)
+    for x, y in zip(_flat(a), _flat(b), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_resume_on_another_world_size_continues_the_same_token_stream(shard_env):
+    _run(shard_env, "two-ranks-crashed", faults="crash@5", expect_fail=True)
+    result, lines = _run(shard_env, "two-ranks-crashed", nproc=1)
+    assert any("from a checkpoint of 2" in ln for ln in lines) and result["step"] == 12
+    # One rank reads both ranks' sequences with twice the accumulation: same data, same updates
+    # up to float summation order.
+    (m1, _), (m2, _) = _state(shard_env, "straight", 12), _state(shard_env, "two-ranks-crashed", 12)
+    for k in m1:
+        torch.testing.assert_close(m1[k], m2[k], rtol=2e-4, atol=2e-5)
+
+
+def test_guard_rolls_back_on_a_nan_loss_and_continues(shard_env):
+    result, lines = _run(shard_env, "nan-rollback", faults="nan_loss@6", **{"train.guard.policy": "rollback"})
+    text = "\n".join(lines)
+    assert "divergence at step 6: loss is nan; rolled back to" in text and "(step 4)" in text
+    assert result["step"] == 12 and result["rollbacks"] == 1
+    model, _ = _state(shard_env, "nan-rollback", 12)
+    assert all(torch.isfinite(t).all() for t in model.values())
+
+
+def test_guard_stops_with_a_clear_error_when_policy_is_stop(shard_env):
+    err, _ = _run(shard_env, "nan-stop", faults="nan_loss@6", expect_fail=True)
+    assert isinstance(err, UserError) and "training diverged at step 6: loss is nan" in str(err)
+
+
+def test_k_micro_steps_equal_one_step_on_a_k_times_larger_batch():
+    def fresh():
+        torch.manual_seed(0)
+        m = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+        return m, torch.optim.SGD(m.parameters(), lr=1e-2)  # AdamW's normalisation would amplify float noise
+
+    torch.manual_seed(1)
+    x = torch.randint(0, 64, (8, 17))
+    big_model, big_opt = fresh()
+    train_step(big_model, list(big_model.parameters()), big_opt, iter([(x[:, :-1], x[:, 1:])]).__next__, 1, 1e-2,
+               1.0, torch.autocast("cpu", enabled=False), False)
+    acc_model, acc_opt = fresh()
+    micro = iter([(x[i:i + 2, :-1], x[i:i + 2, 1:]) for i in range(0, 8, 2)])
+    train_step(acc_model, list(acc_model.parameters()), acc_opt, micro.__next__, 4, 1e-2, 1.0,
+               torch.autocast("cpu", enabled=False), False)
+    for p, q in zip(big_model.parameters(), acc_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_that_does_not_divide_names_a_valid_size():
+    cfg = load_recipe("smoke", ["train.batch_tokens=5000"])
+    with pytest.raises(UserError, match=r"multiple of micro_batch \* block_size \* world size .* = 4096"):
+        grad_accum_steps(cfg, 2, 128)
+
+
+def test_shard_vocabulary_larger_than_the_model_is_refused(shard_env):
+    err, _ = _run(shard_env, "small-vocab", expect_fail=True, **{"model.vocab_size": 128})
+    assert isinstance(err, UserError) and "smaller than the shard set's vocabulary (257" in str(err)
