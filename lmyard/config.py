@@ -75,6 +75,8 @@ class ModelConfig(_Section):
     )
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     bias: bool = True
+    attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
+        "auto", description="SDPA kernel: `auto` lets PyTorch choose; `cudnn` is often fastest on Hopper GPUs.")
 
     @field_validator("preset")
     @classmethod

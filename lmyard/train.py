@@ -148,6 +148,28 @@ def evaluate_loss(model: torch.nn.Module, val: torch.Tensor, d: Dist, micro_batc
     return float(total[0] / total[1])
 
 
+class ComputeContext:
+    """bf16 autocast on CUDA, and the configured SDPA kernel; reusable across steps."""
+
+    def __init__(self, cuda: bool, attention: str):
+        self.cuda, self.attention = cuda, attention
+
+    def __enter__(self):
+        self.stack = contextlib.ExitStack()
+        if self.cuda:
+            self.stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+        if self.attention != "auto":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                       "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[self.attention]
+            self.stack.enter_context(sdpa_kernel(backend))
+        return self
+
+    def __exit__(self, *exc):
+        return self.stack.__exit__(*exc)
+
+
 def train_step(model: torch.nn.Module, params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
                next_batch, accum: int, lr: float, grad_clip: float, autocast, distributed: bool,
                poison: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,8 +261,8 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
     if t.compile if t.compile is not None else cuda:
         model = torch.compile(model)
     if d.world > 1:
-        model = DDP(model, device_ids=[d.local_rank] if cuda else None)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+        model = DDP(model, device_ids=[d.local_rank] if cuda else None, gradient_as_bucket_view=True)
+    autocast = ComputeContext(cuda, cfg.model.attention)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

@@ -1,0 +1,127 @@
+"""Trainer throughput against the bare nanoGPT-style reference loop, same GPUs, same run.
+
+    python tests/benchmarks/bench_trainer.py --ref path/to/gpt2_ref_bench.py --gpus 1 2
+
+For each GPU count N it runs the reference (`gpt2_ref_bench.py`, random tokens,
+B=32, T=1024, torch.compile, bf16, fused AdamW) and then lmyard's own trainer
+(`torchrun -m lmyard.train`) on GPT-2 124M with the same micro-batch, reading
+memory-mapped shards of random tokens through its real data path (background
+prefetch, pinned memory), with logging, the divergence check every 10 steps and
+one checkpoint at the end. Prints one JSON line per run and a summary: tokens/s,
+per GPU, MFU (6N + 12*L*d*T FLOPs per token against 989 TFLOP/s dense bf16 on
+H100/H200), the ratio to the reference, DDP scaling efficiency against 1 GPU,
+and the share of step time spent waiting for data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from lmyard import shards as fmt  # noqa: E402
+from lmyard.config import load_recipe  # noqa: E402
+
+STEP_LINE = re.compile(r"step (\d+)/\d+ \| .* \| ([\d,]+) tok/s \| ([\d.]+) ms/step \| data wait ([\d.]+)%(?: \| mfu ([\d.]+)%)?")
+
+
+def make_shards(store: Path, tokens: int) -> dict:
+    """A shard set of uniformly random GPT-2 token ids, written straight in the store layout."""
+    rng = np.random.default_rng(0)
+    address = "bench-random-r50k"
+    prefix = store / "shards" / address
+    prefix.mkdir(parents=True, exist_ok=True)
+    files = []
+    for split, n in (("train", tokens), ("val", 1 << 20)):
+        path = prefix / f"{split}_000000.bin"
+        fmt.write_shard(path, rng.integers(0, 50257, n, dtype=np.int64), fmt.VERSION_U16)
+        files.append({"name": path.name, "split": split, "tokens": n, "bytes": path.stat().st_size,
+                      "sha256": fmt.sha256_file(path)})
+    manifest = {"address": address, "tokenizer": {"name": "r50k_base", "n_vocab": 50257}, "shards": files}
+    (prefix / "manifest.json").write_text(json.dumps(manifest))
+    return {"address": address, "uri": str(prefix), "manifest": manifest}
+
+
+def run_reference(ref: str, gpus: int, batch: int, steps: int) -> dict:
+    env = {**os.environ, "B": str(batch), "STEPS": str(steps)}
+    cmd = [sys.executable, ref] if gpus == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", ref]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
+
+
+def run_lmyard(store: Path, shards: dict, gpus: int, batch: int, steps: int, overrides: list[str],
+               extra_env: dict[str, str], warmup_logs: int = 2) -> dict:
+    cfg = load_recipe("smoke", [
+        f"store={store}", f"run_name=bench-{gpus}gpu", "model.preset=gpt2-124m", f"train.max_steps={steps}",
+        f"train.micro_batch={batch}", f"train.batch_tokens={batch * 1024 * gpus}", "train.log_interval=10",
+        "train.warmup_steps=10", "train.lr=6e-4", "eval.interval=100000", "eval.val_tokens=65536",
+        "checkpoint.interval=100000", "train.device=cuda", f"launch.nproc_per_node={gpus}", *overrides])
+    spec = store / f"spec-{gpus}.json"
+    spec.write_text(json.dumps({"config": cfg.model_dump(mode="json"), "shards": shards, "lineage": None}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+           "-m", "lmyard.train", "--spec", str(spec)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "LMYARD_CACHE": str(store / "cache"), **extra_env}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+    if proc.returncode:
+        raise SystemExit(proc.stdout[-4000:] + proc.stderr[-4000:])
+    logs = [m.groups() for m in map(STEP_LINE.search, proc.stdout.splitlines()) if m]
+    timed = logs[warmup_logs:-1]  # skip compile/warm-up intervals and the last (it includes the final eval)
+    tok_s = statistics.median(float(t[1].replace(",", "")) for t in timed)
+    return {"world": gpus, "B": batch, "tok_s": round(tok_s), "tok_s_per_gpu": round(tok_s / gpus),
+            "step_ms": statistics.median(float(t[2]) for t in timed),
+            "data_wait_pct": round(max(float(t[3]) for t in timed), 3),
+            "mfu": statistics.median(float(t[4]) for t in timed) / 100 if timed[0][4] else None,
+            "intervals": len(timed)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ref", required=True, help="path of gpt2_ref_bench.py")
+    ap.add_argument("--gpus", type=int, nargs="+", default=[1])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=80, help="lmyard steps (logged every 10)")
+    ap.add_argument("--ref-steps", type=int, default=30)
+    ap.add_argument("--set", dest="overrides", action="append", default=[],
+                    help="config override for lmyard's runs, e.g. model.attention=cudnn (repeatable)")
+    ap.add_argument("--env", action="append", default=[], help="K=V set for lmyard's runs only (repeatable)")
+    ap.add_argument("--no-ref", action="store_true", help="skip the reference runs")
+    args = ap.parse_args()
+    extra_env = dict(kv.split("=", 1) for kv in args.env)
+    import torch
+
+    results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "runs": []}
+    with tempfile.TemporaryDirectory(prefix="lmyard-bench-") as tmp:
+        store = Path(tmp)
+        shards = make_shards(store, 64 * 1024 * 1024)
+        for gpus in args.gpus:
+            ref = {"tok_s": float("nan")} if args.no_ref else run_reference(args.ref, gpus, args.batch, args.ref_steps)
+            print(json.dumps({"kind": "reference", **ref}), flush=True)
+            ours = run_lmyard(store, shards, gpus, args.batch, args.steps, args.overrides, extra_env)
+            ours["overrides"], ours["env"] = args.overrides, extra_env
+            ours["vs_reference"] = round(ours["tok_s"] / ref["tok_s"], 3)
+            print(json.dumps({"kind": "lmyard", **ours}), flush=True)
+            results["runs"].append({"reference": ref, "lmyard": ours})
+    base = {r["lmyard"]["world"]: r for r in results["runs"]}
+    if 1 in base:
+        for r in results["runs"]:
+            w = r["lmyard"]["world"]
+            r["lmyard"]["scaling_eff"] = round(r["lmyard"]["tok_s"] / (w * base[1]["lmyard"]["tok_s"]), 3)
+            r["reference"]["scaling_eff"] = round(r["reference"]["tok_s"] / (w * base[1]["reference"]["tok_s"]), 3)
+    print("summary " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()
