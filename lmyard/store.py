@@ -120,7 +120,8 @@ def s3_client():
     import boto3
     from botocore.config import Config
 
-    return boto3.client("s3", config=Config(connect_timeout=5, read_timeout=60,
+    # A fresh session: boto3's default one keeps the credentials it resolved first.
+    return boto3.session.Session().client("s3", config=Config(connect_timeout=5, read_timeout=60,
                                             retries={"max_attempts": 3, "mode": "standard"}))
 
 
