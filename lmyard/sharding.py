@@ -50,7 +50,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,16 +120,23 @@ def _tokenized(batches: Iterable[tuple[list[int], list[str]]], enc, dtype, num_p
             yield (idx, *_encode_batch(texts))
         return
     # spawn, not fork: the caller may hold threads (Prefect, boto3) that a forked child would inherit mid-lock.
-    with mp.get_context("spawn").Pool(num_proc, initializer=_init_worker, initargs=(enc, dtype)) as pool:
+    # A process pool executor, not multiprocessing.Pool: a tokenizer process that dies (OOM killer) fails
+    # the stage with BrokenProcessPool instead of hanging it.
+    with ProcessPoolExecutor(num_proc, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                             initargs=(enc, dtype)) as pool:
         pending: deque = deque()
-        for idx, texts in batches:
-            pending.append((idx, pool.apply_async(_encode_batch, (texts,))))
-            if len(pending) >= IN_FLIGHT_PER_PROC * num_proc:
-                idx0, res = pending.popleft()
-                yield (idx0, *res.get())
-        while pending:
-            idx0, res = pending.popleft()
-            yield (idx0, *res.get())
+        try:
+            for idx, texts in batches:
+                pending.append((idx, pool.submit(_encode_batch, texts)))
+                if len(pending) >= IN_FLIGHT_PER_PROC * num_proc:
+                    idx0, fut = pending.popleft()
+                    yield (idx0, *fut.result())
+            while pending:
+                idx0, fut = pending.popleft()
+                yield (idx0, *fut.result())
+        finally:
+            for _, fut in pending:
+                fut.cancel()
 
 
 # ---------------------------------------------------------------- writing shards

@@ -150,14 +150,25 @@ def _dataset_documents(builder: str, files: list[str], text_field: str, where: s
 
 
 def _texts(ds, text_field: str, where: str) -> Iterator[str]:
-    for i, row in enumerate(ds):
-        if text_field not in row:
+    """The text field of every row, read in columnar batches (rows one at a time are ~6x slower)."""
+    columns = ds.column_names
+    if columns is not None:
+        if text_field not in columns:
+            raise UserError(f"data.text_field {text_field!r} is not in {where} (its rows have fields "
+                            f"{sorted(columns)}); set data.text_field to one of them")
+        ds = ds.select_columns([text_field])
+    i = 0
+    for batch in ds.iter(batch_size=1000):
+        if text_field not in batch:
             raise UserError(f"data.text_field {text_field!r} is not in {where} (row {i} has fields "
-                            f"{sorted(row)}); set data.text_field to one of them")
-        text = row[text_field]
-        if not isinstance(text, str):
-            raise UserError(f"{where} row {i}: field {text_field!r} holds {type(text).__name__}, not text")
-        yield text
+                            f"{sorted(batch)}); set data.text_field to one of them")
+        for text in batch[text_field]:
+            if not isinstance(text, str):
+                raise UserError(f"{where} row {i}: field {text_field!r} holds "
+                                f"{'nothing' if text is None else type(text).__name__}, not text; "
+                                "fix the row or set data.text_field to a text field")
+            yield text
+            i += 1
 
 
 def _local(cfg: DataConfig, cache_dir: str) -> Source:
