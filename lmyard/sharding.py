@@ -124,6 +124,8 @@ def _tokenized(batches: Iterable[tuple[list[int], list[str]]], enc, dtype, num_p
     # the stage with BrokenProcessPool instead of hanging it.
     with ProcessPoolExecutor(num_proc, mp_context=mp.get_context("spawn"), initializer=_init_worker,
                              initargs=(enc, dtype)) as pool:
+        for _ in range(num_proc):  # start the processes now, while this one opens the source
+            pool.submit(int)
         pending: deque = deque()
         try:
             for idx, texts in batches:

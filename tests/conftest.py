@@ -125,7 +125,8 @@ def s3_server():
     port = _free_port()
     endpoint = f"http://127.0.0.1:{port}"
     env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}
-    proc = subprocess.Popen(["moto_server", "-H", "127.0.0.1", "-p", str(port)], env=env,
+    # `python -m moto.server` is `moto_server`, found through this interpreter whether or not a venv is on PATH
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 30

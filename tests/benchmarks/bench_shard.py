@@ -8,7 +8,8 @@ replicated with a per-copy prefix) to a temporary folder, runs the whole stage
 to a local store) in a child process, and samples the resident memory of that
 child and its tokenizer processes every 20 ms. Then it times raw tiktoken
 `encode_ordinary_batch(texts, num_threads=N)` on the same texts in this
-process (16,384 documents a call; JSON parsing outside the timed calls). Everything it writes is removed at the end.
+process (16,384 documents a call; JSON parsing outside the timed calls).
+Everything it writes is removed at the end.
 
 Figures:
 - stage_tokens_per_s / raw_tokens_per_s: same text, same N (target >= 0.9)
