@@ -41,6 +41,14 @@ class DataConfig(_Section):
         10, ge=2, description="Split rule: document i goes to validation when i % val_every == 0."
     )
     max_documents: int | None = Field(None, gt=0, description="Stop after this many documents (smoke runs).")
+    on_decode_error: Literal["error", "skip"] = Field(
+        "error",
+        description="Non-UTF-8 bytes in a .txt/.jsonl file: `error` stops and names the file and byte offset; "
+        "`skip` drops the documents holding them (with a counted warning).",
+    )
+    num_proc: int | None = Field(
+        None, gt=0, description="Tokenizer processes; default: every core. The shards do not depend on it."
+    )
 
 
 class TokenizerConfig(_Section):

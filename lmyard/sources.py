@@ -9,10 +9,18 @@
 
 The fingerprint pins the content: a hash of file names, sizes and checksums
 (local), of keys, sizes and ETags (S3), or the hub commit.
+
+Text files (.txt, .jsonl, .json) must be UTF-8. Every byte is checked before a
+file's first document is read (local files in the same pass as their checksum,
+S3 files right after download): with data.on_decode_error=error the first bad
+byte stops the stage with the file and its byte offset; with `skip` a .txt or
+.json file holding bad bytes is dropped whole, a .jsonl file loses only the
+lines holding them, and the count lands in `Source.skipped`.
 """
 
 from __future__ import annotations
 
+import codecs
 import fnmatch
 import glob
 import hashlib
@@ -23,6 +31,7 @@ from dataclasses import dataclass, field
 
 from lmyard.config import DataConfig
 from lmyard.errors import UserError
+from lmyard.store import s3_client, s3_errors
 
 BUILTIN_PYDOC = "builtin:pydoc-topics"
 _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -33,6 +42,8 @@ class Source:
     kind: str
     fingerprint: dict
     _documents: object = field(repr=False)
+    size_bytes: int | None = None  # bytes of input, when known: a base for progress estimates
+    skipped: dict[str, int] = field(default_factory=dict)  # file -> documents dropped for non-UTF-8 bytes
 
     def documents(self) -> Iterator[str]:
         """Document texts in a fixed order."""
@@ -48,7 +59,72 @@ def _pydoc_topics() -> Source:
         h.update(k.encode())
         h.update(topics[k].encode())
     fp = {"kind": "builtin", "name": "pydoc-topics", "python": sys.version.split()[0], "sha256": h.hexdigest()}
-    return Source("builtin", fp, lambda: (topics[k] for k in keys))
+    return Source("builtin", fp, lambda: (topics[k] for k in keys), size_bytes=sum(len(topics[k]) for k in keys))
+
+
+# ---------------------------------------------------------------- UTF-8 checks
+
+def _scan(path: str, check_utf8: bool) -> tuple[str, int | None]:
+    """(sha256 of the file, offset of its first non-UTF-8 byte or None), in one read."""
+    h = hashlib.sha256()
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    pos, bad = 0, None
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+            if check_utf8 and bad is None:
+                pending = len(decoder.getstate()[0])  # bytes of a split character carried from the last block
+                try:
+                    decoder.decode(block)
+                except UnicodeDecodeError as e:
+                    bad = pos - pending + e.start
+            pos += len(block)
+    if check_utf8 and bad is None:
+        pending = len(decoder.getstate()[0])
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError as e:
+            bad = pos - pending + e.start
+    return h.hexdigest(), bad
+
+
+def _decode_error(where: str, offset: int) -> UserError:
+    return UserError(f"{where}: byte offset {offset} is not UTF-8; re-encode the file as UTF-8, or set "
+                     "data.on_decode_error=skip to drop the documents holding such bytes")
+
+
+def _drop_bad_lines(path: str, dest: str) -> int:
+    """Copy a .jsonl file without its non-UTF-8 lines; returns how many were dropped."""
+    dropped = 0
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    with open(path, "rb") as src, open(dest + ".part", "wb") as out:
+        for line in src:
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                dropped += 1
+                continue
+            out.write(line)
+    os.replace(dest + ".part", dest)
+    return dropped
+
+
+def _readable(files: list[tuple[str, str, int | None]], builder: str, on_error: str, cache_dir: str,
+              skipped: dict[str, int]) -> list[str]:
+    """The files to hand to `datasets`, given (local path, name shown to the user, first bad byte)."""
+    out = []
+    for path, name, bad in files:
+        if bad is None:
+            out.append(path)
+        elif on_error == "error":
+            raise _decode_error(name, bad)
+        elif builder == "json" and path.lower().endswith(".jsonl"):
+            clean = os.path.join(cache_dir, "utf8-clean", hashlib.sha256(name.encode()).hexdigest()[:16] + ".jsonl")
+            skipped[name] = _drop_bad_lines(path, clean)
+            out.append(clean)
+        else:
+            skipped[name] = 1  # one .txt file is one document; a .json array cannot be cut apart
+    return out
 
 
 def _builder_for(paths: list[str]) -> str:
@@ -74,17 +150,28 @@ def _dataset_documents(builder: str, files: list[str], text_field: str, where: s
 
 
 def _texts(ds, text_field: str, where: str) -> Iterator[str]:
-    for i, row in enumerate(ds):
-        if text_field not in row:
+    """The text field of every row, read in columnar batches (rows one at a time are ~6x slower)."""
+    columns = ds.column_names
+    if columns is not None:
+        if text_field not in columns:
+            raise UserError(f"data.text_field {text_field!r} is not in {where} (its rows have fields "
+                            f"{sorted(columns)}); set data.text_field to one of them")
+        ds = ds.select_columns([text_field])
+    i = 0
+    for batch in ds.iter(batch_size=1000):
+        if text_field not in batch:
             raise UserError(f"data.text_field {text_field!r} is not in {where} (row {i} has fields "
-                            f"{sorted(row)}); set data.text_field to one of them")
-        text = row[text_field]
-        if not isinstance(text, str):
-            raise UserError(f"{where} row {i}: field {text_field!r} holds {type(text).__name__}, not text")
-        yield text
+                            f"{sorted(batch)}); set data.text_field to one of them")
+        for text in batch[text_field]:
+            if not isinstance(text, str):
+                raise UserError(f"{where} row {i}: field {text_field!r} holds "
+                                f"{'nothing' if text is None else type(text).__name__}, not text; "
+                                "fix the row or set data.text_field to a text field")
+            yield text
+            i += 1
 
 
-def _local(cfg: DataConfig) -> Source:
+def _local(cfg: DataConfig, cache_dir: str) -> Source:
     pattern = os.path.expanduser(cfg.source.removeprefix("file://"))
     files = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else (
         [pattern] if os.path.isfile(pattern) else
@@ -93,43 +180,48 @@ def _local(cfg: DataConfig) -> Source:
     if not files:
         raise UserError(f"data.source {cfg.source!r} matches no file")
     builder = _builder_for(files)
-    entries = []
+    entries, scanned = [], []
     for p in files:
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            while block := f.read(1 << 22):
-                h.update(block)
-        entries.append({"name": os.path.abspath(p), "size": os.path.getsize(p), "sha256": h.hexdigest()})
+        sha, bad = _scan(p, check_utf8=builder != "parquet")
+        entries.append({"name": os.path.abspath(p), "size": os.path.getsize(p), "sha256": sha})
+        scanned.append((p, p, bad))
     fp = {"kind": "files", "builder": builder, "files": entries}
-    return Source("files", fp, _dataset_documents(builder, files, cfg.text_field, cfg.source))
+    skipped: dict[str, int] = {}
+    readable = _readable(scanned, builder, cfg.on_decode_error, cache_dir, skipped)
+    return Source("files", fp, _dataset_documents(builder, readable, cfg.text_field, cfg.source),
+                  size_bytes=sum(e["size"] for e in entries), skipped=skipped)
 
 
 def _s3(cfg: DataConfig, cache_dir: str) -> Source:
-    import boto3
-
     bucket, _, pattern = cfg.source.removeprefix("s3://").partition("/")
-    client = boto3.client("s3")
+    client = s3_client()
     literal = pattern.split("*")[0].split("?")[0].split("[")[0]
     objs = []
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=literal):
-        objs.extend(o for o in page.get("Contents", []) if fnmatch.fnmatchcase(o["Key"], pattern) or o["Key"] == pattern)
+    with s3_errors(f"data.source {cfg.source}"):
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=literal):
+            objs.extend(o for o in page.get("Contents", [])
+                        if fnmatch.fnmatchcase(o["Key"], pattern) or o["Key"] == pattern)
     if not objs:
         raise UserError(f"data.source {cfg.source!r} matches no object")
     builder = _builder_for([o["Key"] for o in objs])
     fp = {"kind": "s3", "builder": builder,
           "files": [{"name": f"s3://{bucket}/{o['Key']}", "size": o["Size"], "etag": o["ETag"].strip('"')} for o in objs]}
+    skipped: dict[str, int] = {}
 
     def gen() -> Iterator[str]:
-        local = []
+        scanned = []
         for o in objs:
             dest = os.path.join(cache_dir, "sources", bucket, o["Key"])
             if not (os.path.exists(dest) and os.path.getsize(dest) == o["Size"]):
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
-                client.download_file(bucket, o["Key"], dest + ".part")
+                with s3_errors(f"data.source s3://{bucket}/{o['Key']}"):
+                    client.download_file(bucket, o["Key"], dest + ".part")
                 os.replace(dest + ".part", dest)
-            local.append(dest)
-        yield from _dataset_documents(builder, local, cfg.text_field, cfg.source)()
-    return Source("s3", fp, gen)
+            bad = _scan(dest, check_utf8=builder != "parquet")[1]
+            scanned.append((dest, f"s3://{bucket}/{o['Key']}", bad))
+        readable = _readable(scanned, builder, cfg.on_decode_error, cache_dir, skipped)
+        yield from _dataset_documents(builder, readable, cfg.text_field, cfg.source)()
+    return Source("s3", fp, gen, size_bytes=sum(o["Size"] for o in objs), skipped=skipped)
 
 
 def _hub(cfg: DataConfig) -> Source:
@@ -159,5 +251,5 @@ def open_source(cfg: DataConfig, cache_dir: str) -> Source:
         return _s3(cfg, cache_dir)
     path = os.path.expanduser(cfg.source.removeprefix("file://"))
     if cfg.source.startswith(("file://", "/", ".", "~")) or glob.has_magic(path) or os.path.exists(path):
-        return _local(cfg)
+        return _local(cfg, cache_dir)
     return _hub(cfg)

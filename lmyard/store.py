@@ -9,9 +9,12 @@ Strings, not Paths: a Path mangles `s3://`.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -30,6 +33,7 @@ class Store(Protocol):
     def list(self, prefix: str) -> list[str]: ...
     def delete(self, prefix: str) -> None: ...
     def local_path(self, key: str) -> str | None: ...
+    def sha256(self, key: str) -> str | None: ...
 
 
 class LocalStore:
@@ -91,19 +95,74 @@ class LocalStore:
     def local_path(self, key: str) -> str | None:
         return str(self._path(key))
 
+    def sha256(self, key: str) -> str | None:
+        """Hex SHA-256 of the object's bytes, or None when it does not exist."""
+        path = self._path(key)
+        if not path.is_file():
+            return None
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 22):
+                h.update(block)
+        return h.hexdigest()
+
+
+# 64 MiB parts, 8 in parallel: a 100M-token shard (200 MB) goes up as 4 parts at once.
+TRANSFER = dict(multipart_threshold=64 << 20, multipart_chunksize=64 << 20, max_concurrency=8)
+
+
+def s3_client():
+    """A boto3 S3 client from the standard chain (AWS_ENDPOINT_URL, AWS_PROFILE, ...).
+
+    Short connect timeouts and few retries: an unreachable endpoint is reported in
+    seconds, not after minutes of backoff.
+    """
+    import boto3
+    from botocore.config import Config
+
+    # A fresh session: boto3's default one keeps the credentials it resolved first.
+    return boto3.session.Session().client("s3", config=Config(connect_timeout=5, read_timeout=60,
+                                            retries={"max_attempts": 3, "mode": "standard"}))
+
+
+@contextlib.contextmanager
+def s3_errors(what: str) -> Iterator[None]:
+    """Turn S3 failures that only the user can fix into one-line UserErrors naming the fix."""
+    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+
+    try:
+        yield
+    except EndpointConnectionError as e:
+        raise UserError(f"{what}: cannot reach the S3 endpoint {e.kwargs.get('endpoint_url')}; "
+                        "check AWS_ENDPOINT_URL and the network") from None
+    except NoCredentialsError:
+        raise UserError(f"{what}: no S3 credentials found; set AWS_PROFILE or "
+                        "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY") from None
+    except ClientError as e:
+        code = str(e.response.get("Error", {}).get("Code"))
+        if code in ("NoSuchBucket",):
+            raise UserError(f"{what}: the bucket does not exist; create it or fix the URI") from None
+        if code in ("AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            raise UserError(f"{what}: access denied ({code}); check the credentials (AWS_PROFILE, "
+                            "AWS_ACCESS_KEY_ID) and the bucket's policy") from None
+        raise
+
 
 class S3Store:
-    """s3://bucket/prefix through boto3; uploads use its managed multipart transfer."""
+    """s3://bucket/prefix through boto3; uploads use its managed multipart transfer.
+
+    Every call is wrapped in `s3_errors`: a missing bucket, denied access or an
+    unreachable endpoint is a UserError that names the fix.
+    """
 
     def __init__(self, root: str):
-        import boto3
-
         self.root = root.rstrip("/")
         bucket_prefix = self.root.removeprefix("s3://")
         self.bucket, _, self.prefix = bucket_prefix.partition("/")
         if not self.bucket:
             raise UserError(f"store {root!r}: an S3 store needs a bucket, e.g. s3://my-bucket/lmyard")
-        self.client = boto3.client("s3")
+        self.client = s3_client()
+        self._bucket_checked = False
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -111,48 +170,95 @@ class S3Store:
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{self._key(key)}"
 
+    def _errors(self, key: str = ""):
+        return s3_errors(f"store {self.uri(key) if key else self.root}")
+
+    def _check_bucket(self) -> None:
+        """HEAD on a missing key and on a missing bucket both say 404: tell them apart once."""
+        if self._bucket_checked:
+            return
+        from botocore.exceptions import ClientError
+
+        with self._errors():
+            try:
+                self.client.head_bucket(Bucket=self.bucket)
+            except ClientError as e:
+                if str(e.response.get("Error", {}).get("Code")) in ("404", "NoSuchBucket", "NotFound"):
+                    raise UserError(f"store {self.root}: bucket {self.bucket!r} does not exist; "
+                                    "create it or fix `store`") from None
+                raise
+        self._bucket_checked = True
+
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
 
-        try:
-            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
-            return True
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                return False
-            raise
+        self._check_bucket()
+        with self._errors(key):
+            try:
+                self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+                return True
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                    return False
+                raise
 
     def read_bytes(self, key: str) -> bytes:
-        return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        self._check_bucket()
+        with self._errors(key):
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
 
     def write_bytes(self, key: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+        self._check_bucket()
+        with self._errors(key):
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
 
     def upload(self, local_path: str, key: str) -> None:
-        self.client.upload_file(local_path, self.bucket, self._key(key))
+        from boto3.s3.transfer import TransferConfig
+
+        self._check_bucket()
+        with self._errors(key):
+            self.client.upload_file(local_path, self.bucket, self._key(key), Config=TransferConfig(**TRANSFER))
 
     def download(self, key: str, local_path: str) -> None:
+        from boto3.s3.transfer import TransferConfig
+
+        self._check_bucket()
         Path(local_path).parent.mkdir(parents=True, exist_ok=True)
         tmp = f"{local_path}.{os.getpid()}.part"  # ranks of one node may fetch the same file at once
-        self.client.download_file(self.bucket, self._key(key), tmp)
+        with self._errors(key):
+            self.client.download_file(self.bucket, self._key(key), tmp, Config=TransferConfig(**TRANSFER))
         os.replace(tmp, local_path)
 
     def list(self, prefix: str) -> list[str]:
+        self._check_bucket()
         strip = f"{self.prefix}/" if self.prefix else ""
         keys = []
-        for page in self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=self._key(prefix)):
-            keys.extend(obj["Key"].removeprefix(strip) for obj in page.get("Contents", []))
+        with self._errors(prefix):
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=self._key(prefix)):
+                keys.extend(obj["Key"].removeprefix(strip) for obj in page.get("Contents", []))
         return sorted(keys)
 
     def delete(self, prefix: str) -> None:
         keys = [self._key(k) for k in self.list(prefix)]
-        for i in range(0, len(keys), 1000):
-            self.client.delete_objects(
-                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]]})
+        with self._errors(prefix):
+            for i in range(0, len(keys), 1000):
+                self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]]})
 
     def local_path(self, key: str) -> str | None:
         return None
+
+    def sha256(self, key: str) -> str | None:
+        """Hex SHA-256 of the object, streamed (4 MiB at a time, nothing on disk); None when missing."""
+        if not self.exists(key):
+            return None
+        h = hashlib.sha256()
+        with self._errors(key):
+            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+            for block in body.iter_chunks(1 << 22):
+                h.update(block)
+        return h.hexdigest()
 
 
 def open_store(uri: str) -> Store:
@@ -161,14 +267,3 @@ def open_store(uri: str) -> Store:
     if "://" in uri and not uri.startswith("file://"):
         raise UserError(f"store {uri!r}: use a local path, file://..., or s3://bucket/prefix")
     return LocalStore(uri)
-
-
-def fetch_to_cache(store: Store, key: str, cache_dir: str) -> str:
-    """A local path for `key`: the file itself for a local store, else a cached download."""
-    direct = store.local_path(key)
-    if direct is not None:
-        return direct
-    dest = os.path.join(cache_dir, key)
-    if not os.path.exists(dest):
-        store.download(key, dest)
-    return dest

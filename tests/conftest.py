@@ -1,9 +1,15 @@
-"""Shared fixtures: tiny configs, a Prefect test server shared by the session."""
+"""Shared fixtures: tiny configs, a Prefect test server and an S3 server shared by the session."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
 import sys
+import time
+import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -56,3 +62,108 @@ def cli_env(prefect_api_url, tmp_path):
 
 def lmyard_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "flows.cli", *args]
+
+
+# ---------------------------------------------------------------- S3: a real S3-compatible HTTP server
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class S3Server:
+    """moto's server mode on 127.0.0.1, enforcing IAM: requests need keys of a user whose policy allows them."""
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self.env: dict[str, str] = {}  # AWS_* for this server's admin user; also set in os.environ
+        self._n = 0
+
+    def client(self, service: str = "s3", env: dict[str, str] | None = None):
+        import boto3
+
+        keys = env or self.env
+        return boto3.client(service, endpoint_url=self.endpoint, region_name="us-east-1",
+                            aws_access_key_id=keys["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=keys["AWS_SECRET_ACCESS_KEY"])
+
+    def user_env(self, name: str, statements: list[dict], iam=None) -> dict[str, str]:
+        """AWS_* variables for a new IAM user allowed only what `statements` say."""
+        iam = iam or self.client("iam")
+        iam.create_user(UserName=name)
+        iam.put_user_policy(UserName=name, PolicyName=f"{name}-policy",
+                            PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": statements}))
+        key = iam.create_access_key(UserName=name)["AccessKey"]
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+                "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"], "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def new_bucket(self, stem: str = "lmyard-test") -> str:
+        self._n += 1
+        name = f"{stem}-{self._n}-{uuid.uuid4().hex[:8]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def remove_bucket(self, name: str) -> None:
+        s3 = self.client()
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=name):
+            for obj in page.get("Contents", []):
+                s3.delete_object(Bucket=name, Key=obj["Key"])
+        s3.delete_bucket(Bucket=name)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A moto S3 server for the session, in its own process group, ended (the whole group) at the end.
+
+    Its first 3 requests run unauthenticated: they create an admin IAM user whose
+    (test-only) keys go into AWS_* for the session. Every later request is
+    authenticated and authorized, so tests can make users that get AccessDenied.
+    """
+    port = _free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}
+    # `python -m moto.server` is `moto_server`, found through this interpreter whether or not a venv is on PATH
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto_server did not answer on {endpoint}") from None
+                time.sleep(0.1)
+        server = S3Server(endpoint)
+        import boto3
+
+        bootstrap = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1",
+                                 aws_access_key_id="bootstrap", aws_secret_access_key="bootstrap")
+        server.env = server.user_env("admin", [{"Effect": "Allow", "Action": "*", "Resource": "*"}], iam=bootstrap)
+        with pytest.MonkeyPatch.context() as mp:
+            for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
+                mp.delenv(k, raising=False)
+            for k, v in server.env.items():
+                mp.setenv(k, v)
+            yield server
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A fresh, empty bucket on the session's S3 server; removed after the test, on failure too."""
+    name = s3_server.new_bucket()
+    yield name
+    s3_server.remove_bucket(name)
