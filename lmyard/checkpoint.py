@@ -8,6 +8,16 @@
 
 A checkpoint without its manifest does not exist. Tensors are loaded with
 torch.load(weights_only=True): a checkpoint from a shared bucket cannot run code.
+
+Saving is asynchronous (`AsyncCheckpointer`): the training loop is blocked only
+while the state is copied off the GPU (on a side stream, overlapped with the
+next forward and backward; the next optimizer update waits for the copy).
+A background thread serializes the copy to a local staging folder and uploads
+it, retrying with backoff. At most one copy is held in memory: if the next
+checkpoint is due before the previous copy is serialized, the loop waits (and
+says so). Serialized checkpoints waiting for the store are *pending*; while the
+store is down training goes on until `checkpoint.max_pending` are pending, then
+stops with an error that says where they are staged.
 """
 
 from __future__ import annotations
@@ -17,18 +27,22 @@ import logging
 import os
 import random
 import re
-import tempfile
+import shutil
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from lmyard import faults
 from lmyard.shards import sha256_file
 from lmyard.store import Store
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
+FILES = ("model.pt", "optim.pt", "rng.pt", "state.json")
 _STEP_DIR = re.compile(r"step_(\d{8})$")
 
 
@@ -49,6 +63,8 @@ class Checkpoint:
     rng: list
     state: dict
 
+
+# ---------------------------------------------------------------- RNG state
 
 def rng_state() -> dict:
     """This process's RNG states, as tensors and plain values (weights_only-loadable)."""
@@ -77,25 +93,241 @@ def _tuples(x):
     return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def save(store: Store, run_name: str, step: int, model: dict, optim: dict, rng: list, state: dict) -> str:
-    """Write one checkpoint (files, then manifest); returns its URI."""
-    prefix = step_prefix(run_name, step)
+# ---------------------------------------------------------------- writing
+
+def stage(folder: str, model: dict, optim: dict, rng: list, state: dict) -> dict:
+    """Serialize one checkpoint's files into a local folder; returns its manifest (not yet written)."""
+    os.makedirs(folder, exist_ok=True)
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="lmyard-ckpt-") as tmp:
-        paths = {name: os.path.join(tmp, name) for name in ("model.pt", "optim.pt", "rng.pt", "state.json")}
-        torch.save(model, paths["model.pt"])
-        torch.save(optim, paths["optim.pt"])
-        torch.save(rng, paths["rng.pt"])
-        with open(paths["state.json"], "w") as f:
-            json.dump(state, f, indent=1)
-        files = {}
-        for name, path in paths.items():
-            store.upload(path, f"{prefix}/{name}")
-            files[name] = {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
-    manifest = {"step": step, "files": files, "created": time.time(), "save_s": round(time.perf_counter() - t0, 3)}
-    store.write_bytes(f"{prefix}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+    torch.save(model, os.path.join(folder, "model.pt"))
+    torch.save(optim, os.path.join(folder, "optim.pt"))
+    torch.save(rng, os.path.join(folder, "rng.pt"))
+    with open(os.path.join(folder, "state.json"), "w") as f:
+        json.dump(state, f, indent=1)
+    files = {name: {"bytes": os.path.getsize(os.path.join(folder, name)),
+                    "sha256": sha256_file(os.path.join(folder, name))} for name in FILES}
+    return {"step": state["step"], "val_loss": state.get("val_loss"), "files": files,
+            "serialize_s": round(time.perf_counter() - t0, 3)}
+
+
+def commit(store: Store, run_name: str, folder: str, manifest: dict) -> str:
+    """Upload a staged checkpoint's files, then its manifest; returns the checkpoint's URI."""
+    prefix = step_prefix(run_name, manifest["step"])
+    for name in FILES:
+        store.upload(os.path.join(folder, name), f"{prefix}/{name}")
+        if faults.fires("crash_in_upload", manifest["step"]):
+            print(f"injected crash while uploading checkpoint step {manifest['step']}", flush=True)
+            os._exit(1)
+    store.write_bytes(f"{prefix}/{MANIFEST}", json.dumps({**manifest, "committed": time.time()}, indent=1).encode())
     return store.uri(prefix)
 
+
+def save(store: Store, run_name: str, step: int, model: dict, optim: dict, rng: list, state: dict,
+         staging_dir: str) -> str:
+    """Write one checkpoint synchronously (stage, then commit); returns its URI."""
+    folder = os.path.join(staging_dir, run_name, f"step_{step:08d}")
+    try:
+        return commit(store, run_name, folder, stage(folder, model, optim, rng, {**state, "step": step}))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class Snapshot:
+    """A copy of a state tree off the GPU into reused pinned buffers, on a side stream.
+
+    `take()` only enqueues the copies; `ready()` must be called before the source
+    tensors change (the next optimizer update) and before the copy is read.
+    """
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.event: torch.cuda.Event | None = None
+        self.stream: torch.cuda.Stream | None = None
+
+    def take(self, tree):
+        cuda = any(t.is_cuda for t in _tensors(tree))
+        if cuda and self.stream is None:
+            self.stream = torch.cuda.Stream()
+        if cuda:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                out = self._copy(tree, "")
+                self.event = torch.cuda.Event()
+                self.event.record(self.stream)
+            return out
+        return self._copy(tree, "")
+
+    def _copy(self, tree, path: str):
+        if isinstance(tree, torch.Tensor):
+            if not tree.is_cuda:
+                return tree.detach().clone()
+            buf = self.buffers.get(path)
+            if buf is None or buf.shape != tree.shape or buf.dtype != tree.dtype:
+                buf = self.buffers[path] = torch.empty(tree.shape, dtype=tree.dtype, pin_memory=True)
+            buf.copy_(tree.detach(), non_blocking=True)
+            return buf
+        if isinstance(tree, dict):
+            return {k: self._copy(v, f"{path}/{k}") for k, v in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(self._copy(v, f"{path}/{i}") for i, v in enumerate(tree))
+        return tree
+
+    def ready(self) -> None:
+        """Make the current stream wait until the copy is done (no CPU wait)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def wait(self) -> None:
+        """Block this thread until the copy is done."""
+        if self.event is not None:
+            self.event.synchronize()
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
+
+
+class StoreOutage(RuntimeError):
+    """Too many checkpoints are waiting for an unreachable store."""
+
+
+class AsyncCheckpointer:
+    """Saves checkpoints in the background: snapshot now, serialize and upload later (see module doc)."""
+
+    def __init__(self, store: Store, run_name: str, staging_dir: str, *, max_pending: int = 2,
+                 retries: int = 6, backoff_s: float = 1.0, on_commit: Callable[[int, str], None] | None = None,
+                 say: Callable[[str], None] = print):
+        self.store, self.run_name = store, run_name
+        self.staging = os.path.join(staging_dir, run_name)
+        self.max_pending, self.retries, self.backoff_s = max_pending, retries, backoff_s
+        self.on_commit, self.say = on_commit or (lambda step, uri: None), say
+        self.snapshot = Snapshot()
+        self.cond = threading.Condition()
+        self.copy_job: tuple | None = None     # (model, optim, rng, state) waiting to be serialized
+        self.pending: list[tuple[str, dict]] = []  # staged (folder, manifest), oldest first
+        self.failures = 0
+        self.closed = False
+        self.error: BaseException | None = None
+        self.blocked_s: list[float] = []
+        self.thread = threading.Thread(target=self._work, daemon=True, name="checkpoint-writer")
+        self.thread.start()
+
+    # -- the training loop's side
+    def save(self, model: dict, optim: dict, rng: list, state: dict) -> float:
+        """Snapshot the state and return; seconds the caller was blocked."""
+        t0 = time.perf_counter()
+        with self.cond:
+            self._raise_if_failed()
+            if len(self.pending) >= self.max_pending:
+                raise StoreOutage(
+                    f"{len(self.pending)} checkpoints (steps {[m['step'] for _, m in self.pending]}) are waiting for "
+                    f"{self.store.root}, which has failed {self.failures} uploads in a row; they are staged in "
+                    f"{self.staging}. Fix the store and rerun: the run resumes from the last committed checkpoint")
+            if self.copy_job is not None:
+                self.say(f"checkpoint step {state['step']} waits for step {self.copy_job[3]['step']} "
+                         "to be serialized (the previous save is still copying)")
+                while self.copy_job is not None and self.error is None:
+                    self.cond.wait()
+                self._raise_if_failed()
+            copy = self.snapshot.take({"model": model, "optim": optim})
+            self.copy_job = (copy["model"], copy["optim"], rng, state)
+            self.cond.notify_all()
+        blocked = time.perf_counter() - t0
+        self.blocked_s.append(blocked)
+        return blocked
+
+    def before_update(self) -> None:
+        """Call before the optimizer changes the weights: orders the update after the copy."""
+        self.snapshot.ready()
+
+    def flush(self) -> None:
+        """Block until every checkpoint so far is committed (or the writer failed)."""
+        with self.cond:
+            while (self.copy_job is not None or self.pending) and self.error is None:
+                self.cond.wait(timeout=1)
+        self._raise_if_failed()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait for every checkpoint to be committed (at exit)."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.thread.join(timeout_s)
+        self._raise_if_failed()
+        if self.pending:
+            raise StoreOutage(f"{len(self.pending)} checkpoints could not be uploaded to {self.store.root}; "
+                              f"they are staged in {self.staging}")
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    # -- the background side
+    def _work(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    while self.copy_job is None and not self.pending and not self.closed:
+                        self.cond.wait()
+                    job = self.copy_job
+                    if job is None and not self.pending and self.closed:
+                        return
+                if job is not None:
+                    self.snapshot.wait()
+                    model, optim, rng, state = job
+                    folder = os.path.join(self.staging, f"step_{state['step']:08d}")
+                    manifest = stage(folder, model, optim, rng, state)
+                    with self.cond:
+                        self.copy_job = None
+                        self.pending.append((folder, manifest))
+                        self.cond.notify_all()
+                self._upload_pending()
+        except BaseException as e:  # noqa: BLE001 - handed to the training loop, raised there
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def _upload_pending(self) -> None:
+        while True:
+            with self.cond:
+                if not self.pending:
+                    return
+                folder, manifest = self.pending[0]
+            step = manifest["step"]
+            for attempt in range(self.retries + 1):
+                try:
+                    uri = commit(self.store, self.run_name, folder, manifest)
+                    break
+                except Exception as e:  # noqa: BLE001 - any store failure is retried, then left pending
+                    self.failures += 1
+                    if attempt == self.retries:
+                        self.say(f"checkpoint step {step}: upload failed {attempt + 1} times ({e}); keeping it "
+                                 f"pending in {folder}, {len(self.pending)} of {self.max_pending} allowed")
+                        with self.cond:  # wait for the next save (or close) before trying again
+                            if not self.closed:
+                                self.cond.wait(timeout=30)
+                            elif self.failures > 4 * (self.retries + 1):
+                                raise
+                        return
+                    delay = min(30.0, self.backoff_s * 2 ** attempt)
+                    self.say(f"checkpoint step {step}: upload failed ({e}); retrying in {delay:.0f}s")
+                    time.sleep(delay)
+            self.failures = 0
+            shutil.rmtree(folder, ignore_errors=True)
+            with self.cond:
+                self.pending.pop(0)
+                self.cond.notify_all()
+            self.on_commit(step, uri)
+
+
+# ---------------------------------------------------------------- reading
 
 def complete_steps(store: Store, run_name: str) -> list[int]:
     """Steps that have a manifest, oldest first."""
@@ -108,18 +340,23 @@ def complete_steps(store: Store, run_name: str) -> list[int]:
     return sorted(steps)
 
 
+def read_manifest(store: Store, run_name: str, step: int) -> dict:
+    return json.loads(store.read_bytes(f"{step_prefix(run_name, step)}/{MANIFEST}"))
+
+
 def _load_step(store: Store, run_name: str, step: int, cache_dir: str) -> Checkpoint:
     prefix = step_prefix(run_name, step)
-    manifest = json.loads(store.read_bytes(f"{prefix}/{MANIFEST}"))
+    manifest = read_manifest(store, run_name, step)
     local = os.path.join(cache_dir, prefix)
-    os.makedirs(local, exist_ok=True)
     paths = {}
     for name, meta in manifest["files"].items():
-        path = store.local_path(f"{prefix}/{name}") or os.path.join(local, name)
-        if store.local_path(f"{prefix}/{name}") is None:
-            store.download(f"{prefix}/{name}", path)
+        key = f"{prefix}/{name}"
+        path = store.local_path(key)
+        if path is None:
+            path = os.path.join(local, name)
+            store.download(key, path)
         if not os.path.exists(path) or sha256_file(path) != meta["sha256"]:
-            raise ValueError(f"{store.uri(prefix)}/{name} does not match its manifest checksum")
+            raise ValueError(f"{store.uri(key)} does not match its manifest checksum")
         paths[name] = path
 
     def load(name: str):
@@ -127,16 +364,23 @@ def _load_step(store: Store, run_name: str, step: int, cache_dir: str) -> Checkp
 
     with open(paths["state.json"]) as f:
         state = json.load(f)
-    return Checkpoint(step=step, uri=store.uri(prefix), model=load("model.pt"), optim=load("optim.pt"),
+    ckpt = Checkpoint(step=step, uri=store.uri(prefix), model=load("model.pt"), optim=load("optim.pt"),
                       rng=load("rng.pt"), state=state)
+    if store.local_path(prefix) is None:
+        shutil.rmtree(local, ignore_errors=True)
+    return ckpt
 
 
 def load_latest(store: Store, run_name: str, cache_dir: str) -> Checkpoint | None:
     """The newest checkpoint whose files match its manifest; damaged ones are skipped with a warning."""
+    import pickle
+
     for step in reversed(complete_steps(store, run_name)):
         try:
             return _load_step(store, run_name, step, cache_dir)
-        except (ValueError, OSError, RuntimeError) as e:
-            log.warning("checkpoint %s is damaged (%s); falling back to the previous one",
-                        store.uri(step_prefix(run_name, step)), e)
+        except (ValueError, OSError, RuntimeError, pickle.UnpicklingError) as e:
+            msg = (f"warning: checkpoint {store.uri(step_prefix(run_name, step))} is damaged "
+                   f"({str(e).splitlines()[0]}); falling back to the previous one")
+            log.warning(msg)
+            print(msg, flush=True)
     return None

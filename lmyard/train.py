@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lmyard import checkpoint, faults
+from lmyard import checkpoint, faults, retention
+from lmyard.checkpoint import AsyncCheckpointer, StoreOutage
 from lmyard.config import RunConfig, TrainConfig
 from lmyard.data import Prefetcher, TrainBatches, default_cache_dir, split_stream, val_sequences
 from lmyard.errors import UserError
@@ -172,7 +173,7 @@ class ComputeContext:
 
 def train_step(model: torch.nn.Module, params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
                next_batch, accum: int, lr: float, grad_clip: float, autocast, distributed: bool,
-               poison: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               poison: bool = False, before_update=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over `accum` micro-batches; returns (mean loss, grad norm) as device tensors."""
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -187,6 +188,8 @@ def train_step(model: torch.nn.Module, params: list[torch.Tensor], optimizer: to
         (loss / accum).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    if before_update is not None:
+        before_update()  # a checkpoint copy of the weights in flight must finish before they change
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum / accum, grad_norm
@@ -275,21 +278,27 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
               f"{t.batch_tokens:,} tokens/step = {t.micro_batch} seq * {T} tokens * {d.world} ranks * {accum} "
               f"micro-steps", flush=True)
 
+    checkpointer = AsyncCheckpointer(
+        store, cfg.run_name, os.path.join(cache, "staging"), max_pending=cfg.checkpoint.max_pending,
+        retries=cfg.checkpoint.upload_retries,
+        on_commit=lambda s, uri: (print(f"checkpoint step {s} committed -> {uri}", flush=True),
+                                  retention.apply(store, cfg.run_name, cfg.checkpoint))) if d.is_main else None
+
     def save(val_loss: float | None, train_loss: float | None) -> None:
+        """Every rank hands in its RNG state; rank 0 snapshots the state and returns (upload in background)."""
         rng = [None] * d.world
         if d.world > 1:
             dist.all_gather_object(rng, checkpoint.rng_state())
         else:
             rng = [checkpoint.rng_state()]
-        if d.is_main:
+        if checkpointer is not None:
             state = {"step": step, "cursor": cursor, "tokens_seen": tokens_seen, "world_size": d.world,
                      "val_loss": val_loss, "train_loss": train_loss, "shard_address": shards.address,
                      "config": cfg.model_dump(mode="json"), "lineage": lineage.to_dict() if lineage else None,
                      "model": gcfg.__dict__, "rollbacks": rollbacks}
-            uri = checkpoint.save(store, cfg.run_name, step, raw_model.state_dict(), optimizer.state_dict(), rng, state)
-            print(f"checkpoint step {step} -> {uri}", flush=True)
-        if d.world > 1:
-            dist.barrier()
+            blocked = checkpointer.save(raw_model.state_dict(), optimizer.state_dict(), rng, state)
+            print(f"checkpoint step {step} saving in the background (loop blocked {blocked * 1000:.1f} ms)", flush=True)
+            sink.log({"checkpoint/blocked_s": blocked}, step)
 
     # ---- the loop -------------------------------------------------------------------
     batches = Prefetcher(train_data, cursor, d.device)
@@ -301,7 +310,8 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
             # one optimizer step: lr, micro-steps, clip, AdamW
             lr = lr_at(step, t)
             loss, grad_norm = train_step(model, params, optimizer, batches.get, accum, lr, t.grad_clip, autocast,
-                                         d.world > 1, poison=faults.fires("nan_loss", step + 1))
+                                         d.world > 1, poison=faults.fires("nan_loss", step + 1),
+                                         before_update=checkpointer.before_update if checkpointer else None)
             step += 1
             cursor += train_data.per_step
             tokens_seen += t.batch_tokens
@@ -314,6 +324,10 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
                 train_loss = all_mean(loss, d)
                 problem = guard.bad(train_loss)
                 if problem:
+                    if checkpointer is not None:
+                        checkpointer.flush()  # the last good checkpoint may still be uploading
+                    if d.world > 1:
+                        dist.barrier()
                     ckpt = _rollback_target(cfg, t, store, cache, step, problem, rollbacks, d)
                     rollbacks += 1
                     bad_step, skipped = step, cursor - ckpt.state["cursor"]
@@ -358,10 +372,21 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
                 t_log = time.perf_counter()
 
             if faults.fires("crash", step):
+                if checkpointer is not None:  # crash at a reproducible point: earlier checkpoints committed
+                    checkpointer.flush()
                 print(f"injected crash after step {step}", flush=True)
                 os._exit(1)
+    except BaseException:
+        if checkpointer is not None:  # let committed-so-far uploads finish, but do not hang on a dead store
+            with contextlib.suppress(Exception):
+                checkpointer.close(timeout_s=60)
+        raise
     finally:
         batches.close()
+    if checkpointer is not None:
+        checkpointer.close()  # wait for the last upload
+    if d.world > 1:
+        dist.barrier()
 
     return {"step": step, "tokens_seen": tokens_seen, "val_loss": val_loss, "train_loss": train_loss,
             "rollbacks": rollbacks}
@@ -409,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         if d.is_main:
             print("result " + json.dumps(result), flush=True)
         return 0
-    except (UserError, Diverged) as e:
+    except (UserError, Diverged, StoreOutage) as e:
         if d.is_main:
             print(f"lmyard: error: {e}", file=sys.stderr, flush=True)
         return 2

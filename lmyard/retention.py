@@ -1,0 +1,57 @@
+"""Checkpoint retention: one policy, applied to the store (local or S3).
+
+Kept: the last `keep_last` complete checkpoints (at least 2: the newest may
+still be in use by a reader while the next is written), every step that is a
+multiple of `keep_every`, the one with the lowest validation loss
+(`keep_best`), and every step listed in `runs/<run>/protected.json`
+(`{"steps": [...]}`, written when a registered model points at a checkpoint).
+Everything else is deleted: its manifest first, so a half-deleted checkpoint
+never looks complete, then its files. Folders without a manifest (an upload
+cut short) older than the newest complete checkpoint are deleted too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from lmyard.checkpoint import MANIFEST, checkpoints_prefix, complete_steps, read_manifest, step_prefix
+from lmyard.config import CheckpointConfig
+from lmyard.store import Store
+
+_STEP = re.compile(r"/step_(\d{8})/")
+
+
+def protected_steps(store: Store, run_name: str) -> set[int]:
+    key = f"runs/{run_name}/protected.json"
+    return set(json.loads(store.read_bytes(key)).get("steps", [])) if store.exists(key) else set()
+
+
+def plan(steps: list[int], val_loss: dict[int, float | None], policy: CheckpointConfig,
+         protected: set[int] = frozenset()) -> tuple[list[int], list[int]]:
+    """(kept, deleted) steps of `steps` under the policy."""
+    steps = sorted(steps)
+    keep = set(steps[-policy.keep_last:]) | (set(steps) & set(protected))
+    if policy.keep_every:
+        keep |= {s for s in steps if s % policy.keep_every == 0}
+    scored = {s: v for s, v in val_loss.items() if s in steps and v is not None}
+    if policy.keep_best and scored:
+        keep.add(min(scored, key=lambda s: (scored[s], -s)))
+    return sorted(keep), [s for s in steps if s not in keep]
+
+
+def apply(store: Store, run_name: str, policy: CheckpointConfig) -> list[int]:
+    """Delete what the policy does not keep; returns the deleted steps."""
+    steps = complete_steps(store, run_name)
+    val = {s: read_manifest(store, run_name, s).get("val_loss") for s in steps}
+    _, delete = plan(steps, val, policy, protected_steps(store, run_name))
+    for s in delete:
+        store.delete(f"{step_prefix(run_name, s)}/{MANIFEST}")
+        store.delete(step_prefix(run_name, s))
+    if steps:  # leftovers of uploads cut short, older than the newest complete checkpoint
+        partial = {int(m.group(1)) for k in store.list(checkpoints_prefix(run_name)) if (m := _STEP.search(f"/{k}"))}
+        for s in sorted(partial - set(steps)):
+            if s < steps[-1]:
+                store.delete(step_prefix(run_name, s))
+                delete.append(s)
+    return sorted(delete)
