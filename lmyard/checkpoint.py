@@ -347,7 +347,7 @@ def read_manifest(store: Store, run_name: str, step: int) -> dict:
 def _load_step(store: Store, run_name: str, step: int, cache_dir: str) -> Checkpoint:
     prefix = step_prefix(run_name, step)
     manifest = read_manifest(store, run_name, step)
-    local = os.path.join(cache_dir, prefix)
+    local = os.path.join(cache_dir, "checkpoint-load", str(os.getpid()), prefix)  # one per process: ranks load at once
     paths = {}
     for name, meta in manifest["files"].items():
         key = f"{prefix}/{name}"

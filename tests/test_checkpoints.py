@@ -1,0 +1,177 @@
+"""Checkpoints in S3 and locally: exact load, outages, cut uploads, damage, unpickling, retention."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import threading
+from urllib.parse import urlparse
+
+import pytest
+import torch
+
+from conftest import tiny_overrides
+from lmyard import checkpoint, retention
+from lmyard.config import CheckpointConfig, load_recipe
+from lmyard.launch import run_local
+from lmyard.sharding import tokenize_and_shard
+from lmyard.store import open_store
+from tcp_proxy import TcpProxy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def s3_run(s3_server, tmp_path_factory):
+    """A shard set in a fresh bucket, and a function that trains a tiny run against that store."""
+    tmp = tmp_path_factory.mktemp("ckpt-s3")
+    bucket = s3_server.new_bucket()
+    store = f"s3://{bucket}/lmyard"
+    cfg = load_recipe("smoke", tiny_overrides(tmp, store=store))
+    shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
+
+    def run(run_name, *, steps=12, faults="", env=None, on_line=None, **extra):
+        values = {"store": store, "run_name": run_name, "checkpoint.interval": 4, "eval.interval": 1000, **extra}
+        cfg = load_recipe("smoke", tiny_overrides(tmp, steps=steps, **values))
+        spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
+        lines: list[str] = []
+        saved = dict(os.environ)
+        os.environ.update({"LMYARD_FAULTS": faults, "LMYARD_CACHE": str(tmp / f"cache-{run_name}"), **(env or {})})
+        try:
+            result = run_local(cfg, spec, on_line=lambda ln: (lines.append(ln), on_line and on_line(ln)))
+            return result, lines
+        except Exception as e:  # noqa: BLE001 - the test inspects the failure
+            return e, lines
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    yield run, open_store(store), tmp
+    s3_server.remove_bucket(bucket)
+
+
+def _tensors(ckpt):
+    return [t for tree in (ckpt.model, ckpt.optim["state"]) for t in
+            (tree.values() if isinstance(tree, dict) and "wte.weight" in tree else
+             [v for s in tree.values() for v in s.values()])]
+
+
+def test_checkpoints_round_trip_through_s3_and_resume_exactly(s3_run):
+    run, store, tmp = s3_run
+    run("s3-straight")
+    err, lines = run("s3-crashed", faults="crash@10")
+    assert isinstance(err, Exception) and "injected crash after step 10" in "\n".join(lines)
+    result, lines = run("s3-crashed")
+    assert not isinstance(result, Exception), result
+    assert result["step"] == 12 and any("at step 8" in ln and "s3://" in ln for ln in lines)
+    a = checkpoint._load_step(store, "s3-straight", 12, str(tmp / "load-a"))
+    b = checkpoint._load_step(store, "s3-crashed", 12, str(tmp / "load-b"))
+    assert a.state["cursor"] == b.state["cursor"] and a.uri.startswith("s3://")
+    for x, y in zip(_tensors(a), _tensors(b), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_store_outage_during_uploads_does_not_stop_training_and_checkpoints_land(s3_run, s3_server):
+    run, store, _ = s3_run
+    proxy = TcpProxy(urlparse(s3_server.endpoint).port)
+    proxy.start()
+    cut = threading.Event()
+
+    def on_line(line):
+        if "checkpoint step 40 saving" in line and not cut.is_set():
+            cut.set()
+            proxy.stop()  # cuts the upload of step 40 mid-flight
+            threading.Timer(4.0, proxy.start).start()
+
+    try:
+        result, lines = run("outage", steps=160, on_line=on_line, env={"AWS_ENDPOINT_URL": proxy.url},
+                            **{"checkpoint.interval": 40, "checkpoint.upload_retries": 1, "checkpoint.max_pending": 4,
+                               "train.log_interval": 40})
+    finally:
+        proxy.stop()
+    text = "\n".join(lines)
+    assert not isinstance(result, Exception), text[-3000:]
+    assert cut.is_set() and "upload failed" in text
+    for step in (40, 80, 120, 160):
+        assert f"checkpoint step {step} committed" in text
+    assert checkpoint.complete_steps(store, "outage")[-1] == 160
+
+
+def test_upload_cut_by_a_dying_process_leaves_no_manifest_and_resume_uses_the_previous(s3_run):
+    run, store, _ = s3_run
+    err, lines = run("cut-upload", faults="crash_in_upload@8")
+    assert isinstance(err, Exception)
+    assert checkpoint.complete_steps(store, "cut-upload") == [4]
+    assert store.list(checkpoint.step_prefix("cut-upload", 8)), "some files of step 8 were uploaded"
+    result, lines = run("cut-upload")
+    assert result["step"] == 12 and any("at step 4" in ln for ln in lines)
+    assert checkpoint.complete_steps(store, "cut-upload")[-2:] == [8, 12]
+
+
+def _save_local(store, run_name, step, val_loss=None, staging=None):
+    model = {"w": torch.full((4,), float(step))}
+    return checkpoint.save(store, run_name, step, model, {"state": {}, "param_groups": []}, [],
+                           {"step": step, "val_loss": val_loss, "cursor": step}, staging)
+
+
+def test_damaged_newest_checkpoint_makes_the_loader_fall_back_and_say_which(tmp_path, capsys):
+    store = open_store(str(tmp_path / "store"))
+    _save_local(store, "r", 4, staging=str(tmp_path / "stage"))
+    uri = _save_local(store, "r", 8, staging=str(tmp_path / "stage"))
+    path = os.path.join(uri, "model.pt")
+    data = bytearray(open(path, "rb").read())
+    data[-20] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    ckpt = checkpoint.load_latest(store, "r", str(tmp_path / "cache"))
+    assert ckpt.step == 4 and torch.equal(ckpt.model["w"], torch.full((4,), 4.0))
+    assert f"checkpoint {uri} is damaged" in capsys.readouterr().out
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch pwned-marker",))
+
+
+def test_loading_never_unpickles_arbitrary_objects(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    store = open_store(str(tmp_path / "store"))
+    _save_local(store, "r", 4, staging=str(tmp_path / "stage"))
+    uri = _save_local(store, "r", 8, staging=str(tmp_path / "stage"))
+    with open(os.path.join(uri, "model.pt"), "wb") as f:  # a malicious file, its checksum made to match
+        pickle.dump({"w": _Payload()}, f)
+    manifest = json.loads(open(os.path.join(uri, "manifest.json")).read())
+    manifest["files"]["model.pt"]["sha256"] = checkpoint.sha256_file(os.path.join(uri, "model.pt"))
+    open(os.path.join(uri, "manifest.json"), "w").write(json.dumps(manifest))
+    ckpt = checkpoint.load_latest(store, "r", str(tmp_path / "cache"))
+    assert ckpt.step == 4
+    assert not (tmp_path / "pwned-marker").exists()
+
+
+def test_retention_deletes_exactly_what_the_policy_says_on_s3(s3_server, tmp_path):
+    bucket = s3_server.new_bucket()
+    try:
+        store = open_store(f"s3://{bucket}/p")
+        losses = {1: 3.0, 2: 2.5, 3: 1.0, 4: 2.0, 5: 1.9, 6: 1.8, 7: 1.7, 8: 1.6, 9: 1.5, 10: 1.4}
+        for step, loss in losses.items():
+            _save_local(store, "r", step, loss, staging=str(tmp_path / "stage"))
+        store.write_bytes("runs/r/protected.json", json.dumps({"steps": [5]}).encode())
+        deleted = retention.apply(store, "r", CheckpointConfig(keep_last=2, keep_every=4, keep_best=True))
+        assert deleted == [1, 2, 6, 7]
+        assert checkpoint.complete_steps(store, "r") == [3, 4, 5, 8, 9, 10]
+        for step in deleted:
+            assert store.list(checkpoint.step_prefix("r", step)) == []
+    finally:
+        s3_server.remove_bucket(bucket)
+
+
+def test_retention_plan_keeps_last_every_best_and_protected():
+    steps = [10, 20, 30, 40, 50]
+    keep, delete = retention.plan(steps, {10: 1.0, 20: 0.5, 30: 0.7, 40: 0.9, 50: 0.8},
+                                  CheckpointConfig(keep_last=2, keep_every=None, keep_best=True), {10})
+    assert keep == [10, 20, 40, 50] and delete == [30]
+
+
+def test_keeping_fewer_than_two_checkpoints_is_refused():
+    with pytest.raises(ValueError, match="keep_last"):
+        CheckpointConfig(keep_last=1)
