@@ -114,12 +114,26 @@ def commit(store: Store, run_name: str, folder: str, manifest: dict) -> str:
     """Upload a staged checkpoint's files, then its manifest; returns the checkpoint's URI."""
     prefix = step_prefix(run_name, manifest["step"])
     for name in FILES:
-        store.upload(os.path.join(folder, name), f"{prefix}/{name}")
+        staged, key = os.path.join(folder, name), f"{prefix}/{name}"
+        target = store.local_path(key)
+        if target is not None and _move(staged, target):
+            pass  # a local store on the same filesystem: a rename, no second copy on disk
+        else:
+            store.upload(staged, key)
         if faults.fires("crash_in_upload", manifest["step"]):
             print(f"injected crash while uploading checkpoint step {manifest['step']}", flush=True)
             os._exit(1)
     store.write_bytes(f"{prefix}/{MANIFEST}", json.dumps({**manifest, "committed": time.time()}, indent=1).encode())
     return store.uri(prefix)
+
+
+def _move(src: str, dst: str) -> bool:
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    try:
+        os.replace(src, dst)
+        return True
+    except OSError:  # another filesystem: copy through the store instead
+        return False
 
 
 def save(store: Store, run_name: str, step: int, model: dict, optim: dict, rng: list, state: dict,

@@ -81,6 +81,8 @@ def bench(preset: str, batch: int, store_dir: str, interval: int) -> dict:
         out[label] = {"blocked_s": round(blocked, 4), "extra_wall_s": round(sum(times) - 10 * base, 4),
                       "until_committed_s": round(time.perf_counter() - t0, 2)}
     ckpt.close()
+    print(json.dumps({**out, "sync": "pending"}), flush=True)
+    store.delete(f"runs/bench-{preset}")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     checkpoint.save(store, f"bench-{preset}-sync", 1, model.state_dict(), opt.state_dict(), [checkpoint.rng_state()],
@@ -91,10 +93,10 @@ def bench(preset: str, batch: int, store_dir: str, interval: int) -> dict:
     cost = max(out["async"]["blocked_s"], out["async"]["extra_wall_s"])
     out["async_vs_sync"] = round(cost / out["sync_s"], 4)
     out[f"overhead_at_interval_{interval}"] = round(cost / (interval * base), 5)
-    store.delete(f"runs/bench-{preset}")
     store.delete(f"runs/bench-{preset}-sync")
     del model, opt, cmodel
     torch.cuda.empty_cache()
+    print(json.dumps(out), flush=True)
     return out
 
 
@@ -107,7 +109,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="lmyard-ckpt-bench-") as tmp:
         for preset, batch in zip(args.presets, args.batch):
-            print(json.dumps(bench(preset, batch, args.store or tmp, args.interval)), flush=True)
+            bench(preset, batch, args.store or tmp, args.interval)
 
 
 if __name__ == "__main__":
