@@ -158,6 +158,18 @@ class Snapshot:
         self.event: torch.cuda.Event | None = None
         self.stream: torch.cuda.Stream | None = None
 
+    def allocate(self, tree, path: str = "") -> None:
+        """Create the pinned buffers for a tree's CUDA tensors ahead of the first copy (seconds for GBs)."""
+        if isinstance(tree, torch.Tensor):
+            if tree.is_cuda and path not in self.buffers:
+                self.buffers[path] = torch.empty(tree.shape, dtype=tree.dtype, pin_memory=True)
+        elif isinstance(tree, dict):
+            for k, v in tree.items():
+                self.allocate(v, f"{path}/{k}")
+        elif isinstance(tree, (list, tuple)):
+            for i, v in enumerate(tree):
+                self.allocate(v, f"{path}/{i}")
+
     def take(self, tree):
         cuda = any(t.is_cuda for t in _tensors(tree))
         if cuda and self.stream is None:
@@ -225,6 +237,7 @@ class AsyncCheckpointer:
         self.snapshot = Snapshot()
         self.cond = threading.Condition()
         self.copy_job: tuple | None = None     # (model, optim, rng, state) waiting to be serialized
+        self.prepare_job: dict | None = None   # a state tree whose pinned buffers are to be made
         self.pending: list[tuple[str, dict]] = []  # staged (folder, manifest), oldest first
         self.failures = 0
         self.closed = False
@@ -244,6 +257,8 @@ class AsyncCheckpointer:
                     f"{len(self.pending)} checkpoints (steps {[m['step'] for _, m in self.pending]}) are waiting for "
                     f"{self.store.root}, which has failed {self.failures} uploads in a row; they are staged in "
                     f"{self.staging}. Fix the store and rerun: the run resumes from the last committed checkpoint")
+            while self.prepare_job is not None and self.error is None:
+                self.cond.wait()
             if self.copy_job is not None:
                 self.say(f"checkpoint step {state['step']} waits for step {self.copy_job[3]['step']} "
                          "to be serialized (the previous save is still copying)")
@@ -256,6 +271,12 @@ class AsyncCheckpointer:
         blocked = time.perf_counter() - t0
         self.blocked_s.append(blocked)
         return blocked
+
+    def prepare(self, model: dict, optim: dict) -> None:
+        """Make the pinned copy buffers in the background, so the first save blocks no longer than later ones."""
+        with self.cond:
+            self.prepare_job = {"model": model, "optim": optim}
+            self.cond.notify_all()
 
     def before_update(self) -> None:
         """Call before the optimizer changes the weights: orders the update after the copy."""
@@ -288,8 +309,13 @@ class AsyncCheckpointer:
         try:
             while True:
                 with self.cond:
-                    while self.copy_job is None and not self.pending and not self.closed:
+                    while self.copy_job is None and self.prepare_job is None and not self.pending and not self.closed:
                         self.cond.wait()
+                    if self.prepare_job is not None:
+                        self.snapshot.allocate(self.prepare_job)
+                        self.prepare_job = None
+                        self.cond.notify_all()
+                        continue
                     job = self.copy_job
                     if job is None and not self.pending and self.closed:
                         return

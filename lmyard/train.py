@@ -302,7 +302,7 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
 
     # ---- the loop -------------------------------------------------------------------
     batches = Prefetcher(train_data, cursor, d.device)
-    guard, rollbacks = Guard(t.guard.spike_factor), 0
+    guard, rollbacks, steps_run = Guard(t.guard.spike_factor), 0, 0
     val_loss = train_loss = None
     t_log, steps_since_log, wait_at_log = time.perf_counter(), 0, 0.0
     try:
@@ -312,6 +312,9 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
             loss, grad_norm = train_step(model, params, optimizer, batches.get, accum, lr, t.grad_clip, autocast,
                                          d.world > 1, poison=faults.fires("nan_loss", step + 1),
                                          before_update=checkpointer.before_update if checkpointer else None)
+            if checkpointer is not None and steps_run == 0:  # optimizer state exists now: make copy buffers
+                checkpointer.prepare(raw_model.state_dict(), optimizer.state_dict())
+            steps_run += 1
             step += 1
             cursor += train_data.per_step
             tokens_seen += t.batch_tokens
