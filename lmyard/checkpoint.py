@@ -384,6 +384,10 @@ def read_manifest(store: Store, run_name: str, step: int) -> dict:
     return json.loads(store.read_bytes(f"{step_prefix(run_name, step)}/{MANIFEST}"))
 
 
+def read_state(store: Store, run_name: str, step: int) -> dict:
+    return json.loads(store.read_bytes(f"{step_prefix(run_name, step)}/state.json"))
+
+
 def _load_step(store: Store, run_name: str, step: int, cache_dir: str) -> Checkpoint:
     prefix = step_prefix(run_name, step)
     manifest = read_manifest(store, run_name, step)

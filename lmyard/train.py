@@ -171,6 +171,23 @@ class ComputeContext:
         return self.stack.__exit__(*exc)
 
 
+def new_data_cursor(state: dict, data: TrainBatches, d: Dist) -> int:
+    """Where a lineage continues when its shard set changed (retraining on new data).
+
+    An append-only source keeps the old train stream as a prefix of the new one:
+    continue at the first sequence past the old tokens. Otherwise start the new stream.
+    """
+    old_tokens = state.get("train_tokens") or 0
+    first_new = old_tokens // data.T
+    if 0 < old_tokens < data.stream.total and first_new < data.n_seq:
+        where, cursor = f"at the first sequence past its {old_tokens:,} tokens (the data that is new)", first_new
+    else:
+        where, cursor = "from the start of the new shard set", 0
+    if d.is_main:
+        print(f"the shard set changed from {state['shard_address']} to this run's: continuing {where}", flush=True)
+    return cursor
+
+
 def train_step(model: torch.nn.Module, params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
                next_batch, accum: int, lr: float, grad_clip: float, autocast, distributed: bool,
                poison: bool = False, before_update=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,6 +275,8 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
         cursor = ckpt.state["cursor"]
         if d.is_main:
             print(f"resuming from {ckpt.uri} at step {step} ({tokens_seen:,} tokens seen)", flush=True)
+        if ckpt.state["shard_address"] != shards.address:
+            cursor = new_data_cursor(ckpt.state, train_data, d)
     del ckpt
 
     model: torch.nn.Module = raw_model
@@ -294,6 +313,7 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
         if checkpointer is not None:
             state = {"step": step, "cursor": cursor, "tokens_seen": tokens_seen, "world_size": d.world,
                      "val_loss": val_loss, "train_loss": train_loss, "shard_address": shards.address,
+                     "train_tokens": train_data.stream.total,
                      "config": cfg.model_dump(mode="json"), "lineage": lineage.to_dict() if lineage else None,
                      "model": gcfg.__dict__, "rollbacks": rollbacks}
             blocked = checkpointer.save(raw_model.state_dict(), optimizer.state_dict(), rng, state)

@@ -1,0 +1,119 @@
+"""deploy/prefect.yaml on a real Prefect server and process worker: run, then retrain twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from lmyard.checkpoint import complete_steps
+from lmyard.store import open_store
+
+pytestmark = pytest.mark.slow
+PREFECT = [sys.executable, "-m", "prefect"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def prefect_stack(tmp_path_factory):
+    """A Prefect server (sqlite) and a worker on the lmyard-process pool, with the repo's deployments."""
+    tmp = tmp_path_factory.mktemp("prefect-stack")
+    port = _free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect-home"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "1",
+           "PREFECT_WORKER_PREFETCH_SECONDS": "1", "LMYARD_CACHE": str(tmp / "cache"), "PYTHONUNBUFFERED": "1", "LMYARD_IMAGE": "lmyard-stage:test",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    procs = []
+    server_log = open(tmp / "server.log", "w")
+    procs.append(subprocess.Popen([*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                                  stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2).close()
+                break
+            except OSError:
+                assert time.time() < deadline and procs[0].poll() is None, (tmp / "server.log").read_text()[-3000:]
+                time.sleep(0.5)
+        run = lambda *args: subprocess.run([*PREFECT, *args], env=env, cwd=REPO, capture_output=True,  # noqa: E731
+                                           text=True, timeout=300)
+        for pool, kind in (("lmyard-process", "process"), ("lmyard-docker", "docker")):
+            created = run("work-pool", "create", pool, "--type", kind)
+            assert created.returncode == 0, created.stdout + created.stderr
+        deployed = run("--no-prompt", "deploy", "--all", "--prefect-file", "deploy/prefect.yaml")
+        assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
+        worker_log = tmp / "worker.log"
+        procs.append(subprocess.Popen([*PREFECT, "worker", "start", "--pool", "lmyard-process"], env=env, cwd=REPO,
+                                      stdout=open(worker_log, "w"), stderr=subprocess.STDOUT, start_new_session=True))
+        yield tmp, run, worker_log
+    finally:
+        for p in reversed(procs):
+            _stop(p)
+
+
+def _config(tmp: Path, corpus: Path, steps: int) -> dict:
+    return {"run_name": "deployed", "store": str(tmp / "store"), "tracking": {"uri": f"sqlite:///{tmp / 'mlflow.db'}"},
+            "data": {"source": str(corpus)},
+            "model": {"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 64},
+            "train": {"max_steps": steps, "batch_tokens": 1024, "micro_batch": 4, "warmup_steps": 2, "log_interval": 2},
+            "eval": {"interval": 4, "val_tokens": 2048, "sample_tokens": 8}, "checkpoint": {"interval": 4}}
+
+
+def _write_corpus(path: Path, n: int) -> None:
+    from pydoc_data.topics import topics
+
+    texts = [topics[k] for k in sorted(topics)][:n]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+
+
+def test_deployment_runs_and_scheduled_retraining_continues_only_on_new_data(prefect_stack):
+    tmp, run, worker_log = prefect_stack
+    corpus = tmp / "corpus.jsonl"
+    _write_corpus(corpus, 40)
+    store = open_store(str(tmp / "store"))
+
+    first = run("deployment", "run", "pretrain/smoke", "--params", json.dumps({"config": _config(tmp, corpus, 8)}),
+                "--watch", "--watch-timeout", "400")
+    assert first.returncode == 0 and "Completed" in first.stdout, first.stdout[-2000:] + worker_log.read_text()[-4000:]
+    assert complete_steps(store, "deployed")[-1] == 8
+
+    _write_corpus(corpus, 60)  # new documents appended
+    params = {"config": _config(tmp, corpus, 8), "extra_steps": 4}
+    second = run("deployment", "run", "retrain/smoke-retrain", "--params", json.dumps(params), "--watch",
+                 "--watch-timeout", "400")
+    assert second.returncode == 0 and "Completed" in second.stdout, second.stdout[-2000:] + worker_log.read_text()[-4000:]
+    assert complete_steps(store, "deployed")[-1] == 12
+    log = worker_log.read_text()
+    assert "retraining deployed: continue (new data" in log
+    assert "resuming from" in log and "continuing at the first sequence past its" in log
+
+    third = run("deployment", "run", "retrain/smoke-retrain", "--params", json.dumps(params), "--watch",
+                "--watch-timeout", "400")
+    assert third.returncode == 0 and "Completed" in third.stdout, third.stdout[-2000:] + worker_log.read_text()[-4000:]
+    assert complete_steps(store, "deployed")[-1] == 12
+    assert "retraining deployed: none (no new data" in worker_log.read_text()
