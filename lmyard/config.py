@@ -169,6 +169,8 @@ class LaunchConfig(_Section):
     nnodes: int = Field(1, gt=0)
     nproc_per_node: int = Field(2, gt=0, description="Ranks per node (GPUs per node on CUDA).")
     rdzv_endpoint: str | None = Field(None, description="host:port of node 0 for multi-node rendezvous.")
+    watchdog_s: float | None = Field(
+        900, gt=0, description="Kill the job when no step completes for this long (after the first); null: never.")
 
 
 class TrackingConfig(_Section):

@@ -2,8 +2,13 @@
 
     LMYARD_FAULTS="nan_loss@7,crash@12"
 
-`nan_loss@S` makes the loss of step S non-finite (once per process);
-`crash@S` exits the trainer process with status 1 right after step S.
+`nan_loss@S` makes the loss of step S non-finite; `crash@S` exits the trainer
+process with status 1 right after step S (once earlier checkpoints are
+committed); `crash_in_upload@S` exits while checkpoint S is half uploaded;
+`hang@S` stops the last rank after step S (a stuck collective, for the
+watchdog). Each fires once per process, or once for good when
+LMYARD_FAULTS_STATE names a folder where fired faults are recorded (so a
+retried job does not meet the same fault again).
 Unset in production: nothing here fires.
 """
 
@@ -28,4 +33,13 @@ def fires(kind: str, step: int) -> bool:
     if key in _fired or key not in _planned():
         return False
     _fired.add(key)
+    state = os.environ.get("LMYARD_FAULTS_STATE")
+    if state:
+        marker = os.path.join(state, f"{kind}@{step}")
+        try:
+            os.makedirs(state, exist_ok=True)
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # the first process to get here
+            os.close(fd)
+        except FileExistsError:
+            return False
     return True

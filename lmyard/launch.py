@@ -14,12 +14,14 @@ import collections
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 
+from lmyard import watchdog
 from lmyard.config import RunConfig
 from lmyard.errors import UserError
 
@@ -53,13 +55,23 @@ def run_local(cfg: RunConfig, spec: dict, on_line: Callable[[str], None] = print
         json.dump(spec, f)
         spec_path = f.name
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(cfg), "-m", "lmyard.train", "--spec", spec_path]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    heartbeats = tempfile.mkdtemp(prefix="lmyard-heartbeat-")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", watchdog.ENV: heartbeats}
+    stalled: list[str] = []
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     result: dict | None = None
     user_error: str | None = None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
                             start_new_session=True, preexec_fn=_die_with_parent)
+    def on_stall(message: str) -> None:
+        stalled.append(message)
+        on_line(message + "; stopping the job")
+        _kill_group(proc)
+
+    dog = watchdog.Watchdog(heartbeats, cfg.launch.watchdog_s, on_stall) if cfg.launch.watchdog_s else None
     try:
+        if dog:
+            dog.__enter__()
         assert proc.stdout is not None
         for raw in proc.stdout:
             line = raw.rstrip("\n")
@@ -75,7 +87,12 @@ def run_local(cfg: RunConfig, spec: dict, on_line: Callable[[str], None] = print
         _kill_group(proc)
         raise
     finally:
+        if dog:
+            dog.__exit__(None, None, None)
         os.unlink(spec_path)
+        shutil.rmtree(heartbeats, ignore_errors=True)
+    if stalled:
+        raise TrainingFailed(stalled[0] + "; a retry resumes from the last checkpoint")
     if rc != 0:
         if user_error:
             raise UserError(user_error)

@@ -35,6 +35,7 @@ from lmyard.model import GPT, GPTConfig
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
 from lmyard.tracking import Lineage, MetricsSink, MLflowSink, NullSink
+from lmyard.watchdog import Heartbeat
 
 # Dense bf16 peak FLOP/s per GPU for MFU (vendor datasheets, SXM parts, no sparsity).
 # MFU = tokens/s * flops_per_token / (peak * GPUs), flops_per_token = 6N + 12*L*d*T.
@@ -323,6 +324,7 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
     # ---- the loop -------------------------------------------------------------------
     batches = Prefetcher(train_data, cursor, d.device)
     guard, rollbacks, steps_run = Guard(t.guard.spike_factor), 0, 0
+    heartbeat = Heartbeat(d.rank)
     val_loss = train_loss = None
     t_log, steps_since_log, wait_at_log = time.perf_counter(), 0, 0.0
     try:
@@ -336,6 +338,7 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
                 checkpointer.prepare(raw_model.state_dict(), optimizer.state_dict())
             steps_run += 1
             step += 1
+            heartbeat.beat(step)
             cursor += train_data.per_step
             tokens_seen += t.batch_tokens
             steps_since_log += 1
@@ -394,6 +397,9 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
                 save(val_loss, train_loss)
                 t_log = time.perf_counter()
 
+            if d.rank == d.world - 1 and faults.fires("hang", step):
+                print(f"injected hang of rank {d.rank} after step {step}", flush=True)
+                time.sleep(1e6)
             if faults.fires("crash", step):
                 if checkpointer is not None:  # crash at a reproducible point: earlier checkpoints committed
                     checkpointer.flush()

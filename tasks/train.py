@@ -10,9 +10,10 @@ from lmyard.errors import UserError
 from lmyard.launch import run_local
 from lmyard.shards import ShardSet
 from lmyard.tracking import Lineage
+from tasks._common import not_a_user_error
 
 
-@task(name="train", cache_policy=NO_CACHE)
+@task(name="train", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5, retry_condition_fn=not_a_user_error)
 def train(config: RunConfig, shards: ShardSet, lineage: Lineage) -> dict:
     """Run torchrun with the trainer; resumes from the newest complete checkpoint."""
     logger = get_run_logger()

@@ -1,0 +1,61 @@
+"""The watchdog: a rank that stops making progress gets the job killed, and the retry resumes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import tiny_overrides
+from lmyard.checkpoint import complete_steps
+from lmyard.config import load_recipe
+from lmyard.launch import TrainingFailed, run_local
+from lmyard.sharding import tokenize_and_shard
+from lmyard.store import open_store
+
+pytestmark = pytest.mark.slow
+
+
+def _cfg(tmp, **extra):
+    return load_recipe("smoke", tiny_overrides(tmp, steps=12, **{"checkpoint.interval": 4, "eval.interval": 100,
+                                                                  "launch.watchdog_s": 6, **extra}))
+
+
+def test_hung_rank_is_detected_within_the_configured_time_and_the_job_killed(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMYARD_FAULTS", "hang@6")
+    monkeypatch.setenv("LMYARD_FAULTS_STATE", str(tmp_path / "faults"))
+    monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
+    cfg = _cfg(tmp_path)
+    shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
+    spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
+    seen: dict[str, float] = {}
+
+    def on_line(line):
+        for key in ("injected hang", "watchdog:"):
+            if key in line:
+                seen.setdefault(key, time.monotonic())
+
+    with pytest.raises(TrainingFailed, match="no training step completed for .* last heartbeats: rank-0 after step"):
+        run_local(cfg, spec, on_line=on_line)
+    assert 6 <= seen["watchdog:"] - seen["injected hang"] < 6 + 5  # timeout + polling and kill slack
+    assert complete_steps(open_store(cfg.store), "smoke") == [4]
+
+    result = run_local(cfg, spec, on_line=lambda line: None)  # the retry: resumes at step 4, the fault has fired
+    assert result["step"] == 12
+
+
+def test_flow_retries_the_killed_training_task_and_finishes(prefect_api_url, tmp_path, monkeypatch):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.pretrain import pretrain
+
+    monkeypatch.setenv("LMYARD_FAULTS", "hang@6")
+    monkeypatch.setenv("LMYARD_FAULTS_STATE", str(tmp_path / "faults"))
+    monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
+    state = pretrain(config=_cfg(tmp_path), return_state=True)
+    assert state.is_completed() and state.result()["steps"] == 12
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    train = [r for r in runs if r.name.startswith("train")]
+    assert len(train) == 1 and train[0].run_count == 2 and train[0].state.is_completed()
