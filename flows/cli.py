@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="`smoke` (CPU default), another name under deploy/recipes, or a YAML path")
         s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set train.max_steps=50 (repeatable)")
+        if name == "config":
+            s.add_argument("--reference", action="store_true", help="print the reference of every key (Markdown)")
     return p
 
 
@@ -53,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     from lmyard.errors import UserError
 
     try:
+        if args.command == "config" and args.reference:
+            from lmyard.config import reference_markdown
+
+            print(reference_markdown())
+            return 0
         config = load_recipe(args.recipe, args.overrides)
         if args.command == "config":
             import yaml

@@ -295,3 +295,37 @@ def digest(obj: Any, n: int = 16) -> str:
     """A short, stable content hash of JSON-able data."""
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:n]
+
+
+def reference_markdown() -> str:
+    """The config reference (docs/config.md), generated from the model: key, type, default, meaning."""
+    import typing
+
+    lines = ["# Config reference", "",
+             "Generated from `lmyard/config.py` by `lmyard config --reference`; the defaults are the `smoke` recipe.",
+             "Set any key in a recipe YAML or with `--set key=value`.", ""]
+
+    def type_name(ann) -> str:
+        args = typing.get_args(ann)
+        if typing.get_origin(ann) is Literal:
+            return " \\| ".join(f"`{a}`" for a in args)
+        if args:
+            return " \\| ".join(type_name(a) for a in args)
+        return "null" if ann is type(None) else getattr(ann, "__name__", str(ann))
+
+    def walk(model: type[BaseModel], prefix: str, instance: BaseModel) -> None:
+        rows = []
+        for name, field in model.model_fields.items():
+            value = getattr(instance, name)
+            if isinstance(value, BaseModel):
+                walk(type(value), f"{prefix}{name}.", value)
+                continue
+            default = json.dumps(value) if not isinstance(value, str) else f"`{value}`"
+            rows.append(f"| `{prefix}{name}` | {type_name(field.annotation)} | {default} | "
+                        f"{(field.description or '').replace('|', '/')} |")
+        if rows:
+            lines.extend([f"## {prefix.rstrip('.') or 'run'}", "", "| key | type | default | meaning |",
+                          "| --- | --- | --- | --- |", *rows, ""])
+
+    walk(RunConfig, "", RunConfig())
+    return "\n".join(lines)

@@ -48,3 +48,10 @@ def test_unknown_tokenizer_is_a_user_error():
 
     with pytest.raises(UserError, match="unknown tokenizer 'gpt5'"):
         get_tokenizer(load_recipe("smoke", ["tokenizer.name=gpt5"]).tokenizer)
+
+
+def test_config_reference_in_docs_is_generated_from_the_model():
+    from lmyard.config import reference_markdown
+
+    assert (REPO / "docs" / "config.md").read_text().strip() == reference_markdown().strip(), \
+        "docs/config.md is stale: run `lmyard config --reference > docs/config.md`"
