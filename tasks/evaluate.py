@@ -47,20 +47,17 @@ def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: tracking.L
 def new_checkpoints(config: RunConfig, lineage: tracking.Lineage, training: PrefectFuture) -> Iterator[int]:
     """Steps of complete checkpoints not yet evaluated, as they appear while `training` runs.
 
-    Polls the store every eval.poll_s seconds. The newest checkpoint once training
-    has ended is left out: the flow evaluates the final checkpoint itself.
+    Polls the store every eval.poll_s seconds. The final checkpoint (train.max_steps)
+    is left out: the flow evaluates it itself, with the training result in hand.
     """
     store = open_store(config.store)
     done = set(tracking.metric_history(lineage, EVALUATED))
     while True:
         training.wait(timeout=config.eval.poll_s)
         finished = training.state.is_final()  # read before listing: the last listing sees every checkpoint
-        steps = checkpoint.complete_steps(store, config.run_name)
-        if finished and steps:
-            steps = steps[:-1]
         if config.eval.watch or finished:
-            for step in steps:
-                if step not in done:
+            for step in checkpoint.complete_steps(store, config.run_name):
+                if step not in done and step != config.train.max_steps:
                     done.add(step)
                     yield step
         if finished:
@@ -105,9 +102,11 @@ def _log_to_mlflow(lineage: tracking.Lineage, r: dict) -> None:
     row = {"step": [step], "checkpoint": [r["checkpoint"]], "tokens_seen": [r["tokens_seen"]],
            "val_loss": [r["val_loss"]], "trainer_val_loss": [r["trainer_val_loss"]],
            "hellaswag_acc": [hs["acc"] if hs else None], "hellaswag_acc_norm": [hs["acc_norm"] if hs else None]}
-    tracking.log_table(lineage, row, "evals/checkpoints.json")
+    # one table file per checkpoint: appending to one file would download it each time
+    tracking.log_table(lineage, row, f"evals/table_step_{step:08d}.json")
     tracking.log_table(lineage, {"step": [step] * len(r["samples"]), "prompt": [s["prompt"] for s in r["samples"]],
-                                 "completion": [s["completion"] for s in r["samples"]]}, "evals/samples.json")
+                                 "completion": [s["completion"] for s in r["samples"]]},
+                       f"evals/samples_step_{step:08d}.json")
     tracking.log_artifact_dict(lineage, r, f"evals/step_{step:08d}.json")
     text = "\n\n".join(f"### {s['prompt']}\n{s['prompt']}{s['completion']}" for s in r["samples"])
     tracking.log_artifact_text(lineage, text, f"samples/step_{step:08d}.md")
