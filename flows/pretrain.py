@@ -10,7 +10,7 @@ from tasks.finish import finish
 from tasks.lineage import close_lineage, ended_status, lineage_crashed, lineage_killed, open_lineage
 from tasks.register import register_model
 from tasks.shard import tokenize_and_shard
-from tasks.train import train
+from tasks.train import stop_training, train
 
 
 @flow(name="pretrain", on_cancellation=[lineage_killed], on_crashed=[lineage_crashed])
@@ -27,6 +27,7 @@ def pretrain(config: RunConfig = RunConfig()) -> dict:
         final = evaluate_checkpoint(config, shards, lineage, trained["step"])
         model = register_model(config, shards, lineage, final)
     except BaseException as exc:
+        stop_training()
         close_lineage(lineage, ended_status(exc))
         raise
     return finish(config, shards, lineage, trained, final, model)

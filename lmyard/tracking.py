@@ -260,12 +260,16 @@ def close_lineage(lineage: Lineage, status: str) -> None:
 
 
 def close_lineage_of(tracking_uri: str, store, run_name: str, status: str) -> str | None:
-    """Mark the MLflow run of runs/<run_name> `status`, found through the store; its id, or None if none yet."""
+    """Mark the MLflow run of runs/<run_name> `status` if it is still RUNNING (found through the store);
+    its id, or None when there is no such run or it has already ended."""
     key = lineage_key(run_name)
     if not store.exists(key):
         return None
     run_id = json.loads(store.read_bytes(key))["mlflow_run_id"]
-    _client(tracking_uri).set_terminated(run_id, status=status)
+    client = _client(tracking_uri)
+    if client.get_run(run_id).info.status != "RUNNING":
+        return None
+    client.set_terminated(run_id, status=status)
     return run_id
 
 

@@ -45,10 +45,10 @@ def _close_from_hook(flow_run, status: str) -> None:
 
 
 def lineage_killed(flow, flow_run, state) -> None:
-    """Flow hook on cancellation: the lineage's MLflow run ends KILLED."""
+    """Flow hook on cancellation: the lineage's MLflow run, if still RUNNING, ends KILLED."""
     _close_from_hook(flow_run, "KILLED")
 
 
 def lineage_crashed(flow, flow_run, state) -> None:
-    """Flow hook on a crash (the flow's process or infrastructure died): the run ends FAILED."""
+    """Flow hook on a crash: the lineage's MLflow run, if still RUNNING (the flow body did not close it), ends FAILED."""
     _close_from_hook(flow_run, "FAILED")

@@ -79,3 +79,16 @@ def _with_progress(config: RunConfig, log):
             step, total = int(m.group(1)), int(m.group(2))
             update_progress_artifact(artifact_id, 100.0 * step / total, description=line[:500])
     return on_line
+
+
+def stop_training() -> None:
+    """End the trainers this process launched (torchrun forwards SIGTERM to its ranks), e.g. when the flow is
+    interrupted while the train task runs in a worker thread."""
+    import psutil
+
+    for proc in psutil.Process().children():
+        try:
+            if "torch.distributed.run" in " ".join(proc.cmdline()) and "lmyard.train" in " ".join(proc.cmdline()):
+                proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
