@@ -17,12 +17,12 @@ from lmyard.errors import UserError
 from lmyard.launch import run_local
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
-from tasks._common import artifact_key
+from tasks._common import artifact_key, not_a_user_error
 
 _STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|")
 
 
-@task(name="train", cache_policy=NO_CACHE)
+@task(name="train", cache_policy=NO_CACHE, retry_condition_fn=not_a_user_error)
 def train(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage) -> dict:
     """Run torchrun with the trainer; resumes from the newest complete checkpoint, as a new attempt."""
     logger = get_run_logger()
