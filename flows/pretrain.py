@@ -1,26 +1,33 @@
-"""The pretrain flow: tokenize-and-shard -> open lineage -> train -> evaluate -> finish."""
+"""The pretrain flow: tokenize-and-shard -> open lineage -> train (evaluating each checkpoint) -> register -> finish."""
 
 from __future__ import annotations
 
 from prefect import flow
 
 from lmyard.config import RunConfig
-from tasks.evaluate import evaluate
+from tasks.evaluate import evaluate_checkpoint, new_checkpoints
 from tasks.finish import finish
-from tasks.lineage import close_lineage, open_lineage
+from tasks.lineage import close_lineage, ended_status, lineage_crashed, lineage_killed, open_lineage
+from tasks.register import register_model
 from tasks.shard import tokenize_and_shard
-from tasks.train import train
+from tasks.train import stop_training, train
 
 
-@flow(name="pretrain")
+@flow(name="pretrain", on_cancellation=[lineage_killed], on_crashed=[lineage_crashed])
 def pretrain(config: RunConfig = RunConfig()) -> dict:
     """Pretrain a GPT on config.data; resumes the lineage config.run_name if it exists."""
     shards = tokenize_and_shard(config)
     lineage = open_lineage(config, shards)
     try:
-        trained = train(config, shards, lineage)
-        evaluation = evaluate(config, shards, lineage)
+        # training runs in a worker thread; each new checkpoint is evaluated meanwhile, in a process of its own
+        training = train.with_options(retries=config.launch.retries).submit(config, shards, lineage)
+        for step in new_checkpoints(config, lineage, training):
+            evaluate_checkpoint(config, shards, lineage, step, return_state=True)  # a failed eval does not stop training
+        trained = training.result()
+        final = evaluate_checkpoint(config, shards, lineage, trained["step"])
+        model = register_model(config, shards, lineage, final)
     except BaseException as exc:
-        close_lineage(lineage, "KILLED" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else "FAILED")
+        stop_training()
+        close_lineage(lineage, ended_status(exc))
         raise
-    return finish(config, shards, lineage, trained, evaluation)
+    return finish(config, shards, lineage, trained, final, model)

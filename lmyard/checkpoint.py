@@ -388,7 +388,7 @@ def read_state(store: Store, run_name: str, step: int) -> dict:
     return json.loads(store.read_bytes(f"{step_prefix(run_name, step)}/state.json"))
 
 
-def _load_step(store: Store, run_name: str, step: int, cache_dir: str) -> Checkpoint:
+def load_step(store: Store, run_name: str, step: int, cache_dir: str) -> Checkpoint:
     prefix = step_prefix(run_name, step)
     manifest = read_manifest(store, run_name, step)
     local = os.path.join(cache_dir, "checkpoint-load", str(os.getpid()), prefix)  # one per process: ranks load at once
@@ -421,7 +421,7 @@ def load_latest(store: Store, run_name: str, cache_dir: str) -> Checkpoint | Non
 
     for step in reversed(complete_steps(store, run_name)):
         try:
-            return _load_step(store, run_name, step, cache_dir)
+            return load_step(store, run_name, step, cache_dir)
         except (ValueError, OSError, RuntimeError, pickle.UnpicklingError) as e:
             msg = (f"warning: checkpoint {store.uri(step_prefix(run_name, step))} is damaged "
                    f"({str(e).splitlines()[0]}); falling back to the previous one")

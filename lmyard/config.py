@@ -142,6 +142,15 @@ class TrainConfig(_Section):
     guard: GuardConfig = Field(default_factory=GuardConfig)
 
 
+class EvalGates(_Section):
+    val_loss_max: float | None = Field(None, gt=0, description="The final val loss must be at most this.")
+    hellaswag_acc_norm_min: float | None = Field(
+        None, ge=0, le=1, description="The final HellaSwag acc_norm must be at least this.")
+
+    def configured(self) -> dict[str, float]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
 class EvalConfig(_Section):
     interval: int = Field(100, gt=0, description="Steps between validation-loss evaluations.")
     val_tokens: int = Field(32768, gt=0, description="Validation tokens scored per evaluation.")
@@ -152,6 +161,20 @@ class EvalConfig(_Section):
     sample_tokens: int = Field(160, ge=0, description="Tokens generated per prompt.")
     temperature: float = Field(0.8, gt=0)
     top_k: int | None = Field(40, gt=0)
+    device: str = Field(
+        "cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
+        description="Where checkpoint evaluation runs: `cpu`, or a spare GPU (`cuda:N`) so it does not slow training.")
+    threads: int | None = Field(None, gt=0, description="CPU threads of the evaluator; default: torch's default.")
+    watch: bool = Field(True, description="Evaluate each new checkpoint while training runs (else the final one only).")
+    poll_s: float = Field(5.0, gt=0, description="Seconds between looks at the store for new checkpoints.")
+    hellaswag: str | None = Field(
+        None, description="HellaSwag-format multiple choice (ctx, endings, label): a JSONL path or s3:// URI, "
+        "or a hub dataset name (e.g. `Rowan/hellaswag`); null: skipped.")
+    hellaswag_split: str = Field("validation", description="Split of a hub HellaSwag dataset.")
+    hellaswag_limit: int | None = Field(None, gt=0, description="Score only the first N examples.")
+    gates: EvalGates = Field(default_factory=lambda: EvalGates())
+    alias: str = Field("candidate", pattern=r"^[A-Za-z][A-Za-z0-9_-]*$",
+                       description="Registry alias the final model version gets when every configured gate passes.")
 
 
 class CheckpointConfig(_Section):
@@ -171,11 +194,17 @@ class LaunchConfig(_Section):
     rdzv_endpoint: str | None = Field(None, description="host:port of node 0 for multi-node rendezvous.")
     watchdog_s: float | None = Field(
         900, gt=0, description="Kill the job when no step completes for this long (after the first); null: never.")
+    retries: int = Field(1, ge=0, description="Task retries of a failed training job; each resumes from the "
+                         "latest checkpoint and is recorded as a new attempt of the lineage.")
 
 
 class TrackingConfig(_Section):
     uri: str = Field("sqlite:///.lmyard/mlflow.db", description="MLflow tracking URI.")
     experiment: str = Field("lmyard", description="MLflow experiment name.")
+    registered_model: str | None = Field(
+        None, description="Model registry name of the final model; default: the run_name.")
+    system_metrics: bool = Field(True, description="Log CPU, memory, disk, network (and GPU) metrics per node.")
+    system_metrics_interval_s: float = Field(10.0, gt=0, description="Seconds between system metric samples.")
 
 
 class RunConfig(_Section):

@@ -4,6 +4,12 @@ Training code logs through `MetricsSink` (exactly one rank does); only
 `MLflowSink` talks to MLflow. A lineage (`runs/<run_name>` in the store)
 keeps the id of its one MLflow run in `runs/<run_name>/lineage.json`;
 whatever resumes the lineage reopens that run and records a new attempt.
+
+Metric history stays continuous across attempts: a resumed trainer repeats
+the steps between its checkpoint and the point where the last attempt died,
+and `MLflowSink` does not log those again. For each key it drops points at
+or below the highest step the run already holds (from earlier attempts, or
+from this sink): the first value logged for a step is the one that stays.
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
 from lmyard.config import RunConfig
@@ -20,6 +28,7 @@ from lmyard.errors import UserError
 
 class MetricsSink(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def flush(self, timeout: float | None = None) -> None: ...
     def close(self) -> None: ...
 
 
@@ -27,12 +36,20 @@ class NullSink:
     def log(self, metrics: dict[str, float], step: int) -> None:
         pass
 
+    def flush(self, timeout: float | None = None) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
 
 class MLflowSink:
-    """Sends metrics to one MLflow run in batches, from a background thread: logging never stalls a step."""
+    """Sends metrics to one MLflow run in batches, from a background thread: logging never stalls a step.
+
+    Each key's points at or below the highest step the run already holds are
+    dropped (see the module docstring), so a resumed attempt does not log a
+    step twice.
+    """
 
     def __init__(self, tracking_uri: str, run_id: str):
         import queue
@@ -43,6 +60,8 @@ class MLflowSink:
         self.client, self.run_id = MlflowClient(tracking_uri), run_id
         self.queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
+        self.floor: dict[str, int] | None = None  # key -> highest step the run holds; read by the thread
+        self.skipped = 0
         self.thread = threading.Thread(target=self._send, daemon=True, name="mlflow-sink")
         self.thread.start()
 
@@ -52,21 +71,59 @@ class MLflowSink:
         now = int(time.time() * 1000)
         self.queue.put([Metric(k, float(v), now, step) for k, v in metrics.items()])
 
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until everything logged so far has been sent (e.g. before a checkpoint commits)."""
+        import threading
+
+        done = threading.Event()
+        self.queue.put(done)
+        done.wait(timeout)
+
+    def _fresh(self, batch: list) -> list:
+        if self.floor is None:
+            self.floor = {m.key: m.step for m in self.client.get_run(self.run_id).data._metric_objs}
+        out = []
+        for m in batch:
+            if m.step <= self.floor.get(m.key, -1):
+                if not self.skipped:
+                    print(f"metrics: {m.key} at step {m.step} is already in the MLflow run (an earlier attempt "
+                          "logged it); steps logged before are not logged again", flush=True)
+                self.skipped += 1
+                continue
+            self.floor[m.key] = m.step
+            out.append(m)
+        return out
+
     def _send(self) -> None:
+        import threading
+
         while True:
-            batch = self.queue.get()
-            if batch is None:
+            item = self.queue.get()
+            if item is None:
                 return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            batch, stop, markers = list(item), False, []
             while not self.queue.empty() and len(batch) < 1000:  # coalesce what has queued up meanwhile
                 more = self.queue.get()
                 if more is None:
-                    self.queue.put(None)
+                    stop = True
                     break
+                if isinstance(more, threading.Event):
+                    markers.append(more)
+                    continue
                 batch.extend(more)
             try:
-                self.client.log_batch(self.run_id, metrics=batch)
+                fresh = self._fresh(batch)
+                if fresh:
+                    self.client.log_batch(self.run_id, metrics=fresh)
             except Exception as e:  # noqa: BLE001 - reported at close(); training must not stop for tracking
                 self.error = e
+            for marker in markers:
+                marker.set()
+            if stop:
+                return
 
     def close(self) -> None:
         """Send everything queued, then stop; raises if a batch could not be sent."""
@@ -120,12 +177,15 @@ def _experiment_id(client, cfg: RunConfig) -> str:
     return client.create_experiment(cfg.tracking.experiment, artifact_location=location)
 
 
-def open_lineage(cfg: RunConfig, store, *, attempt_info: dict, resumed_from: str | None,
-                 start_step: int, shard_address: str, code_version: str) -> Lineage:
-    """Create the lineage's MLflow run, or reopen it and record a new attempt."""
+def open_lineage(cfg: RunConfig, store, *, shard_address: str, code_version: str) -> Lineage:
+    """Create the lineage's MLflow run (params: the whole config), or reopen it (status RUNNING again).
+
+    Attempts are recorded by `record_attempt`, once per launch of the trainer.
+    """
     client = _client(cfg.tracking.uri)
     key = lineage_key(cfg.run_name)
     params = cfg.flat()
+    changed: dict[str, str] = {}
     if store.exists(key):
         saved = json.loads(store.read_bytes(key))
         run_id = saved["mlflow_run_id"]
@@ -135,13 +195,13 @@ def open_lineage(cfg: RunConfig, store, *, attempt_info: dict, resumed_from: str
             raise UserError(f"lineage {cfg.run_name!r} belongs to MLflow run {run_id}, which {cfg.tracking.uri} "
                             "does not hold: point tracking.uri at the server that has it, or choose a new run_name") from None
         experiment_id = run.info.experiment_id
-        attempt = int(run.data.tags.get("lmyard.attempts", "1")) + 1
+        attempts = int(run.data.tags.get("lmyard.attempts", "0"))
         changed = {k: v for k, v in params.items() if k in run.data.params and run.data.params[k] != v}
         client.update_run(run_id, status="RUNNING")
     else:
         experiment_id = _experiment_id(client, cfg)
         run = client.create_run(experiment_id, run_name=cfg.run_name, tags={"lmyard.run_name": cfg.run_name})
-        run_id, attempt, changed = run.info.run_id, 1, {}
+        run_id, attempts = run.info.run_id, 0
         from mlflow.entities import Param
 
         items = [Param(k, v[:6000]) for k, v in params.items()]
@@ -149,21 +209,53 @@ def open_lineage(cfg: RunConfig, store, *, attempt_info: dict, resumed_from: str
             client.log_batch(run_id, params=items[i:i + 100])
         store.write_bytes(key, json.dumps({"mlflow_run_id": run_id, "experiment_id": experiment_id,
                                            "tracking_uri": cfg.tracking.uri}).encode())
+    tags = {"lmyard.shard_address": shard_address, "lmyard.code_version": code_version,
+            "lmyard.store": store.uri(f"runs/{cfg.run_name}")}
+    if changed:
+        tags[f"lmyard.attempt.{attempts + 1}.config_changes"] = json.dumps(changed)[:5000]
+    _set_tags(client, run_id, tags)
+    return Lineage(run_name=cfg.run_name, tracking_uri=cfg.tracking.uri, experiment_id=experiment_id,
+                   mlflow_run_id=run_id, attempt=attempts, resumed_from=None, start_step=0)
+
+
+def record_attempt(lineage: Lineage, *, resumed_from: str | None, start_step: int, info: dict) -> Lineage:
+    """Record a new attempt on the lineage's run (number, start step, resumed-from checkpoint, `info`)."""
+    client = _client(lineage.tracking_uri)
+    run = client.get_run(lineage.mlflow_run_id)
+    attempt = int(run.data.tags.get("lmyard.attempts", "0")) + 1
+    if run.info.status != "RUNNING":
+        client.update_run(lineage.mlflow_run_id, status="RUNNING")
     tags = {
         "lmyard.attempts": str(attempt),
-        "lmyard.shard_address": shard_address,
-        "lmyard.code_version": code_version,
         f"lmyard.attempt.{attempt}.start_step": str(start_step),
         f"lmyard.attempt.{attempt}.resumed_from": resumed_from or "",
         f"lmyard.attempt.{attempt}.started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    tags.update({f"lmyard.attempt.{attempt}.{k}": str(v) for k, v in attempt_info.items()})
-    if changed:
-        tags[f"lmyard.attempt.{attempt}.config_changes"] = json.dumps(changed)[:5000]
-    for k, v in tags.items():
-        client.set_tag(run_id, k, v)
-    return Lineage(run_name=cfg.run_name, tracking_uri=cfg.tracking.uri, experiment_id=experiment_id,
-                   mlflow_run_id=run_id, attempt=attempt, resumed_from=resumed_from, start_step=start_step)
+    tags.update({f"lmyard.attempt.{attempt}.{k}": str(v) for k, v in info.items()})
+    _set_tags(client, lineage.mlflow_run_id, tags)
+    return replace(lineage, attempt=attempt, resumed_from=resumed_from, start_step=start_step)
+
+
+def end_attempt(lineage: Lineage, outcome: str, detail: str = "") -> None:
+    """Record how the lineage's current attempt ended (`finished`, `failed: ...`)."""
+    _set_tags(_client(lineage.tracking_uri), lineage.mlflow_run_id,
+              {f"lmyard.attempt.{lineage.attempt}.outcome": (outcome + (f": {detail}" if detail else ""))[:5000]})
+
+
+def attempts(lineage: Lineage) -> list[dict]:
+    """The recorded attempts of the lineage's run, oldest first."""
+    tags = _client(lineage.tracking_uri).get_run(lineage.mlflow_run_id).data.tags
+    out = []
+    for n in range(1, int(tags.get("lmyard.attempts", "0")) + 1):
+        prefix = f"lmyard.attempt.{n}."
+        out.append({"attempt": n, **{k.removeprefix(prefix): v for k, v in tags.items() if k.startswith(prefix)}})
+    return out
+
+
+def _set_tags(client, run_id: str, tags: dict[str, str]) -> None:
+    from mlflow.entities import RunTag
+
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
 
 def close_lineage(lineage: Lineage, status: str) -> None:
@@ -171,15 +263,136 @@ def close_lineage(lineage: Lineage, status: str) -> None:
     _client(lineage.tracking_uri).set_terminated(lineage.mlflow_run_id, status=status)
 
 
+def close_lineage_of(tracking_uri: str, store, run_name: str, status: str) -> str | None:
+    """Mark the MLflow run of runs/<run_name> `status` if it is still RUNNING (found through the store);
+    its id, or None when there is no such run or it has already ended."""
+    key = lineage_key(run_name)
+    if not store.exists(key):
+        return None
+    run_id = json.loads(store.read_bytes(key))["mlflow_run_id"]
+    client = _client(tracking_uri)
+    if client.get_run(run_id).info.status != "RUNNING":
+        return None
+    client.set_terminated(run_id, status=status)
+    return run_id
+
+
 def log_artifact_text(lineage: Lineage, text: str, artifact_file: str) -> None:
     _client(lineage.tracking_uri).log_text(lineage.mlflow_run_id, text, artifact_file)
 
 
-def log_artifact_dict(lineage: Lineage, data: dict, artifact_file: str) -> None:
+def log_artifact_dict(lineage: Lineage, data: dict | list, artifact_file: str) -> None:
     _client(lineage.tracking_uri).log_dict(lineage.mlflow_run_id, data, artifact_file)
 
 
 def log_metrics(lineage: Lineage, metrics: dict[str, float], step: int) -> None:
-    sink = MLflowSink(lineage.tracking_uri, lineage.mlflow_run_id)
-    sink.log(metrics, step)
-    sink.close()
+    """Log metrics at `step` now, in one batch (for evaluations; the trainer uses MLflowSink)."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    _client(lineage.tracking_uri).log_batch(
+        lineage.mlflow_run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+
+def metric_history(lineage: Lineage, key: str) -> dict[int, float]:
+    """step -> value of one metric of the lineage's run."""
+    return {m.step: m.value for m in _client(lineage.tracking_uri).get_metric_history(lineage.mlflow_run_id, key)}
+
+
+# ---------------------------------------------------------------- system metrics
+
+@contextmanager
+def system_metrics(lineage: Lineage, node_id: str, interval_s: float = 10.0) -> Iterator[None]:
+    """Log CPU, memory, disk, network (and GPU, with nvidia-ml-py) metrics of this node meanwhile.
+
+    Keys are `system/<node_id>/...`; a resumed attempt continues the series' steps.
+    """
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(lineage.mlflow_run_id, sampling_interval=interval_s, samples_before_logging=1,
+                                   resume_logging=True, node_id=node_id, tracking_uri=lineage.tracking_uri)
+    monitor.start()
+    try:
+        yield
+    finally:
+        monitor.finish()
+
+
+# ---------------------------------------------------------------- end of a run: plot, model registry
+
+def log_loss_curve(lineage: Lineage, keys: tuple[str, ...] = ("train/loss", "val/loss", "eval/val_loss")) -> dict:
+    """A PNG of the loss metrics against step, logged as plots/loss.png; returns the histories plotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    histories = {k: metric_history(lineage, k) for k in keys}
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for key, h in histories.items():
+        if h:
+            steps = sorted(h)
+            ax.plot(steps, [h[s] for s in steps], marker="o" if len(steps) < 30 else None, label=key)
+    for a in attempts(lineage)[1:]:
+        if a.get("start_step"):
+            ax.axvline(int(a["start_step"]), color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(f"{lineage.run_name}: loss (dotted: resumed attempts)")
+    ax.legend()
+    fig.tight_layout()
+    _client(lineage.tracking_uri).log_figure(lineage.mlflow_run_id, fig, "plots/loss.png")
+    plt.close(fig)
+    return histories
+
+
+def register_model(lineage: Lineage, name: str, checkpoint_uri: str, step: int, description: str,
+                   tags: dict[str, str], descriptor: dict) -> str:
+    """Log the final model (an MLflow logged model that references the checkpoint by URI: nothing is copied)
+    and register it as a new version of `name` whose source is the checkpoint's URI; its version number."""
+    import tempfile
+
+    from mlflow.exceptions import MlflowException
+
+    client = _client(lineage.tracking_uri)
+    model = client.create_logged_model(lineage.experiment_id, name=name, source_run_id=lineage.mlflow_run_id,
+                                       params={"checkpoint_uri": checkpoint_uri, "step": str(step)},
+                                       tags=tags, model_type="lmyard-gpt-checkpoint")
+    with tempfile.TemporaryDirectory(prefix="lmyard-model-") as tmp:
+        with open(os.path.join(tmp, "lmyard_model.json"), "w") as f:
+            json.dump(descriptor, f, indent=1)
+        client.log_model_artifacts(model.model_id, tmp)
+    client.finalize_logged_model(model.model_id, "READY")
+    try:
+        client.create_registered_model(name, description="GPT models pretrained with lmyard")
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    version = client.create_model_version(name, source=checkpoint_uri, run_id=lineage.mlflow_run_id,
+                                          tags={"lmyard.step": str(step), **tags}, description=description,
+                                          model_id=model.model_id)
+    _set_tags(client, lineage.mlflow_run_id, {"lmyard.registered_model": f"{name}/{version.version}",
+                                              "lmyard.final_checkpoint": checkpoint_uri})
+    return str(version.version)
+
+
+def protect_checkpoint(store, run_name: str, step: int) -> list[int]:
+    """Add `step` to runs/<run>/protected.json ({"steps": [...]}): retention keeps what a registered model points to."""
+    key = f"runs/{run_name}/protected.json"
+    steps = set(json.loads(store.read_bytes(key))["steps"]) if store.exists(key) else set()
+    steps.add(step)
+    store.write_bytes(key, json.dumps({"steps": sorted(steps)}).encode())
+    return sorted(steps)
+
+
+def set_alias(tracking_uri: str, name: str, alias: str, version: str) -> None:
+    _client(tracking_uri).set_registered_model_alias(name, alias, version)
+
+
+def log_table(lineage: Lineage, columns: dict[str, list], artifact_file: str) -> None:
+    """Append rows (given as columns) to a table artifact the MLflow UI renders (e.g. evals/checkpoints.json)."""
+    _client(lineage.tracking_uri).log_table(lineage.mlflow_run_id, data=columns, artifact_file=artifact_file)
+
+
+def set_tags(lineage: Lineage, tags: dict[str, str]) -> None:
+    _set_tags(_client(lineage.tracking_uri), lineage.mlflow_run_id, tags)

@@ -312,6 +312,7 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
         else:
             rng = [checkpoint.rng_state()]
         if checkpointer is not None:
+            sink.flush(timeout=30)  # metrics up to this step reach MLflow before the checkpoint exists: a resume skips them
             state = {"step": step, "cursor": cursor, "tokens_seen": tokens_seen, "world_size": d.world,
                      "val_loss": val_loss, "train_loss": train_loss, "shard_address": shards.address,
                      "train_tokens": train_data.stream.total,

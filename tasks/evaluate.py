@@ -1,30 +1,124 @@
-"""Evaluate the newest checkpoint and log the results to the lineage's MLflow run."""
+"""Evaluate checkpoints in their own process and log the results to the lineage's MLflow run."""
 
 from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFuture
 
-from lmyard import evals, tracking
+from lmyard import checkpoint, tracking
 from lmyard.config import RunConfig
+from lmyard.errors import UserError
 from lmyard.shards import ShardSet
+from lmyard.store import open_store
 from tasks._common import artifact_key
 
+EVALUATED = "eval/val_loss"  # the metric whose steps say which checkpoints have been evaluated
 
-@task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage) -> dict:
-    """Val loss and samples of the newest checkpoint, logged at its step."""
+
+@task(name="evaluate-checkpoint", cache_policy=NO_CACHE, task_run_name="evaluate-step-{step}")
+def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage, step: int) -> dict:
+    """Val loss, HellaSwag and samples of one checkpoint, in a process of its own on eval.device; logged at its step."""
     logger = get_run_logger()
-    result = evals.evaluate_latest(config, shards)
-    step = result["step"]
-    tracking.log_metrics(lineage, {"eval/val_loss": result["val_loss"]}, step)
-    text = "\n\n".join(f"### {s['prompt']}\n{s['prompt']}{s['completion']}" for s in result["samples"])
-    tracking.log_artifact_text(lineage, text, f"samples/step_{step:08d}.md")
-    create_table_artifact(key=artifact_key(config.run_name, "samples"),
-                          table=[{"prompt": s["prompt"], "completion": s["completion"]} for s in result["samples"]],
-                          description=f"Samples of {config.run_name} at step {step}")
-    logger.info(f"step {step}: val loss {result['val_loss']:.4f} ({result['checkpoint']})")
-    for s in result["samples"]:
-        logger.info(f"sample: {s['prompt']!r} -> {s['completion'][:200]!r}")
+    result = _run_evaluator(config, shards, step)
+    if step in tracking.metric_history(lineage, EVALUATED):
+        logger.info(f"step {step} was evaluated by an earlier attempt; its results are not logged again")
+        return result
+    _log_to_mlflow(lineage, result)
+    create_table_artifact(key=artifact_key(config.run_name, f"eval-step-{step:08d}"), table=_table(result),
+                          description=f"Evaluation of {config.run_name} at step {step} ({result['checkpoint']})")
+    hs = result.get("hellaswag")
+    logger.info(f"step {step}: val loss {result['val_loss']:.4f}"
+                + (f", HellaSwag acc {hs['acc']:.3f} acc_norm {hs['acc_norm']:.3f} ({hs['n']} examples)" if hs else "")
+                + f" in {result['eval_s']:.1f} s on {result['device']} ({result['checkpoint']})")
     return result
+
+
+def new_checkpoints(config: RunConfig, lineage: tracking.Lineage, training: PrefectFuture) -> Iterator[int]:
+    """Steps of complete checkpoints not yet evaluated, as they appear while `training` runs.
+
+    Polls the store every eval.poll_s seconds. The final checkpoint (train.max_steps)
+    is left out: the flow evaluates it itself, with the training result in hand.
+    """
+    store = open_store(config.store)
+    done = set(tracking.metric_history(lineage, EVALUATED))
+    while True:
+        training.wait(timeout=config.eval.poll_s)
+        finished = training.state.is_final()  # read before listing: the last listing sees every checkpoint
+        if config.eval.watch or finished:
+            for step in checkpoint.complete_steps(store, config.run_name):
+                if step not in done and step != config.train.max_steps:
+                    done.add(step)
+                    yield step
+        if finished:
+            return
+
+
+def _run_evaluator(config: RunConfig, shards: ShardSet, step: int, tail_lines: int = 30) -> dict:
+    """`python -m lmyard.evals` in its own process group; its result JSON."""
+    with tempfile.TemporaryDirectory(prefix="lmyard-eval-") as tmp:
+        spec, out = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
+        with open(spec, "w") as f:
+            json.dump({"config": config.model_dump(mode="json"), "shards": shards.to_dict()}, f)
+        cmd = [sys.executable, "-m", "lmyard.evals", "--spec", spec, "--step", str(step), "--out", out]
+        tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                tail.append(line.rstrip("\n"))
+            rc = proc.wait()
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        if rc != 0:
+            errors = [line for line in tail if "lmyard: error:" in line]
+            if errors:
+                raise UserError(errors[-1].split("lmyard: error:", 1)[1].strip())
+            raise RuntimeError(f"evaluation of step {step} exited with code {rc}; last lines:\n" + "\n".join(tail))
+        with open(out) as f:
+            return json.load(f)
+
+
+def _log_to_mlflow(lineage: tracking.Lineage, r: dict) -> None:
+    step = r["step"]
+    metrics = {"eval/val_loss": r["val_loss"], "eval/seconds": r["eval_s"]}
+    hs = r.get("hellaswag")
+    if hs:
+        metrics.update({"eval/hellaswag_acc": hs["acc"], "eval/hellaswag_acc_norm": hs["acc_norm"]})
+    # the checkpoint is referenced by its URI, not copied
+    row = {"step": [step], "checkpoint": [r["checkpoint"]], "tokens_seen": [r["tokens_seen"]],
+           "val_loss": [r["val_loss"]], "trainer_val_loss": [r["trainer_val_loss"]],
+           "hellaswag_acc": [hs["acc"] if hs else None], "hellaswag_acc_norm": [hs["acc_norm"] if hs else None]}
+    # one table file per checkpoint: appending to one file would download it each time
+    tracking.log_table(lineage, row, f"evals/table_step_{step:08d}.json")
+    tracking.log_table(lineage, {"step": [step] * len(r["samples"]), "prompt": [s["prompt"] for s in r["samples"]],
+                                 "completion": [s["completion"] for s in r["samples"]]},
+                       f"evals/samples_step_{step:08d}.json")
+    tracking.log_artifact_dict(lineage, r, f"evals/step_{step:08d}.json")
+    text = "\n\n".join(f"### {s['prompt']}\n{s['prompt']}{s['completion']}" for s in r["samples"])
+    tracking.log_artifact_text(lineage, text, f"samples/step_{step:08d}.md")
+    tracking.set_tags(lineage, {"lmyard.latest_evaluated_checkpoint": r["checkpoint"]})
+    tracking.log_metrics(lineage, metrics, step)  # last: its step marks the checkpoint as evaluated
+
+
+def _table(r: dict) -> list[dict]:
+    rows = [{"what": "checkpoint", "value": r["checkpoint"]}, {"what": "val loss", "value": f"{r['val_loss']:.4f}"}]
+    hs = r.get("hellaswag")
+    if hs:
+        rows += [{"what": "HellaSwag acc", "value": f"{hs['acc']:.4f} ({hs['n']} examples)"},
+                 {"what": "HellaSwag acc_norm", "value": f"{hs['acc_norm']:.4f}"}]
+    rows += [{"what": f"sample: {s['prompt']}", "value": s["completion"]} for s in r["samples"]]
+    return rows

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.runtime import flow_run
 
-from lmyard import checkpoint, tracking
+from lmyard import tracking
 from lmyard.config import RunConfig
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
@@ -17,19 +16,11 @@ from tasks._common import not_a_user_error
 @task(name="open-lineage", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
       retry_condition_fn=not_a_user_error)
 def open_lineage(config: RunConfig, shards: ShardSet) -> tracking.Lineage:
-    """Create or reopen the MLflow run of runs/<run_name> and record this attempt."""
-    store = open_store(config.store)
-    steps = checkpoint.complete_steps(store, config.run_name)
-    resumed_from = store.uri(checkpoint.step_prefix(config.run_name, steps[-1])) if steps else None
-    lineage = tracking.open_lineage(
-        config, store,
-        attempt_info={"flow_run_id": flow_run.get_id() or "", "flow_run_count": flow_run.get_run_count(),
-                      "nodes": config.launch.nnodes, "world_size": config.world_size()},
-        resumed_from=resumed_from, start_step=steps[-1] if steps else 0,
-        shard_address=shards.address, code_version=code_version())
-    get_run_logger().info(
-        f"lineage {config.run_name}: MLflow run {lineage.mlflow_run_id}, attempt {lineage.attempt}"
-        + (f", resuming from {resumed_from}" if resumed_from else ", starting fresh"))
+    """Create or reopen the MLflow run of runs/<run_name>; the train task records each attempt."""
+    lineage = tracking.open_lineage(config, open_store(config.store), shard_address=shards.address,
+                                    code_version=code_version())
+    get_run_logger().info(f"lineage {config.run_name}: MLflow run {lineage.mlflow_run_id}"
+                          + (f", {lineage.attempt} earlier attempt(s)" if lineage.attempt else ", new"))
     return lineage
 
 
@@ -37,3 +28,27 @@ def open_lineage(config: RunConfig, shards: ShardSet) -> tracking.Lineage:
 def close_lineage(lineage: tracking.Lineage, status: str) -> None:
     """Mark the lineage's MLflow run FINISHED, FAILED or KILLED."""
     tracking.close_lineage(lineage, status)
+
+
+def ended_status(exc: BaseException) -> str:
+    """The MLflow status of a run that ended with `exc`: KILLED for interrupts and cancellation, else FAILED."""
+    from prefect.exceptions import TerminationSignal
+
+    return "KILLED" if isinstance(exc, (KeyboardInterrupt, SystemExit, TerminationSignal)) else "FAILED"
+
+
+def _close_from_hook(flow_run, status: str) -> None:
+    config = RunConfig.model_validate(flow_run.parameters.get("config") or {})
+    run_id = tracking.close_lineage_of(config.tracking.uri, open_store(config.store), config.run_name, status)
+    if run_id:
+        print(f"lineage {config.run_name}: MLflow run {run_id} marked {status} ({flow_run.name})", flush=True)
+
+
+def lineage_killed(flow, flow_run, state) -> None:
+    """Flow hook on cancellation: the lineage's MLflow run, if still RUNNING, ends KILLED."""
+    _close_from_hook(flow_run, "KILLED")
+
+
+def lineage_crashed(flow, flow_run, state) -> None:
+    """Flow hook on a crash: the lineage's MLflow run, if still RUNNING (the flow body did not close it), ends FAILED."""
+    _close_from_hook(flow_run, "FAILED")

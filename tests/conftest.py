@@ -167,3 +167,60 @@ def s3_bucket(s3_server):
     name = s3_server.new_bucket()
     yield name
     s3_server.remove_bucket(name)
+
+
+# ---------------------------------------------------------------- MLflow: a real tracking server
+
+class MLflowServer:
+    def __init__(self, uri: str, artifacts: str):
+        self.uri, self.artifacts = uri, artifacts
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(s3_server, tmp_path_factory):
+    """`mlflow server` for the session: sqlite backend, artifacts proxied to a bucket of the S3 test server.
+
+    It runs in its own process group, and the whole group is ended at the end: the
+    server leaves worker processes (uvicorn/huey) behind when only its parent stops.
+    """
+    tmp = tmp_path_factory.mktemp("mlflow-server")
+    bucket = s3_server.new_bucket("mlflow")
+    port = _free_port()
+    uri = f"http://127.0.0.1:{port}"
+    env = {**os.environ, **s3_server.env, "MLFLOW_S3_ENDPOINT_URL": s3_server.endpoint}
+    log = open(tmp / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}", "--artifacts-destination", f"s3://{bucket}/mlartifacts"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"mlflow server did not answer on {uri}:\n"
+                                       + (tmp / "server.log").read_text()[-3000:]) from None
+                time.sleep(0.5)
+        with pytest.MonkeyPatch.context() as mp:
+            # The server offers clients presigned S3 URLs for downloads; against the moto server
+            # (IAM enforced) those GETs fail and the client retries with long backoffs. Download
+            # through the server instead (what a client outside the bucket's network does too).
+            mp.setenv("MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD", "false")
+            yield MLflowServer(uri, f"s3://{bucket}/mlartifacts")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=15)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # workers that outlived the server
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        log.close()

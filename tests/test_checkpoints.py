@@ -65,8 +65,8 @@ def test_checkpoints_round_trip_through_s3_and_resume_exactly(s3_run):
     result, lines = run("s3-crashed")
     assert not isinstance(result, Exception), result
     assert result["step"] == 12 and any("at step 8" in ln and "s3://" in ln for ln in lines)
-    a = checkpoint._load_step(store, "s3-straight", 12, str(tmp / "load-a"))
-    b = checkpoint._load_step(store, "s3-crashed", 12, str(tmp / "load-b"))
+    a = checkpoint.load_step(store, "s3-straight", 12, str(tmp / "load-a"))
+    b = checkpoint.load_step(store, "s3-crashed", 12, str(tmp / "load-b"))
     assert a.state["cursor"] == b.state["cursor"] and a.uri.startswith("s3://")
     for x, y in zip(_tensors(a), _tensors(b), strict=True):
         assert torch.equal(x, y)

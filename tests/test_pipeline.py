@@ -24,7 +24,7 @@ def test_flow_runs_end_to_end_and_tracks_the_run(prefect_api_url, tmp_path, monk
     from flows.pretrain import pretrain
 
     monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
-    cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=6))
+    cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=6, **{"eval.gates.val_loss_max": 0.01}))
     summary = pretrain(config=cfg)
 
     assert summary["steps"] == 6
@@ -38,11 +38,16 @@ def test_flow_runs_end_to_end_and_tracks_the_run(prefect_api_url, tmp_path, monk
     assert [m.step for m in losses] == [1, 2, 3, 4, 5, 6]
     val = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val/loss")}
     assert sorted(val) == [3, 6]
-    # the evaluate task's val loss of the final checkpoint is the trainer's own val loss at that step
-    evaluated = client.get_metric_history(run.info.run_id, "eval/val_loss")
-    assert evaluated[0].step == 6 and evaluated[0].value == pytest.approx(val[6], rel=1e-4)
+    # every checkpoint is evaluated; its val loss is the trainer's own val loss at that step
+    evaluated = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/val_loss")}
+    assert sorted(evaluated) == [3, 6]
+    assert evaluated == {s: pytest.approx(val[s], rel=1e-5) for s in (3, 6)}
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config.yaml", "summary.json", "samples", "shards"} <= artifacts
+    assert {"config.yaml", "summary.json", "samples", "shards", "evals", "plots", "attempts.json"} <= artifacts
+    # registered at the final checkpoint, but a failed gate (val loss far above 0.01) withholds the alias
+    version = client.get_model_version("smoke", "1")
+    assert version.source == summary["checkpoint"] == open_store(cfg.store).uri("runs/smoke/checkpoints/step_00000006")
+    assert summary["alias"] is None and client.get_registered_model("smoke").aliases == {}
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

@@ -1,0 +1,158 @@
+"""One MLflow run per lineage, through a killed and retried training job: a real `mlflow server`
+(sqlite, artifacts in the S3 test server), the Prefect test server, checkpoints on S3."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import lmyard_cmd, tiny_overrides
+from lmyard.checkpoint import complete_steps, step_prefix
+from lmyard.config import load_recipe
+from lmyard.store import open_store
+
+pytestmark = pytest.mark.slow
+HELLASWAG = Path(__file__).parent / "fixtures" / "hellaswag_tiny.jsonl"
+
+
+def _kill_training_after(store, run_name: str, tracking_uri: str, step: int, killed: list[int],
+                         timeout: float = 300) -> None:
+    """SIGKILL the trainer (torchrun and its ranks) mid-run: once the checkpoint of `step` exists and MLflow
+    holds train/loss past it, so the next attempt repeats steps the first one logged."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        steps = complete_steps(store, run_name)
+        if not steps or steps[-1] < step:
+            continue
+        run_id = json.loads(store.read_bytes(f"runs/{run_name}/lineage.json"))["mlflow_run_id"]
+        logged = {m.key: m.step for m in MlflowClient(tracking_uri).get_run(run_id).data._metric_objs}
+        if logged.get("train/loss", 0) <= steps[-1]:
+            continue
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                if "torch.distributed.run" in " ".join(proc.cmdline()):
+                    for victim in [proc, *proc.children(recursive=True)]:
+                        victim.send_signal(signal.SIGKILL)
+                    killed.append(complete_steps(store, run_name)[-1])
+                    return
+            except psutil.NoSuchProcess:
+                pass
+
+
+def test_killed_training_is_retried_as_one_mlflow_run_with_two_attempts(
+        prefect_api_url, mlflow_server, s3_server, s3_bucket, tmp_path, monkeypatch):
+    from flows.pretrain import pretrain
+
+    monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
+    run_name = "killed-and-retried"
+    cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=200, **{
+        "store": f"s3://{s3_bucket}/store", "run_name": run_name, "tracking.uri": mlflow_server.uri,
+        "tracking.experiment": "lineage-tests", "tracking.registered_model": run_name,
+        "tracking.system_metrics_interval_s": 1, "launch.retries": 1, "launch.nproc_per_node": 1,
+        "train.threads_per_rank": 1, "checkpoint.interval": 50, "eval.interval": 50, "train.log_interval": 1, "eval.threads": 1,
+        "eval.poll_s": 0.5, "eval.hellaswag": str(HELLASWAG), "eval.gates.val_loss_max": 50}))
+    store = open_store(cfg.store)
+    killed: list[int] = []
+    killer = threading.Thread(target=_kill_training_after, args=(store, run_name, cfg.tracking.uri, 50, killed), daemon=True)
+    killer.start()
+    summary = pretrain(config=cfg)
+    killer.join(timeout=5)
+    assert killed, "the trainer was never killed"
+    resumed_at = killed[-1]
+    assert 50 <= resumed_at < 200
+
+    client = MlflowClient(mlflow_server.uri)
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert len(client.search_runs([run.info.experiment_id], f"tags.`lmyard.run_name` = '{run_name}'")) == 1
+
+    # two attempts of the same flow run: the second resumed from the checkpoint the first left
+    tags = run.data.tags
+    assert tags["lmyard.attempts"] == "2" and summary["attempts"] == 2
+    assert tags["lmyard.attempt.1.start_step"] == "0" and tags["lmyard.attempt.1.resumed_from"] == ""
+    assert tags["lmyard.attempt.1.outcome"].startswith("failed")
+    assert tags["lmyard.attempt.2.start_step"] == str(resumed_at)
+    assert tags["lmyard.attempt.2.resumed_from"] == store.uri(step_prefix(run_name, resumed_at))
+    assert tags["lmyard.attempt.2.outcome"] == "finished: step 200"
+    assert tags["lmyard.attempt.1.flow_run_id"] == tags["lmyard.attempt.2.flow_run_id"] != ""
+    assert (tags["lmyard.attempt.1.task_run_count"], tags["lmyard.attempt.2.task_run_count"]) == ("1", "2")
+    assert tags["lmyard.attempt.2.nodes"] == "1"
+
+    # a continuous loss history: every step once, though the second attempt repeated some
+    losses = client.get_metric_history(run.info.run_id, "train/loss")
+    assert sorted(m.step for m in losses) == list(range(1, 201))
+
+    # every checkpoint evaluated, at its step; the evaluator's val loss is the trainer's own
+    val = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val/loss")}
+    evaluated = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/val_loss")}
+    assert sorted(evaluated) == [50, 100, 150, 200]
+    assert evaluated == {s: pytest.approx(val[s], rel=1e-5) for s in evaluated}
+    acc_norm = client.get_metric_history(run.info.run_id, "eval/hellaswag_acc_norm")
+    assert sorted(m.step for m in acc_norm) == [50, 100, 150, 200]
+    assert all(0 <= m.value <= 1 for m in acc_norm)
+    assert any(k.startswith("system/") and k.endswith("cpu_utilization_percentage") for k in run.data.metrics)
+
+    # artifacts in the S3-backed artifact store; checkpoints only referenced by URI
+    top = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "shards", "evals", "samples", "plots", "summary.json", "attempts.json"} <= top
+    for s in (50, 100, 150, 200):
+        path = client.download_artifacts(run.info.run_id, f"evals/table_step_{s:08d}.json", str(tmp_path))
+        table = json.loads(Path(path).read_text())
+        row = dict(zip(table["columns"], table["data"][0]))
+        assert row["step"] == s and row["checkpoint"] == store.uri(step_prefix(run_name, s))
+        assert row["val_loss"] == pytest.approx(val[s], rel=1e-5)
+    assert not any(a.path.endswith(".pt") for a in client.list_artifacts(run.info.run_id, "evals"))
+
+    # the registered version's source is the final checkpoint; the gate passed, so it is the candidate
+    version = client.get_model_version_by_alias(run_name, "candidate")
+    assert version.source == store.uri(step_prefix(run_name, 200)) == summary["checkpoint"]
+    assert version.run_id == run.info.run_id
+    assert json.loads(store.read_bytes(f"runs/{run_name}/protected.json")) == {"steps": [200]}
+
+    # Prefect: an eval table per checkpoint and training progress at 100%
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as pc:
+        keys = [f"{run_name}-eval-step-{s:08d}" for s in (50, 100, 150, 200)] + [f"{run_name}-train-progress"]
+        found = {}  # the newest of each key: each attempt of the train task makes its own progress artifact
+        for a in sorted(pc.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys))),
+                        key=lambda a: a.created):
+            found[a.key] = a
+    assert set(found) == set(keys)
+    assert found[f"{run_name}-train-progress"].data == 100.0
+
+
+def test_interrupted_run_ends_killed(cli_env, tmp_path):
+    overrides = tiny_overrides(tmp_path, steps=2000, **{"checkpoint.interval": 5, "launch.nproc_per_node": 1,
+                                                        "train.threads_per_rank": 1, "tracking.system_metrics": False})
+    store = open_store(str(tmp_path / "store"))
+    proc = subprocess.Popen(lmyard_cmd("run", "smoke", *[a for o in overrides for a in ("--set", o)]), cwd=tmp_path,
+                            env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 240
+        while not complete_steps(store, "smoke") and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGINT)  # Ctrl-C
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    run_id = json.loads(store.read_bytes("runs/smoke/lineage.json"))["mlflow_run_id"]
+    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id)
+    assert run.info.status == "KILLED"
+    # the trainer was stopped with the flow, not left running: no checkpoint appears afterwards
+    after_exit = complete_steps(store, "smoke")
+    time.sleep(3)
+    assert complete_steps(store, "smoke") == after_exit and after_exit[-1] < 2000
