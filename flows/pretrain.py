@@ -18,7 +18,7 @@ def pretrain(config: RunConfig = RunConfig()) -> dict:
     shards = tokenize_and_shard(config)
     lineage = open_lineage(config, shards)
     try:
-        trained = train(config, shards, lineage)
+        trained = train.with_options(retries=config.launch.retries)(config, shards, lineage)
         evaluation = evaluate(config, shards, lineage)
     except BaseException as exc:
         close_lineage(lineage, "KILLED" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else "FAILED")
