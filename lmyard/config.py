@@ -178,6 +178,10 @@ class DockerConfig(_Section):
         None, description="Interface(s) for NCCL and gloo traffic (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME), "
         "e.g. `eth0` or `^docker0,lo`.")
     shm_size: str = Field("16g", description="/dev/shm size (DataLoader workers and NCCL use it).")
+    ulimits: dict[str, int] = Field(
+        default_factory=lambda: {"memlock": -1, "stack": 64 << 20},
+        description="Container ulimits, soft = hard (-1: unlimited). memlock unlimited lets NCCL/InfiniBand "
+        "pin memory; an engine without CAP_SYS_RESOURCE can only lower it.")
     env: dict[str, str] = Field(
         default_factory=dict, description="Extra environment (e.g. NCCL_IB_HCA, NCCL_DEBUG). Logged with the "
         "config: never put secrets here; name them in pass_env.")
@@ -217,6 +221,11 @@ class LaunchConfig(_Section):
         if self.backend == "docker" and len(self.docker.nodes) not in (1, self.nnodes):
             raise ValueError(f"launch.docker.nodes lists {len(self.docker.nodes)} engines for launch.nnodes="
                              f"{self.nnodes}: give one URL per node, or one for all")
+        urls = self.docker.nodes * (self.nnodes // len(self.docker.nodes))
+        remote = [u for u in urls if not u.startswith("unix://")]
+        if self.backend == "docker" and self.docker.network == "host" and len(remote) != len(set(remote)):
+            raise ValueError("launch.docker.nodes puts several nodes on one remote engine with host networking, "
+                             "where they would share one address: list one host per node, or use network=bridge")
         return self
 
 

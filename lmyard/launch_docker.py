@@ -37,7 +37,6 @@ from lmyard.launch import TrainingFailed
 
 LABEL = "lmyard"  # label keys: lmyard.run_name, lmyard.flow_run_id, lmyard.launch_id, lmyard.node
 RDZV_TIMEOUT_S = 600  # how long node 0 waits for the others to join
-STACK_BYTES = 64 << 20  # 64 MiB stack ulimit, as NVIDIA's PyTorch containers recommend
 
 
 @dataclass
@@ -71,6 +70,19 @@ def _node_host(url: str) -> str:
     if parsed.scheme in ("tcp", "ssh", "http", "https") and parsed.hostname:
         return parsed.hostname
     return "127.0.0.1"
+
+
+def _local_addr(urls: list[str], i: int) -> str:
+    """The address node i is known by in the rendezvous, on host networking.
+
+    The rendezvous tells nodes apart by (address, pid); containers sharing a host's network all run
+    torchrun as pid 1 and share its hostname. Nodes on one local engine get loopback aliases
+    127.0.0.{i+1} (all of 127/8 is loopback); a remote node is its engine's host name.
+    """
+    parsed = urlparse(urls[i])
+    if parsed.scheme in ("tcp", "ssh", "http", "https") and parsed.hostname:
+        return parsed.hostname
+    return f"127.0.0.{i + 1}"
 
 
 def _local_store_root(store: str) -> str | None:
@@ -149,12 +161,14 @@ def plan(cfg: RunConfig, spec: dict, *, image: str, flow_run_id: str | None = No
         else:
             torchrun = ["--nnodes", str(nnodes), "--rdzv_backend", "c10d", "--rdzv_endpoint", rdzv,
                         "--rdzv_id", launch_id, "--rdzv_conf", f"is_host={int(i == 0)},join_timeout={RDZV_TIMEOUT_S}"]
+            if not network:
+                torchrun += ["--local_addr", _local_addr(urls, i)]
         command = ["python", "-m", "torch.distributed.run", *torchrun, "--nproc_per_node",
                    str(launch.nproc_per_node), "--max_restarts", "0", "-m", "lmyard.train"]
         kwargs = dict(
             image=image, command=command, name=names[i], hostname=names[i] if network else None,
             labels={**labels, f"{LABEL}.node": str(i)}, environment=dict(env), volumes=dict(mounts),
-            shm_size=dc.shm_size, ulimits=_ulimits(), device_requests=device_requests or None,
+            shm_size=dc.shm_size, ulimits=_ulimits(dc.ulimits), device_requests=device_requests or None,
             network_mode=None if network else "host", network=network, user=dc.user, detach=True,
         )
         nodes.append(NodePlan(i, urls[i], {k: v for k, v in kwargs.items() if v is not None}, set(secrets)))
@@ -167,11 +181,10 @@ def _device_request(**kwargs):
     return DeviceRequest(capabilities=[["gpu"]], **kwargs)
 
 
-def _ulimits():
+def _ulimits(limits: dict[str, int]):
     from docker.types import Ulimit
 
-    # memlock unlimited: NCCL and InfiniBand pin host memory; a large stack for deep recursion in compile.
-    return [Ulimit(name="memlock", soft=-1, hard=-1), Ulimit(name="stack", soft=STACK_BYTES, hard=STACK_BYTES)]
+    return [Ulimit(name=name, soft=value, hard=value) for name, value in limits.items()] or None
 
 
 def describe(node: NodePlan) -> str:
@@ -305,7 +318,7 @@ def _follow(containers: list, on_line: Callable[[str], None], mask: _Masker, tai
     for t in threads:
         t.start()
 
-    tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+    tails = [collections.deque(maxlen=tail_lines) for _ in containers]  # per node: the failing one's matters
     result: dict | None = None
     user_error: str | None = None
     exits: dict[int, int] = {}
@@ -322,7 +335,7 @@ def _follow(containers: list, on_line: Callable[[str], None], mask: _Masker, tai
                     continue
                 if user_error is None and "lmyard: error:" in line:
                     user_error = line.split("lmyard: error:", 1)[1].strip()
-                tail.append(f"[node {i}] {line}")
+                tails[i].append(f"[node {i}] {line}")
                 on_line(f"[node {i}] {line}")
             elif kind == "error":
                 raise TrainingFailed(f"lost node {i} ({containers[i].name}): {value}")
@@ -338,10 +351,12 @@ def _follow(containers: list, on_line: Callable[[str], None], mask: _Masker, tai
         i, code = next(iter(failed.items()))
         if user_error:
             raise UserError(user_error)
+        others = [ln for j, t in enumerate(tails) if j != i for ln in list(t)[-5:]]
         raise TrainingFailed(f"node {i} ({containers[i].name}) exited with code {code}{_why(containers[i], code)}; "
-                             "stopping the others. Last lines:\n" + "\n".join(tail))
+                             "stopped the others. Last lines:\n" + "\n".join([*tails[i], *others]))
     if result is None:
-        raise TrainingFailed("training exited without a result line; last lines:\n" + "\n".join(tail))
+        raise TrainingFailed("training exited without a result line; last lines:\n"
+                             + "\n".join(ln for t in tails for ln in t))
     return result
 
 
