@@ -172,9 +172,15 @@ def build_wheelhouse(dest: Path, include_torch: bool = True, log: Callable[[str]
     log(f"pip download {len(reqs)} requirements (and their dependencies) into {shared}")
     subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest", str(shared),
                     "-r", str(dest / "requirements.txt")], check=True)
-    with tempfile.TemporaryDirectory() as tmp:  # lmyard's wheel from this checkout, never a cached one
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                        "--wheel-dir", tmp, str(REPO)], check=True)
+    with tempfile.TemporaryDirectory() as tmp:  # lmyard's wheel from a clean copy of this checkout's sources
+        src = Path(tmp, "src")
+        src.mkdir()
+        for name in ("pyproject.toml", "README.md"):
+            shutil.copy2(REPO / name, src / name)
+        for pkg in ("lmyard", "flows", "tasks"):
+            shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", tmp, str(src)],
+                       check=True)
         for whl in Path(tmp).glob("*.whl"):
             shutil.move(str(whl), dest / whl.name)
     for whl in shared.glob("*.whl"):
@@ -215,6 +221,10 @@ def build_image(tag: str | None = None, base: str | None = None, include_torch: 
                     client.images.remove(img.id, force=True)
                 except docker.errors.APIError:
                     pass
+    if ".src" in tag:  # a build of uncommitted sources replaces the earlier ones (~1.1 GB each)
+        for img in client.images.list(name=STAGE_REPO):
+            if img.tags and all(".src" in t and t != tag for t in img.tags):
+                client.images.remove(img.id, force=True)
     return tag
 
 

@@ -189,7 +189,7 @@ def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_che
     from tasks.train import train
 
     # Host networking: the containers reach the S3 server on the host's 127.0.0.1, credentials via AWS_*.
-    cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=240, **{
+    cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=100, **{
         "store": f"s3://{s3_bucket}/lmyard", "run_name": "killed", "launch.backend": "docker",
         "launch.nnodes": 2, "launch.nproc_per_node": 1, "launch.docker.network": "host",
         "launch.docker.socket_ifname": "lo", "launch.docker.rdzv_port": _free_port(),
@@ -228,8 +228,8 @@ def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_che
     resumed = [m for m in records.messages if "resuming from s3://" in m]
     assert len(resumed) == 1 and resumed[0].startswith("[node ")
     start = int(resumed[0].split("at step ")[1].split()[0])
-    assert 20 <= start < 240
-    assert result["step"] == 240 and complete_steps(store, "killed")[-1] == 240
+    assert 20 <= start < 100
+    assert result["step"] == 100 and complete_steps(store, "killed")[-1] == 100
     assert _ours(docker_client, "killed") == ([], [])
     for secret in (s3_server.env["AWS_SECRET_ACCESS_KEY"], s3_server.env["AWS_ACCESS_KEY_ID"]):
         assert secret not in text
