@@ -44,6 +44,7 @@ IMAGES = REPO / "images"
 BASE_IMAGE = "lmyard-base:bookworm"
 STAGE_REPO = "lmyard-stage"
 BUILD_STAGE_LABEL = "lmyard.build-stage"
+SOURCE_LABEL = "lmyard.source-digest"  # on the stage image: source_digest() of what it was built from
 # Trimmed from the debootstrapped tree: nothing the stages run needs them (~140 MB of 275 MB).
 TRIM = ("var/cache/apt/archives", "var/lib/apt/lists", "usr/share/doc", "usr/share/man", "usr/share/info",
         "usr/share/locale")
@@ -200,6 +201,13 @@ def build_image(tag: str | None = None, base: str | None = None, include_torch: 
     if not force and _image_exists(client, tag):
         log(f"{tag} exists; not rebuilding")
         return tag
+    digest = source_digest()
+    if not force and base is None and include_torch:
+        # Same sources under another code version (a commit that touched only docs or tests): retag.
+        for img in client.images.list(name=STAGE_REPO, filters={"label": f"{SOURCE_LABEL}={digest}"}):
+            img.tag(*tag.split(":", 1))
+            log(f"{tag}: same sources as {img.tags[0] if img.tags else img.short_id}; tagged, not rebuilt")
+            return tag
     base = base or build_base(client, log)
     cache_dir().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="lmyard-build-", dir=cache_dir()) as ctx:
@@ -208,7 +216,8 @@ def build_image(tag: str | None = None, base: str | None = None, include_torch: 
         log(f"docker build {tag} FROM {base}")
         try:
             for chunk in client.api.build(path=ctx, tag=tag, rm=True, forcerm=True, decode=True, pull=False,
-                                          buildargs={"BASE_IMAGE": base, "CODE_VERSION": code_version()}):
+                                          buildargs={"BASE_IMAGE": base, "CODE_VERSION": code_version(),
+                                                     "SOURCE_DIGEST": digest}):
                 if "error" in chunk:
                     raise RuntimeError(f"docker build failed: {chunk['error'].strip()}")
                 text = chunk.get("stream", "").rstrip()

@@ -76,12 +76,13 @@ def _stage(client, image, tmp_path, *args):
         c.remove(force=True)
 
 
-def test_image_runs_as_a_non_root_user_and_carries_its_code_version(docker_client, stage_image):
+def test_image_runs_as_a_non_root_user_and_is_labelled_with_its_sources(docker_client, stage_image):
+    from lmyard.images import SOURCE_LABEL, source_digest
+
     out = docker_client.containers.run(stage_image, ["sh", "-c", "id -u; echo $LMYARD_CODE_VERSION"], remove=True)
     uid, version = out.decode().split()
-    from lmyard.version import code_version
-
-    assert uid == str(IMAGE_UID) and version == code_version()
+    assert uid == str(IMAGE_UID) and version.startswith("0.")
+    assert docker_client.images.get(stage_image).labels[SOURCE_LABEL] == source_digest()
 
 
 @pytest.fixture(scope="module")
