@@ -219,16 +219,17 @@ def connect(url: str, dc: DockerConfig):
     scheme = urlparse(url).scheme
     try:
         if scheme == "ssh":  # the system ssh client: keys and known_hosts as the operator set them up
-            return docker.DockerClient(base_url=url, use_ssh_client=True, timeout=60)
-        if scheme in ("tcp", "https"):
+            client = docker.DockerClient(base_url=url, use_ssh_client=True, timeout=60)
+        elif scheme in ("tcp", "https"):
             cert_dir = dc.tls_cert_dir or os.environ.get("DOCKER_CERT_PATH")
             if not cert_dir:
                 raise UserError(f"engine {url}: a tcp:// engine needs TLS; set launch.docker.tls_cert_dir "
                                 "(ca.pem, cert.pem, key.pem) or DOCKER_CERT_PATH")
             tls = docker.tls.TLSConfig(client_cert=(f"{cert_dir}/cert.pem", f"{cert_dir}/key.pem"),
                                        ca_cert=f"{cert_dir}/ca.pem", verify=True)
-            return docker.DockerClient(base_url=url, tls=tls, timeout=60)
-        client = docker.DockerClient(base_url=url, timeout=60)
+            client = docker.DockerClient(base_url=url, tls=tls, timeout=60)
+        else:
+            client = docker.DockerClient(base_url=url, timeout=60)
         client.ping()
         return client
     except docker.errors.DockerException as e:
@@ -292,6 +293,8 @@ def run_docker(cfg: RunConfig, spec: dict, on_line: Callable[[str], None] = prin
         return _follow(containers, on_line, mask, tail_lines)
     finally:
         _remove(containers, network)
+        for client in clients.values():
+            client.close()
 
 
 def _follow(containers: list, on_line: Callable[[str], None], mask: _Masker, tail_lines: int) -> dict:
