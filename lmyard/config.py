@@ -187,15 +187,77 @@ class CheckpointConfig(_Section):
     upload_retries: int = Field(6, ge=0, description="Retries of a failed upload (backoff 1, 2, 4 ... 30 s).")
 
 
+class DockerConfig(_Section):
+    """One container per node, through the Docker engine of each node (see docs/docker.md)."""
+
+    nodes: list[str] = Field(
+        default_factory=lambda: ["unix:///var/run/docker.sock"], min_length=1,
+        description="Docker engine URL of each node: unix:///var/run/docker.sock, tcp://host:2376 (TLS), "
+        "ssh://user@host. One URL puts every node on that engine.")
+    image: str | None = Field(None, description="Stage image; default lmyard-stage:<code version> "
+                              "(built by `python -m lmyard.images build`).")
+    network: Literal["host", "bridge"] = Field(
+        "host", description="`host`: the host's network (NCCL across hosts); `bridge`: a user-defined bridge "
+        "network made for the run, for nodes that share one engine.")
+    gpus: int | Literal["all"] = Field(0, description="GPUs per node (NVIDIA container toolkit): a count or "
+                                       "`all`; 0 runs on the CPU.")
+    gpu_ids: list[str] | None = Field(None, description="GPU indices or UUIDs per node, instead of a count.")
+    rdzv_port: int = Field(29400, gt=0, lt=65536, description="c10d rendezvous port on node 0.")
+    socket_ifname: str | None = Field(
+        None, description="Interface(s) for NCCL and gloo traffic (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME), "
+        "e.g. `eth0` or `^docker0,lo`.")
+    shm_size: str = Field("16g", description="/dev/shm size (DataLoader workers and NCCL use it).")
+    ulimits: dict[str, int] = Field(
+        default_factory=lambda: {"memlock": -1, "stack": 64 << 20},
+        description="Container ulimits, soft = hard (-1: unlimited). memlock unlimited lets NCCL/InfiniBand "
+        "pin memory; an engine without CAP_SYS_RESOURCE can only lower it.")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Extra environment (e.g. NCCL_IB_HCA, NCCL_DEBUG). Logged with the "
+        "config: never put secrets here; name them in pass_env.")
+    pass_env: list[str] = Field(
+        default_factory=list, description="Variables of the launching process passed to the containers, "
+        "besides every AWS_* one (e.g. MLFLOW_TRACKING_TOKEN); their values are never logged.")
+    volumes: list[str] = Field(default_factory=list, description="Extra bind mounts `host:container[:ro]`. "
+                               "A local-folder store is mounted at its own path without being listed.")
+    user: str | None = Field(None, description="uid[:gid] in the containers; default the image's non-root "
+                             "user (uid 1000), which must be able to write a local-folder store.")
+    tls_cert_dir: str | None = Field(None, description="ca.pem, cert.pem, key.pem for tcp:// engines; "
+                                     "default DOCKER_CERT_PATH.")
+
+    @model_validator(mode="after")
+    def _check(self) -> DockerConfig:
+        if self.gpu_ids is not None and self.gpus != 0:
+            raise ValueError("set launch.docker.gpus or launch.docker.gpu_ids, not both")
+        if isinstance(self.gpus, int) and self.gpus < 0:
+            raise ValueError("launch.docker.gpus must be >= 0 or `all`")
+        if self.network == "bridge" and len(set(self.nodes)) > 1:
+            raise ValueError("launch.docker.network=bridge needs every node on one engine; use `host` across hosts")
+        return self
+
+
 class LaunchConfig(_Section):
     backend: Literal["local", "docker"] = "local"
     nnodes: int = Field(1, gt=0)
     nproc_per_node: int = Field(2, gt=0, description="Ranks per node (GPUs per node on CUDA).")
-    rdzv_endpoint: str | None = Field(None, description="host:port of node 0 for multi-node rendezvous.")
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port of node 0 for multi-node rendezvous (docker: default from node 0's URL).")
+    retries: int = Field(1, ge=0, description="Retries of the train task after a failure that is not a user "
+                         "error (a dead node, a crashed rank); each resumes from the newest checkpoint.")
     watchdog_s: float | None = Field(
         900, gt=0, description="Kill the job when no step completes for this long (after the first); null: never.")
-    retries: int = Field(1, ge=0, description="Task retries of a failed training job; each resumes from the "
-                         "latest checkpoint and is recorded as a new attempt of the lineage.")
+    docker: DockerConfig = Field(default_factory=DockerConfig)
+
+    @model_validator(mode="after")
+    def _nodes_match(self) -> LaunchConfig:
+        if self.backend == "docker" and len(self.docker.nodes) not in (1, self.nnodes):
+            raise ValueError(f"launch.docker.nodes lists {len(self.docker.nodes)} engines for launch.nnodes="
+                             f"{self.nnodes}: give one URL per node, or one for all")
+        urls = self.docker.nodes * (self.nnodes // len(self.docker.nodes))
+        remote = [u for u in urls if not u.startswith("unix://")]
+        if self.backend == "docker" and self.docker.network == "host" and len(remote) != len(set(remote)):
+            raise ValueError("launch.docker.nodes puts several nodes on one remote engine with host networking, "
+                             "where they would share one address: list one host per node, or use network=bridge")
+        return self
 
 
 class TrackingConfig(_Section):

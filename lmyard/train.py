@@ -456,6 +456,11 @@ def main(argv: list[str] | None = None) -> int:
     shards = ShardSet.from_dict(spec["shards"])
     lineage = Lineage.from_dict(spec["lineage"]) if spec.get("lineage") else None
     d = setup_distributed(cfg)
+    if d.world > 1 and d.local_rank == 0:  # one line per node: which ranks run where
+        import socket
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        print(f"{socket.gethostname()}: ranks {d.rank}-{d.rank + local - 1} of {d.world} joined", flush=True)
     sink: MetricsSink = NullSink()
     try:
         if d.is_main and lineage is not None:

@@ -13,7 +13,6 @@ from prefect.runtime import flow_run, task_run
 
 from lmyard import checkpoint, tracking
 from lmyard.config import RunConfig
-from lmyard.errors import UserError
 from lmyard.launch import run_local
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
@@ -22,12 +21,12 @@ from tasks._common import artifact_key, not_a_user_error
 _STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|")
 
 
-@task(name="train", cache_policy=NO_CACHE, retry_delay_seconds=5, retry_condition_fn=not_a_user_error)
+# A failed launch (a dead node or container, a crashed rank, a stalled job) fails the task; the retry
+# resumes from the newest complete checkpoint. The flow sets the count from config.launch.retries.
+@task(name="train", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5, retry_condition_fn=not_a_user_error)
 def train(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage) -> dict:
     """Run torchrun with the trainer; resumes from the newest complete checkpoint, as a new attempt."""
     logger = get_run_logger()
-    if config.launch.backend != "local":
-        raise UserError(f"launch.backend {config.launch.backend!r} is not available in this version; use `local`")
     lineage = _record_attempt(config, lineage)
     logger.info(f"attempt {lineage.attempt} of lineage {config.run_name}: "
                 + (f"resuming from {lineage.resumed_from}" if lineage.resumed_from else "starting fresh"))
@@ -35,12 +34,21 @@ def train(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage) -> dic
     on_line = _with_progress(config, logger.info)
     try:
         with _system_metrics(config, lineage):
-            result = run_local(config, spec, on_line=on_line)
+            result = _launch(config, spec, on_line)
     except BaseException as e:
         tracking.end_attempt(lineage, "failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         raise
     tracking.end_attempt(lineage, "finished", f"step {result['step']}")
     return {**result, "attempt": lineage.attempt}
+
+
+def _launch(config: RunConfig, spec: dict, on_line) -> dict:
+    """torchrun here (`local`), or in one container per node (`docker`)."""
+    if config.launch.backend == "docker":
+        from lmyard.launch_docker import run_docker
+
+        return run_docker(config, spec, on_line=on_line, flow_run_id=flow_run.get_id())
+    return run_local(config, spec, on_line=on_line)
 
 
 def _record_attempt(config: RunConfig, lineage: tracking.Lineage) -> tracking.Lineage:

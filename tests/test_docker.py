@@ -1,0 +1,244 @@
+"""Stages in containers on a real Docker engine: the stage image, 2-node training, failure, cancellation.
+
+The image is built once per session (or reused: its tag follows the sources). Skipped only when no
+engine answers; .ci/run starts one and sets LMYARD_REQUIRE_DOCKER=1, which turns the skip into a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+
+import pytest
+
+from conftest import tiny_overrides
+from lmyard import tracking
+from lmyard.checkpoint import complete_steps
+from lmyard.config import load_recipe
+from lmyard.launch import TrainingFailed
+from lmyard.launch_docker import remove_leftovers, run_docker
+from lmyard.sharding import tokenize_and_shard
+from lmyard.store import open_store
+
+pytestmark = pytest.mark.slow
+IMAGE_UID = 1000  # the stage image's non-root user
+# This sandbox's engine lacks CAP_SYS_RESOURCE: it cannot raise memlock to the production default (unlimited).
+NO_MEMLOCK = {"launch.docker.ulimits": "{stack: 67108864}"}
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    docker = pytest.importorskip("docker")
+    try:
+        client = docker.from_env(timeout=120)
+        client.ping()
+    except docker.errors.DockerException as e:
+        if os.environ.get("LMYARD_REQUIRE_DOCKER") == "1":
+            pytest.fail(f"LMYARD_REQUIRE_DOCKER=1 but no Docker engine answers: {e}")
+        pytest.skip(f"no Docker engine answers ({e}); start dockerd to run these tests")
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def stage_image(docker_client):
+    from lmyard.images import build_image
+
+    t0 = time.perf_counter()
+    tag = build_image(log=lambda s: None)
+    print(f"stage image {tag} ready in {time.perf_counter() - t0:.0f} s")
+    return tag
+
+
+def _ours(client, run_name: str) -> tuple[list, list]:
+    sel = {"label": f"lmyard.run_name={run_name}"}
+    return client.containers.list(all=True, filters=sel), client.networks.list(filters=sel)
+
+
+def _writable_by_image(path):
+    path.mkdir(parents=True, exist_ok=True)
+    for p in [path, *path.rglob("*")]:
+        os.chown(p, IMAGE_UID, IMAGE_UID)
+    return path
+
+
+def _stage(client, image, tmp_path, *args):
+    """Run `python -m lmyard.stages ARGS` in the image with tmp_path mounted; returns (exit code, output)."""
+    c = client.containers.run(image, ["python", "-m", "lmyard.stages", *args], detach=True,
+                              volumes={str(tmp_path): {"bind": str(tmp_path), "mode": "rw"}})
+    try:
+        code = c.wait(timeout=300)["StatusCode"]
+        return code, c.logs().decode()
+    finally:
+        c.remove(force=True)
+
+
+def test_image_runs_as_a_non_root_user_and_is_labelled_with_its_sources(docker_client, stage_image):
+    from lmyard.images import SOURCE_LABEL, source_digest
+
+    out = docker_client.containers.run(stage_image, ["sh", "-c", "id -u; echo $LMYARD_CODE_VERSION"], remove=True)
+    uid, version = out.decode().split()
+    assert uid == str(IMAGE_UID) and version.startswith("0.")
+    assert docker_client.images.get(stage_image).labels[SOURCE_LABEL] == source_digest()
+
+
+@pytest.fixture(scope="module")
+def image_sharded(docker_client, stage_image, tmp_path_factory):
+    """A store sharded by the tokenize stage running in the image; the host reuses that shard set."""
+    tmp = tmp_path_factory.mktemp("docker")
+    # A file source: `builtin:pydoc-topics` differs between Python patch releases (host and image).
+    from pydoc_data.topics import topics
+
+    corpus = tmp / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for _, t in sorted(topics.items())))
+    _writable_by_image(tmp)
+    overrides = tiny_overrides(tmp, **{"data.source": str(corpus)})
+    code, out = _stage(docker_client, stage_image, tmp, "shard", "smoke", *sum((["--set", o] for o in overrides), []))
+    assert code == 0, out
+    cfg = load_recipe("smoke", overrides)
+    shards, reused = tokenize_and_shard(cfg, log=lambda s: None)
+    return tmp, shards, reused, out
+
+
+def test_tokenize_stage_runs_in_the_image_and_writes_a_shard_set_the_host_reuses(image_sharded):
+    tmp, shards, reused, out = image_sharded
+    assert reused, "the host found no complete shard set where the container wrote it"
+    assert f'"address": "{shards.address}"' in out and shards.tokens("train") > 100_000
+
+
+def test_two_containers_on_a_bridge_network_train_and_checkpoint_to_a_mounted_store(
+        docker_client, stage_image, image_sharded):
+    tmp, shards, _, _ = image_sharded
+    cfg = load_recipe("smoke", tiny_overrides(tmp, steps=12, **{"data.source": str(tmp / "corpus.jsonl"),
+        "run_name": "bridge", "launch.backend": "docker", "launch.nnodes": 2, "launch.nproc_per_node": 1,
+        "launch.docker.network": "bridge", "launch.docker.shm_size": "256m", **NO_MEMLOCK, "checkpoint.interval": 4,
+        "eval.interval": 6, "tracking.uri": f"sqlite:///{tmp / 'mlflow' / 'mlflow.db'}"}))
+    (tmp / "mlflow").mkdir(exist_ok=True)
+    lineage = tracking.open_lineage(cfg, open_store(cfg.store), attempt_info={}, resumed_from=None, start_step=0,
+                                    shard_address=shards.address, code_version="test")
+    _writable_by_image(tmp / "mlflow")
+    _writable_by_image(tmp / "store")  # open_lineage wrote runs/bridge/ as this (root) user
+    spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": lineage.to_dict()}
+    lines: list[str] = []
+    result = run_docker(cfg, spec, on_line=lines.append, image=stage_image, flow_run_id="test-bridge")
+
+    text = "\n".join(lines)
+    assert result["step"] == 12, text[-3000:]
+    assert complete_steps(open_store(cfg.store), "bridge") == [4, 8, 12]
+    # both nodes' ranks logged, with their node prefix; rank 0's metrics reached MLflow from inside
+    joined = sorted(ln.split("]")[0] for ln in lines if "of 2 joined" in ln)
+    assert joined == ["[node 0", "[node 1"], text[-3000:]
+    assert "2 ranks on cpu" in text and "network=lmyard-bridge-" in text
+    from mlflow.tracking import MlflowClient
+
+    history = MlflowClient(cfg.tracking.uri).get_metric_history(lineage.mlflow_run_id, "train/loss")
+    assert [m.step for m in history] == list(range(1, 13))
+    assert _ours(docker_client, "bridge") == ([], [])
+
+
+def test_cancelling_the_follower_removes_every_container_and_the_network(docker_client, stage_image, image_sharded):
+    tmp, shards, _, _ = image_sharded
+    cfg = load_recipe("smoke", tiny_overrides(tmp, steps=5000, **{"data.source": str(tmp / "corpus.jsonl"),
+        "run_name": "cancelled", "launch.backend": "docker", "launch.nnodes": 2, "launch.nproc_per_node": 1,
+        "launch.docker.network": "bridge", "launch.docker.shm_size": "256m", **NO_MEMLOCK, "checkpoint.interval": 1000}))
+    spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
+    seen: list[str] = []
+
+    def on_line(line: str) -> None:  # Ctrl-C (or Prefect's cancellation) arrives while steps are running
+        seen.append(line)
+        if "step 3/5000" in line:
+            assert len(_ours(docker_client, "cancelled")[0]) == 2
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_docker(cfg, spec, on_line=on_line, image=stage_image, flow_run_id="test-cancel")
+    assert _ours(docker_client, "cancelled") == ([], []), "\n".join(seen[-20:])
+
+
+def test_leftovers_of_the_same_flow_run_are_removed_and_others_kept(docker_client, stage_image):
+    mine = docker_client.containers.create(stage_image, ["true"], labels={"lmyard.run_name": "left",
+                                           "lmyard.flow_run_id": "fr-left"})
+    other = docker_client.containers.create(stage_image, ["true"], labels={"lmyard.run_name": "left",
+                                            "lmyard.flow_run_id": "fr-other"})
+    try:
+        assert remove_leftovers(docker_client, "fr-left", log=lambda s: None) == 1
+        assert [c.id for c in _ours(docker_client, "left")[0]] == [other.id]
+    finally:
+        for c in (mine, other):
+            try:
+                c.remove(force=True)
+            except Exception:  # noqa: BLE001 - already removed
+                pass
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_checkpoint(
+        docker_client, stage_image, s3_server, s3_bucket, prefect_api_url, tmp_path):
+    from prefect import flow
+
+    from tasks.train import train
+
+    # Host networking: the containers reach the S3 server on the host's 127.0.0.1, credentials via AWS_*.
+    cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=100, **{
+        "store": f"s3://{s3_bucket}/lmyard", "run_name": "killed", "launch.backend": "docker",
+        "launch.nnodes": 2, "launch.nproc_per_node": 1, "launch.docker.network": "host",
+        "launch.docker.socket_ifname": "lo", "launch.docker.rdzv_port": _free_port(),
+        "launch.docker.shm_size": "256m", **NO_MEMLOCK, "launch.docker.image": stage_image, "checkpoint.interval": 20,
+        "eval.interval": 1000, "train.log_interval": 20}))
+    shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
+    store = open_store(cfg.store)
+    killed: list[str] = []
+
+    def kill_node_1_after_the_first_checkpoint() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not killed:
+            if complete_steps(store, "killed"):
+                for c in docker_client.containers.list(filters={"label": ["lmyard.run_name=killed",
+                                                                          "lmyard.node=1"]}):
+                    c.kill()
+                    killed.append(c.name)
+            time.sleep(0.2)
+
+    @flow(name="train-only")
+    def train_only() -> dict:
+        return train.with_options(retries=1, retry_delay_seconds=0)(cfg, shards, None)
+
+    records = _Records()
+    logging.getLogger("prefect").addHandler(records)
+    killer = threading.Thread(target=kill_node_1_after_the_first_checkpoint, daemon=True)
+    killer.start()
+    try:
+        result = train_only()
+    finally:
+        logging.getLogger("prefect").removeHandler(records)
+        killer.join(timeout=5)
+    text = "\n".join(records.messages)
+    assert killed, text[-3000:]
+    assert "exited with code 137 (killed)" in text
+    resumed = [m for m in records.messages if "resuming from s3://" in m]
+    assert len(resumed) == 1 and resumed[0].startswith("[node ")
+    start = int(resumed[0].split("at step ")[1].split()[0])
+    assert 20 <= start < 100
+    assert result["step"] == 100 and complete_steps(store, "killed")[-1] == 100
+    assert _ours(docker_client, "killed") == ([], [])
+    for secret in (s3_server.env["AWS_SECRET_ACCESS_KEY"], s3_server.env["AWS_ACCESS_KEY_ID"]):
+        assert secret not in text
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
