@@ -117,8 +117,8 @@ def test_two_containers_on_a_bridge_network_train_and_checkpoint_to_a_mounted_st
         "launch.docker.network": "bridge", "launch.docker.shm_size": "256m", **NO_MEMLOCK, "checkpoint.interval": 4,
         "eval.interval": 6, "tracking.uri": f"sqlite:///{tmp / 'mlflow' / 'mlflow.db'}"}))
     (tmp / "mlflow").mkdir(exist_ok=True)
-    lineage = tracking.open_lineage(cfg, open_store(cfg.store), attempt_info={}, resumed_from=None, start_step=0,
-                                    shard_address=shards.address, code_version="test")
+    lineage = tracking.open_lineage(cfg, open_store(cfg.store), shard_address=shards.address, code_version="test")
+    lineage = tracking.record_attempt(lineage, resumed_from=None, start_step=0, info={})
     _writable_by_image(tmp / "mlflow")
     _writable_by_image(tmp / "store")  # open_lineage wrote runs/bridge/ as this (root) user
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": lineage.to_dict()}
@@ -195,9 +195,13 @@ def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_che
         "launch.nnodes": 2, "launch.nproc_per_node": 1, "launch.docker.network": "host",
         "launch.docker.socket_ifname": "lo", "launch.docker.rdzv_port": _free_port(),
         "launch.docker.shm_size": "256m", **NO_MEMLOCK, "launch.docker.image": stage_image, "checkpoint.interval": 20,
-        "eval.interval": 1000, "train.log_interval": 20}))
+        "eval.interval": 1000, "train.log_interval": 20,
+        "tracking.uri": f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}"}))
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     store = open_store(cfg.store)
+    (tmp_path / "mlflow").mkdir()
+    lineage = tracking.open_lineage(cfg, store, shard_address=shards.address, code_version="test")
+    _writable_by_image(tmp_path / "mlflow")  # rank 0 logs metrics into it from its container
     killed: list[str] = []
 
     def kill_node_1_after_the_first_checkpoint() -> None:
@@ -212,7 +216,7 @@ def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_che
 
     @flow(name="train-only")
     def train_only() -> dict:
-        return train.with_options(retries=1, retry_delay_seconds=0)(cfg, shards, None)
+        return train.with_options(retries=1, retry_delay_seconds=0)(cfg, shards, lineage)
 
     records = _Records()
     logging.getLogger("prefect").addHandler(records)
@@ -226,8 +230,8 @@ def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_che
     text = "\n".join(records.messages)
     assert killed, text[-3000:]
     assert "exited with code 137 (killed)" in text
-    resumed = [m for m in records.messages if "resuming from s3://" in m]
-    assert len(resumed) == 1 and resumed[0].startswith("[node ")
+    resumed = [m for m in records.messages if m.startswith("[node ") and "resuming from s3://" in m]
+    assert len(resumed) == 1
     start = int(resumed[0].split("at step ")[1].split()[0])
     assert 20 <= start < 100
     assert result["step"] == 100 and complete_steps(store, "killed")[-1] == 100
