@@ -41,6 +41,8 @@ def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: tracking.L
     logger.info(f"step {step}: val loss {result['val_loss']:.4f}"
                 + (f", HellaSwag acc {hs['acc']:.3f} acc_norm {hs['acc_norm']:.3f} ({hs['n']} examples)" if hs else "")
                 + f" in {result['eval_s']:.1f} s on {result['device']} ({result['checkpoint']})")
+    for sample in result.get("samples", []):
+        logger.info(f"step {step} sample: {sample['prompt']!r} -> {sample['completion'][:160]!r}")
     return result
 
 
