@@ -66,12 +66,26 @@ def lmyard_cmd(*args: str) -> list[str]:
 
 # ---------------------------------------------------------------- S3: a real S3-compatible HTTP server
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for_http(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path | None = None) -> None:
+    """Poll `url` until it answers; fail with the server's log if it exits or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = log_path.read_text()[-3000:] if log_path else ""
+                raise RuntimeError(f"{url} did not answer:\n{tail}") from None
+            time.sleep(0.2)
 
 
 class S3Server:
@@ -122,22 +136,14 @@ def s3_server():
     (test-only) keys go into AWS_* for the session. Every later request is
     authenticated and authorized, so tests can make users that get AccessDenied.
     """
-    port = _free_port()
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}
     # `python -m moto.server` is `moto_server`, found through this interpreter whether or not a venv is on PATH
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not answer on {endpoint}") from None
-                time.sleep(0.1)
+        wait_for_http(f"{endpoint}/moto-api/", proc, 30)
         server = S3Server(endpoint)
         import boto3
 
@@ -185,7 +191,7 @@ def mlflow_server(s3_server, tmp_path_factory):
     """
     tmp = tmp_path_factory.mktemp("mlflow-server")
     bucket = s3_server.new_bucket("mlflow")
-    port = _free_port()
+    port = free_port()
     uri = f"http://127.0.0.1:{port}"
     env = {**os.environ, **s3_server.env, "MLFLOW_S3_ENDPOINT_URL": s3_server.endpoint}
     log = open(tmp / "server.log", "w")
@@ -194,16 +200,7 @@ def mlflow_server(s3_server, tmp_path_factory):
          "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}", "--artifacts-destination", f"s3://{bucket}/mlartifacts"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"{uri}/health", timeout=2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"mlflow server did not answer on {uri}:\n"
-                                       + (tmp / "server.log").read_text()[-3000:]) from None
-                time.sleep(0.5)
+        wait_for_http(f"{uri}/health", proc, 120, tmp / "server.log")
         with pytest.MonkeyPatch.context() as mp:
             # The server offers clients presigned S3 URLs for downloads; against the moto server
             # (IAM enforced) those GETs fail and the client retries with long backoffs. Download

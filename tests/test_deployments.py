@@ -5,27 +5,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, free_port, wait_for_http
 from lmyard.checkpoint import complete_steps
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
 PREFECT = [sys.executable, "-m", "prefect"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -42,7 +33,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def prefect_stack(tmp_path_factory):
     """A Prefect server (sqlite) and a worker on the lmyard-process pool, with the repo's deployments."""
     tmp = tmp_path_factory.mktemp("prefect-stack")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect-home"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "1",
            "PREFECT_WORKER_PREFETCH_SECONDS": "1", "LMYARD_CACHE": str(tmp / "cache"), "PYTHONUNBUFFERED": "1", "LMYARD_IMAGE": "lmyard-stage:test",
@@ -52,14 +43,7 @@ def prefect_stack(tmp_path_factory):
     procs.append(subprocess.Popen([*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
                                   stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True))
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2).close()
-                break
-            except OSError:
-                assert time.time() < deadline and procs[0].poll() is None, (tmp / "server.log").read_text()[-3000:]
-                time.sleep(0.5)
+        wait_for_http(f"http://127.0.0.1:{port}/api/health", procs[0], 120, tmp / "server.log")
         run = lambda *args: subprocess.run([*PREFECT, *args], env=env, cwd=REPO, capture_output=True,  # noqa: E731
                                            text=True, timeout=300)
         for pool, kind in (("lmyard-process", "process"), ("lmyard-docker", "docker")):

@@ -14,11 +14,10 @@ import time
 
 import pytest
 
-from conftest import tiny_overrides
+from conftest import free_port, tiny_overrides
 from lmyard import tracking
 from lmyard.checkpoint import complete_steps
 from lmyard.config import load_recipe
-from lmyard.launch import TrainingFailed
 from lmyard.launch_docker import remove_leftovers, run_docker
 from lmyard.sharding import tokenize_and_shard
 from lmyard.store import open_store
@@ -193,7 +192,7 @@ def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_che
     cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=100, **{
         "store": f"s3://{s3_bucket}/lmyard", "run_name": "killed", "launch.backend": "docker",
         "launch.nnodes": 2, "launch.nproc_per_node": 1, "launch.docker.network": "host",
-        "launch.docker.socket_ifname": "lo", "launch.docker.rdzv_port": _free_port(),
+        "launch.docker.socket_ifname": "lo", "launch.docker.rdzv_port": free_port(),
         "launch.docker.shm_size": "256m", **NO_MEMLOCK, "launch.docker.image": stage_image, "checkpoint.interval": 20,
         "eval.interval": 1000, "train.log_interval": 20,
         "tracking.uri": f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}"}))
@@ -238,11 +237,3 @@ def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_che
     assert _ours(docker_client, "killed") == ([], [])
     for secret in (s3_server.env["AWS_SECRET_ACCESS_KEY"], s3_server.env["AWS_ACCESS_KEY_ID"]):
         assert secret not in text
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

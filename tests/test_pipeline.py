@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -12,7 +11,7 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import REPO, lmyard_cmd, tiny_overrides
+from conftest import lmyard_cmd, tiny_overrides
 from lmyard.checkpoint import complete_steps
 from lmyard.config import load_recipe
 from lmyard.store import open_store
