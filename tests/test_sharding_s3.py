@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from conftest import REPO, _free_port
+from conftest import REPO, free_port
 from lmyard import sharding
 from lmyard import shards as fmt
 from lmyard.config import load_recipe
@@ -165,7 +165,7 @@ def test_missing_source_bucket_is_a_user_error(s3_server, tmp_path):
 
 
 def test_unreachable_endpoint_is_a_user_error(s3_server, tmp_path, monkeypatch):
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     cfg = load_recipe("smoke", ["store=s3://any-bucket/lmyard", "data.max_documents=20"])
     with pytest.raises(UserError, match="cannot reach the S3 endpoint http://127.0.0.1:.*check AWS_ENDPOINT_URL"):
         tokenize_and_shard(cfg, log=lambda s: None, cache_dir=str(tmp_path / "cache"))
