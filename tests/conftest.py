@@ -74,6 +74,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """End a server started with start_new_session=True: SIGTERM to its group, then SIGKILL to what is left
+    (servers such as `mlflow server` leave worker processes behind their parent)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    proc.wait()
+
+
 def wait_for_http(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path | None = None) -> None:
     """Poll `url` until it answers; fail with the server's log if it exits or the time runs out."""
     deadline = time.monotonic() + timeout_s
@@ -157,14 +172,7 @@ def s3_server():
                 mp.setenv(k, v)
             yield server
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc, 10)
 
 
 @pytest.fixture
@@ -208,16 +216,5 @@ def mlflow_server(s3_server, tmp_path_factory):
             mp.setenv("MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD", "false")
             yield MLflowServer(uri, f"s3://{bucket}/mlartifacts")
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=15)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # workers that outlived the server
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        stop_group(proc, 15)
         log.close()

@@ -4,29 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, wait_for_http
+from conftest import REPO, free_port, stop_group, wait_for_http
 from lmyard.checkpoint import complete_steps
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
 PREFECT = [sys.executable, "-m", "prefect"]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +46,7 @@ def prefect_stack(tmp_path_factory):
         yield tmp, run, worker_log
     finally:
         for p in reversed(procs):
-            _stop(p)
+            stop_group(p, 20)
 
 
 def _config(tmp: Path, corpus: Path, steps: int) -> dict:
