@@ -139,6 +139,9 @@ class TrainConfig(_Section):
         None, gt=0, description="CPU threads per rank; default: cores / local ranks."
     )
     log_interval: int = Field(20, gt=0, description="Steps between metric logs (and divergence checks).")
+    ddp_bucket_mb: float = Field(
+        25.0, gt=0, description="DDP gradient bucket size (MB): each bucket's all-reduce starts as soon as its "
+        "gradients are ready, overlapping the rest of backward.")
     guard: GuardConfig = Field(default_factory=GuardConfig)
 
 

@@ -34,7 +34,7 @@ from lmyard.errors import UserError
 from lmyard.model import GPT, GPTConfig
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
-from lmyard.tracking import Lineage, MetricsSink, MLflowSink, NullSink
+from lmyard.tracking import Lineage, MetricsSink, MLflowSink, NullSink, system_metrics
 from lmyard.watchdog import Heartbeat
 
 # Dense bf16 peak FLOP/s per GPU for MFU (vendor datasheets, SXM parts, no sparsity).
@@ -280,11 +280,15 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
             cursor = new_data_cursor(ckpt.state, train_data, d)
     del ckpt
 
+    # DDP first, then compile: dynamo splits the compiled graph at DDP's bucket boundaries, so each bucket's
+    # all-reduce overlaps the rest of backward (compiling the bare model makes backward one opaque graph whose
+    # gradients all arrive at its end).
     model: torch.nn.Module = raw_model
+    if d.world > 1:
+        model = DDP(model, device_ids=[d.local_rank] if cuda else None, gradient_as_bucket_view=True,
+                    bucket_cap_mb=t.ddp_bucket_mb)
     if t.compile if t.compile is not None else cuda:
         model = torch.compile(model)
-    if d.world > 1:
-        model = DDP(model, device_ids=[d.local_rank] if cuda else None, gradient_as_bucket_view=True)
     autocast = ComputeContext(cuda, cfg.model.attention)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -450,6 +454,15 @@ def read_spec(argv: list[str] | None) -> dict:
     parser.error("give --spec PATH or set LMYARD_SPEC")
 
 
+def node_system_metrics(cfg: RunConfig, lineage: Lineage | None, d: Dist):
+    """On each node's local rank 0: CPU, memory, disk, network and GPU metrics of this node, as
+    `system/node<N>/...` in the lineage's run (N: torchrun's node rank, stable across attempts)."""
+    if lineage is None or d.local_rank != 0 or not cfg.tracking.system_metrics:
+        return contextlib.nullcontext()
+    return system_metrics(lineage, node_id=f"node{os.environ.get('GROUP_RANK', '0')}",
+                          interval_s=cfg.tracking.system_metrics_interval_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     spec = read_spec(argv)
     cfg = RunConfig.model_validate(spec["config"])
@@ -465,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if d.is_main and lineage is not None:
             sink = MLflowSink(lineage.tracking_uri, lineage.mlflow_run_id)
-        result = train(cfg, shards, lineage, d, sink)
+        with node_system_metrics(cfg, lineage, d):
+            result = train(cfg, shards, lineage, d, sink)
         if d.is_main:
             print("result " + json.dumps(result), flush=True)
         return 0

@@ -33,8 +33,7 @@ def train(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage) -> dic
     spec = {"config": config.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": lineage.to_dict()}
     on_line = _with_progress(config, logger.info)
     try:
-        with _system_metrics(config, lineage):
-            result = _launch(config, spec, on_line)
+        result = _launch(config, spec, on_line)
     except BaseException as e:
         tracking.end_attempt(lineage, "failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         raise
@@ -60,16 +59,6 @@ def _record_attempt(config: RunConfig, lineage: tracking.Lineage) -> tracking.Li
         info={"flow_run_id": flow_run.get_id() or "", "flow_run_count": flow_run.get_run_count(),
               "task_run_count": task_run.get_run_count(), "nodes": config.launch.nnodes,
               "world_size": config.world_size(), "host": socket.gethostname()})
-
-
-def _system_metrics(config: RunConfig, lineage: tracking.Lineage):
-    import contextlib
-
-    if not config.tracking.system_metrics:
-        return contextlib.nullcontext()
-    # this launcher's node; with launch.nnodes > 1 every node's launcher logs its own series
-    return tracking.system_metrics(lineage, node_id=socket.gethostname(),
-                                   interval_s=config.tracking.system_metrics_interval_s)
 
 
 def _with_progress(config: RunConfig, log):

@@ -2,6 +2,7 @@
 
     python tests/benchmarks/bench_eval_overhead.py                  # CPU: trainer on core 0, evaluator on core 1
     python tests/benchmarks/bench_eval_overhead.py --gpu            # GPT-2 124M on cuda:0, evaluator on cuda:1
+                                                                    # (random-token shards; r50k_base for samples)
     python tests/benchmarks/bench_eval_overhead.py --set train.max_steps=600 --repeats 3
 
 Each repeat trains the same run twice from scratch (a fresh run_name each time),
@@ -37,8 +38,9 @@ sys.path.insert(0, str(REPO))
 from lmyard import checkpoint  # noqa: E402
 from lmyard.config import load_recipe  # noqa: E402
 from lmyard.launch import run_local  # noqa: E402
-from lmyard.sharding import tokenize_and_shard  # noqa: E402
+from lmyard.shards import ShardSet  # noqa: E402
 from lmyard.store import open_store  # noqa: E402
+from random_shards import make_shards  # noqa: E402
 
 STEP_LINE = re.compile(r"^step (\d+)/\d+ \|.*\| ([\d,]+) tok/s")
 
@@ -107,7 +109,12 @@ def main() -> int:
     os.environ.setdefault("LMYARD_CACHE", str(tmp / "cache"))
     values = {**(GPU if args.gpu else CPU), "store": str(tmp / "store")}
     base = [f"{k}={v}" for k, v in values.items()] + args.overrides
-    shards, _ = tokenize_and_shard(load_recipe("smoke", base), log=lambda s: None)
+    if args.gpu:  # random GPT-2 token ids: the cost of evaluation does not depend on the text
+        shards = ShardSet.from_dict(make_shards(tmp / "store", 64 * 1024 * 1024))
+    else:
+        from lmyard.sharding import tokenize_and_shard
+
+        shards, _ = tokenize_and_shard(load_recipe("smoke", base), log=lambda s: None)
     cpus = sorted(os.sched_getaffinity(0))
     trainer_cpus = evaluator_cpus = None
     if not args.gpu and len(cpus) >= 2:

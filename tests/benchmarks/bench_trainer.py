@@ -25,32 +25,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from lmyard import shards as fmt  # noqa: E402
 from lmyard.config import load_recipe  # noqa: E402
+from random_shards import make_shards  # noqa: E402
 
 STEP_LINE = re.compile(r"step (\d+)/\d+ \| .* \| ([\d,]+) tok/s \| ([\d.]+) ms/step \| data wait ([\d.]+)%(?: \| mfu ([\d.]+)%)?")
-
-
-def make_shards(store: Path, tokens: int) -> dict:
-    """A shard set of uniformly random GPT-2 token ids, written straight in the store layout."""
-    rng = np.random.default_rng(0)
-    address = "bench-random-r50k"
-    prefix = store / "shards" / address
-    prefix.mkdir(parents=True, exist_ok=True)
-    files = []
-    for split, n in (("train", tokens), ("val", 1 << 20)):
-        path = prefix / f"{split}_000000.bin"
-        fmt.write_shard(path, rng.integers(0, 50257, n, dtype=np.int64), fmt.VERSION_U16)
-        files.append({"name": path.name, "split": split, "tokens": n, "bytes": path.stat().st_size,
-                      "sha256": fmt.sha256_file(path)})
-    manifest = {"address": address, "tokenizer": {"name": "r50k_base", "n_vocab": 50257}, "shards": files}
-    (prefix / "manifest.json").write_text(json.dumps(manifest))
-    return {"address": address, "uri": str(prefix), "manifest": manifest}
 
 
 def run_reference(ref: str, gpus: int, batch: int, steps: int) -> dict:
