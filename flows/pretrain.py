@@ -9,6 +9,7 @@ from tasks.evaluate import evaluate_checkpoint, new_checkpoints
 from tasks.finish import finish
 from tasks.lineage import close_lineage, ended_status, lineage_crashed, lineage_killed, open_lineage
 from tasks.register import register_model
+from tasks.retention import retain_checkpoints
 from tasks.shard import tokenize_and_shard
 from tasks.train import stop_training, train
 
@@ -22,9 +23,11 @@ def pretrain(config: RunConfig = RunConfig()) -> dict:
         # training runs in a worker thread; each new checkpoint is evaluated meanwhile, in a process of its own
         training = train.with_options(retries=config.launch.retries).submit(config, shards, lineage)
         for step in new_checkpoints(config, lineage, training):
-            evaluate_checkpoint(config, shards, lineage, step, return_state=True)  # a failed eval does not stop training
+            evaluated = evaluate_checkpoint(config, shards, lineage, step, return_state=True)  # a failure does not stop training
+            retain_checkpoints(config, step, evaluated.is_completed())  # retention waits for each evaluation
         trained = training.result()
         final = evaluate_checkpoint(config, shards, lineage, trained["step"])
+        retain_checkpoints(config, trained["step"], True, final=True)
         model = register_model(config, shards, lineage, final)
     except BaseException as exc:
         stop_training()

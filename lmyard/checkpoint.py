@@ -369,10 +369,10 @@ class AsyncCheckpointer:
 
 # ---------------------------------------------------------------- reading
 
-def complete_steps(store: Store, run_name: str) -> list[int]:
-    """Steps that have a manifest, oldest first."""
+def complete_steps(store: Store, run_name: str, keys: list[str] | None = None) -> list[int]:
+    """Steps that have a manifest, oldest first (`keys`: a listing of the checkpoints prefix already made)."""
     steps = set()
-    for key in store.list(checkpoints_prefix(run_name)):
+    for key in store.list(checkpoints_prefix(run_name)) if keys is None else keys:
         parent, _, name = key.rpartition("/")
         m = _STEP_DIR.search(parent)
         if name == MANIFEST and m:

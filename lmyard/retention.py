@@ -4,7 +4,12 @@ Kept: the last `keep_last` complete checkpoints (at least 2: the newest may
 still be in use by a reader while the next is written), every step that is a
 multiple of `keep_every`, the one with the lowest validation loss
 (`keep_best`), and every step listed in `runs/<run>/protected.json`
-(`{"steps": [...]}`, written when a registered model points at a checkpoint).
+(`{"steps": [...]}`, written when a registered model points at a checkpoint),
+and, while the pretrain flow evaluates checkpoints (`hold_for_eval`), every
+checkpoint it has not released yet: the flow writes `evaluated.json` into a
+checkpoint's folder once its evaluation ended (passed or failed) and then
+applies retention itself (the trainer does not, so there is one deleter), so an
+evaluator that falls behind still finds each checkpoint it has to score.
 Everything else is deleted: its manifest first, so a half-deleted checkpoint
 never looks complete, then its files. Folders without a manifest (an upload
 cut short) older than the newest complete checkpoint are deleted too.
@@ -14,12 +19,14 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 from lmyard.checkpoint import MANIFEST, checkpoints_prefix, complete_steps, read_manifest, step_prefix
 from lmyard.config import CheckpointConfig
 from lmyard.store import Store
 
 _STEP = re.compile(r"/step_(\d{8})/")
+EVALUATED = "evaluated.json"
 
 
 def protected_steps(store: Store, run_name: str) -> set[int]:
@@ -27,11 +34,16 @@ def protected_steps(store: Store, run_name: str) -> set[int]:
     return set(json.loads(store.read_bytes(key)).get("steps", [])) if store.exists(key) else set()
 
 
+def mark_evaluated(store: Store, run_name: str, step: int, ok: bool) -> None:
+    """Release checkpoint `step` for retention: its evaluation has ended (`ok`: it succeeded)."""
+    store.write_bytes(f"{step_prefix(run_name, step)}/{EVALUATED}", json.dumps({"ok": ok, "time": time.time()}).encode())
+
+
 def plan(steps: list[int], val_loss: dict[int, float | None], policy: CheckpointConfig,
-         protected: set[int] = frozenset()) -> tuple[list[int], list[int]]:
-    """(kept, deleted) steps of `steps` under the policy."""
+         protected: set[int] = frozenset(), held: set[int] = frozenset()) -> tuple[list[int], list[int]]:
+    """(kept, deleted) steps of `steps` under the policy; `protected` and `held` steps are always kept."""
     steps = sorted(steps)
-    keep = set(steps[-policy.keep_last:]) | (set(steps) & set(protected))
+    keep = set(steps[-policy.keep_last:]) | (set(steps) & (set(protected) | set(held)))
     if policy.keep_every:
         keep |= {s for s in steps if s % policy.keep_every == 0}
     scored = {s: v for s, v in val_loss.items() if s in steps and v is not None}
@@ -40,16 +52,24 @@ def plan(steps: list[int], val_loss: dict[int, float | None], policy: Checkpoint
     return sorted(keep), [s for s in steps if s not in keep]
 
 
-def apply(store: Store, run_name: str, policy: CheckpointConfig) -> list[int]:
-    """Delete what the policy does not keep; returns the deleted steps."""
-    steps = complete_steps(store, run_name)
+def apply(store: Store, run_name: str, policy: CheckpointConfig, hold_for_eval: bool = False) -> list[int]:
+    """Delete what the policy does not keep; returns the deleted steps.
+
+    With `hold_for_eval`, checkpoints without an `evaluated.json` are kept (an evaluator still needs them).
+    """
+    keys = store.list(checkpoints_prefix(run_name))
+    steps = complete_steps(store, run_name, keys)
     val = {s: read_manifest(store, run_name, s).get("val_loss") for s in steps}
-    _, delete = plan(steps, val, policy, protected_steps(store, run_name))
+    held = set()
+    if hold_for_eval:
+        released = {int(m.group(1)) for k in keys if k.endswith(f"/{EVALUATED}") and (m := _STEP.search(f"/{k}"))}
+        held = set(steps) - released
+    _, delete = plan(steps, val, policy, protected_steps(store, run_name), held)
     for s in delete:
         store.delete(f"{step_prefix(run_name, s)}/{MANIFEST}")
         store.delete(step_prefix(run_name, s))
     if steps:  # leftovers of uploads cut short, older than the newest complete checkpoint
-        partial = {int(m.group(1)) for k in store.list(checkpoints_prefix(run_name)) if (m := _STEP.search(f"/{k}"))}
+        partial = {int(m.group(1)) for k in keys if (m := _STEP.search(f"/{k}"))}
         for s in sorted(partial - set(steps)):
             if s < steps[-1]:
                 store.delete(step_prefix(run_name, s))

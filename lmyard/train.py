@@ -3,7 +3,8 @@
     torchrun --nproc_per_node=8 -m lmyard.train --spec spec.json
 
 The spec (a JSON file, or the LMYARD_SPEC environment variable) holds the
-run config, the shard set and the lineage. `train()` reads top to bottom:
+run config, the shard set, the lineage and `hold_for_eval` (the flow evaluates
+every checkpoint and applies retention itself). `train()` reads top to bottom:
 set up -> resume -> loop { lr -> micro-steps -> clip -> step -> check & log
 -> evaluate -> checkpoint }. It resumes from the newest complete checkpoint
 of `runs/<run_name>` in the store, exactly: weights, AdamW state, step, data
@@ -229,7 +230,10 @@ class Guard:
         return None
 
 
-def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, sink: MetricsSink) -> dict:
+def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, sink: MetricsSink,
+          hold_for_eval: bool = False) -> dict:
+    """Train to cfg.train.max_steps. `hold_for_eval`: the flow evaluates every checkpoint and applies retention
+    itself after each evaluation (one deleter; no checkpoint removed before it is evaluated)."""
     t = cfg.train
     store = open_store(cfg.store)
     cache = default_cache_dir()
@@ -302,11 +306,14 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
               f"{t.batch_tokens:,} tokens/step = {t.micro_batch} seq * {T} tokens * {d.world} ranks * {accum} "
               f"micro-steps", flush=True)
 
+    def committed(s: int, uri: str) -> None:
+        print(f"checkpoint step {s} committed -> {uri}", flush=True)
+        if not hold_for_eval:  # else the flow applies retention as it finishes evaluating each checkpoint
+            retention.apply(store, cfg.run_name, cfg.checkpoint)
+
     checkpointer = AsyncCheckpointer(
         store, cfg.run_name, os.path.join(cache, "staging"), max_pending=cfg.checkpoint.max_pending,
-        retries=cfg.checkpoint.upload_retries,
-        on_commit=lambda s, uri: (print(f"checkpoint step {s} committed -> {uri}", flush=True),
-                                  retention.apply(store, cfg.run_name, cfg.checkpoint))) if d.is_main else None
+        retries=cfg.checkpoint.upload_retries, on_commit=committed) if d.is_main else None
 
     def save(val_loss: float | None, train_loss: float | None) -> None:
         """Every rank hands in its RNG state; rank 0 snapshots the state and returns (upload in background)."""
@@ -479,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         if d.is_main and lineage is not None:
             sink = MLflowSink(lineage.tracking_uri, lineage.mlflow_run_id)
         with node_system_metrics(cfg, lineage, d):
-            result = train(cfg, shards, lineage, d, sink)
+            result = train(cfg, shards, lineage, d, sink, hold_for_eval=spec.get("hold_for_eval", False))
         if d.is_main:
             print("result " + json.dumps(result), flush=True)
         return 0

@@ -30,7 +30,9 @@ def train(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage) -> dic
     lineage = _record_attempt(config, lineage)
     logger.info(f"attempt {lineage.attempt} of lineage {config.run_name}: "
                 + (f"resuming from {lineage.resumed_from}" if lineage.resumed_from else "starting fresh"))
-    spec = {"config": config.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": lineage.to_dict()}
+    # the flow evaluates every checkpoint: retention keeps each one until its evaluation has ended
+    spec = {"config": config.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": lineage.to_dict(),
+            "hold_for_eval": True}
     on_line = _with_progress(config, logger.info)
     try:
         result = _launch(config, spec, on_line)

@@ -165,6 +165,23 @@ def test_retention_deletes_exactly_what_the_policy_says_on_s3(s3_server, tmp_pat
         s3_server.remove_bucket(bucket)
 
 
+def test_retention_holds_checkpoints_until_their_evaluation_has_ended(s3_server, tmp_path):
+    bucket = s3_server.new_bucket()
+    try:
+        store = open_store(f"s3://{bucket}/p")
+        for step, loss in {1: 3.0, 2: 2.5, 3: 2.0, 4: 1.9, 5: 1.8}.items():
+            _save_local(store, "r", step, loss, staging=str(tmp_path / "stage"))
+        policy = CheckpointConfig(keep_last=2, keep_best=True)
+        retention.mark_evaluated(store, "r", 1, ok=True)
+        retention.mark_evaluated(store, "r", 2, ok=False)  # a failed evaluation releases its checkpoint too
+        assert retention.apply(store, "r", policy, hold_for_eval=True) == [1, 2]
+        assert checkpoint.complete_steps(store, "r") == [3, 4, 5]  # 3 is past the policy but not evaluated yet
+        assert retention.apply(store, "r", policy) == [3]  # the plain policy, after the last evaluation
+        assert checkpoint.load_latest(store, "r", str(tmp_path / "cache")).step == 5
+    finally:
+        s3_server.remove_bucket(bucket)
+
+
 def test_retention_plan_keeps_last_every_best_and_protected():
     steps = [10, 20, 30, 40, 50]
     keep, delete = retention.plan(steps, {10: 1.0, 20: 0.5, 30: 0.7, 40: 0.9, 50: 0.8},

@@ -60,7 +60,8 @@ def test_killed_training_is_retried_as_one_mlflow_run_with_two_attempts(
         "tracking.experiment": "lineage-tests", "tracking.registered_model": run_name,
         "tracking.system_metrics_interval_s": 1, "launch.retries": 1, "launch.nproc_per_node": 1,
         "train.threads_per_rank": 1, "checkpoint.interval": 50, "eval.interval": 50, "train.log_interval": 1, "eval.threads": 1,
-        "eval.poll_s": 0.5, "eval.hellaswag": str(HELLASWAG), "eval.gates.val_loss_max": 50}))
+        "eval.poll_s": 0.5, "eval.hellaswag": str(HELLASWAG), "eval.gates.val_loss_max": 50,
+        "checkpoint.keep_last": 2}))
     store = open_store(cfg.store)
     killed: list[int] = []
     killer = threading.Thread(target=_kill_training_after, args=(store, run_name, cfg.tracking.uri, 50, killed), daemon=True)
@@ -97,6 +98,10 @@ def test_killed_training_is_retried_as_one_mlflow_run_with_two_attempts(
     evaluated = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/val_loss")}
     assert sorted(evaluated) == [50, 100, 150, 200]
     assert evaluated == {s: pytest.approx(val[s], rel=1e-5) for s in evaluated}
+    # retention ran in the flow after each evaluation: the last two and the best are left, each evaluated
+    best = min(evaluated, key=lambda s: (val[s], -s))  # the trainer's val loss, as in the manifests
+    assert complete_steps(store, run_name) == sorted({150, 200, best})
+    assert all(store.exists(f"{step_prefix(run_name, s)}/evaluated.json") for s in complete_steps(store, run_name))
     acc_norm = client.get_metric_history(run.info.run_id, "eval/hellaswag_acc_norm")
     assert sorted(m.step for m in acc_norm) == [50, 100, 150, 200]
     assert all(0 <= m.value <= 1 for m in acc_norm)

@@ -47,17 +47,18 @@ STEP_LINE = re.compile(r"^step (\d+)/\d+ \|.*\| ([\d,]+) tok/s")
 CPU = {"train.max_steps": 300, "train.batch_tokens": 2048, "train.micro_batch": 8, "train.log_interval": 5,
        "train.threads_per_rank": 1, "train.device": "cpu", "model.n_layer": 4, "model.n_embd": 128, "model.n_head": 4,
        "model.block_size": 128, "launch.nproc_per_node": 1, "checkpoint.interval": 50, "eval.interval": 50,
-       "eval.val_tokens": 16384, "eval.sample_tokens": 64, "eval.device": "cpu", "eval.threads": 1}
+       "eval.val_tokens": 16384, "eval.sample_tokens": 64, "eval.device": "cpu", "eval.threads": 1,
+       "checkpoint.keep_last": 100}
 # 16 seq * 1024 tokens * 4 micro-steps = 65,536 tokens/step on one GPU
 GPU = {"train.max_steps": 400, "train.batch_tokens": 65536, "train.micro_batch": 16, "train.log_interval": 10,
        "train.device": "cuda", "model.preset": "gpt2-124m", "launch.nproc_per_node": 1,
-       "checkpoint.interval": 50, "eval.interval": 50, "eval.device": "cuda:1"}
+       "checkpoint.interval": 50, "eval.interval": 50, "eval.device": "cuda:1", "checkpoint.keep_last": 100}
 
 
 def measure(cfg, shards, with_eval: bool, warmup_steps: int, evaluator_cpus: set[int] | None) -> dict:
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
     store = open_store(cfg.store)
-    stop, evaluated, eval_s = threading.Event(), [], []
+    stop, evaluated, failed, eval_s = threading.Event(), [], [], []
 
     def evaluator() -> None:
         if evaluator_cpus:
@@ -70,10 +71,15 @@ def measure(cfg, shards, with_eval: bool, warmup_steps: int, evaluator_cpus: set
                 for step in checkpoint.complete_steps(store, cfg.run_name):
                     if step not in evaluated and not stop.is_set():
                         t0 = time.perf_counter()
-                        subprocess.run([sys.executable, "-m", "lmyard.evals", "--spec", spec_path, "--step", str(step),
-                                        "--out", out], check=True, capture_output=True, cwd=REPO)
-                        eval_s.append(time.perf_counter() - t0)
-                        evaluated.append(step)
+                        proc = subprocess.run([sys.executable, "-m", "lmyard.evals", "--spec", spec_path, "--step",
+                                               str(step), "--out", out], capture_output=True, text=True, cwd=REPO)
+                        if proc.returncode:
+                            print(f"evaluation of step {step} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}",
+                                  file=sys.stderr, flush=True)
+                            failed.append(step)
+                        else:
+                            eval_s.append(time.perf_counter() - t0)
+                            evaluated.append(step)
                 stop.wait(1.0)
 
     thread = threading.Thread(target=evaluator, daemon=True)
@@ -94,7 +100,7 @@ def measure(cfg, shards, with_eval: bool, warmup_steps: int, evaluator_cpus: set
         stop.set()
         thread.join()
     return {"with_eval": with_eval, "tokens_per_s": statistics.median(rates), "samples": len(rates),
-            "wall_s": round(wall, 1), "evaluations": len(evaluated),
+            "wall_s": round(wall, 1), "evaluations": len(evaluated), "failed": failed,
             "eval_s_mean": round(statistics.mean(eval_s), 2) if eval_s else None}
 
 

@@ -1,0 +1,26 @@
+"""Checkpoint retention in the flow: release each evaluated checkpoint, then delete what the policy drops."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from lmyard import retention
+from lmyard.config import RunConfig
+from lmyard.store import open_store
+
+
+@task(name="retain-checkpoints", cache_policy=NO_CACHE, task_run_name="retain-after-step-{step}", retries=2,
+      retry_delay_seconds=5)
+def retain_checkpoints(config: RunConfig, step: int, evaluated: bool, final: bool = False) -> list[int]:
+    """Mark checkpoint `step` as evaluated (or its evaluation as failed) and apply checkpoint retention.
+
+    While training runs, checkpoints not yet evaluated are kept; `final` (after the last evaluation)
+    applies the plain policy, so nothing stays held by an evaluation that never ended.
+    """
+    store = open_store(config.store)
+    retention.mark_evaluated(store, config.run_name, step, evaluated)
+    deleted = retention.apply(store, config.run_name, config.checkpoint, hold_for_eval=not final)
+    if deleted:
+        get_run_logger().info(f"retention deleted checkpoints {deleted} of {config.run_name}")
+    return deleted
