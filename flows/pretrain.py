@@ -24,10 +24,11 @@ def pretrain(config: RunConfig = RunConfig()) -> dict:
         training = train.with_options(retries=config.launch.retries).submit(config, shards, lineage)
         for step in new_checkpoints(config, lineage, training):
             evaluated = evaluate_checkpoint(config, shards, lineage, step, return_state=True)  # a failure does not stop training
-            retain_checkpoints(config, step, evaluated.is_completed())  # retention waits for each evaluation
+            # retention waits for each evaluation; a store hiccup here only delays deletion, never stops training
+            retain_checkpoints(config, step, evaluated.is_completed(), return_state=True)
         trained = training.result()
         final = evaluate_checkpoint(config, shards, lineage, trained["step"])
-        retain_checkpoints(config, trained["step"], True, final=True)
+        retain_checkpoints(config, trained["step"], True, final=True, return_state=True)
         model = register_model(config, shards, lineage, final)
     except BaseException as exc:
         stop_training()
