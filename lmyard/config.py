@@ -168,7 +168,8 @@ class EvalConfig(_Section):
         "cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
         description="Where checkpoint evaluation runs: `cpu`, or a spare GPU (`cuda:N`) so it does not slow training.")
     threads: int | None = Field(None, gt=0, description="CPU threads of the evaluator; default: torch's default.")
-    watch: bool = Field(True, description="Evaluate each new checkpoint while training runs (else every checkpoint after training ends).")
+    watch: bool = Field(
+        True, description="Evaluate each new checkpoint while training runs (else every checkpoint after training ends).")
     poll_s: float = Field(5.0, gt=0, description="Seconds between looks at the store for new checkpoints.")
     hellaswag: str | None = Field(
         None, description="HellaSwag-format multiple choice (ctx, endings, label): a JSONL path or s3:// URI, "
