@@ -114,7 +114,8 @@ def test_two_containers_on_a_bridge_network_train_and_checkpoint_to_a_mounted_st
     cfg = load_recipe("smoke", tiny_overrides(tmp, steps=12, **{"data.source": str(tmp / "corpus.jsonl"),
         "run_name": "bridge", "launch.backend": "docker", "launch.nnodes": 2, "launch.nproc_per_node": 1,
         "launch.docker.network": "bridge", "launch.docker.shm_size": "256m", **NO_MEMLOCK, "checkpoint.interval": 4,
-        "eval.interval": 6, "tracking.uri": f"sqlite:///{tmp / 'mlflow' / 'mlflow.db'}"}))
+        "eval.interval": 6, "tracking.uri": f"sqlite:///{tmp / 'mlflow' / 'mlflow.db'}",
+        "tracking.system_metrics_interval_s": 0.5}))
     (tmp / "mlflow").mkdir(exist_ok=True)
     lineage = tracking.open_lineage(cfg, open_store(cfg.store), shard_address=shards.address, code_version="test")
     lineage = tracking.record_attempt(lineage, resumed_from=None, start_step=0, info={})
@@ -133,8 +134,12 @@ def test_two_containers_on_a_bridge_network_train_and_checkpoint_to_a_mounted_st
     assert "2 ranks on cpu" in text and "network=lmyard-bridge-" in text
     from mlflow.tracking import MlflowClient
 
-    history = MlflowClient(cfg.tracking.uri).get_metric_history(lineage.mlflow_run_id, "train/loss")
+    client = MlflowClient(cfg.tracking.uri)
+    history = client.get_metric_history(lineage.mlflow_run_id, "train/loss")
     assert [m.step for m in history] == list(range(1, 13))
+    # each node's system metrics, sampled inside its container
+    for node in ("node0", "node1"):
+        assert client.get_metric_history(lineage.mlflow_run_id, f"system/{node}/system_memory_usage_megabytes"), node
     assert _ours(docker_client, "bridge") == ([], [])
 
 
