@@ -10,7 +10,9 @@ prefetch, pinned memory), with logging, the divergence check every 10 steps and
 one checkpoint at the end. Prints one JSON line per run and a summary: tokens/s,
 per GPU, MFU (6N + 12*L*d*T FLOPs per token against 989 TFLOP/s dense bf16 on
 H100/H200), the ratio to the reference, DDP scaling efficiency against 1 GPU,
-and the share of step time spent waiting for data.
+and the share of step time spent waiting for data. With `--accum-tokens` the
+tokens per optimizer step stay fixed across GPU counts (gradient accumulation,
+one all-reduce per step), as in a real run.
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ def run_reference(ref: str, gpus: int, batch: int, steps: int) -> dict:
 
 
 def run_lmyard(store: Path, shards: dict, gpus: int, batch: int, steps: int, overrides: list[str],
-               extra_env: dict[str, str], warmup_logs: int = 2) -> dict:
+               extra_env: dict[str, str], accum: int = 1, log_interval: int = 10, warmup_logs: int = 2) -> dict:
     cfg = load_recipe("smoke", [
         f"store={store}", f"run_name=bench-{gpus}gpu", "model.preset=gpt2-124m", f"train.max_steps={steps}",
-        f"train.micro_batch={batch}", f"train.batch_tokens={batch * 1024 * gpus}", "train.log_interval=10",
+        f"train.micro_batch={batch}", f"train.batch_tokens={batch * 1024 * gpus * accum}",
+        f"train.log_interval={log_interval}",
         "train.warmup_steps=10", "train.lr=6e-4", "eval.interval=100000", "eval.val_tokens=65536",
         "checkpoint.interval=100000", "train.device=cuda", f"launch.nproc_per_node={gpus}", *overrides])
     spec = store / f"spec-{gpus}.json"
@@ -61,7 +64,7 @@ def run_lmyard(store: Path, shards: dict, gpus: int, batch: int, steps: int, ove
     logs = [m.groups() for m in map(STEP_LINE.search, proc.stdout.splitlines()) if m]
     timed = logs[warmup_logs:-1]  # skip compile/warm-up intervals and the last (it includes the final eval)
     tok_s = statistics.median(float(t[1].replace(",", "")) for t in timed)
-    return {"world": gpus, "B": batch, "tok_s": round(tok_s), "tok_s_per_gpu": round(tok_s / gpus),
+    return {"world": gpus, "B": batch, "accum": accum, "tok_s": round(tok_s), "tok_s_per_gpu": round(tok_s / gpus),
             "step_ms": statistics.median(float(t[2]) for t in timed),
             "data_wait_pct": round(max(float(t[3]) for t in timed), 3),
             "mfu": statistics.median(float(t[4]) for t in timed) / 100 if timed[0][4] else None,
@@ -75,6 +78,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=80, help="lmyard steps (logged every 10)")
     ap.add_argument("--ref-steps", type=int, default=30)
+    ap.add_argument("--accum-tokens", type=int, default=None,
+                    help="lmyard only: tokens per optimizer step for every GPU count (e.g. 524288, GPT-2's "
+                    "batch), reached by gradient accumulation, so DDP all-reduces once per that many tokens")
+    ap.add_argument("--log-interval", type=int, default=10)
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     help="config override for lmyard's runs, e.g. model.attention=cudnn (repeatable)")
     ap.add_argument("--env", action="append", default=[], help="K=V set for lmyard's runs only (repeatable)")
@@ -90,7 +97,14 @@ def main() -> None:
         for gpus in args.gpus:
             ref = {"tok_s": float("nan")} if args.no_ref else run_reference(args.ref, gpus, args.batch, args.ref_steps)
             print(json.dumps({"kind": "reference", **ref}), flush=True)
-            ours = run_lmyard(store, shards, gpus, args.batch, args.steps, args.overrides, extra_env)
+            accum = 1
+            if args.accum_tokens:
+                accum, rest = divmod(args.accum_tokens, args.batch * 1024 * gpus)
+                if rest or not accum:
+                    raise SystemExit(f"--accum-tokens {args.accum_tokens} is not a multiple of "
+                                     f"--batch * 1024 * {gpus} GPUs")
+            ours = run_lmyard(store, shards, gpus, args.batch, args.steps, args.overrides, extra_env, accum,
+                              args.log_interval)
             ours["overrides"], ours["env"] = args.overrides, extra_env
             ours["vs_reference"] = round(ours["tok_s"] / ref["tok_s"], 3)
             print(json.dumps({"kind": "lmyard", **ours}), flush=True)

@@ -1,0 +1,133 @@
+"""Where a DDP training step's time goes on the GPU: compute, exposed all-reduce, idle.
+
+    torchrun --standalone --nproc_per_node=2 tests/benchmarks/profile_ddp_step.py [--set train.ddp_bucket_mb=100]
+
+Builds lmyard's model and step exactly as the trainer does (DDP, then torch.compile,
+bf16 autocast, fused AdamW, `train_step`), on random tokens already on the GPU, warms
+up, then records a few steps with torch.profiler on rank 0 and splits each step's
+wall time into: time some compute kernel runs, all-reduce (NCCL) time not hidden
+under compute, and time the GPU runs nothing (launch gaps, host work, waits).
+Prints one JSON line; `--trace DIR` also writes the Chrome trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lmyard.config import load_recipe  # noqa: E402
+from lmyard.model import GPT, GPTConfig  # noqa: E402
+from lmyard.train import ComputeContext, train_step  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def covered(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """Length of `intervals` (already a union) that lies under `cover` (a union)."""
+    total, j = 0.0, 0
+    for s, e in intervals:
+        while j < len(cover) and cover[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(cover) and cover[k][0] < e:
+            total += min(e, cover[k][1]) - max(s, cover[k][0])
+            k += 1
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=15)
+    ap.add_argument("--timed", type=int, default=30, help="steps timed without the profiler")
+    ap.add_argument("--steps", type=int, default=5, help="steps recorded by the profiler")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override (repeatable)")
+    ap.add_argument("--trace", help="folder for rank 0's Chrome trace")
+    args = ap.parse_args()
+
+    dist.init_process_group("nccl")
+    rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    cfg = load_recipe("smoke", ["model.preset=gpt2-124m", *args.overrides])
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    gcfg = GPTConfig.from_config(cfg.model, 50257)
+    raw = GPT(gcfg).cuda()
+    model = raw  # as the trainer: DDP only with more than one rank
+    if world > 1:
+        model = DDP(raw, device_ids=[local], gradient_as_bucket_view=True, bucket_cap_mb=t.ddp_bucket_mb)
+    model = torch.compile(model)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    optimizer = torch.optim.AdamW(raw.param_groups(t.weight_decay), lr=6e-4, fused=True)
+    params = list(raw.parameters())
+    T = gcfg.block_size
+    data = torch.randint(0, 50257, (args.batch, T + 1), device="cuda")
+
+    def batch():
+        return data[:, :-1], data[:, 1:]
+
+    autocast = ComputeContext(True, cfg.model.attention)
+
+    def step():
+        train_step(model, params, optimizer, batch, 1, 6e-4, 1.0, autocast, world > 1)
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.timed):
+        step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t0) / args.timed * 1e3
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+    if rank == 0:
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and e.time_range.end > e.time_range.start]
+        nccl = union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()])
+        comp = union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()])
+        span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
+        busy = union(nccl + comp)
+        comp_us = sum(e - s for s, e in comp)
+        nccl_us = sum(e - s for s, e in nccl)
+        hidden = covered(nccl, comp)
+        n = args.steps
+        out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "world": world,
+               "overrides": args.overrides, "step_ms": round(step_ms, 2),
+               "per_step_ms": {"span": round(span / n / 1e3, 2), "compute": round(comp_us / n / 1e3, 2),
+                               "allreduce": round(nccl_us / n / 1e3, 2),
+                               "allreduce_exposed": round((nccl_us - hidden) / n / 1e3, 2),
+                               "idle": round((span - sum(e - s for s, e in busy)) / n / 1e3, 2)}}
+        print(json.dumps(out), flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+        if args.trace:
+            Path(args.trace).mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(Path(args.trace) / f"ddp-{world}gpu.json"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
