@@ -253,10 +253,8 @@ class AsyncCheckpointer:
         with self.cond:
             self._raise_if_failed()
             if len(self.pending) >= self.max_pending:
-                raise StoreOutage(
-                    f"{len(self.pending)} checkpoints (steps {[m['step'] for _, m in self.pending]}) are waiting for "
-                    f"{self.store.root}, which has failed {self.failures} uploads in a row; they are staged in "
-                    f"{self.staging}. Fix the store and rerun: the run resumes from the last committed checkpoint")
+                raise self._outage(f"{len(self.pending)} checkpoints (steps {[m['step'] for _, m in self.pending]}) "
+                                   f"are waiting for {self.store.root}")
             while self.prepare_job is not None and self.error is None:
                 self.cond.wait()
             if self.copy_job is not None:
@@ -282,12 +280,24 @@ class AsyncCheckpointer:
         """Call before the optimizer changes the weights: orders the update after the copy."""
         self.snapshot.ready()
 
-    def flush(self) -> None:
-        """Block until every checkpoint so far is committed (or the writer failed)."""
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Block until every checkpoint so far is committed (or the writer failed); StoreOutage after
+        `timeout_s` if the store still refuses them (they stay staged and keep being retried)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self.cond:
+            self.cond.notify_all()  # a writer waiting out a failed upload retries now
             while (self.copy_job is not None or self.pending) and self.error is None:
+                if deadline is not None and time.monotonic() >= deadline:
+                    steps = [m["step"] for _, m in self.pending] + ([self.copy_job[3]["step"]] if self.copy_job else [])
+                    raise self._outage(f"checkpoints of steps {steps} are still not in {self.store.root} after "
+                                       f"{timeout_s:.0f} s")
                 self.cond.wait(timeout=1)
         self._raise_if_failed()
+
+    def _outage(self, what: str) -> StoreOutage:
+        return StoreOutage(f"{what}; the store has failed {self.failures} uploads in a row, and they are staged in "
+                           f"{self.staging}. Fix the store and rerun: the run resumes from the last committed "
+                           "checkpoint")
 
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for every checkpoint to be committed (at exit)."""

@@ -43,6 +43,10 @@ from lmyard.watchdog import Heartbeat
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2250e12, "A100": 312e12,
               "L40S": 362e12, "L4": 121e12, "A10": 125e12}
 
+# How long a rollback waits for the last good checkpoint to reach the store before it gives up with
+# StoreOutage (the other ranks wait at a barrier meanwhile; NCCL's default collective timeout is 10 min).
+FLUSH_TIMEOUT_S = 300.0
+
 
 class Diverged(RuntimeError):
     """The loss became non-finite or spiked, and the guard's policy stops the run."""
@@ -363,7 +367,7 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
                 problem = guard.bad(train_loss)
                 if problem:
                     if checkpointer is not None:
-                        checkpointer.flush()  # the last good checkpoint may still be uploading
+                        checkpointer.flush(FLUSH_TIMEOUT_S)  # the last good checkpoint may still be uploading
                     if d.world > 1:
                         dist.barrier()
                     ckpt = _rollback_target(cfg, t, store, cache, step, problem, rollbacks, d)
@@ -414,7 +418,7 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
                 time.sleep(1e6)
             if faults.fires("crash", step):
                 if checkpointer is not None:  # crash at a reproducible point: earlier checkpoints committed
-                    checkpointer.flush()
+                    checkpointer.flush(FLUSH_TIMEOUT_S)
                 print(f"injected crash after step {step}", flush=True)
                 os._exit(1)
     except BaseException:

@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import threading
+import time
 from urllib.parse import urlparse
 
 import pytest
@@ -96,6 +97,35 @@ def test_store_outage_during_uploads_does_not_stop_training_and_checkpoints_land
     for step in (40, 80, 120, 160):
         assert f"checkpoint step {step} committed" in text
     assert checkpoint.complete_steps(store, "outage")[-1] == 160
+
+
+def test_flush_gives_up_at_its_deadline_while_the_store_is_down_and_commits_once_it_is_back(
+        s3_server, tmp_path, monkeypatch):
+    proxy = TcpProxy(urlparse(s3_server.endpoint).port)
+    proxy.start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    bucket = s3_server.new_bucket()
+    store = open_store(f"s3://{bucket}/lmyard")
+    proxy.stop()  # the store goes down before the first upload
+    said: list[str] = []
+    writer = checkpoint.AsyncCheckpointer(store, "down", str(tmp_path / "staging"), retries=1, backoff_s=0.1,
+                                          say=said.append)
+    try:
+        writer.save({"w": torch.arange(4.0)}, {"state": {}, "param_groups": []}, [], {"step": 4, "cursor": 4})
+        t0 = time.monotonic()
+        with pytest.raises(checkpoint.StoreOutage, match=r"steps \[4\] are still not in s3://.* after 3 s.*staged in"):
+            writer.flush(timeout_s=3)
+        assert time.monotonic() - t0 < 30
+        assert (tmp_path / "staging" / "down" / "step_00000004" / "model.pt").exists()
+        assert any("upload failed" in line for line in said)
+        proxy.start()
+        writer.flush(timeout_s=90)  # the writer keeps retrying the staged copy
+        assert checkpoint.complete_steps(store, "down") == [4]
+        loaded = checkpoint.load_latest(store, "down", str(tmp_path / "cache"))
+        assert torch.equal(loaded.model["w"], torch.arange(4.0))
+        writer.close(timeout_s=10)
+    finally:
+        proxy.stop()
 
 
 def test_upload_cut_by_a_dying_process_leaves_no_manifest_and_resume_uses_the_previous(s3_run):
