@@ -3,6 +3,7 @@
     python -m lmyard.images build                       # base + wheelhouse + image, cached
     python -m lmyard.images build --base pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime --no-torch
     python -m lmyard.images tag                         # the tag this checkout builds
+    python -m lmyard.images prune --keep 3              # drop older stage images (~1.1 GB each)
 
 No image registry is needed. Three steps, each cached under LMYARD_IMAGE_CACHE
 (default /var/cache/lmyard) or in the engine:
@@ -237,6 +238,37 @@ def build_image(tag: str | None = None, base: str | None = None, include_torch: 
     return tag
 
 
+def _created(img) -> tuple[str, str]:
+    """Sort key of an image's creation time (RFC 3339 in UTC with 0-9 fraction digits)."""
+    whole, _, frac = img.attrs["Created"].rstrip("Z").partition(".")
+    return whole, frac.ljust(9, "0")
+
+
+def prune(keep: int = 3, repo: str = STAGE_REPO, log: Callable[[str], None] = print) -> list[str]:
+    """Remove all but the `keep` newest images of `repo`; returns the removed images' tags.
+
+    Kept as well: the image this checkout runs (its tag may sit on an older image whose sources
+    are unchanged) and any image a container, running or stopped, was made from.
+    """
+    from lmyard.errors import UserError
+
+    if keep < 1:
+        raise UserError(f"prune --keep {keep}: keep at least 1 image (the newest)")
+    client = _client()
+    in_use = {c.attrs["Image"] for c in client.containers.list(all=True)}
+    current = image_tag() if repo == STAGE_REPO else None
+    removed: list[str] = []
+    for img in sorted(client.images.list(name=repo), key=_created, reverse=True)[keep:]:
+        name = ", ".join(img.tags) or img.short_id
+        if img.id in in_use or current in img.tags:
+            log(f"keeping {name}: {'a container was made from it' if img.id in in_use else 'this checkout runs it'}")
+            continue
+        client.images.remove(img.id, force=True)  # force: every tag of this image goes with it
+        removed.extend(img.tags or [img.short_id])
+        log(f"removed {name} ({img.attrs['Size'] / 1e6:,.0f} MB)")
+    return removed
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lmyard.images", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -246,9 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--tag", help="image tag (default: from the code version)")
     b.add_argument("--force", action="store_true", help="rebuild even if the tag exists")
     sub.add_parser("tag", help="print the tag this checkout builds")
+    pr = sub.add_parser("prune", help=f"remove all but the newest {STAGE_REPO} images (and those in use)")
+    pr.add_argument("--keep", type=int, default=3, help="how many of the newest images to keep (default 3)")
     args = p.parse_args(argv)
     if args.command == "tag":
         print(image_tag())
+        return 0
+    if args.command == "prune":
+        print(f"removed {len(prune(args.keep))} images")
         return 0
     t0 = time.perf_counter()
     tag = build_image(args.tag, args.base, include_torch=not args.no_torch, force=args.force)

@@ -6,6 +6,7 @@ engine answers; .ci/run starts one and sets LMYARD_REQUIRE_DOCKER=1, which turns
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -100,6 +101,30 @@ def image_sharded(docker_client, stage_image, tmp_path_factory):
     cfg = load_recipe("smoke", overrides)
     shards, reused = tokenize_and_shard(cfg, log=lambda s: None)
     return tmp, shards, reused, out
+
+
+def test_prune_keeps_the_newest_images_and_any_a_container_was_made_from(docker_client, stage_image):
+    from lmyard.errors import UserError
+    from lmyard.images import prune
+
+    repo = "lmyard-prune-test"
+    for i in range(4):  # four small images, oldest first (a label on top of the stage image)
+        dockerfile = f"FROM {stage_image}\nLABEL lmyard.test=prune-{i}\n".encode()
+        docker_client.images.build(fileobj=io.BytesIO(dockerfile), tag=f"{repo}:v{i}", pull=False, rm=True)
+    container = docker_client.containers.create(f"{repo}:v0", ["true"])
+    said: list[str] = []
+    try:
+        with pytest.raises(UserError, match="keep at least 1"):
+            prune(keep=0, repo=repo)
+        assert prune(keep=2, repo=repo, log=said.append) == [f"{repo}:v1"]
+        left = sorted(t for img in docker_client.images.list(name=repo) for t in img.tags)
+        assert left == [f"{repo}:v0", f"{repo}:v2", f"{repo}:v3"]
+        assert f"keeping {repo}:v0: a container was made from it" in said
+        assert docker_client.images.get(stage_image)  # another repository is never touched
+    finally:
+        container.remove(force=True)
+        for img in docker_client.images.list(name=repo):
+            docker_client.images.remove(img.id, force=True)
 
 
 def test_tokenize_stage_runs_in_the_image_and_writes_a_shard_set_the_host_reuses(image_sharded):
