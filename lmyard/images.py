@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from lmyard.errors import UserError
 from lmyard.version import code_version
 
 REPO = Path(__file__).resolve().parents[1]
@@ -250,8 +251,6 @@ def prune(keep: int = 3, repo: str = STAGE_REPO, log: Callable[[str], None] = pr
     Kept as well: the image this checkout runs (its tag may sit on an older image whose sources
     are unchanged) and any image a container, running or stopped, was made from.
     """
-    from lmyard.errors import UserError
-
     if keep < 1:
         raise UserError(f"prune --keep {keep}: keep at least 1 image (the newest)")
     client = _client()
@@ -285,7 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         print(image_tag())
         return 0
     if args.command == "prune":
-        print(f"removed {len(prune(args.keep))} images")
+        try:
+            print(f"removed {len(prune(args.keep))} images")
+        except UserError as e:
+            p.error(str(e))
         return 0
     t0 = time.perf_counter()
     tag = build_image(args.tag, args.base, include_torch=not args.no_torch, force=args.force)

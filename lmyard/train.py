@@ -177,6 +177,27 @@ class ComputeContext:
         return self.stack.__exit__(*exc)
 
 
+def prepare_model(raw_model: torch.nn.Module, cfg: RunConfig, d: Dist) -> tuple[torch.nn.Module, ComputeContext]:
+    """The model as the training step runs it: DDP (more than one rank), then torch.compile (default on
+    CUDA); and the autocast context for its forward, with TF32 matmuls on CUDA.
+
+    DDP first, then compile: dynamo splits the compiled graph at DDP's bucket boundaries, so each bucket's
+    all-reduce overlaps the rest of backward (compiling the bare model makes backward one opaque graph whose
+    gradients all arrive at its end).
+    """
+    t, cuda = cfg.train, d.device.type == "cuda"
+    model = raw_model
+    if d.world > 1:
+        model = DDP(model, device_ids=[d.local_rank] if cuda else None, gradient_as_bucket_view=True,
+                    bucket_cap_mb=t.ddp_bucket_mb)
+    if t.compile if t.compile is not None else cuda:
+        model = torch.compile(model)
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return model, ComputeContext(cuda, cfg.model.attention)
+
+
 def new_data_cursor(state: dict, data: TrainBatches, d: Dist) -> int:
     """Where a lineage continues when its shard set changed (retraining on new data).
 
@@ -288,19 +309,7 @@ def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, si
             cursor = new_data_cursor(ckpt.state, train_data, d)
     del ckpt
 
-    # DDP first, then compile: dynamo splits the compiled graph at DDP's bucket boundaries, so each bucket's
-    # all-reduce overlaps the rest of backward (compiling the bare model makes backward one opaque graph whose
-    # gradients all arrive at its end).
-    model: torch.nn.Module = raw_model
-    if d.world > 1:
-        model = DDP(model, device_ids=[d.local_rank] if cuda else None, gradient_as_bucket_view=True,
-                    bucket_cap_mb=t.ddp_bucket_mb)
-    if t.compile if t.compile is not None else cuda:
-        model = torch.compile(model)
-    autocast = ComputeContext(cuda, cfg.model.attention)
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    model, autocast = prepare_model(raw_model, cfg, d)
     params = list(raw_model.parameters())
     flops_tok = raw_model.flops_per_token()
     peak = peak_flops(d.device)

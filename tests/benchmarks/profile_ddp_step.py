@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,8 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lmyard.config import load_recipe  # noqa: E402
 from lmyard.model import GPT, GPTConfig  # noqa: E402
-from lmyard.train import ComputeContext, train_step  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from lmyard.train import prepare_model, setup_distributed, train_step  # noqa: E402
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -63,31 +61,23 @@ def main() -> None:
     ap.add_argument("--trace", help="folder for rank 0's Chrome trace")
     args = ap.parse_args()
 
-    dist.init_process_group("nccl")
-    rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    cfg = load_recipe("smoke", ["model.preset=gpt2-124m", *args.overrides])
+    cfg = load_recipe("smoke", ["model.preset=gpt2-124m", "train.device=cuda", *args.overrides])
+    d = setup_distributed(cfg)
+    rank, world = d.rank, d.world
     t = cfg.train
     torch.manual_seed(t.seed)
     gcfg = GPTConfig.from_config(cfg.model, 50257)
-    raw = GPT(gcfg).cuda()
-    model = raw  # as the trainer: DDP only with more than one rank
-    if world > 1:
-        model = DDP(raw, device_ids=[local], gradient_as_bucket_view=True, bucket_cap_mb=t.ddp_bucket_mb)
-    model = torch.compile(model)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    optimizer = torch.optim.AdamW(raw.param_groups(t.weight_decay), lr=6e-4, fused=True)
+    raw = GPT(gcfg).to(d.device)
+    model, autocast = prepare_model(raw, cfg, d)  # exactly as the trainer: DDP with more than one rank, compile
+    optimizer = torch.optim.AdamW(raw.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
     params = list(raw.parameters())
-    T = gcfg.block_size
-    data = torch.randint(0, 50257, (args.batch, T + 1), device="cuda")
+    data = torch.randint(0, 50257, (args.batch, gcfg.block_size + 1), device=d.device)
 
     def batch():
         return data[:, :-1], data[:, 1:]
 
-    autocast = ComputeContext(True, cfg.model.attention)
-
     def step():
-        train_step(model, params, optimizer, batch, 1, 6e-4, 1.0, autocast, world > 1)
+        train_step(model, params, optimizer, batch, 1, t.lr, t.grad_clip, autocast, world > 1)
 
     for _ in range(args.warmup):
         step()
@@ -126,7 +116,8 @@ def main() -> None:
         if args.trace:
             Path(args.trace).mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(Path(args.trace) / f"ddp-{world}gpu.json"))
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
