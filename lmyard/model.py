@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lmyard.config import ModelConfig
+from lmyard.losses import linear_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -94,17 +95,18 @@ class GPT(nn.Module):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, V); with targets, only the mean cross-entropy (logits never leave the graph)."""
+        """Logits (B, T, V); with targets, only the mean cross-entropy, computed with the head in one op
+        (lmyard.losses: the logits' gradient is made in the forward pass, in the logits' buffer)."""
         T = idx.size(1)
         assert T <= self.config.block_size, f"sequence of {T} exceeds block_size {self.config.block_size}"
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.h:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
+        x = self.ln_f(x)
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))  # fp32 under autocast
+            return self.lm_head(x)
+        return linear_cross_entropy(x, self.lm_head.weight, targets)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -6,8 +6,11 @@ Builds lmyard's model and step exactly as the trainer does (DDP, then torch.comp
 bf16 autocast, fused AdamW, `train_step`), on random tokens already on the GPU, warms
 up, then records a few steps with torch.profiler on rank 0 and splits each step's
 wall time into: time some compute kernel runs, all-reduce (NCCL) time not hidden
-under compute, and time the GPU runs nothing (launch gaps, host work, waits).
-Prints one JSON line; `--trace DIR` also writes the Chrome trace.
+under compute, and time the GPU runs nothing (launch gaps, host work, waits); and
+the kernel time of each kind (matmul, attention, inductor's fused elementwise
+kernels, optimizer, all-reduce). Prints one JSON line and the top kernels;
+`--trace DIR` also writes the Chrome trace. Runs on one GPU too (no DDP):
+`torchrun --standalone --nproc_per_node=1 ...`.
 """
 
 from __future__ import annotations
@@ -51,6 +54,17 @@ def covered(intervals: list[tuple[float, float]], cover: list[tuple[float, float
     return total
 
 
+KINDS = (("allreduce", ("nccl",)), ("loss", ("ce_grad",)), ("attention", ("flash", "fmha", "attention", "cudnn")),
+         ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_")), ("optimizer", ("adam", "multi_tensor", "foreach")),
+         ("fused elementwise", ("triton",)))
+
+
+def kind_of(kernel: str) -> str:
+    """A kernel's kind by its name: matmul, attention, fused elementwise (inductor's Triton), ..."""
+    name = kernel.lower()
+    return next((kind for kind, keys in KINDS if any(k in name for k in keys)), "other")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=32)
@@ -59,6 +73,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="steps recorded by the profiler")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override (repeatable)")
     ap.add_argument("--trace", help="folder for rank 0's Chrome trace")
+    ap.add_argument("--top", type=int, default=12, help="rows of the per-kernel table")
     args = ap.parse_args()
 
     cfg = load_recipe("smoke", ["model.preset=gpt2-124m", "train.device=cuda", *args.overrides])
@@ -111,8 +126,13 @@ def main() -> None:
                                "allreduce": round(nccl_us / n / 1e3, 2),
                                "allreduce_exposed": round((nccl_us - hidden) / n / 1e3, 2),
                                "idle": round((span - sum(e - s for s, e in busy)) / n / 1e3, 2)}}
+        kinds: dict[str, float] = {}
+        for e in kernels:
+            k = kind_of(e.name)
+            kinds[k] = kinds.get(k, 0.0) + (e.time_range.end - e.time_range.start)
+        out["kernel_ms_per_step"] = {k: round(v / n / 1e3, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}
         print(json.dumps(out), flush=True)
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top), flush=True)
         if args.trace:
             Path(args.trace).mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(Path(args.trace) / f"ddp-{world}gpu.json"))
