@@ -73,7 +73,7 @@ def run_lmyard(store: Path, shards: dict, gpus: int, batch: int, steps: int, ove
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ref", required=True, help="path of gpt2_ref_bench.py")
+    ap.add_argument("--ref", help="path of gpt2_ref_bench.py (required unless --no-ref)")
     ap.add_argument("--gpus", type=int, nargs="+", default=[1])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=80, help="lmyard steps (logged every 10)")
@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--env", action="append", default=[], help="K=V set for lmyard's runs only (repeatable)")
     ap.add_argument("--no-ref", action="store_true", help="skip the reference runs")
     args = ap.parse_args()
+    if not args.ref and not args.no_ref:
+        ap.error("give --ref path/to/gpt2_ref_bench.py, or --no-ref to time lmyard alone")
     extra_env = dict(kv.split("=", 1) for kv in args.env)
     import torch
 

@@ -111,7 +111,8 @@ def main() -> None:
         torch.cuda.synchronize()
     if rank == 0:
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                   and e.time_range.end > e.time_range.start]
+                   and e.time_range.end > e.time_range.start
+                   and not getattr(e, "is_user_annotation", False)]  # GPU-side record_function ranges are no kernels
         nccl = union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()])
         comp = union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()])
         span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
