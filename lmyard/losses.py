@@ -81,17 +81,14 @@ def _loss_and_grad_torch(logits: torch.Tensor, targets: torch.Tensor, write_grad
     return losses
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    return triton is not None and t.is_cuda
-
-
 @torch.library.custom_op("lmyard::linear_cross_entropy", mutates_args=())
 def _linear_ce(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
                need_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, d loss / d logits) of logits = x @ weight.T computed in `dtype`; the gradient is empty
     without `need_grad`."""
     logits = x.to(dtype) @ weight.to(dtype).t()
-    losses = (_loss_and_grad_triton if use_triton(x) else _loss_and_grad_torch)(logits, targets, need_grad)
+    loss_and_grad = _loss_and_grad_triton if triton is not None and x.is_cuda else _loss_and_grad_torch
+    losses = loss_and_grad(logits, targets, need_grad)
     return losses.mean(), logits if need_grad else logits.new_empty(0)
 
 
