@@ -1,10 +1,12 @@
-"""The pretrain flow: tokenize-and-shard -> open lineage -> train (evaluating each checkpoint) -> register -> finish."""
+"""The pretrain flow: tokenize-and-shard -> open lineage -> train (checkpoint, evaluate, retain each step) ->
+register -> finish."""
 
 from __future__ import annotations
 
 from prefect import flow
 
 from lmyard.config import RunConfig
+from tasks.checkpoint import record_checkpoint
 from tasks.evaluate import evaluate_checkpoint, new_checkpoints
 from tasks.finish import finish
 from tasks.lineage import close_lineage, ended_status, lineage_crashed, lineage_killed, open_lineage
@@ -20,13 +22,15 @@ def pretrain(config: RunConfig = RunConfig()) -> dict:
     shards = tokenize_and_shard(config)
     lineage = open_lineage(config, shards)
     try:
-        # training runs in a worker thread; each new checkpoint is evaluated meanwhile, in a process of its own
+        # training runs in a worker thread; each new checkpoint is verified and evaluated meanwhile
         training = train.with_options(retries=config.launch.retries).submit(config, shards, lineage)
         for step in new_checkpoints(config, lineage, training):
-            evaluated = evaluate_checkpoint(config, shards, lineage, step, return_state=True)  # a failure does not stop training
+            record_checkpoint(config, lineage, step, return_state=True)  # a failure does not stop training
+            evaluated = evaluate_checkpoint(config, shards, lineage, step, return_state=True)
             # retention waits for each evaluation; a store hiccup here only delays deletion, never stops training
             retain_checkpoints(config, step, evaluated.is_completed(), return_state=True)
         trained = training.result()
+        record_checkpoint(config, lineage, trained["step"], return_state=True)
         final = evaluate_checkpoint(config, shards, lineage, trained["step"])
         retain_checkpoints(config, trained["step"], True, final=True, return_state=True)
         model = register_model(config, shards, lineage, final)

@@ -154,6 +154,18 @@ class EvalGates(_Section):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
+def gate_results(gates: EvalGates, result: dict) -> dict[str, dict]:
+    """Each configured gate: {value, limit, passed}; a gate whose metric was not measured fails."""
+    hs = result.get("hellaswag") or {}
+    measured = {"val_loss_max": result.get("val_loss"), "hellaswag_acc_norm_min": hs.get("acc_norm")}
+    out = {}
+    for name, limit in gates.configured().items():
+        value = measured[name]
+        passed = value is not None and (value <= limit if name.endswith("_max") else value >= limit)
+        out[name] = {"value": value, "limit": limit, "passed": passed}
+    return out
+
+
 class EvalConfig(_Section):
     interval: int = Field(100, gt=0, description="Steps between validation-loss evaluations.")
     val_tokens: int = Field(32768, gt=0, description="Validation tokens scored per evaluation.")
@@ -249,6 +261,9 @@ class LaunchConfig(_Section):
                          "error (a dead node, a crashed rank); each resumes from the newest checkpoint.")
     watchdog_s: float | None = Field(
         900, gt=0, description="Kill the job when no step completes for this long (after the first); null: never.")
+    grace_s: float = Field(
+        120, gt=0, description="After SIGTERM (a spot reclaim, `docker stop`, a cancelled run), the seconds the "
+        "trainer has to checkpoint the current step and exit as preempted before it is killed.")
     docker: DockerConfig = Field(default_factory=DockerConfig)
 
     @model_validator(mode="after")

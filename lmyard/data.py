@@ -26,8 +26,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from lmyard.cache import default_cache_dir  # noqa: F401 - re-exported
 from lmyard.errors import UserError
-from lmyard.shards import ShardSet, read_header, read_shard, sha256_file
+from lmyard.shards import ShardSet, read_header, read_shard, sha256_file, shard_prefix
 from lmyard.store import open_store
 
 
@@ -37,7 +38,7 @@ class ShardFiles:
     def __init__(self, shards: ShardSet, store_uri: str, split: str, cache_dir: str):
         self.store = open_store(store_uri)
         self.files = shards.files(split)
-        self.prefix = f"shards/{shards.address}"
+        self.prefix = shard_prefix(shards.address)
         self.cache_dir = cache_dir
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-fetch")
         self.futures: dict[int, Future] = {}
@@ -197,6 +198,3 @@ def val_sequences(stream: TokenStream, seq_len: int, max_tokens: int) -> torch.T
 def split_stream(shards: ShardSet, store_uri: str, split: str, cache_dir: str) -> TokenStream:
     return TokenStream(ShardFiles(shards, store_uri, split, cache_dir))
 
-
-def default_cache_dir() -> str:
-    return os.environ.get("LMYARD_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "lmyard"))

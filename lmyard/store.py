@@ -32,6 +32,8 @@ class Store(Protocol):
     def download(self, key: str, local_path: str) -> None: ...
     def list(self, prefix: str) -> list[str]: ...
     def delete(self, prefix: str) -> None: ...
+    def copy(self, key: str, dest_key: str) -> None: ...
+    def size(self, key: str) -> int | None: ...
     def local_path(self, key: str) -> str | None: ...
     def sha256(self, key: str) -> str | None: ...
 
@@ -84,6 +86,13 @@ class LocalStore:
             return []
         return sorted(str(p.relative_to(self.root)) for p in base.rglob("*")
                       if p.is_file() and not p.name.startswith("."))
+
+    def copy(self, key: str, dest_key: str) -> None:
+        self.upload(str(self._path(key)), dest_key)
+
+    def size(self, key: str) -> int | None:
+        path = self._path(key)
+        return path.stat().st_size if path.is_file() else None
 
     def delete(self, prefix: str) -> None:
         path = self._path(prefix)
@@ -238,6 +247,27 @@ class S3Store:
                     Bucket=self.bucket, Prefix=self._key(prefix)):
                 keys.extend(obj["Key"].removeprefix(strip) for obj in page.get("Contents", []))
         return sorted(keys)
+
+    def copy(self, key: str, dest_key: str) -> None:
+        """A server-side copy (managed: multipart for large objects); nothing passes through this machine."""
+        from boto3.s3.transfer import TransferConfig
+
+        self._check_bucket()
+        with self._errors(key):
+            self.client.copy({"Bucket": self.bucket, "Key": self._key(key)}, self.bucket, self._key(dest_key),
+                             Config=TransferConfig(**TRANSFER))
+
+    def size(self, key: str) -> int | None:
+        from botocore.exceptions import ClientError
+
+        self._check_bucket()
+        with self._errors(key):
+            try:
+                return self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"]
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                    return None
+                raise
 
     def delete(self, prefix: str) -> None:
         keys = [self._key(k) for k in self.list(prefix)]

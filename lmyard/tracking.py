@@ -24,6 +24,7 @@ from typing import Protocol
 
 from lmyard.config import RunConfig
 from lmyard.errors import UserError
+from lmyard.layout import RunLayout
 
 
 class MetricsSink(Protocol):
@@ -154,7 +155,7 @@ class Lineage:
 
 
 def lineage_key(run_name: str) -> str:
-    return f"runs/{run_name}/lineage.json"
+    return RunLayout(run_name).lineage
 
 
 def _client(uri: str):
@@ -210,7 +211,7 @@ def open_lineage(cfg: RunConfig, store, *, shard_address: str, code_version: str
         store.write_bytes(key, json.dumps({"mlflow_run_id": run_id, "experiment_id": experiment_id,
                                            "tracking_uri": cfg.tracking.uri}).encode())
     tags = {"lmyard.shard_address": shard_address, "lmyard.code_version": code_version,
-            "lmyard.store": store.uri(f"runs/{cfg.run_name}")}
+            "lmyard.store": store.uri(RunLayout(cfg.run_name).root)}
     if changed:
         tags[f"lmyard.attempt.{attempts + 1}.config_changes"] = json.dumps(changed)[:5000]
     _set_tags(client, run_id, tags)
@@ -234,6 +235,13 @@ def record_attempt(lineage: Lineage, *, resumed_from: str | None, start_step: in
     tags.update({f"lmyard.attempt.{attempt}.{k}": str(v) for k, v in info.items()})
     _set_tags(client, lineage.mlflow_run_id, tags)
     return replace(lineage, attempt=attempt, resumed_from=resumed_from, start_step=start_step)
+
+
+def record_resume(lineage: Lineage, *, resumed_from: str | None, start_step: int) -> None:
+    """Record on the current attempt the checkpoint the trainer actually loaded (reported by the trainer)."""
+    _set_tags(_client(lineage.tracking_uri), lineage.mlflow_run_id, {
+        f"lmyard.attempt.{lineage.attempt}.start_step": str(start_step),
+        f"lmyard.attempt.{lineage.attempt}.resumed_from": resumed_from or ""})
 
 
 def end_attempt(lineage: Lineage, outcome: str, detail: str = "") -> None:
@@ -378,7 +386,7 @@ def register_model(lineage: Lineage, name: str, checkpoint_uri: str, step: int, 
 
 def protect_checkpoint(store, run_name: str, step: int) -> list[int]:
     """Add `step` to runs/<run>/protected.json ({"steps": [...]}): retention keeps what a registered model points to."""
-    key = f"runs/{run_name}/protected.json"
+    key = RunLayout(run_name).protected
     steps = set(json.loads(store.read_bytes(key))["steps"]) if store.exists(key) else set()
     steps.add(step)
     store.write_bytes(key, json.dumps({"steps": sorted(steps)}).encode())

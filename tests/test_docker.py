@@ -151,7 +151,7 @@ def test_two_containers_on_a_bridge_network_train_and_checkpoint_to_a_mounted_st
     result = run_docker(cfg, spec, on_line=lines.append, image=stage_image, flow_run_id="test-bridge")
 
     text = "\n".join(lines)
-    assert result["step"] == 12, text[-3000:]
+    assert result.step == 12, text[-3000:]
     assert complete_steps(open_store(cfg.store), "bridge") == [4, 8, 12]
     # both nodes' ranks logged, with their node prefix; rank 0's metrics reached MLflow from inside
     joined = sorted(ln.split("]")[0] for ln in lines if "of 2 joined" in ln)

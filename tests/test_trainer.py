@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_overrides
 from lmyard.config import load_recipe
-from lmyard.errors import UserError
+from lmyard.errors import Diverged, UserError
 from lmyard.launch import run_local
 from lmyard.model import GPT, GPTConfig
 from lmyard.sharding import tokenize_and_shard
@@ -67,7 +67,7 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run_bit_for_bit(shard
     assert "injected crash after step 10" in "\n".join(lines)
     result, lines = _run(shard_env, "crashed")
     assert any("resuming from" in ln and "at step 8" in ln for ln in lines)
-    assert result["step"] == 12
+    assert result.step == 12
     a, b = _state(shard_env, "straight", 12), _state(shard_env, "crashed", 12)
     for x, y in zip(_flat(a), _flat(b), strict=True):
         assert torch.equal(x, y)
@@ -76,7 +76,7 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run_bit_for_bit(shard
 def test_resume_on_another_world_size_continues_the_same_token_stream(shard_env):
     _run(shard_env, "two-ranks-crashed", faults="crash@5", expect_fail=True)
     result, lines = _run(shard_env, "two-ranks-crashed", nproc=1)
-    assert any("from a checkpoint of 2" in ln for ln in lines) and result["step"] == 12
+    assert any("from a checkpoint of 2" in ln for ln in lines) and result.step == 12
     # One rank reads both ranks' sequences with twice the accumulation: same data, same updates
     # up to float summation order.
     (m1, _), (m2, _) = _state(shard_env, "straight", 12), _state(shard_env, "two-ranks-crashed", 12)
@@ -88,14 +88,14 @@ def test_guard_rolls_back_on_a_nan_loss_and_continues(shard_env):
     result, lines = _run(shard_env, "nan-rollback", faults="nan_loss@6", **{"train.guard.policy": "rollback"})
     text = "\n".join(lines)
     assert "divergence at step 6: loss is nan; rolled back to" in text and "(step 4)" in text
-    assert result["step"] == 12 and result["rollbacks"] == 1
+    assert result.step == 12 and result.rollbacks == 1
     model, _ = _state(shard_env, "nan-rollback", 12)
     assert all(torch.isfinite(t).all() for t in model.values())
 
 
-def test_guard_stops_with_a_clear_error_when_policy_is_stop(shard_env):
+def test_guard_stops_as_diverged_not_a_user_error_when_policy_is_stop(shard_env):
     err, _ = _run(shard_env, "nan-stop", faults="nan_loss@6", expect_fail=True)
-    assert isinstance(err, UserError) and "training diverged at step 6: loss is nan" in str(err)
+    assert isinstance(err, Diverged) and "training diverged at step 6: loss is nan" in str(err)
 
 
 def test_k_micro_steps_equal_one_step_on_a_k_times_larger_batch():
