@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from lmyard.config import RunConfig
+from lmyard.config import RunConfig, with_recipe
 from tasks.checkpoint import record_checkpoint
 from tasks.evaluate import evaluate_checkpoint, new_checkpoints
 from tasks.finish import finish
@@ -17,8 +17,11 @@ from tasks.train import stop_training, train
 
 
 @flow(name="pretrain", on_cancellation=[lineage_killed], on_crashed=[lineage_crashed])
-def pretrain(config: RunConfig = RunConfig()) -> dict:
-    """Pretrain a GPT on config.data; resumes the lineage config.run_name if it exists."""
+def pretrain(config: RunConfig = RunConfig(), recipe: str | None = None) -> dict:
+    """Pretrain a GPT on config.data; resumes the lineage config.run_name if it exists.
+
+    `recipe` (a name under deploy/recipes): its config, with `config`'s explicitly set fields on top."""
+    config = with_recipe(config, recipe)
     shards = tokenize_and_shard(config)
     lineage = open_lineage(config, shards)
     try:

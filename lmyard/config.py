@@ -401,6 +401,24 @@ def load_recipe(recipe: str = "smoke", overrides: list[str] | tuple[str, ...] = 
     return validate(data)
 
 
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def with_recipe(config: RunConfig, recipe: str | None) -> RunConfig:
+    """`config` on top of a recipe: the recipe's values, then every field `config` sets explicitly.
+
+    This is how a deployment points at its recipe (parameter `recipe`) while a run still overrides any
+    field through `config`; with no recipe, `config` as it is.
+    """
+    if not recipe:
+        return config
+    return validate(_merge(_recipe_dict(recipe), config.model_dump(mode="json", exclude_unset=True)))
+
+
 def digest(obj: Any, n: int = 16) -> str:
     """A short, stable content hash of JSON-able data."""
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
