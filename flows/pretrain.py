@@ -7,7 +7,7 @@ from prefect import flow
 from lmyard.config import RunConfig
 from tasks.evaluate import evaluate_checkpoint, new_checkpoints
 from tasks.finish import finish
-from tasks.lineage import close_lineage, ended_status, lineage_crashed, lineage_killed, open_lineage
+from tasks.lineage import close_lineage, ended_status, leased, lineage_crashed, lineage_killed, open_lineage
 from tasks.register import register_model
 from tasks.retention import retain_checkpoints
 from tasks.shard import tokenize_and_shard
@@ -15,6 +15,7 @@ from tasks.train import stop_training, train
 
 
 @flow(name="pretrain", on_cancellation=[lineage_killed], on_crashed=[lineage_crashed])
+@leased  # one run of a lineage at a time
 def pretrain(config: RunConfig = RunConfig()) -> dict:
     """Pretrain a GPT on config.data; resumes the lineage config.run_name if it exists."""
     shards = tokenize_and_shard(config)

@@ -110,9 +110,22 @@ def stage(folder: str, model: dict, optim: dict, rng: list, state: dict) -> dict
             "serialize_s": round(time.perf_counter() - t0, 3)}
 
 
+class StepExists(RuntimeError):
+    """A complete checkpoint of this step is already in the store: it is never overwritten."""
+
+
 def commit(store: Store, run_name: str, folder: str, manifest: dict) -> str:
-    """Upload a staged checkpoint's files, then its manifest; returns the checkpoint's URI."""
+    """Upload a staged checkpoint's files, then its manifest; returns the checkpoint's URI.
+
+    A step that already has a manifest is never written again: the same files (a retried commit
+    whose manifest did land) are a no-op, other files raise StepExists.
+    """
     prefix = step_prefix(run_name, manifest["step"])
+    if store.exists(f"{prefix}/{MANIFEST}"):
+        if json.loads(store.read_bytes(f"{prefix}/{MANIFEST}")).get("files") == manifest["files"]:
+            return store.uri(prefix)
+        raise StepExists(f"checkpoint {store.uri(prefix)} already exists complete; it is not overwritten "
+                         "(another run of this lineage, or a step trained twice)")
     for name in FILES:
         staged, key = os.path.join(folder, name), f"{prefix}/{name}"
         target = store.local_path(key)
@@ -355,6 +368,8 @@ class AsyncCheckpointer:
                 try:
                     uri = commit(self.store, self.run_name, folder, manifest)
                     break
+                except StepExists:
+                    raise
                 except Exception as e:  # noqa: BLE001 - any store failure is retried, then left pending
                     self.failures += 1
                     if attempt == self.retries:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from lmyard.errors import UserError
+from lmyard.paths import cache_root
 from lmyard.shards import ShardSet, read_header, read_shard, sha256_file
 from lmyard.store import open_store
 
@@ -199,4 +200,5 @@ def split_stream(shards: ShardSet, store_uri: str, split: str, cache_dir: str) -
 
 
 def default_cache_dir() -> str:
-    return os.environ.get("LMYARD_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "lmyard"))
+    """The node-local cache root (LMYARD_CACHE, default ~/.cache/lmyard): see lmyard.paths.cache_root."""
+    return cache_root()
