@@ -230,22 +230,15 @@ def _cache_path(cache_dir: str, bucket: str, obj: dict) -> str:
 def _fetched(client, bucket: str, obj: dict, cache_dir: str) -> str:
     """The local copy of one listed object, fetched unless the cache holds this very content.
 
-    The copy's folder is named by the object's ETag (its content identity; a rewrite with the same
-    size gets a new one), and the download is conditional on that ETag: what is read is what the
-    fingerprint names. A key that would leave the cache folder (`..` segments) is refused.
+    The copy's folder is named by the object's ETag (its content identity, also in the fingerprint):
+    a rewrite with the same size gets a new ETag, so it is fetched again. A key that would leave the
+    cache folder (`..` segments) is refused.
     """
     name, dest = f"s3://{bucket}/{obj['Key']}", _cache_path(cache_dir, bucket, obj)
     if not (os.path.exists(dest) and os.path.getsize(dest) == obj["Size"]):
-        from botocore.exceptions import ClientError
-
         os.makedirs(os.path.dirname(dest), exist_ok=True)
-        try:
-            with s3_errors(f"data.source {name}"):
-                client.download_file(bucket, obj["Key"], dest + ".part", ExtraArgs={"IfMatch": obj["ETag"]})
-        except ClientError as e:
-            if str(e.response.get("Error", {}).get("Code")) not in ("412", "PreconditionFailed"):
-                raise
-            raise UserError(f"data.source {name} changed while it was being read; run again") from None
+        with s3_errors(f"data.source {name}"):
+            client.download_file(bucket, obj["Key"], dest + ".part")
         os.replace(dest + ".part", dest)
     return dest
 
