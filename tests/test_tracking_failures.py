@@ -1,57 +1,46 @@
-"""A tracking server that is down: the run fails in seconds with one line; the trainer's metrics survive a
-restart of the server; credentials in the tracking URI reach no param, tag or lineage.json."""
+"""A tracking server that is down: the run fails in seconds with one line; the trainer's metrics survive an
+outage of the server; credentials in the tracking URI reach no param, tag or lineage.json."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import free_port, lmyard_cmd, stop_group, tiny_overrides, wait_for_http
+from conftest import free_port, lmyard_cmd, tiny_overrides
 from lmyard import tracking
 from lmyard.config import load_recipe
 from lmyard.store import open_store
 from lmyard.tracking import MLflowSink
+from tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.slow
 
 
-class RestartableMLflow:
-    """`mlflow server` (sqlite backend, local artifacts) on a fixed port, that a test can stop and start."""
-
-    def __init__(self, tmp: Path):
-        self.tmp, self.port = tmp, free_port()
-        self.uri = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        log = open(self.tmp / "server.log", "a")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
-             "--workers", "1", "--backend-store-uri", f"sqlite:///{self.tmp / 'mlflow.db'}",
-             "--artifacts-destination", str(self.tmp / "artifacts")],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_for_http(f"{self.uri}/health", self.proc, 120, self.tmp / "server.log")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_group(self.proc, 10)
-            self.proc = None
-
-
-@pytest.fixture(scope="module")
-def own_mlflow(tmp_path_factory):
-    server = RestartableMLflow(tmp_path_factory.mktemp("own-mlflow"))
-    server.start()
+@pytest.fixture
+def mlflow_proxy(mlflow_server):
+    """The session's MLflow server behind a TCP proxy that a test can cut (an outage) and restore."""
+    proxy = TcpProxy(urlparse(mlflow_server.uri).port)
+    proxy.start()
     try:
-        yield server
+        yield proxy
     finally:
-        server.stop()
+        proxy.stop()
+
+
+def cut(proxy: TcpProxy) -> None:
+    """Stop the proxy for good: closing its listener does not wake the thread blocked in accept(), which would
+    let one more connection through; this connection is that one."""
+    proxy.stop()
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", proxy.port), timeout=2):
+        pass
+    time.sleep(0.2)
 
 
 @pytest.fixture
@@ -61,19 +50,20 @@ def quick_mlflow_retries(monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
 
 
-def test_metrics_logged_while_the_server_is_down_are_sent_after_it_returns(own_mlflow, quick_mlflow_retries, capsys):
-    client = MlflowClient(own_mlflow.uri)
+def test_metrics_logged_while_the_server_is_down_are_sent_after_it_returns(mlflow_server, mlflow_proxy,
+                                                                         quick_mlflow_retries, capsys):
+    client = MlflowClient(mlflow_server.uri)
     run_id = client.create_run(client.create_experiment(f"sink-{time.time_ns()}")).info.run_id
-    sink = MLflowSink(own_mlflow.uri, run_id)
+    sink = MLflowSink(mlflow_proxy.url, run_id)
     sink.log({"train/loss": 1.0}, 1)
     sink.flush()
-    own_mlflow.stop()
+    cut(mlflow_proxy)
     try:
         for step in (2, 3, 4):
             sink.log({"train/loss": float(step)}, step)
             sink.flush(timeout=30)
     finally:
-        own_mlflow.start()
+        mlflow_proxy.start()
     warned = [line for line in capsys.readouterr().out.splitlines() if "MLflow logging failed" in line]
     assert len(warned) == 1  # at once, once per kind of error
     sink.log({"train/loss": 5.0}, 5)
@@ -92,14 +82,14 @@ def test_sink_that_cannot_send_at_close_warns_with_a_count_instead_of_failing(qu
     assert "6 metric points could not be sent to MLflow" in out
 
 
-def test_credentials_in_the_tracking_uri_reach_no_param_tag_or_lineage_file(own_mlflow, tmp_path):
-    secret_uri = own_mlflow.uri.replace("http://", "http://alice:s3cret@")
+def test_credentials_in_the_tracking_uri_reach_no_param_tag_or_lineage_file(mlflow_server, tmp_path):
+    secret_uri = mlflow_server.uri.replace("http://", "http://alice:s3cret@")
     cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"tracking.uri={secret_uri}",
                                 f"tracking.experiment=creds-{time.time_ns()}"])
     store = open_store(cfg.store)
     lineage = tracking.open_lineage(cfg, store, shard_address="abc", code_version="test")
-    run = MlflowClient(own_mlflow.uri).get_run(lineage.mlflow_run_id)
-    assert run.data.params["tracking.uri"] == own_mlflow.uri.replace("http://", "http://alice:***@")
+    run = MlflowClient(mlflow_server.uri).get_run(lineage.mlflow_run_id)
+    assert run.data.params["tracking.uri"] == mlflow_server.uri.replace("http://", "http://alice:***@")
     saved = store.read_bytes(tracking.lineage_key(cfg.run_name)).decode()
     assert json.loads(saved)["tracking_uri"] == run.data.params["tracking.uri"]
     everything = json.dumps([run.data.params, run.data.tags]) + saved
