@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import types
 import typing
 from pathlib import Path
@@ -340,17 +341,13 @@ class RunConfig(_Section):
         return out
 
 
+_USERINFO = re.compile(r"(\w[\w+.-]*://[^/\s:@]+):[^/\s]*@")
+
+
 def redact_uri(uri: str) -> str:
     """`uri` without the password of its `user:password@` part (`http://me:s3cret@host` -> `http://me:***@host`);
-    any other string as it is."""
-    scheme, sep, rest = uri.partition("://")
-    if not sep:
-        return uri
-    authority, slash, path = rest.partition("/")
-    userinfo, at, host = authority.rpartition("@")
-    if not at or ":" not in userinfo:
-        return uri
-    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}{slash}{path}"
+    any URI inside a longer text (an error message) too; other strings as they are."""
+    return _USERINFO.sub(r"\1:***@", uri)
 
 
 # ---------------------------------------------------------------- recipes

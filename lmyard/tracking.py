@@ -113,7 +113,8 @@ class MLflowSink:
             kind = type(e).__name__
             if kind not in self.warned:
                 self.warned.add(kind)
-                print(f"metrics: MLflow logging failed ({kind}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                detail = redact_uri(str(e)).splitlines()[0][:300] if str(e) else ""
+                print(f"metrics: MLflow logging failed ({kind}: {detail}); "
                       "keeping the points and retrying with the next batch", flush=True)
 
     def _send(self) -> None:
