@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from lmyard import faults
+from lmyard.paths import confined
 from lmyard.shards import sha256_file
 from lmyard.store import Store
 
@@ -422,7 +423,7 @@ def load_step(store: Store, run_name: str, step: int, cache_dir: str) -> Checkpo
         key = f"{prefix}/{name}"
         path = store.local_path(key)
         if path is None:
-            path = os.path.join(local, name)
+            path = confined(local, name, "checkpoint file")  # names come from the manifest in the store
             store.download(key, path)
         if not os.path.exists(path) or sha256_file(path) != meta["sha256"]:
             raise ValueError(f"{store.uri(key)} does not match its manifest checksum")

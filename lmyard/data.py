@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from lmyard.errors import UserError
-from lmyard.paths import cache_root
+from lmyard.paths import cache_root, confined
 from lmyard.shards import ShardSet, read_header, read_shard, sha256_file
 from lmyard.store import open_store
 
@@ -54,7 +54,7 @@ class ShardFiles:
         direct = self.store.local_path(key)
         if direct is not None:
             return direct
-        dest = os.path.join(self.cache_dir, key)
+        dest = confined(self.cache_dir, key, "shard")  # names come from the manifest in the store
         if not (os.path.exists(dest) and os.path.getsize(dest) == meta["bytes"]):
             self.store.download(key, dest)
             if sha256_file(dest) != meta["sha256"]:

@@ -47,6 +47,18 @@ def test_s3_source_key_with_dotdot_is_refused_not_written_outside_the_cache(s3_s
     assert planted == []
 
 
+@pytest.mark.slow
+def test_file_names_in_an_s3_checkpoint_manifest_stay_in_the_load_cache(s3_server, s3_bucket, tmp_path):
+    store = open_store(f"s3://{s3_bucket}/lmyard")
+    prefix = checkpoint.step_prefix("r", 3)
+    store.write_bytes(f"{prefix}/../../../../evil.pt", b"planted")
+    manifest = {"step": 3, "files": {"../../../../evil.pt": {"bytes": 7, "sha256": "0" * 64}}}
+    store.write_bytes(f"{prefix}/manifest.json", json.dumps(manifest).encode())
+    with pytest.raises(UserError, match=r"checkpoint file '\.\./\.\./\.\./\.\./evil\.pt' would leave its folder"):
+        checkpoint.load_step(store, "r", 3, str(tmp_path / "cache"))
+    assert list(tmp_path.rglob("evil.pt")) == []
+
+
 # ---------------------------------------------------------------- source cache keyed by content
 
 @pytest.mark.slow
