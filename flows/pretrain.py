@@ -9,7 +9,7 @@ from lmyard.config import RunConfig, with_recipe
 from tasks.checkpoint import record_checkpoint
 from tasks.evaluate import evaluate_checkpoint, new_checkpoints
 from tasks.finish import finish
-from tasks.lineage import close_lineage, ended_status, lineage_crashed, lineage_killed, open_lineage
+from tasks.lineage import close_lineage, ended_status, leased, lineage_crashed, lineage_killed, open_lineage
 from tasks.register import register_model
 from tasks.retention import retain_checkpoints
 from tasks.shard import tokenize_and_shard
@@ -22,23 +22,24 @@ def pretrain(config: RunConfig = RunConfig(), recipe: str | None = None) -> dict
 
     `recipe` (a name under deploy/recipes): its config, with `config`'s explicitly set fields on top."""
     config = with_recipe(config, recipe)
-    shards = tokenize_and_shard(config)
-    lineage = open_lineage(config, shards)
-    try:
-        # training runs in a worker thread; each new checkpoint is verified and evaluated meanwhile
-        training = train.with_options(retries=config.launch.retries).submit(config, shards, lineage)
-        for step in new_checkpoints(config, lineage, training):
-            record_checkpoint(config, lineage, step, return_state=True)  # a failure does not stop training
-            evaluated = evaluate_checkpoint(config, shards, lineage, step, return_state=True)
-            # retention waits for each evaluation; a store hiccup here only delays deletion, never stops training
-            retain_checkpoints(config, step, evaluated.is_completed(), return_state=True)
-        trained = training.result()
-        record_checkpoint(config, lineage, trained["step"], return_state=True)
-        final = evaluate_checkpoint(config, shards, lineage, trained["step"])
-        retain_checkpoints(config, trained["step"], True, final=True, return_state=True)
-        model = register_model(config, shards, lineage, final)
-    except BaseException as exc:
-        stop_training()
-        close_lineage(lineage, ended_status(exc))
-        raise
-    return finish(config, shards, lineage, trained, final, model)
+    with lineage_lease(config):  # one run writes a lineage at a time; others wait, then refuse
+        shards = tokenize_and_shard(config)
+        lineage = open_lineage(config, shards)
+        try:
+            # training runs in a worker thread; each new checkpoint is verified and evaluated meanwhile
+            training = train.with_options(retries=config.launch.retries).submit(config, shards, lineage)
+            for step in new_checkpoints(config, lineage, training):
+                record_checkpoint(config, lineage, step, return_state=True)  # a failure does not stop training
+                evaluated = evaluate_checkpoint(config, shards, lineage, step, return_state=True)
+                # retention waits for each evaluation; a store hiccup only delays deletion, never stops training
+                retain_checkpoints(config, step, evaluated.is_completed(), return_state=True)
+            trained = training.result()
+            record_checkpoint(config, lineage, trained["step"], return_state=True)
+            final = evaluate_checkpoint(config, shards, lineage, trained["step"])
+            retain_checkpoints(config, trained["step"], True, final=True, return_state=True)
+            model = register_model(config, shards, lineage, final)
+        except BaseException as exc:
+            stop_training()
+            close_lineage(lineage, ended_status(exc))
+            raise
+        return finish(config, shards, lineage, trained, final, model)

@@ -41,6 +41,7 @@ from lmyard.errors import StoreOutage  # noqa: F401 - raised here; its home is l
 from lmyard.catalog import (checkpoints_prefix, complete_steps, quarantine, read_manifest,  # noqa: F401 - re-exported
                             read_state, step_prefix)
 from lmyard.layout import MANIFEST, RunLayout
+from lmyard.paths import confined
 from lmyard.shards import sha256_file
 from lmyard.store import Store
 
@@ -108,9 +109,22 @@ def stage(folder: str, model: dict, optim: dict, rng: list, state: dict) -> dict
             "serialize_s": round(time.perf_counter() - t0, 3)}
 
 
+class StepExists(RuntimeError):
+    """A complete checkpoint of this step is already in the store: it is never overwritten."""
+
+
 def commit(store: Store, run_name: str, folder: str, manifest: dict) -> str:
-    """Upload a staged checkpoint's files, then its manifest (with the upload's seconds); returns its URI."""
+    """Upload a staged checkpoint's files, then its manifest (with the upload's seconds); returns its URI.
+
+    A step that already has a manifest is never written again: the same files (a retried commit
+    whose manifest did land) are a no-op, other files raise StepExists.
+    """
     prefix = step_prefix(run_name, manifest["step"])
+    if store.exists(f"{prefix}/{MANIFEST}"):
+        if json.loads(store.read_bytes(f"{prefix}/{MANIFEST}")).get("files") == manifest["files"]:
+            return store.uri(prefix)
+        raise StepExists(f"checkpoint {store.uri(prefix)} already exists complete; it is not overwritten "
+                         "(another run of this lineage, or a step trained twice)")
     t0 = time.perf_counter()
     for name in FILES:
         staged, key = os.path.join(folder, name), f"{prefix}/{name}"
@@ -351,6 +365,8 @@ class AsyncCheckpointer:
                 try:
                     uri = commit(self.store, self.run_name, folder, manifest)
                     break
+                except StepExists:
+                    raise
                 except Exception as e:  # noqa: BLE001 - any store failure is retried, then left pending
                     self.failures += 1
                     if attempt == self.retries:
@@ -389,7 +405,7 @@ def load_step(store: Store, run_name: str, step: int, cache_dir: str) -> Checkpo
         key = layout.step_file(step, name)
         path = store.local_path(key)
         if path is None:
-            path = os.path.join(local, name)
+            path = confined(local, name, "checkpoint file")  # names come from the manifest in the store
             store.download(key, path)
         if not os.path.exists(path) or sha256_file(path) != meta["sha256"]:
             raise DamagedCheckpoint(f"{store.uri(key)} does not match its manifest checksum")

@@ -13,17 +13,36 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from lmyard.errors import UserError
 
 
+def _numeric(annotation: Any) -> bool:
+    """Whether a field's type takes numbers (int, float, optionally with None or literals) and not booleans."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    return bool(set(args) & {int, float}) and bool not in args
+
+
 class _Section(BaseModel):
+    """A config section: unknown keys are refused, and so are booleans for numbers (`max_steps: true`
+    would otherwise pass as 1)."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, bool) and _numeric(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, not the boolean {str(v).lower()}")
+        return v
 
 
 class DataConfig(_Section):
@@ -286,6 +305,12 @@ class TrackingConfig(_Section):
         None, description="Model registry name of the final model; default: the run_name.")
     system_metrics: bool = Field(True, description="Log CPU, memory, disk, network (and GPU) metrics per node.")
     system_metrics_interval_s: float = Field(10.0, gt=0, description="Seconds between system metric samples.")
+    lease_ttl_s: float = Field(
+        60.0, ge=3, description="One run writes a lineage at a time: it holds a lease on runs/<run_name>, renewed "
+        "every ttl/3; a lease not renewed for this long (its holder died) may be taken over.")
+    lease_wait_s: float = Field(
+        90.0, ge=0, description="How long a run waits for another run of the same lineage to end (or for a dead "
+        "holder's lease to expire) before it refuses, naming the holder.")
 
 
 class RunConfig(_Section):
@@ -303,8 +328,21 @@ class RunConfig(_Section):
     def world_size(self) -> int:
         return self.launch.nnodes * self.launch.nproc_per_node
 
+    def redacted_dump(self) -> dict[str, Any]:
+        """model_dump(mode="json") with the password of every URI removed (see redact_uri): what may be
+        logged or saved (MLflow params, lineage.json, checkpoint state)."""
+
+        def walk(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {k: walk(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [walk(v) for v in value]
+            return redact_uri(value) if isinstance(value, str) else value
+
+        return walk(self.model_dump(mode="json"))
+
     def flat(self) -> dict[str, str]:
-        """Dotted key -> value, for MLflow params."""
+        """Dotted key -> value, for MLflow params (credentials in URIs redacted)."""
         out: dict[str, str] = {}
 
         def walk(prefix: str, value: Any) -> None:
@@ -314,8 +352,17 @@ class RunConfig(_Section):
             else:
                 out[prefix] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
-        walk("", self.model_dump(mode="json"))
+        walk("", self.redacted_dump())
         return out
+
+
+_USERINFO = re.compile(r"(\w[\w+.-]*://[^/\s:@]+):[^/\s]*@")
+
+
+def redact_uri(uri: str) -> str:
+    """`uri` without the password of its `user:password@` part (`http://me:s3cret@host` -> `http://me:***@host`);
+    any URI inside a longer text (an error message) too; other strings as they are."""
+    return _USERINFO.sub(r"\1:***@", uri)
 
 
 # ---------------------------------------------------------------- recipes

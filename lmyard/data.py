@@ -26,8 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from lmyard.cache import default_cache_dir  # noqa: F401 - re-exported
 from lmyard.errors import UserError
+from lmyard.paths import cache_root, confined
 from lmyard.shards import ShardSet, read_header, read_shard, sha256_file, shard_prefix
 from lmyard.store import open_store
 
@@ -54,7 +54,7 @@ class ShardFiles:
         direct = self.store.local_path(key)
         if direct is not None:
             return direct
-        dest = os.path.join(self.cache_dir, key)
+        dest = confined(self.cache_dir, key, "shard")  # names come from the manifest in the store
         if not (os.path.exists(dest) and os.path.getsize(dest) == meta["bytes"]):
             self.store.download(key, dest)
             if sha256_file(dest) != meta["sha256"]:
@@ -198,3 +198,7 @@ def val_sequences(stream: TokenStream, seq_len: int, max_tokens: int) -> torch.T
 def split_stream(shards: ShardSet, store_uri: str, split: str, cache_dir: str) -> TokenStream:
     return TokenStream(ShardFiles(shards, store_uri, split, cache_dir))
 
+
+def default_cache_dir() -> str:
+    """The node-local cache root (LMYARD_CACHE, default ~/.cache/lmyard): see lmyard.paths.cache_root."""
+    return cache_root()

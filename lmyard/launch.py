@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from lmyard import watchdog
-from lmyard.cache import default_cache_dir
+from lmyard.paths import cache_root
 from lmyard.config import RunConfig
 from lmyard.contracts import EXCHANGE_ENV, Exchange, Progress, Started, TrainResult, TrainSpec, write_json
 from lmyard.errors import ExitCode, TrainingFailed, UserError, error_for
@@ -259,8 +259,8 @@ class LocalJob:
     nodes = 1
 
     def __init__(self, cfg: RunConfig, spec: TrainSpec):
-        os.makedirs(default_cache_dir(), exist_ok=True)
-        self.folder = tempfile.mkdtemp(prefix="lmyard-launch-", dir=default_cache_dir())
+        os.makedirs(cache_root(), exist_ok=True)
+        self.folder = tempfile.mkdtemp(prefix="lmyard-launch-", dir=cache_root())
         self.exchange = Exchange(self.folder)
         write_json(self.exchange.path("spec.json"), spec)
         self.cmd = torchrun_command(cfg, spec_path=self.exchange.path("spec.json"))

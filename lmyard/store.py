@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
 from lmyard.errors import UserError
+from lmyard.paths import confined
 
 
 class Store(Protocol):
@@ -38,6 +39,22 @@ class Store(Protocol):
     def sha256(self, key: str) -> str | None: ...
 
 
+@contextlib.contextmanager
+def _replacing(path: Path) -> Iterator:
+    """A new file in `path`'s folder, renamed over `path` once written (atomic). Its mode follows the
+    umask like any open() (0644 by default), not mkstemp's 0600: readers under another uid can read it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 class LocalStore:
     """A folder. Writes go to a temp file in the same folder, then rename (atomic)."""
 
@@ -45,7 +62,7 @@ class LocalStore:
         self.root = str(Path(root.removeprefix("file://")).expanduser().resolve())
 
     def _path(self, key: str) -> Path:
-        return Path(self.root, key)
+        return Path(confined(self.root, key, "store key"))
 
     def uri(self, key: str) -> str:
         return str(self._path(key))
@@ -57,24 +74,17 @@ class LocalStore:
         return self._path(key).read_bytes()
 
     def write_bytes(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "wb") as f:
+        with _replacing(self._path(key)) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
 
     def upload(self, local_path: str, key: str) -> None:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if Path(local_path).resolve() == path.resolve():
+        if path.exists() and Path(local_path).resolve() == path.resolve():
             return
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        os.close(fd)
-        shutil.copyfile(local_path, tmp)
-        os.replace(tmp, path)
+        with _replacing(path) as f, open(local_path, "rb") as src:
+            shutil.copyfileobj(src, f, 1 << 22)
 
     def download(self, key: str, local_path: str) -> None:
         Path(local_path).parent.mkdir(parents=True, exist_ok=True)

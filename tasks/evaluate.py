@@ -57,6 +57,7 @@ def new_checkpoints(config: RunConfig, lineage: tracking.Lineage, training: Pref
     (checkpoint.upload_retries); only an outage longer than that ends the flow, never a blip.
     """
     store = open_store(config.store)
+    log = log or get_run_logger().warning
     done = set(tracking.metric_history(lineage, EVALUATED))
     budget = outage_budget_s(config)
     failing_since: float | None = None
@@ -71,7 +72,7 @@ def new_checkpoints(config: RunConfig, lineage: tracking.Lineage, training: Pref
                 failing_since = failing_since or now
                 if now - failing_since > budget:
                     raise
-                (log or print)(f"looking for new checkpoints failed ({str(e).splitlines()[0]}); trying again "
+                log(f"looking for new checkpoints failed ({str(e).splitlines()[0]}); trying again "
                                f"(for up to {budget:.0f} s)")
                 continue
             failing_since = None
