@@ -6,7 +6,7 @@ It writes a local tokenizer folder (a 3-entry WordLevel vocab.json and tokenizer
 tokens come already tokenized, torchtitan only needs to load one), makes the random-token shard
 bench_llama.py reads (tests/benchmarks/random_shards.py) when missing, then runs
 `torchrun ... run_torchtitan.py --worker`, which starts torchtitan's own entry point
-(torchtitan.train.main) with `--module __main__ --config lmyard_bench`: a Trainer.Config built here with
+(torchtitan.train.main) with `--module run_torchtitan --config lmyard_bench`: a Trainer.Config built here with
 
 - the model: torchtitan's Llama3Model built from its own config helpers (its initialisation, fused qkv,
   RMSNorm, SwiGLU, RoPE theta 500000 with Llama scaling, as its 1B/8B flavors) at lmyard's preset's
@@ -14,15 +14,18 @@ bench_llama.py reads (tests/benchmarks/random_shards.py) when missing, then runs
   F.scaled_dot_product_attention with is_causal (lmyard's attention; torchtitan's default is FlexAttention
   with per-document masks: `--attn flex` runs that instead);
 - its parallelize_llama: activation checkpointing (SelectiveAC = its op-level policy, FullAC), per-block
-  torch.compile (model and loss), FSDP2 with bf16 parameters and fp32 reduction;
+  torch.compile (model and loss), FSDP2 with bf16 parameters and fp32 reduction, on its `partial_dtensor`
+  backend (FSDP2 over a data-parallel mesh, as lmyard; its default `spmd_types` backend passes
+  fully_shard a `dp_mesh_dims` argument that torch 2.11 does not have);
 - its chunked cross-entropy loss, AdamW (fused), warmup + decay schedule; checkpoints and validation off;
 - a data loader reading the same shard file lmyard reads: rank r, step s takes sequences
   (s * world + r) * batch ... + batch of seq + 1 tokens, as bench_llama.py does.
 
-On the GPU machine (torch 2.11) two names torchtitan 0.3.0 imports from FSDP2 do not exist yet
-(torch.distributed.fsdp.DataParallelMeshDims, ..._fsdp_common.ShardPlacementResult; added in later torch
-releases, used only by its full-DTensor and expert-parallel paths): the worker defines placeholders for
-them before importing torchtitan. torch.utils.tensorboard and `datasets` are stubbed when missing
+On the GPU machine (torch 2.11) three names torchtitan 0.3.0 uses do not exist yet (nor in torch 2.13):
+torch.distributed.fsdp.DataParallelMeshDims and ..._fsdp_common.ShardPlacementResult, imported at module
+level and used only by its full-DTensor and expert-parallel paths, get placeholders; and
+torch.distributed.set_timeout, with which it shortens the collectives' timeout after the first step,
+becomes a no-op (the timeout stays torch's default). torch.utils.tensorboard and `datasets` are stubbed when missing
 (torchtitan imports them at module level; this run logs no tensorboard and reads no HF dataset). Prints one JSON line: tokens/s per GPU (torchtitan's `tps`, median
 of the logged steps after warm-up), tokens/s, MFU (torchtitan's own and lmyard's formula), peak memory.
 """
@@ -82,8 +85,12 @@ def _shim_torch() -> None:
     imports but this run does not use (see the docstring)."""
     import dataclasses
 
+    import torch.distributed as dist
     import torch.distributed.fsdp as fsdp
     from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    if not hasattr(dist, "set_timeout"):  # after step 1 torchtitan shortens its collectives' timeout: kept as is
+        dist.set_timeout = lambda timeout, group=None: None
 
     if not hasattr(fsdp, "DataParallelMeshDims"):
         @dataclasses.dataclass
@@ -181,7 +188,7 @@ def lmyard_bench():
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.components.validate import Validator
-    from torchtitan.config import CompileConfig, TrainingConfig
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
     from torchtitan.models.common import Embedding, Linear, RMSNorm
@@ -209,6 +216,7 @@ def lmyard_bench():
         training=TrainingConfig(local_batch_size=a["batch"], seq_len=a["seq"], steps=a["steps"]),
         dataloader=_shard_loader_class().Config(dataset_path=a["shard"]),
         metrics=MetricsProcessor.Config(log_freq=a["log_freq"]),
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
         checkpoint=CheckpointManager.Config(enable=False),
         activation_checkpoint=ac,
         compile=CompileConfig(enable=a["compile"], components=["model", "loss"]),
@@ -220,7 +228,8 @@ def worker() -> None:
     _shim_torch()
     from torchtitan.train import main
 
-    sys.argv = [sys.argv[0], "--module", "__main__", "--config", "lmyard_bench"]
+    sys.path.insert(0, str(HERE))  # torchtitan imports the config function from this file as a module
+    sys.argv = [sys.argv[0], "--module", "run_torchtitan", "--config", "lmyard_bench"]
     main()
 
 
