@@ -172,3 +172,12 @@ def test_sharding_divides_the_static_memory_by_the_ranks():
     assert _plan("llama-1b", 1, "fsdp", ac="full").activations < _plan("llama-1b", 1, "fsdp", ac="selective").activations \
         < one.activations
     assert math.isclose(check(_plan("gpt2-124m", 1, "ddp", micro_batch=32)).params, 4 * 124_475_904, rel_tol=0.01)
+
+
+def test_float8_is_skipped_with_a_warning_where_the_device_has_no_float8_matmuls():
+    from lmyard.parallel import apply_float8
+
+    model = _tiny()
+    with pytest.warns(UserWarning, match="train.float8 skipped"):
+        assert apply_float8(model, torch.device("cpu")) is False
+    assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
