@@ -53,7 +53,7 @@ def worker(a: argparse.Namespace) -> None:
     cfg = load_recipe("smoke", [f"model.preset={a.preset}", f"model.block_size={a.seq}", "train.parallel=fsdp",
                                 f"train.activation_checkpointing={a.ac}", f"train.compile={a.compile}",
                                 f"train.float8={a.float8}", f"train.fsdp_reshard_after_forward={not a.no_reshard}",
-                                f"model.attention={a.attention}", f"train.device={a.device}"])
+                                f"train.device={a.device}"])
     torch.manual_seed(0)
     with torch.device(device):
         model = build_model(cfg.model, 50257)
@@ -69,11 +69,11 @@ def worker(a: argparse.Namespace) -> None:
         rows = rows.pin_memory().to(device, non_blocking=True) if cuda else rows
         return rows[:, :-1], rows[:, 1:]
 
-    if a.attention != "auto":
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    if a.attention != "auto":  # cudnn: torchtitan's order, cuDNN first, then flash, then math
+        from torch.nn.attention import SDPBackend as K, sdpa_kernel
 
-        sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                     "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[a.attention]).__enter__()
+        sdpa_kernel({"flash": [K.FLASH_ATTENTION], "cudnn": [K.CUDNN_ATTENTION, K.FLASH_ATTENTION, K.MATH],
+                     "efficient": [K.EFFICIENT_ATTENTION], "math": [K.MATH]}[a.attention], set_priority=True).__enter__()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     losses = []
     for step in range(a.warmup + a.steps):
@@ -132,7 +132,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (and torchtitan's loss)")
     ap.add_argument("--float8", action="store_true", help="lmyard only (torchao)")
     ap.add_argument("--no-reshard", action="store_true", help="fsdp_reshard_after_forward=false (lmyard only)")
-    ap.add_argument("--attention", default="auto", choices=["auto", "flash", "cudnn", "efficient", "math"])
+    ap.add_argument("--attention", default="auto", choices=["auto", "flash", "cudnn", "efficient", "math"],
+                    help="SDPA kernels for lmyard: auto (PyTorch's choice), cudnn (cuDNN, then flash, then math: "
+                    "torchtitan's order), or one kernel")
     ap.add_argument("--steps", type=int, default=30, help="timed steps")
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
