@@ -42,21 +42,21 @@ def _train(model, params, batches, rank, world, sync):
     return losses
 
 
-def _worker(rank: int, port: int, ac_modes: list[str]) -> None:
+def _worker(rank: int, port: int, runs: list[tuple[str, str]]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         batches = _batches()
-        torch.manual_seed(0)
-        ref = build_model(ModelConfig(preset="llama-tiny"), 257)
-        init = {k: v.clone() for k, v in ref.state_dict().items()}
-        ref_losses = _train(ref, list(ref.parameters()), batches, 0, 1, lambda last: _null())
-        for mode in ac_modes:
+        for preset, mode in runs:
+            torch.manual_seed(0)
+            ref = build_model(ModelConfig(preset=preset), 257)
+            init = {k: v.clone() for k, v in ref.state_dict().items()}
+            ref_losses = _train(ref, list(ref.parameters()), batches, 0, 1, lambda last: _null())
             torch.manual_seed(123)  # a different init, then the reference's weights: sharding must keep them
-            model = build_model(ModelConfig(preset="llama-tiny"), 257)
+            model = build_model(ModelConfig(preset=preset), 257)
             model.load_state_dict(init)
-            cfg = load_recipe("smoke", ["model.preset=llama-tiny", "train.parallel=fsdp", "train.device=cpu",
+            cfg = load_recipe("smoke", [f"model.preset={preset}", "train.parallel=fsdp", "train.device=cpu",
                                         f"train.activation_checkpointing={mode}"])
             model = parallelize(model, cfg, WORLD, torch.device("cpu"))
             params = list(model.parameters())
@@ -65,9 +65,9 @@ def _worker(rank: int, port: int, ac_modes: list[str]) -> None:
             full = {k: v.full_tensor() for k, v in model.state_dict().items()}
             if rank == 0:
                 for (a, na), (b, nb) in zip(losses, ref_losses):
-                    assert abs(a - b) < 1e-4 and abs(na - nb) < 1e-4, (mode, losses, ref_losses)
+                    assert abs(a - b) < 1e-4 and abs(na - nb) < 1e-4, (preset, mode, losses, ref_losses)
                 for k, v in ref.state_dict().items():
-                    assert torch.allclose(full[k], v, atol=2e-5), (mode, k, (full[k] - v).abs().max())
+                    assert torch.allclose(full[k], v, atol=2e-5), (preset, mode, k, (full[k] - v).abs().max())
                 assert not torch.allclose(full["lm_head.weight"], init["lm_head.weight"])  # it did train
     finally:
         dist.destroy_process_group()
@@ -83,6 +83,7 @@ class _null:
 
 def test_fsdp_on_two_ranks_trains_as_one_process_on_the_whole_batch_with_and_without_checkpointing():
     """Same init, same global batches, gradient accumulation (no_sync on the first micro-step), clipping:
-    the 2-rank FSDP2 run's losses, grad norms and weights match the plain loop's, with activation
-    checkpointing off and selective."""
-    mp.spawn(_worker, args=(free_port(), ["none", "selective"]), nprocs=WORLD, join=True)
+    the 2-rank FSDP2 run's losses, grad norms and weights match the plain loop's: Llama with activation
+    checkpointing off and selective, GPT-2 (tied embeddings in the root unit) with full."""
+    runs = [("llama-tiny", "none"), ("llama-tiny", "selective"), ("tiny", "full")]
+    mp.spawn(_worker, args=(free_port(), runs), nprocs=WORLD, join=True)
