@@ -33,13 +33,39 @@ REPO = HERE.parents[1]
 sys.path[:0] = [str(REPO), str(HERE)]
 
 
+def timed_steps(model, params, opt, batch, warmup: int, steps: int, device) -> tuple[float, list]:
+    """`warmup` untimed then `steps` timed optimizer steps; (seconds of the timed ones, losses)."""
+    import torch
+
+    from lmyard.parallel import clip_grad_norm
+
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    losses = []
+    for step in range(warmup + steps):
+        if step == warmup:
+            sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+        x, y = batch(step)
+        loss = model(x, y)
+        loss.backward()
+        clip_grad_norm(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    sync()
+    return time.perf_counter() - t0, losses
+
+
 def worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
     from lmyard.config import load_recipe
     from lmyard.models import build_model
-    from lmyard.parallel import clip_grad_norm, parallelize
+    from lmyard.parallel import parallelize
     from lmyard.shards import read_shard
     from lmyard.train import PEAK_FLOPS
 
@@ -74,23 +100,7 @@ def worker(a: argparse.Namespace) -> None:
 
         sdpa_kernel({"flash": [K.FLASH_ATTENTION], "cudnn": [K.CUDNN_ATTENTION, K.FLASH_ATTENTION, K.MATH],
                      "efficient": [K.EFFICIENT_ATTENTION], "math": [K.MATH]}[a.attention], set_priority=True).__enter__()
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    losses = []
-    for step in range(a.warmup + a.steps):
-        if step == a.warmup:
-            sync()
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            t0 = time.perf_counter()
-        x, y = batch(step)
-        loss = model(x, y)
-        loss.backward()
-        clip_grad_norm(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    sync()
-    dt = time.perf_counter() - t0
+    dt, losses = timed_steps(model, params, opt, batch, a.warmup, a.steps, device)
     tok_s = a.steps * B * T * world / dt
     peak = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None) if cuda else None
     out = {"impl": "lmyard", "preset": a.preset, "params": n_params, "world": world, "B": B, "T": T, "ac": a.ac,
