@@ -150,6 +150,8 @@ def main() -> None:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--titan", action="store_true", help="also run torchtitan 0.3.0 (run_torchtitan.py)")
     ap.add_argument("--titan-attn", default="sdpa", help="torchtitan's attention: sdpa (as lmyard) or flex")
+    ap.add_argument("--titan-no-cuda-graphs", action="store_true",
+                    help="torchtitan without its default CUDA graph of forward + backward")
     ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "lmyard-bench-llama")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shard", help=argparse.SUPPRESS)
@@ -167,7 +169,8 @@ def main() -> None:
         rows.append(ours)
         if a.titan:
             # torchtitan logs every 5 steps; its first two intervals (compilation, warm-up) are left out
-            peer = run_titan(gpus, a.preset, a.seq, a.batch, a.ac, a.compile, max(steps, 25), 2, a.data, a.titan_attn)
+            peer = run_titan(gpus, a.preset, a.seq, a.batch, a.ac, a.compile, max(steps, 25), 2, a.data, a.titan_attn,
+                             cuda_graphs=not a.titan_no_cuda_graphs)
             peer["mfu"] = round(ours["mfu"] * peer["tok_s"] / ours["tok_s"], 4) if ours["mfu"] else None  # same F
             print(json.dumps(peer), flush=True)
             rows.append({**peer, "lmyard_over_titan": round(ours["tok_s"] / peer["tok_s"], 3)})

@@ -18,6 +18,8 @@ bench_llama.py reads (tests/benchmarks/random_shards.py) when missing, then runs
   backend (FSDP2 over a data-parallel mesh, as lmyard; its default `spmd_types` backend passes
   fully_shard a `dp_mesh_dims` argument that torch 2.11 does not have);
 - its chunked cross-entropy loss, AdamW (fused), warmup + decay schedule; checkpoints and validation off;
+- its default CUDA graph of the forward + backward (`training.disable_cuda_graphs` false); should that
+  capture fail under torch 2.11, the run is made again without it and the JSON says `"cuda_graphs": false`;
 - a data loader reading the same shard file lmyard reads: rank r, step s takes sequences
   (s * world + r) * batch ... + batch of seq + 1 tokens, as bench_llama.py does.
 
@@ -213,7 +215,8 @@ def lmyard_bench():
         hf_assets_path=a["tokenizer"], dump_folder=a["dump"], model_spec=spec,
         optimizer=default_adamw(lr=3e-4),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2),
-        training=TrainingConfig(local_batch_size=a["batch"], seq_len=a["seq"], steps=a["steps"]),
+        training=TrainingConfig(local_batch_size=a["batch"], seq_len=a["seq"], steps=a["steps"],
+                                disable_cuda_graphs=not a["cuda_graphs"]),
         dataloader=_shard_loader_class().Config(dataset_path=a["shard"]),
         metrics=MetricsProcessor.Config(log_freq=a["log_freq"]),
         parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
@@ -246,14 +249,15 @@ def titan_settings(preset: str, seq: int, n_vocab: int = 50257) -> dict:
 
 
 def run(gpus: int, preset: str, seq: int, batch: int, ac: str, compile: bool, steps: int, warmup_logs: int,
-        data_dir: Path, attn: str = "sdpa", log_freq: int = 5) -> dict:
-    """One torchtitan run on `gpus` GPUs; its parsed figures."""
+        data_dir: Path, attn: str = "sdpa", log_freq: int = 5, cuda_graphs: bool = True) -> dict:
+    """One torchtitan run on `gpus` GPUs; its parsed figures. With `cuda_graphs` (torchtitan's default: the
+    forward + backward captured in a CUDA graph) a failed run is tried once more without them."""
     m = titan_settings(preset, seq)
     shard = ensure_shards(data_dir, (steps + 1) * batch * (seq + 1) * gpus)
     work = Path(tempfile.mkdtemp(prefix="titan-"))
     settings = {"model": m, "attn": attn, "ac": ac, "compile": compile, "batch": batch, "seq": seq, "steps": steps,
                 "log_freq": log_freq, "shard": str(shard), "tokenizer": str(tokenizer_folder(work / "tokenizer")),
-                "dump": str(work / "outputs")}
+                "dump": str(work / "outputs"), "cuda_graphs": cuda_graphs}
     env = {**os.environ, "LMYARD_TITAN": json.dumps(settings), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
            str(Path(__file__).resolve()), "--worker"]
@@ -261,11 +265,15 @@ def run(gpus: int, preset: str, seq: int, batch: int, ac: str, compile: bool, st
     out = ANSI.sub("", proc.stdout + proc.stderr)
     logs = [m_.groups() for m_ in map(STEP.search, out.splitlines()) if m_]
     if proc.returncode or len(logs) <= warmup_logs:
+        if cuda_graphs:
+            print(f"torchtitan with CUDA graphs failed (rc {proc.returncode}); again without them. Its last lines:\n"
+                  + "\n".join(out.splitlines()[-15:]), file=sys.stderr, flush=True)
+            return run(gpus, preset, seq, batch, ac, compile, steps, warmup_logs, data_dir, attn, log_freq, False)
         raise SystemExit(f"torchtitan run failed (rc {proc.returncode}):\n{out[-6000:]}")
     timed = logs[warmup_logs:]
     tps = statistics.median(float(t[3].replace(",", "")) for t in timed)
     return {"impl": "torchtitan-0.3.0", "world": gpus, "B": batch, "T": seq, "ac": ac, "compile": compile,
-            "attn": attn, "tok_s": round(tps * gpus), "tok_s_per_gpu": round(tps),
+            "attn": attn, "cuda_graphs": cuda_graphs, "tok_s": round(tps * gpus), "tok_s_per_gpu": round(tps),
             "mfu_titan": statistics.median(float(t[5]) for t in timed) / 100,
             "peak_reserved_gib": max(float(t[2]) for t in timed), "loss_last": float(timed[-1][1]),
             "intervals": len(timed)}
@@ -282,13 +290,14 @@ def main() -> None:
     ap.add_argument("--ac", choices=["none", "selective", "full"], default="none")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--attn", default="sdpa", help="sdpa (lmyard's attention) or torchtitan's flex / varlen")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="torchtitan's training.disable_cuda_graphs")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup-logs", type=int, default=2, help="logged intervals (of 5 steps) left out")
     ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "lmyard-bench-llama")
     a = ap.parse_args()
     for g in a.gpus:
-        print(json.dumps(run(g, a.preset, a.seq, a.batch, a.ac, a.compile, a.steps, a.warmup_logs, a.data, a.attn)),
-              flush=True)
+        print(json.dumps(run(g, a.preset, a.seq, a.batch, a.ac, a.compile, a.steps, a.warmup_logs, a.data, a.attn,
+                             cuda_graphs=not a.no_cuda_graphs)), flush=True)
 
 
 if __name__ == "__main__":
