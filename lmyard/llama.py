@@ -123,6 +123,16 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class LMHead(nn.Linear):
+    """The output projection; with targets, the projection and its cross-entropy in one op (lmyard.losses).
+    Called as a module, so FSDP2 gathers its weight through its own unit's hooks."""
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(x)
+        return linear_cross_entropy(x, self.weight, targets)
+
+
 class Llama(nn.Module):
     def __init__(self, c: LlamaConfig):
         super().__init__()
@@ -133,7 +143,7 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.n_embd)
         self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layer))
         self.norm = nn.RMSNorm(c.n_embd, eps=c.norm_eps)
-        self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        self.lm_head = LMHead(c.n_embd, c.vocab_size, bias=False)
         cos, sin = rope_tables(c.head_dim, c.block_size, c.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -167,10 +177,7 @@ class Llama(nn.Module):
         cos, sin = self.rope_cos[:T].to(x.dtype), self.rope_sin[:T].to(x.dtype)
         for block in self.layers:
             x = block(x, cos, sin)
-        x = self.norm(x)
-        if targets is None:
-            return self.lm_head(x)
-        return linear_cross_entropy(x, self.lm_head.weight, targets)
+        return self.lm_head(self.norm(x), targets)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -2,9 +2,7 @@
 
 `parallelize(raw_model, cfg, world, device)` gives the model to train under `train.parallel=fsdp`,
 applying, in torchtitan's order: float8 linears -> activation checkpointing -> torch.compile per block
--> FSDP2 (`fully_shard` per block, then at the root). The root unit holds the embeddings, the final
-norm and the LM head: the head's weight is read by lmyard.losses' fused op rather than by calling the
-module, so it must be gathered by the root's forward.
+-> FSDP2 (`fully_shard` per block, the embeddings, the final norm with the head, then the root).
 
 The parameters stay fp32 and sharded (the optimizer updates fp32 shards); on CUDA each block's
 parameters are gathered in bf16 for its forward and backward, and gradients are reduce-scattered in
@@ -113,11 +111,18 @@ def mixed_precision(device: torch.device):
 
 
 def apply_fsdp(model: nn.Module, mesh, device: torch.device, reshard_after_forward: bool = True) -> nn.Module:
-    """FSDP2: `fully_shard` each block, then the root (embeddings, final norm, head). `mesh` is a 1-D
-    DeviceMesh of the data-parallel ranks (fsdp_mesh)."""
+    """FSDP2: `fully_shard` each block, then the root. `mesh` is a 1-D DeviceMesh of the data-parallel ranks
+    (fsdp_mesh). A model with untied `embed_tokens` and `lm_head` (Llama) gets two more units, as torchtitan
+    makes them: the embeddings, and the final norm with the head, kept gathered from forward to backward
+    (backward needs them at once) so that the head's gradients are reduced while the blocks' backward runs;
+    GPT-2's tied table and head stay in the root unit."""
     from torch.distributed.fsdp import fully_shard
 
     shard = partial(fully_shard, mesh=mesh, mp_policy=mixed_precision(device))
+    embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    if embed is not None and head is not None and head.weight is not embed.weight:
+        shard(embed, reshard_after_forward=reshard_after_forward)
+        shard([model.norm, head], reshard_after_forward=False)
     for block in _blocks(model):
         shard(block, reshard_after_forward=reshard_after_forward)
     shard(model, reshard_after_forward=reshard_after_forward)  # FSDP2 keeps the root gathered for backward

@@ -180,4 +180,4 @@ def test_float8_is_skipped_with_a_warning_where_the_device_has_no_float8_matmuls
     model = _tiny()
     with pytest.warns(UserWarning, match="train.float8 skipped"):
         assert apply_float8(model, torch.device("cpu")) is False
-    assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert not any("Float8" in type(m).__name__ for m in model.modules())
