@@ -14,7 +14,7 @@ seq + 1 tokens. With `--titan` it then runs torchtitan on the same shard (run_to
 Prints one JSON line per run and a summary: tokens/s, tokens/s per GPU, MFU = tokens/s * F / (peak * GPUs)
 with F = model.flops_per_token() = 6 * (parameters - input embedding) + 12 * layers * width * seq
 (torchtitan's formula; peak dense bf16 989 TFLOP/s on H100/H200, lmyard.train.PEAK_FLOPS), peak memory per
-GPU (max allocated and max reserved, GiB), and lmyard / torchtitan.
+GPU (max allocated and max reserved, GiB) beside lmyard.memory's estimate, and lmyard / torchtitan.
 """
 
 from __future__ import annotations
@@ -109,6 +109,11 @@ def worker(a: argparse.Namespace) -> None:
            "mfu": round(tok_s * flops_tok / (peak * world), 4) if peak else None,
            "loss_first": round(float(losses[0]), 4), "loss_last": round(float(losses[-1]), 4)}
     if cuda:
+        from lmyard.memory import estimate
+
+        plan = estimate(cfg.model, cfg.train.model_copy(update={"micro_batch": B}), world,
+                        torch.cuda.get_device_properties(device).total_memory)
+        out["planned_gib"] = round(plan.total / 2**30, 2)  # lmyard.memory's estimate, beside the measured peak
         out["device"] = torch.cuda.get_device_name(device)
         out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         out["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
