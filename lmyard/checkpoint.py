@@ -418,7 +418,11 @@ def load_step(store: Store, run_name: str, step: int, cache_dir: str) -> Checkpo
             raise DamagedCheckpoint(f"{store.uri(layout.step_file(step, name))} does not load: {e}") from None
 
     with open(paths["state.json"]) as f:
-        state = CheckpointState.model_validate_json(f.read())
+        try:
+            state = CheckpointState.model_validate_json(f.read())
+        except ValueError as e:  # pydantic's ValidationError: not a checkpoint state lmyard wrote
+            raise DamagedCheckpoint(f"{store.uri(layout.step_file(step, 'state.json'))} is not a checkpoint "
+                                    f"state: {str(e).splitlines()[0]}") from None
     ckpt = Checkpoint(step=step, uri=store.uri(prefix), model=load("model.pt"), optim=load("optim.pt"),
                       rng=load("rng.pt"), state=state)
     if store.local_path(prefix) is None:
