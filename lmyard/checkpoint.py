@@ -399,8 +399,13 @@ def read_state(store: Store, run_name: str, step: int) -> dict:
 
 
 def load_step(store: Store, run_name: str, step: int, cache_dir: str) -> Checkpoint:
+    """Checkpoint `step` as full state dicts; a sharded one (lmyard.sharded_checkpoint) is read whole."""
     prefix = step_prefix(run_name, step)
     manifest = read_manifest(store, run_name, step)
+    if manifest.get("format") == "dcp":
+        from lmyard.sharded_checkpoint import load_full
+
+        return load_full(store, run_name, step, cache_dir)
     local = os.path.join(cache_dir, "checkpoint-load", str(os.getpid()), prefix)  # one per process: ranks load at once
     paths = {}
     for name, meta in manifest["files"].items():
@@ -425,13 +430,17 @@ def load_step(store: Store, run_name: str, step: int, cache_dir: str) -> Checkpo
     return ckpt
 
 
-def load_latest(store: Store, run_name: str, cache_dir: str) -> Checkpoint | None:
-    """The newest checkpoint whose files match its manifest; damaged ones are skipped with a warning."""
+def load_latest(store: Store, run_name: str, cache_dir: str, loader: Callable[[int], object] | None = None):
+    """The newest checkpoint whose files match its manifest; damaged ones are skipped with a warning.
+
+    `loader(step)` loads one (default: `load_step`); whatever it raises for a damaged one is caught here.
+    """
     import pickle
 
+    loader = loader or (lambda step: load_step(store, run_name, step, cache_dir))
     for step in reversed(complete_steps(store, run_name)):
         try:
-            return load_step(store, run_name, step, cache_dir)
+            return loader(step)
         except (ValueError, OSError, RuntimeError, pickle.UnpicklingError) as e:
             msg = (f"warning: checkpoint {store.uri(step_prefix(run_name, step))} is damaged "
                    f"({str(e).splitlines()[0]}); falling back to the previous one")

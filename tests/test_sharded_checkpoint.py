@@ -1,0 +1,301 @@
+"""Sharded (DCP) checkpoints: FSDP2 on 2 CPU ranks (gloo), resharding, damage, S3, interop, retention."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from conftest import free_port
+from lmyard import checkpoint, retention
+from lmyard import sharded_checkpoint as sc
+from lmyard.config import CheckpointConfig
+from lmyard.store import open_store
+
+RUN = "r"
+
+
+# ---------------------------------------------------------------- the ranks' side (run in spawned processes)
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=1e-2)
+
+
+def _fsdp(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+def _train(model, opt, steps: int, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 8, generator=g)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _local(model, opt) -> dict:
+    """This rank's shards, as plain tensors (what a bitwise comparison needs)."""
+    def plain(t):
+        return t.to_local().clone() if hasattr(t, "to_local") else t.clone() if torch.is_tensor(t) else t
+
+    sd = sc.state_dict(model, opt)
+    return {"model": {k: plain(v) for k, v in sd["model"].items()},
+            "optim": {k: {n: plain(v) for n, v in s.items()} for k, s in sd["optim"]["state"].items()},
+            "groups": sd["optim"]["param_groups"]}
+
+
+def _full(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    m, o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": m, "optim": o.get("state"), "groups": o.get("param_groups")}  # empty but on rank 0
+
+
+def _task_save(rank, world, tmp):
+    store = open_store(f"{tmp}/store")
+    model = _fsdp(_model())
+    opt = _optimizer(model)
+    ckpt = sc.ShardedCheckpointer(store, RUN, f"{tmp}/staging-{rank}", say=print)
+    for step in (2, 4):
+        _train(model, opt, 2, seed=step)
+        rng = [None] * world
+        dist.all_gather_object(rng, checkpoint.rng_state())
+        blocked = ckpt.save(model, opt, {"step": step, "cursor": 10 * step, "val_loss": 1.0 / step}, rng)
+        ckpt.before_update()
+        torch.save(_local(model, opt), f"{tmp}/rank{rank}_step{step}.pt")
+        full = _full(model, opt)
+        if rank == 0:
+            torch.save(full, f"{tmp}/full_step{step}.pt")
+            json.dump({"blocked_s": blocked}, open(f"{tmp}/blocked_{step}.json", "w"))
+    _train(model, opt, 1, seed=99)  # the live state moves on while the uploads finish
+    ckpt.close()
+
+
+def _task_load(rank, world, tmp, store_dir="store"):
+    store = open_store(f"{tmp}/{store_dir}")
+    model = _fsdp(_model(seed=7))
+    opt = _optimizer(model)
+    loaded = sc.load_latest_sharded(store, RUN, model, opt, f"{tmp}/cache")
+    torch.save({"step": loaded.step, "state": loaded.state, **_local(model, opt)}, f"{tmp}/loaded_rank{rank}.pt")
+    if world == 1:
+        torch.save(_full(model, opt), f"{tmp}/loaded_full.pt")
+
+
+def _task_one_rank_fails_to_upload(rank, world, tmp):
+    # rank 1's store is unusable (its root is a file): its uploads fail, rank 0 never sees its marker
+    root = f"{tmp}/store" if rank == 0 else f"{tmp}/not-a-folder/store"
+    if rank == 1:
+        open(f"{tmp}/not-a-folder", "w").close()
+    model = _fsdp(_model())
+    opt = _optimizer(model)
+    _train(model, opt, 1)
+    ckpt = sc.ShardedCheckpointer(open_store(root), RUN, f"{tmp}/staging-{rank}", retries=1, backoff_s=0.1,
+                                  commit_timeout_s=3, say=lambda s: None)
+    ckpt.save(model, opt, {"step": 6}, [])
+    with pytest.raises(checkpoint.StoreOutage, match="ranks \\[1\\] did not upload" if rank == 0 else "failed 2"):
+        ckpt.flush()
+
+
+def _task_s3_round_trip(rank, world, tmp, uri):
+    store = open_store(uri)
+    model = _fsdp(_model())
+    opt = _optimizer(model)
+    _train(model, opt, 3)
+    sc.save(store, RUN, model, opt, {"step": 3}, f"{tmp}/staging-{rank}")
+    before = _local(model, opt)
+    model2 = _fsdp(_model(seed=5))
+    opt2 = _optimizer(model2)
+    assert sc.load_latest_sharded(store, RUN, model2, opt2, f"{tmp}/cache-{rank}").step == 3
+    _assert_equal(before, _local(model2, opt2))
+
+
+def _task_ddp_checkpoint_into_fsdp(rank, world, tmp):
+    store = open_store(f"{tmp}/store")
+    if rank == 0:  # today's `ddp` path: full state dicts from the plain model, rank 0 writes them
+        plain = _model()
+        opt = _optimizer(plain)
+        _train(plain, opt, 3)
+        checkpoint.save(store, "ddp", 3, plain.state_dict(), opt.state_dict(), [], {"step": 3}, f"{tmp}/staging")
+        torch.save(_full(plain, opt), f"{tmp}/plain.pt")
+    dist.barrier()
+    model = _fsdp(_model(seed=5))
+    opt = _optimizer(model)
+    assert sc.load_latest_sharded(store, "ddp", model, opt, f"{tmp}/cache-{rank}").step == 3
+    full = _full(model, opt)
+    if rank == 0:
+        torch.save(full, f"{tmp}/fsdp.pt")
+
+
+def _worker(rank, world, port, task, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        globals()[task](rank, world, *args)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(task: str, world: int, *args) -> None:
+    mp.spawn(_worker, args=(world, free_port(), task, args), nprocs=world, join=True)
+
+
+# ---------------------------------------------------------------- helpers of the test side
+
+def _assert_equal(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_equal(x, y)
+    elif torch.is_tensor(a):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    else:
+        assert a == b
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Steps 2 and 4 of a run saved by 2 FSDP2 ranks, and each rank's state at those steps."""
+    tmp = tmp_path_factory.mktemp("sharded")
+    _spawn("_task_save", 2, str(tmp))
+    return tmp
+
+
+def _copy_store(saved, tmp_path):
+    shutil.copytree(saved / "store", tmp_path / "store")
+    for f in saved.glob("*.pt"):
+        shutil.copy(f, tmp_path)
+    return open_store(str(tmp_path / "store"))
+
+
+# ---------------------------------------------------------------- tests
+
+def test_sharded_checkpoint_layout_every_file_in_the_manifest_written_last(saved):
+    store = open_store(str(saved / "store"))
+    assert checkpoint.complete_steps(store, RUN) == [2, 4]
+    prefix = checkpoint.step_prefix(RUN, 4)
+    manifest = checkpoint.read_manifest(store, RUN, 4)
+    assert manifest["format"] == "dcp" and manifest["world_size"] == 2 and manifest["val_loss"] == 0.25
+    assert set(manifest["files"]) == {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "rng.pt",
+                                      "state.json"}
+    for name, meta in manifest["files"].items():
+        path = os.path.join(store.local_path(prefix), name)
+        assert os.path.getsize(path) == meta["bytes"] and checkpoint.sha256_file(path) == meta["sha256"]
+        assert os.path.getmtime(path) <= os.path.getmtime(os.path.join(store.local_path(prefix), "manifest.json"))
+    assert checkpoint.read_state(store, RUN, 4)["cursor"] == 40
+    assert not os.listdir(saved / "staging-0" / RUN) and not os.listdir(saved / "staging-1" / RUN)
+
+
+def test_two_rank_checkpoint_resumes_bitwise_on_two_ranks(saved, tmp_path):
+    _copy_store(saved, tmp_path)
+    _spawn("_task_load", 2, str(tmp_path))
+    for rank in (0, 1):
+        loaded = torch.load(tmp_path / f"loaded_rank{rank}.pt", weights_only=False)
+        assert loaded.pop("step") == 4 and loaded.pop("state")["cursor"] == 40
+        _assert_equal(torch.load(saved / f"rank{rank}_step4.pt", weights_only=False), loaded)
+
+
+def test_two_rank_checkpoint_reshards_onto_one_rank_and_reads_whole_without_a_process_group(saved, tmp_path):
+    store = _copy_store(saved, tmp_path)
+    _spawn("_task_load", 1, str(tmp_path))
+    expected = torch.load(saved / "full_step4.pt", weights_only=False)
+    _assert_equal(expected, torch.load(tmp_path / "loaded_full.pt", weights_only=False))
+    # the evaluator's, the export's and a `ddp` resume's way: full state dicts, no process group
+    ckpt = checkpoint.load_step(store, RUN, 4, str(tmp_path / "cache"))
+    plain = _model(seed=3)
+    opt = _optimizer(plain)
+    plain.load_state_dict(ckpt.model)
+    opt.load_state_dict(ckpt.optim)
+    _assert_equal(expected, _full(plain, opt))
+    assert len(ckpt.rng) == 2 and ckpt.state["step"] == 4
+
+
+def test_damaged_shard_file_is_named_and_the_ranks_fall_back_to_the_previous_checkpoint(saved, tmp_path):
+    store = _copy_store(saved, tmp_path)
+    shard = os.path.join(store.local_path(checkpoint.step_prefix(RUN, 4)), "dcp", "__1_0.distcp")
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(shard, "wb").write(bytes(data))
+    plain = _model()
+    with pytest.raises(ValueError, match="step_00000004/dcp/__1_0.distcp does not match its manifest checksum"):
+        sc.load_sharded(store, RUN, 4, plain, _optimizer(plain), str(tmp_path / "cache"))
+    # at 2 ranks only rank 1 reads that file: both ranks must still fall back together
+    log = tmp_path / "ranks.log"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT)
+    saved_fd = os.dup(1)
+    os.dup2(fd, 1)
+    try:
+        _spawn("_task_load", 2, str(tmp_path))
+    finally:
+        os.dup2(saved_fd, 1)
+        os.close(fd)
+    for rank in (0, 1):
+        loaded = torch.load(tmp_path / f"loaded_rank{rank}.pt", weights_only=False)
+        assert loaded.pop("step") == 2 and loaded.pop("state")["step"] == 2
+        _assert_equal(torch.load(saved / f"rank{rank}_step2.pt", weights_only=False), loaded)
+    warning = f"checkpoint {store.uri(checkpoint.step_prefix(RUN, 4))} is damaged"
+    assert log.read_text().count(warning) == 2 and "__1_0.distcp" in log.read_text()
+
+
+def test_a_rank_that_cannot_upload_leaves_the_step_without_manifest_invisible(tmp_path):
+    _spawn("_task_one_rank_fails_to_upload", 2, str(tmp_path))
+    store = open_store(str(tmp_path / "store"))
+    keys = store.list(checkpoint.checkpoints_prefix(RUN))
+    assert any(k.endswith("dcp/__0_0.distcp") for k in keys) and not any("manifest" in k for k in keys)
+    assert checkpoint.complete_steps(store, RUN) == []
+
+
+def test_sharded_checkpoint_round_trips_through_s3(s3_bucket, tmp_path):
+    uri = f"s3://{s3_bucket}/lmyard"
+    _spawn("_task_s3_round_trip", 2, str(tmp_path), uri)
+    store = open_store(uri)
+    assert checkpoint.complete_steps(store, RUN) == [3]
+    assert len([k for k in store.list(checkpoint.step_prefix(RUN, 3)) if k.endswith(".distcp")]) == 2
+    ckpt = checkpoint.load_step(store, RUN, 3, str(tmp_path / "cache"))  # on one process, from S3
+    assert ckpt.uri.startswith("s3://") and set(ckpt.model) == set(_model().state_dict())
+
+
+def test_ddp_checkpoint_loads_into_the_fsdp_model(tmp_path):
+    _spawn("_task_ddp_checkpoint_into_fsdp", 2, str(tmp_path))
+    _assert_equal(torch.load(tmp_path / "plain.pt", weights_only=False),
+                  torch.load(tmp_path / "fsdp.pt", weights_only=False))
+
+
+def test_retention_deletes_sharded_checkpoints_like_others(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    model = _model()
+    for step in range(1, 6):  # without a process group: one rank's sharded checkpoint
+        sc.save(store, RUN, model, _optimizer(model), {"step": step, "val_loss": 5.0 - step}, str(tmp_path / "s"))
+    checkpoint.save(store, RUN, 6, model.state_dict(), {"state": {}, "param_groups": []}, [], {"step": 6},
+                    str(tmp_path / "s"))
+    deleted = retention.apply(store, RUN, CheckpointConfig(keep_last=2, keep_every=4, keep_best=False))
+    assert deleted == [1, 2, 3] and checkpoint.complete_steps(store, RUN) == [4, 5, 6]
+    for step in deleted:
+        assert store.list(checkpoint.step_prefix(RUN, step)) == []
