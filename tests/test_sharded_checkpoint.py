@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -72,8 +74,7 @@ def _full(model, opt) -> dict:
     return {"model": m, "optim": o.get("state"), "groups": o.get("param_groups")}  # empty but on rank 0
 
 
-def _task_save(rank, world, tmp):
-    store = open_store(f"{tmp}/store")
+def _save_steps(rank, world, tmp, store):
     model = _fsdp(_model())
     opt = _optimizer(model)
     ckpt = sc.ShardedCheckpointer(store, RUN, f"{tmp}/staging-{rank}", say=print)
@@ -92,46 +93,26 @@ def _task_save(rank, world, tmp):
     ckpt.close()
 
 
-def _task_load(rank, world, tmp, store_dir="store"):
-    store = open_store(f"{tmp}/{store_dir}")
+def _load_fresh(rank, tmp, store, out):
+    """A fresh model (other weights) and optimizer (no state) load the newest checkpoint; the ranks' warnings."""
     model = _fsdp(_model(seed=7))
     opt = _optimizer(model)
-    loaded = sc.load_latest_sharded(store, RUN, model, opt, f"{tmp}/cache")
-    torch.save({"step": loaded.step, "state": loaded.state, **_local(model, opt)}, f"{tmp}/loaded_rank{rank}.pt")
-    if world == 1:
-        torch.save(_full(model, opt), f"{tmp}/loaded_full.pt")
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        loaded = sc.load_latest_sharded(store, RUN, model, opt, f"{tmp}/cache-{rank}")
+    torch.save({"step": loaded.step, "state": loaded.state, **_local(model, opt)}, f"{tmp}/{out}_rank{rank}.pt")
+    open(f"{tmp}/{out}_rank{rank}.log", "w").write(said.getvalue())
 
 
-def _task_one_rank_fails_to_upload(rank, world, tmp):
-    # rank 1's store is unusable (its root is a file): its uploads fail, rank 0 never sees its marker
-    root = f"{tmp}/store" if rank == 0 else f"{tmp}/not-a-folder/store"
-    if rank == 1:
-        open(f"{tmp}/not-a-folder", "w").close()
-    model = _fsdp(_model())
-    opt = _optimizer(model)
-    _train(model, opt, 1)
-    ckpt = sc.ShardedCheckpointer(open_store(root), RUN, f"{tmp}/staging-{rank}", retries=1, backoff_s=0.1,
-                                  commit_timeout_s=3, say=lambda s: None)
-    ckpt.save(model, opt, {"step": 6}, [])
-    with pytest.raises(checkpoint.StoreOutage, match="ranks \\[1\\] did not upload" if rank == 0 else "failed 2"):
-        ckpt.flush()
+def _damage(tmp):
+    shutil.copytree(f"{tmp}/store", f"{tmp}/damaged")
+    shard = f"{tmp}/damaged/{checkpoint.step_prefix(RUN, 4)}/dcp/__1_0.distcp"
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(shard, "wb").write(bytes(data))
 
 
-def _task_s3_round_trip(rank, world, tmp, uri):
-    store = open_store(uri)
-    model = _fsdp(_model())
-    opt = _optimizer(model)
-    _train(model, opt, 3)
-    sc.save(store, RUN, model, opt, {"step": 3}, f"{tmp}/staging-{rank}")
-    before = _local(model, opt)
-    model2 = _fsdp(_model(seed=5))
-    opt2 = _optimizer(model2)
-    assert sc.load_latest_sharded(store, RUN, model2, opt2, f"{tmp}/cache-{rank}").step == 3
-    _assert_equal(before, _local(model2, opt2))
-
-
-def _task_ddp_checkpoint_into_fsdp(rank, world, tmp):
-    store = open_store(f"{tmp}/store")
+def _ddp_checkpoint_into_fsdp(rank, tmp, store):
     if rank == 0:  # today's `ddp` path: full state dicts from the plain model, rank 0 writes them
         plain = _model()
         opt = _optimizer(plain)
@@ -145,6 +126,48 @@ def _task_ddp_checkpoint_into_fsdp(rank, world, tmp):
     full = _full(model, opt)
     if rank == 0:
         torch.save(full, f"{tmp}/fsdp.pt")
+
+
+def _s3_round_trip(rank, tmp, uri):
+    store = open_store(uri)
+    model = _fsdp(_model())
+    opt = _optimizer(model)
+    _train(model, opt, 3)
+    sc.save(store, RUN, model, opt, {"step": 3}, f"{tmp}/staging-{rank}")  # synchronous: returns once committed
+    before = _local(model, opt)
+    model2 = _fsdp(_model(seed=5))
+    opt2 = _optimizer(model2)
+    assert sc.load_latest_sharded(store, RUN, model2, opt2, f"{tmp}/cache-{rank}").step == 3
+    _assert_equal(before, _local(model2, opt2))
+
+
+def _one_rank_cannot_upload(rank, tmp):
+    # rank 1's store is unusable (its root is under a file): its uploads fail, rank 0 never sees its marker
+    root = f"{tmp}/store" if rank == 0 else f"{tmp}/not-a-folder/store"
+    if rank == 1:
+        open(f"{tmp}/not-a-folder", "w").close()
+    model = _fsdp(_model())
+    opt = _optimizer(model)
+    ckpt = sc.ShardedCheckpointer(open_store(root), RUN, f"{tmp}/staging-{rank}", retries=1, backoff_s=0.1,
+                                  commit_timeout_s=3, say=lambda s: None)
+    ckpt.save(model, opt, {"step": 6}, [])
+    with pytest.raises(checkpoint.StoreOutage, match="ranks \\[1\\] did not upload" if rank == 0 else "failed 2"):
+        ckpt.flush()
+
+
+def _task_scenario(rank, world, tmp, s3_uri):
+    """Every 2-rank case in one pair of processes (starting them costs more than the cases)."""
+    store = open_store(f"{tmp}/store")
+    _save_steps(rank, world, tmp, store)
+    _load_fresh(rank, tmp, store, "loaded")
+    if rank == 0:
+        _damage(tmp)
+    dist.barrier()
+    _load_fresh(rank, tmp, open_store(f"{tmp}/damaged"), "fallback")
+    _ddp_checkpoint_into_fsdp(rank, tmp, store)
+    _s3_round_trip(rank, tmp, s3_uri)
+    os.makedirs(f"{tmp}/broken", exist_ok=True)
+    _one_rank_cannot_upload(rank, f"{tmp}/broken")
 
 
 def _worker(rank, world, port, task, args):
@@ -180,112 +203,115 @@ def _assert_equal(a, b):
         assert a == b
 
 
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """Steps 2 and 4 of a run saved by 2 FSDP2 ranks, and each rank's state at those steps."""
+def ranks(tmp_path_factory, s3_server):
+    """Two FSDP2 ranks run every 2-rank case (see _task_scenario); their outputs, for the tests to check."""
     tmp = tmp_path_factory.mktemp("sharded")
-    _spawn("_task_save", 2, str(tmp))
-    return tmp
+    bucket = s3_server.new_bucket()
+    try:
+        _spawn("_task_scenario", 2, str(tmp), f"s3://{bucket}/lmyard")
+        yield tmp, open_store(f"s3://{bucket}/lmyard")
+    finally:
+        s3_server.remove_bucket(bucket)
 
 
-def _copy_store(saved, tmp_path):
-    shutil.copytree(saved / "store", tmp_path / "store")
-    for f in saved.glob("*.pt"):
-        shutil.copy(f, tmp_path)
-    return open_store(str(tmp_path / "store"))
+@pytest.fixture
+def one_rank():
+    """A process group of one rank, in this process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _load(path):
+    return torch.load(path, weights_only=False)
 
 
 # ---------------------------------------------------------------- tests
 
-def test_sharded_checkpoint_layout_every_file_in_the_manifest_written_last(saved):
-    store = open_store(str(saved / "store"))
+def test_sharded_checkpoint_layout_every_file_in_the_manifest_written_last(ranks):
+    tmp, _ = ranks
+    store = open_store(str(tmp / "store"))
     assert checkpoint.complete_steps(store, RUN) == [2, 4]
-    prefix = checkpoint.step_prefix(RUN, 4)
+    prefix = store.local_path(checkpoint.step_prefix(RUN, 4))
     manifest = checkpoint.read_manifest(store, RUN, 4)
     assert manifest["format"] == "dcp" and manifest["world_size"] == 2 and manifest["val_loss"] == 0.25
     assert set(manifest["files"]) == {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "rng.pt",
                                       "state.json"}
     for name, meta in manifest["files"].items():
-        path = os.path.join(store.local_path(prefix), name)
+        path = os.path.join(prefix, name)
         assert os.path.getsize(path) == meta["bytes"] and checkpoint.sha256_file(path) == meta["sha256"]
-        assert os.path.getmtime(path) <= os.path.getmtime(os.path.join(store.local_path(prefix), "manifest.json"))
+        assert os.path.getmtime(path) <= os.path.getmtime(os.path.join(prefix, "manifest.json"))
     assert checkpoint.read_state(store, RUN, 4)["cursor"] == 40
-    assert not os.listdir(saved / "staging-0" / RUN) and not os.listdir(saved / "staging-1" / RUN)
+    assert not os.listdir(tmp / "staging-0" / RUN) and not os.listdir(tmp / "staging-1" / RUN)
 
 
-def test_two_rank_checkpoint_resumes_bitwise_on_two_ranks(saved, tmp_path):
-    _copy_store(saved, tmp_path)
-    _spawn("_task_load", 2, str(tmp_path))
+def test_two_rank_checkpoint_resumes_bitwise_on_two_ranks(ranks):
+    tmp, _ = ranks
     for rank in (0, 1):
-        loaded = torch.load(tmp_path / f"loaded_rank{rank}.pt", weights_only=False)
+        loaded = _load(tmp / f"loaded_rank{rank}.pt")
         assert loaded.pop("step") == 4 and loaded.pop("state")["cursor"] == 40
-        _assert_equal(torch.load(saved / f"rank{rank}_step4.pt", weights_only=False), loaded)
+        _assert_equal(_load(tmp / f"rank{rank}_step4.pt"), loaded)
 
 
-def test_two_rank_checkpoint_reshards_onto_one_rank_and_reads_whole_without_a_process_group(saved, tmp_path):
-    store = _copy_store(saved, tmp_path)
-    _spawn("_task_load", 1, str(tmp_path))
-    expected = torch.load(saved / "full_step4.pt", weights_only=False)
-    _assert_equal(expected, torch.load(tmp_path / "loaded_full.pt", weights_only=False))
+def test_two_rank_checkpoint_reshards_onto_one_rank(ranks, one_rank, tmp_path):
+    tmp, _ = ranks
+    model = _fsdp(_model(seed=7))
+    opt = _optimizer(model)
+    loaded = sc.load_latest_sharded(open_store(str(tmp / "store")), RUN, model, opt, str(tmp_path))
+    assert loaded.step == 4 and len(loaded.rng) == 2
+    _assert_equal(_load(tmp / "full_step4.pt"), _full(model, opt))
+
+
+def test_sharded_checkpoint_reads_whole_without_a_process_group_into_a_plain_model(ranks, tmp_path):
+    tmp, _ = ranks
     # the evaluator's, the export's and a `ddp` resume's way: full state dicts, no process group
-    ckpt = checkpoint.load_step(store, RUN, 4, str(tmp_path / "cache"))
+    ckpt = checkpoint.load_step(open_store(str(tmp / "store")), RUN, 4, str(tmp_path))
     plain = _model(seed=3)
     opt = _optimizer(plain)
     plain.load_state_dict(ckpt.model)
     opt.load_state_dict(ckpt.optim)
-    _assert_equal(expected, _full(plain, opt))
+    _assert_equal(_load(tmp / "full_step4.pt"), _full(plain, opt))
     assert len(ckpt.rng) == 2 and ckpt.state["step"] == 4
 
 
-def test_damaged_shard_file_is_named_and_the_ranks_fall_back_to_the_previous_checkpoint(saved, tmp_path):
-    store = _copy_store(saved, tmp_path)
-    shard = os.path.join(store.local_path(checkpoint.step_prefix(RUN, 4)), "dcp", "__1_0.distcp")
-    data = bytearray(open(shard, "rb").read())
-    data[len(data) // 2] ^= 0x01
-    open(shard, "wb").write(bytes(data))
+def test_damaged_shard_file_is_named_and_the_ranks_fall_back_to_the_previous_checkpoint(ranks, tmp_path):
+    tmp, _ = ranks
+    store = open_store(str(tmp / "damaged"))
     plain = _model()
     with pytest.raises(ValueError, match="step_00000004/dcp/__1_0.distcp does not match its manifest checksum"):
-        sc.load_sharded(store, RUN, 4, plain, _optimizer(plain), str(tmp_path / "cache"))
-    # at 2 ranks only rank 1 reads that file: both ranks must still fall back together
-    log = tmp_path / "ranks.log"
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT)
-    saved_fd = os.dup(1)
-    os.dup2(fd, 1)
-    try:
-        _spawn("_task_load", 2, str(tmp_path))
-    finally:
-        os.dup2(saved_fd, 1)
-        os.close(fd)
+        sc.load_sharded(store, RUN, 4, plain, _optimizer(plain), str(tmp_path))
+    # at 2 ranks only rank 1 reads that file: both ranks fell back together, with a warning naming it
     for rank in (0, 1):
-        loaded = torch.load(tmp_path / f"loaded_rank{rank}.pt", weights_only=False)
+        loaded = _load(tmp / f"fallback_rank{rank}.pt")
         assert loaded.pop("step") == 2 and loaded.pop("state")["step"] == 2
-        _assert_equal(torch.load(saved / f"rank{rank}_step2.pt", weights_only=False), loaded)
-    warning = f"checkpoint {store.uri(checkpoint.step_prefix(RUN, 4))} is damaged"
-    assert log.read_text().count(warning) == 2 and "__1_0.distcp" in log.read_text()
+        _assert_equal(_load(tmp / f"rank{rank}_step2.pt"), loaded)
+        said = (tmp / f"fallback_rank{rank}.log").read_text()
+        assert f"checkpoint {store.uri(checkpoint.step_prefix(RUN, 4))} is damaged" in said
+        assert "__1_0.distcp" in said
 
 
-def test_a_rank_that_cannot_upload_leaves_the_step_without_manifest_invisible(tmp_path):
-    _spawn("_task_one_rank_fails_to_upload", 2, str(tmp_path))
-    store = open_store(str(tmp_path / "store"))
+def test_a_rank_that_cannot_upload_leaves_the_step_without_manifest_invisible(ranks):
+    tmp, _ = ranks
+    store = open_store(str(tmp / "broken" / "store"))
     keys = store.list(checkpoint.checkpoints_prefix(RUN))
     assert any(k.endswith("dcp/__0_0.distcp") for k in keys) and not any("manifest" in k for k in keys)
     assert checkpoint.complete_steps(store, RUN) == []
 
 
-def test_sharded_checkpoint_round_trips_through_s3(s3_bucket, tmp_path):
-    uri = f"s3://{s3_bucket}/lmyard"
-    _spawn("_task_s3_round_trip", 2, str(tmp_path), uri)
-    store = open_store(uri)
+def test_sharded_checkpoint_round_trips_through_s3(ranks, tmp_path):
+    _, store = ranks  # the ranks saved and loaded it back bitwise; here it is read from S3 on one process
     assert checkpoint.complete_steps(store, RUN) == [3]
     assert len([k for k in store.list(checkpoint.step_prefix(RUN, 3)) if k.endswith(".distcp")]) == 2
-    ckpt = checkpoint.load_step(store, RUN, 3, str(tmp_path / "cache"))  # on one process, from S3
+    ckpt = checkpoint.load_step(store, RUN, 3, str(tmp_path))
     assert ckpt.uri.startswith("s3://") and set(ckpt.model) == set(_model().state_dict())
 
 
-def test_ddp_checkpoint_loads_into_the_fsdp_model(tmp_path):
-    _spawn("_task_ddp_checkpoint_into_fsdp", 2, str(tmp_path))
-    _assert_equal(torch.load(tmp_path / "plain.pt", weights_only=False),
-                  torch.load(tmp_path / "fsdp.pt", weights_only=False))
+def test_ddp_checkpoint_loads_into_the_fsdp_model(ranks):
+    tmp, _ = ranks
+    _assert_equal(_load(tmp / "plain.pt"), _load(tmp / "fsdp.pt"))
 
 
 def test_retention_deletes_sharded_checkpoints_like_others(tmp_path):
