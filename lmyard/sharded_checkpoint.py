@@ -47,9 +47,11 @@ import pickle
 import queue
 import shutil
 import threading
+import uuid
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -80,6 +82,15 @@ def _rank_world(group=None) -> tuple[int, int]:
     return 0, 1
 
 
+def _agree(value: str, group) -> str:
+    """Rank 0's value, on every rank of `group`."""
+    if group is None or dist.get_world_size(group) == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
 def marker_key(run_name: str, step: int, rank: int) -> str:
     return f"{step_prefix(run_name, step)}/{RANKS_DIR}/rank_{rank:05d}.json"
 
@@ -97,6 +108,7 @@ class _Job:
     future: object       # DCP's write future
     state: dict
     rng: list | None
+    t0: float = 0.0      # when save() was called
 
 
 class ShardedCheckpointer:
@@ -115,6 +127,7 @@ class ShardedCheckpointer:
         distributed = dist.is_available() and dist.is_initialized()
         self.group = process_group if process_group is not None or not distributed else dist.new_group(backend="gloo")
         self.rank, self.world = _rank_world(self.group)
+        self.attempt = _agree(uuid.uuid4().hex, self.group)  # markers of an earlier attempt at a step don't count
         self.staging = os.path.join(staging_dir, run_name)
         cuda = torch.cuda.is_available()
         self.async_staging = cuda if async_staging is None else async_staging and cuda
@@ -127,6 +140,7 @@ class ShardedCheckpointer:
         self.cond = threading.Condition()
         self.error: BaseException | None = None
         self.blocked_s: list[float] = []
+        self.timings: list[dict] = []  # per save: seconds from save() until written, uploaded, committed (rank 0)
         self.thread = threading.Thread(target=self._work, daemon=True, name="sharded-checkpoint-uploader")
         self.thread.start()
 
@@ -155,7 +169,7 @@ class ShardedCheckpointer:
         self.staged = getattr(out, "staging_completion", None)
         with self.cond:
             self.unfinished += 1
-        self.jobs.put(_Job(step, folder, self.writing, dict(state), rng))
+        self.jobs.put(_Job(step, folder, self.writing, dict(state), rng, t0))
         blocked = time.perf_counter() - t0
         self.blocked_s.append(blocked)
         return blocked
@@ -211,20 +225,24 @@ class ShardedCheckpointer:
 
     def _finish(self, job: _Job) -> None:
         job.future.result()  # DCP wrote this rank's files (raises if any rank failed)
+        times = {"step": job.step, "written_s": time.perf_counter() - job.t0}
         prefix = step_prefix(self.run_name, job.step)
         files = {}
         for name in sorted(os.listdir(job.folder)):
             path = os.path.join(job.folder, name)
             files[f"{DCP_DIR}/{name}"] = _file_meta(path)
             self._retry(job.step, lambda p=path, k=f"{prefix}/{DCP_DIR}/{name}": _put(self.store, p, k))
-        body = json.dumps({"rank": self.rank, "files": files}).encode()
+        body = json.dumps({"rank": self.rank, "attempt": self.attempt, "files": files}).encode()
         self._retry(job.step, lambda: self.store.write_bytes(marker_key(self.run_name, job.step, self.rank), body))
         shutil.rmtree(job.folder, ignore_errors=True)
+        times.update(uploaded_s=time.perf_counter() - job.t0, bytes=sum(m["bytes"] for m in files.values()))
         if self.rank == 0:
             uri = self._commit(job, prefix)
+            times["committed_s"] = time.perf_counter() - job.t0
             shutil.rmtree(f"{job.folder}-commit", ignore_errors=True)
         with contextlib.suppress(OSError):  # the step's folder, once the node's last rank is done with it
             os.rmdir(os.path.dirname(job.folder))
+        self.timings.append(times)
         if self.rank == 0:
             self.on_commit(job.step, uri)
 
@@ -236,7 +254,7 @@ class ShardedCheckpointer:
         folder = f"{job.folder}-commit"
         os.makedirs(folder, exist_ok=True)
         extra = {"rng.pt": lambda p: torch.save(job.rng or [], p),
-                 "state.json": lambda p: open(p, "w").write(json.dumps(job.state, indent=1))}
+                 "state.json": lambda p: Path(p).write_text(json.dumps(job.state, indent=1))}
         for name, write in extra.items():
             path = os.path.join(folder, name)
             write(path)
@@ -249,18 +267,22 @@ class ShardedCheckpointer:
         return self.store.uri(prefix)
 
     def _wait_for_markers(self, step: int) -> list[dict]:
+        """Every rank's marker (one listing per poll: a few requests, whatever the world size)."""
         deadline, found = time.monotonic() + self.commit_timeout_s, {}
+        ranks = f"{step_prefix(self.run_name, step)}/{RANKS_DIR}"
         while len(found) < self.world:
-            for r in range(self.world):
-                key = marker_key(self.run_name, step, r)
-                if r not in found and self.store.exists(key):
-                    found[r] = json.loads(self.store.read_bytes(key))
+            for key in self.store.list(ranks):
+                rank = int(key.rsplit("_", 1)[-1].removesuffix(".json"))
+                if rank not in found and rank < self.world:
+                    marker = json.loads(self.store.read_bytes(key))
+                    if marker.get("attempt") == self.attempt:
+                        found[rank] = marker
             if len(found) < self.world:
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(self.world)) - set(found))
                     raise StoreOutage(f"checkpoint step {step}: ranks {missing} did not upload their shards within "
                                       f"{self.commit_timeout_s:.0f} s; the step stays uncommitted")
-                time.sleep(0.2)
+                time.sleep(0.5)
         return [found[r] for r in range(self.world)]
 
     def _retry(self, step: int, put: Callable[[], None]) -> None:

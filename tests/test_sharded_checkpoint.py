@@ -21,6 +21,7 @@ from lmyard import sharded_checkpoint as sc
 from lmyard.config import CheckpointConfig
 from lmyard.store import open_store
 
+pytestmark = pytest.mark.slow
 RUN = "r"
 
 
@@ -146,6 +147,9 @@ def _one_rank_cannot_upload(rank, tmp):
     root = f"{tmp}/store" if rank == 0 else f"{tmp}/not-a-folder/store"
     if rank == 1:
         open(f"{tmp}/not-a-folder", "w").close()
+    if rank == 0:  # rank 1's marker of an earlier attempt at this step must not count
+        open_store(root).write_bytes(sc.marker_key(RUN, 6, 1), json.dumps({"rank": 1, "attempt": "earlier",
+                                                                           "files": {}}).encode())
     model = _fsdp(_model())
     opt = _optimizer(model)
     ckpt = sc.ShardedCheckpointer(open_store(root), RUN, f"{tmp}/staging-{rank}", retries=1, backoff_s=0.1,
@@ -294,6 +298,7 @@ def test_damaged_shard_file_is_named_and_the_ranks_fall_back_to_the_previous_che
 
 
 def test_a_rank_that_cannot_upload_leaves_the_step_without_manifest_invisible(ranks):
+    # rank 0 waited for rank 1's marker of this attempt (an earlier attempt's was there), then gave up
     tmp, _ = ranks
     store = open_store(str(tmp / "broken" / "store"))
     keys = store.list(checkpoint.checkpoints_prefix(RUN))
