@@ -50,6 +50,7 @@ import threading
 import uuid
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,6 +136,7 @@ class ShardedCheckpointer:
                                                    use_async_staging=self.async_staging, use_non_blocking_copy=cuda))
         self.writing = None        # DCP future of the newest save: its staged buffers are reused by the next
         self.staged = None         # future of the newest save's staging (async_staging only)
+        self.prepared: Future | None = None  # the background making of the staging buffers (prepare)
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.unfinished = 0
         self.cond = threading.Condition()
@@ -154,6 +156,11 @@ class ShardedCheckpointer:
         t0 = time.perf_counter()
         self._raise_if_failed()
         step = int(state["step"])
+        if self.prepared is not None:
+            if not self.prepared.done():
+                self.say(f"checkpoint step {step} waits for its staging buffers to be made")
+            self.prepared.result()
+            self.prepared = None
         if self.writing is not None and not self.writing.done():
             self.say(f"checkpoint step {step} waits for the previous one to be written to the staging folder")
         if self.writing is not None:
@@ -173,6 +180,23 @@ class ShardedCheckpointer:
         blocked = time.perf_counter() - t0
         self.blocked_s.append(blocked)
         return blocked
+
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """Make the staging buffers (pinned host memory: seconds for GBs) in the background, so the first save
+        blocks no longer than later ones. Call once the optimizer has its state (after the first step)."""
+        sd = state_dict(model, optimizer)
+        self.prepared = Future()
+
+        def make() -> None:
+            try:
+                staged = self.stager.stage(sd)  # a throwaway copy: it only fills the stager's buffer cache
+                if isinstance(staged, Future):
+                    staged.result()
+                self.prepared.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - raised by the next save
+                self.prepared.set_exception(e)
+
+        threading.Thread(target=make, daemon=True, name="sharded-checkpoint-prepare").start()
 
     def before_update(self) -> float:
         """Call before the optimizer changes the weights; waits for an asynchronous staging copy (seconds)."""

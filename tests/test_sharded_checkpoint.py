@@ -81,6 +81,8 @@ def _save_steps(rank, world, tmp, store):
     ckpt = sc.ShardedCheckpointer(store, RUN, f"{tmp}/staging-{rank}", say=print)
     for step in (2, 4):
         _train(model, opt, 2, seed=step)
+        if step == 2:
+            ckpt.prepare(model, opt)  # the staging buffers, made in the background as a trainer does
         rng = [None] * world
         dist.all_gather_object(rng, checkpoint.rng_state())
         blocked = ckpt.save(model, opt, {"step": step, "cursor": 10 * step, "val_loss": 1.0 / step}, rng)

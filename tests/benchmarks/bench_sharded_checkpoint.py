@@ -8,9 +8,10 @@ root with bf16 compute and fp32 gradient reduction, lmyard.parallel.apply_fsdp),
 Linear pairs of the same parameter count (`--params`, default the Llama-3 8B count), FSDP2 the same way.
 Fused AdamW; two steps on random tokens make its state. Then, on every rank:
 - sync: `dcp.save` of the same state to the node-local staging folder: the loop stops for all of it;
-- async, staged in the loop (ShardedCheckpointer(async_staging=False)): the blocked time of save() (the
-  copy into pinned host memory, then DCP's write runs in a thread), for `--saves` saves (the first also
-  allocates the pinned buffers), and the wall time of the training step that follows it;
+- async, staged in the loop (ShardedCheckpointer(async_staging=False)): the time prepare() takes to make
+  the pinned host buffers in the background (as a trainer calls it after its first step), then for
+  `--saves` saves the blocked time of save() (the copy into pinned memory; DCP's write runs in a thread)
+  and the wall time of the training step that follows it;
 - async, staged on a side stream (async_staging=True): save() plus the before_update() wait after the
   next forward and backward (the copy overlaps them), and that step's wall time;
 - background, per save: seconds from save() until this rank's files are written to the staging folder
@@ -132,7 +133,10 @@ def sync_save(model, opt, folder: str, group) -> float:
 
 def async_saves(model, opt, loss_fn, store, staging: str, stream: bool, saves: int, rank: int) -> list[dict]:
     ckpt = sc.ShardedCheckpointer(store, RUN, staging, async_staging=stream, say=lambda s: print(s, flush=True))
-    rows = []
+    t0 = time.perf_counter()
+    ckpt.prepare(model, opt)  # as a trainer does after its first step: the pinned buffers, in the background
+    ckpt.prepared.result()
+    rows = [worst({"prepare_s": time.perf_counter() - t0})]
     for i in range(saves):
         step = 1000 * (2 if stream else 1) + i
         synchronize()
@@ -201,7 +205,7 @@ def main() -> None:
         rows = async_saves(model, opt, loss_fn, store, str(root / "staging"), stream, a.saves, rank)
         mode = "async, staged on a side stream" if stream else "async, staged in the loop"
         for i, row in enumerate(rows):
-            say(rank, {"phase": mode, "save": i + 1, **{k: round(v, 3) for k, v in row.items()}})
+            say(rank, {"phase": mode, **({"save": i} if i else {}), **{k: round(v, 3) for k, v in row.items()}})
         results[mode] = rows[-1]["blocked_s"]
     last = 2000 + a.saves - 1
     load_s = worst(timed(lambda: sc.load_sharded(LocalStore(str(root / "store")), RUN, last, model, opt,
