@@ -409,7 +409,10 @@ class _VerifiedReader(dcp.FileSystemReader):
         if meta is None:
             raise ValueError(f"{self.store.uri(key)} is not in the checkpoint's manifest")
         if not self.in_place:
-            self.store.download(key, path)
+            try:
+                self.store.download(key, path)
+            except Exception as e:  # noqa: BLE001 - a missing object, a refused read: this checkpoint is unusable
+                raise ValueError(f"{self.store.uri(key)} could not be read ({str(e).splitlines()[0]})") from e
         if not os.path.exists(path) or sha256_file(path) != meta["sha256"]:
             raise ValueError(f"{self.store.uri(key)} does not match its manifest checksum")
         self.checked.add(name)

@@ -281,6 +281,10 @@ def test_sharded_checkpoint_reads_whole_without_a_process_group_into_a_plain_mod
     opt.load_state_dict(ckpt.optim)
     _assert_equal(_load(tmp / "full_step4.pt"), _full(plain, opt))
     assert len(ckpt.rng) == 2 and ckpt.state["step"] == 4
+    other = _model(seed=4)  # or straight into a plain model and its optimizer
+    other_opt = _optimizer(other)
+    assert sc.load_sharded(open_store(str(tmp / "store")), RUN, 4, other, other_opt, str(tmp_path)).step == 4
+    _assert_equal(_load(tmp / "full_step4.pt"), _full(other, other_opt))
 
 
 def test_damaged_shard_file_is_named_and_the_ranks_fall_back_to_the_previous_checkpoint(ranks, tmp_path):
