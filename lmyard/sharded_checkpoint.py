@@ -41,14 +41,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import logging
 import os
 import pickle
 import queue
 import shutil
 import threading
-import uuid
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -67,7 +66,6 @@ from lmyard.checkpoint import MANIFEST, Checkpoint, StoreOutage, step_prefix
 from lmyard.shards import sha256_file
 from lmyard.store import Store
 
-log = logging.getLogger(__name__)
 FORMAT = "dcp"
 DCP_DIR = "dcp"
 RANKS_DIR = "ranks"
@@ -126,7 +124,8 @@ class ShardedCheckpointer:
         self.retries, self.backoff_s, self.commit_timeout_s = retries, backoff_s, commit_timeout_s
         self.on_commit, self.say = on_commit or (lambda step, uri: None), say
         distributed = dist.is_available() and dist.is_initialized()
-        self.group = process_group if process_group is not None or not distributed else dist.new_group(backend="gloo")
+        self.owns_group = process_group is None and distributed
+        self.group = dist.new_group(backend="gloo") if self.owns_group else process_group
         self.rank, self.world = _rank_world(self.group)
         self.attempt = _agree(uuid.uuid4().hex, self.group)  # markers of an earlier attempt at a step don't count
         self.staging = os.path.join(staging_dir, run_name)
@@ -348,6 +347,7 @@ def save(store: Store, run_name: str, model, optimizer, state: dict, staging_dir
         ckpt.close()
     if ckpt.group is not None and ckpt.world > 1:
         dist.barrier(group=ckpt.group)  # every rank returns once rank 0 has committed
+    if ckpt.owns_group:
         dist.destroy_process_group(ckpt.group)
     return store.uri(step_prefix(run_name, int(state["step"])))
 
@@ -355,20 +355,24 @@ def save(store: Store, run_name: str, model, optimizer, state: dict, staging_dir
 # ---------------------------------------------------------------- reading
 
 class _SafeUnpickler(pickle.Unpickler):
-    """DCP's .metadata holds dataclasses of torch.distributed.checkpoint, torch dtypes/sizes/layouts, paths and
-    builtins: nothing else is resolved (a function named there could run anything)."""
+    """DCP's .metadata holds dataclasses of torch.distributed.checkpoint.metadata, torch dtypes, sizes and
+    layouts, paths and builtins: nothing else is resolved (a function named there could run anything)."""
 
-    TYPES = {("torch", "Size"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
-             ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-             ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+    NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("builtins", "set"),
+             ("builtins", "frozenset"), ("builtins", "slice"), ("collections", "OrderedDict"),
+             ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+             ("pathlib", "PureWindowsPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
 
     def find_class(self, module: str, name: str):
-        obj = super().find_class(module, name) if module.startswith(("torch", "builtins", "collections",
-                                                                     "pathlib")) else None
-        if ((module, name) in self.TYPES or (module, name) == ("torch.serialization", "_get_layout")
-                or (module.startswith("torch.distributed.checkpoint.") and isinstance(obj, type))
-                or (module == "torch" and isinstance(obj, (torch.dtype, torch.memory_format, torch.layout)))):
-            return obj
+        if (module, name) in self.NAMES:
+            return super().find_class(module, name)
+        if module == "torch.distributed.checkpoint.metadata":
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):
+                return obj
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format,
+                                                                        torch.layout)):
+            return getattr(torch, name)
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint may not hold")
 
 

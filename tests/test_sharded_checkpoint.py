@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import pickle
 import shutil
 import traceback
 
@@ -336,3 +337,27 @@ def test_retention_deletes_sharded_checkpoints_like_others(tmp_path):
     assert deleted == [1, 2, 3] and checkpoint.complete_steps(store, RUN) == [4, 5, 6]
     for step in deleted:
         assert store.list(checkpoint.step_prefix(RUN, step)) == []
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch pwned-marker",))
+
+
+def test_loading_a_sharded_checkpoint_never_unpickles_arbitrary_objects(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    store = open_store(str(tmp_path / "store"))
+    model = _model()
+    for step in (4, 8):
+        sc.save(store, RUN, model, _optimizer(model), {"step": step}, str(tmp_path / "s"))
+    prefix = store.local_path(checkpoint.step_prefix(RUN, 8))
+    with open(os.path.join(prefix, "dcp", ".metadata"), "wb") as f:  # a malicious index, its checksum made to match
+        pickle.dump({"x": _Payload()}, f)
+    manifest = json.loads(open(os.path.join(prefix, "manifest.json")).read())
+    manifest["files"]["dcp/.metadata"]["sha256"] = checkpoint.sha256_file(os.path.join(prefix, "dcp", ".metadata"))
+    open(os.path.join(prefix, "manifest.json"), "w").write(json.dumps(manifest))
+    fresh = _model(seed=9)
+    assert sc.load_latest_sharded(store, RUN, fresh, _optimizer(fresh), str(tmp_path / "cache")).step == 4
+    assert not (tmp_path / "pwned-marker").exists()
+    with pytest.raises(RuntimeError, match="refers to (os|posix).system, which a checkpoint may not hold"):
+        checkpoint.load_step(store, RUN, 8, str(tmp_path / "cache"))
