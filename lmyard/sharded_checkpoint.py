@@ -117,7 +117,7 @@ class ShardedCheckpointer:
     """
 
     def __init__(self, store: Store, run_name: str, staging_dir: str, *, async_staging: bool | None = None,
-                 retries: int = 6, backoff_s: float = 1.0, commit_timeout_s: float = 1800.0,
+                 write_threads: int = 1, retries: int = 6, backoff_s: float = 1.0, commit_timeout_s: float = 1800.0,
                  on_commit: Callable[[int, str], None] | None = None, say: Callable[[str], None] = print,
                  process_group=None):
         self.store, self.run_name = store, run_name
@@ -129,6 +129,7 @@ class ShardedCheckpointer:
         self.rank, self.world = _rank_world(self.group)
         self.attempt = _agree(uuid.uuid4().hex, self.group)  # markers of an earlier attempt at a step don't count
         self.staging = os.path.join(staging_dir, run_name)
+        self.write_threads = write_threads  # DCP's writer threads, one file each per rank
         cuda = torch.cuda.is_available()
         self.async_staging = cuda if async_staging is None else async_staging and cuda
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
@@ -168,7 +169,7 @@ class ShardedCheckpointer:
         shutil.rmtree(folder, ignore_errors=True)
         if self.async_staging:
             torch.cuda.current_stream().synchronize()  # the side-stream copy must see the last update
-        writer = dcp.FileSystemWriter(folder, thread_count=1)
+        writer = dcp.FileSystemWriter(folder, thread_count=self.write_threads)
         out = dcp.async_save(state_dict(model, optimizer), storage_writer=writer, process_group=self.group,
                              async_stager=self.stager)
         self.writing = getattr(out, "upload_completion", out)

@@ -15,12 +15,12 @@ Fused AdamW; two steps on random tokens make its state. Then, on every rank:
 - async, staged on a side stream (async_staging=True): save() plus the before_update() wait after the
   next forward and backward (the copy overlaps them), and that step's wall time;
 - background, per save: seconds from save() until this rank's files are written to the staging folder
-  (`written_s`), uploaded into the store (`uploaded_s`: sha256 + a copy, `--upload copy`, what an object
-  store costs at disk speed; or a rename when store and staging share a filesystem, `--upload rename`)
-  and committed by rank 0 (`committed_s`), and the bytes per rank;
+  (`written_s`), uploaded into the store (`uploaded_s`: sha256, then a rename into the store folder,
+  `--upload rename`, the default, as into a local store on the staging filesystem; or a copy, `--upload
+  copy`, what an object store costs at disk speed) and committed by rank 0 (`committed_s`), and the bytes per rank;
 - load: `load_sharded` of the last checkpoint into the model, files read in place (with their sha256).
-Prints one JSON line per phase (the max over ranks) and a summary line. Disk: about 2 x the state (one
-checkpoint in the store plus one being staged): 2 x 12 bytes per parameter (fp32 weights + AdamW moments).
+Prints one JSON line per phase (the max over ranks) and a summary line. Disk: the state, 12 bytes a
+parameter (fp32 weights + AdamW moments; 96 GB for 8B), twice with --upload copy; checked before it starts.
 """
 
 from __future__ import annotations
@@ -131,8 +131,10 @@ def sync_save(model, opt, folder: str, group) -> float:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def async_saves(model, opt, loss_fn, store, staging: str, stream: bool, saves: int, rank: int) -> list[dict]:
-    ckpt = sc.ShardedCheckpointer(store, RUN, staging, async_staging=stream, say=lambda s: print(s, flush=True))
+def async_saves(model, opt, loss_fn, store, staging: str, stream: bool, saves: int, rank: int,
+                threads: int) -> list[dict]:
+    ckpt = sc.ShardedCheckpointer(store, RUN, staging, async_staging=stream, write_threads=threads,
+                                  say=lambda s: print(s, flush=True))
     t0 = time.perf_counter()
     ckpt.prepare(model, opt)  # as a trainer does after its first step: the pinned buffers, in the background
     ckpt.prepared.result()
@@ -158,6 +160,14 @@ def async_saves(model, opt, loss_fn, store, staging: str, stream: bool, saves: i
     return rows
 
 
+def check_disk(root: Path, need: int) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(root).free
+    if free < 1.1 * need:
+        raise SystemExit(f"{root}: {free / 2**30:.0f} GiB free, this run writes up to {need / 2**30:.0f} GiB on this "
+                         "node; pass --dir on a larger disk, --upload rename, or a smaller --preset/--params")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama-8b", help="an lmyard.llama preset (when lmyard.llama exists)")
@@ -166,7 +176,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048, help="tokens per rank per step")
     p.add_argument("--saves", type=int, default=2, help="saves per async mode (the first allocates buffers)")
     p.add_argument("--dir", default="/tmp/lmyard-bench-dcp", help="node-local folder for staging and store")
-    p.add_argument("--upload", choices=["copy", "rename"], default="copy")
+    p.add_argument("--upload", choices=["copy", "rename"], default="rename",
+                   help="copy: files are copied into the store (needs 2x the state on disk); rename: moved")
+    p.add_argument("--write-threads", type=int, default=1, help="DCP writer threads per rank (a file each)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--width", type=int, default=4096, help="d of the Linear stack")
     a = p.parse_args()
@@ -196,13 +208,14 @@ def main() -> None:
                "torch": torch.__version__, "state_bytes_per_rank": n * 12 // world, "step_s": round(step_s, 3)})
 
     root = Path(a.dir)
+    check_disk(root, n * 12 * (2 if a.upload == "copy" else 1) * int(os.environ.get("LOCAL_WORLD_SIZE", world)) // world)
     store = (CopyStore if a.upload == "copy" else LocalStore)(str(root / "store"))
     gloo = dist.new_group(backend="gloo")
     sync_s = worst(sync_save(model, opt, str(root / "sync" / f"rank_{rank:05d}"), gloo))
     say(rank, {"phase": "sync dcp.save to node-local disk", "blocked_s": round(sync_s, 3)})
     results = {"sync_blocked_s": sync_s}
     for stream in (False, True):
-        rows = async_saves(model, opt, loss_fn, store, str(root / "staging"), stream, a.saves, rank)
+        rows = async_saves(model, opt, loss_fn, store, str(root / "staging"), stream, a.saves, rank, a.write_threads)
         mode = "async, staged on a side stream" if stream else "async, staged in the loop"
         for i, row in enumerate(rows):
             say(rank, {"phase": mode, **({"save": i} if i else {}), **{k: round(v, 3) for k, v in row.items()}})
