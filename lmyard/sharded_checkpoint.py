@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from lmyard import checkpoint
+from lmyard import checkpoint, faults
 from lmyard.checkpoint import MANIFEST, Checkpoint, StoreOutage, step_prefix
 from lmyard.shards import sha256_file
 from lmyard.store import Store
@@ -256,6 +256,9 @@ class ShardedCheckpointer:
             path = os.path.join(job.folder, name)
             files[f"{DCP_DIR}/{name}"] = _file_meta(path)
             self._retry(job.step, lambda p=path, k=f"{prefix}/{DCP_DIR}/{name}": _put(self.store, p, k))
+        if faults.fires("crash_in_upload", job.step):
+            print(f"injected crash while uploading checkpoint step {job.step} (rank {self.rank})", flush=True)
+            os._exit(1)
         body = json.dumps({"rank": self.rank, "attempt": self.attempt, "files": files}).encode()
         self._retry(job.step, lambda: self.store.write_bytes(marker_key(self.run_name, job.step, self.rank), body))
         shutil.rmtree(job.folder, ignore_errors=True)

@@ -192,12 +192,12 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        import lmyard.llama  # noqa: F401
-        have_llama = not a.stack
-    except ImportError:
-        have_llama = False
-    model, loss_fn, what = (build_llama(a.preset, device, a.seq) if have_llama
-                            else build_stack(a.params, device, a.seq, a.width))
+        if a.stack:
+            raise ImportError("--stack")
+        model, loss_fn, what = build_llama(a.preset, device, a.seq)
+    except (ImportError, AttributeError, TypeError) as e:  # no lmyard.llama here, or another interface
+        say(rank, {"note": f"lmyard.llama not used ({e}): a Linear stack of {a.params:.3g} parameters"})
+        model, loss_fn, what = build_stack(a.params, device, a.seq, a.width)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     for _ in range(2):
         train_step(model, opt, loss_fn)
