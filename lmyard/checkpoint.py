@@ -430,15 +430,17 @@ def load_step(store: Store, run_name: str, step: int, cache_dir: str) -> Checkpo
     return ckpt
 
 
-def load_latest(store: Store, run_name: str, cache_dir: str, loader: Callable[[int], object] | None = None):
+def load_latest(store: Store, run_name: str, cache_dir: str, loader: Callable[[int], object] | None = None,
+                steps: list[int] | None = None):
     """The newest checkpoint whose files match its manifest; damaged ones are skipped with a warning.
 
     `loader(step)` loads one (default: `load_step`); whatever it raises for a damaged one is caught here.
+    `steps`: the complete steps to try (default: `complete_steps`).
     """
     import pickle
 
     loader = loader or (lambda step: load_step(store, run_name, step, cache_dir))
-    for step in reversed(complete_steps(store, run_name)):
+    for step in reversed(complete_steps(store, run_name) if steps is None else steps):
         try:
             return loader(step)
         except (ValueError, OSError, RuntimeError, pickle.UnpicklingError) as e:

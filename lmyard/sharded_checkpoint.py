@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from lmyard import checkpoint, faults
 from lmyard.checkpoint import MANIFEST, Checkpoint, StoreOutage, step_prefix
 from lmyard.shards import sha256_file
+from lmyard.errors import UserError
 from lmyard.store import Store
 
 FORMAT = "dcp"
@@ -81,13 +82,26 @@ def _rank_world(group=None) -> tuple[int, int]:
     return 0, 1
 
 
-def _agree(value: str, group) -> str:
-    """Rank 0's value, on every rank of `group`."""
-    if group is None or dist.get_world_size(group) == 1:
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _agree(value, group=None):
+    """Rank 0's value (rank 0 of `group`; default: of the world), on every rank."""
+    if not _distributed() or dist.get_world_size(group) == 1:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    dist.broadcast_object_list(box, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
     return box[0]
+
+
+def _gather(value, group=None) -> list:
+    """Every rank's value, on every rank."""
+    if not _distributed():
+        return [value]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
 
 
 def marker_key(run_name: str, step: int, rank: int) -> str:
@@ -117,13 +131,16 @@ class ShardedCheckpointer:
     """
 
     def __init__(self, store: Store, run_name: str, staging_dir: str, *, async_staging: bool | None = None,
-                 write_threads: int = 1, retries: int = 6, backoff_s: float = 1.0, commit_timeout_s: float = 1800.0,
+                 write_threads: int = 1, max_pending: int = 2, retries: int = 6, backoff_s: float = 1.0,
+                 commit_timeout_s: float = 1800.0,
                  on_commit: Callable[[int, str], None] | None = None, say: Callable[[str], None] = print,
                  process_group=None):
         self.store, self.run_name = store, run_name
         self.retries, self.backoff_s, self.commit_timeout_s = retries, backoff_s, commit_timeout_s
+        self.max_pending = max_pending
+        self.stopping = threading.Event()  # set by close(): the upload thread stops retrying
         self.on_commit, self.say = on_commit or (lambda step, uri: None), say
-        distributed = dist.is_available() and dist.is_initialized()
+        distributed = _distributed()
         self.owns_group = process_group is None and distributed
         self.group = dist.new_group(backend="gloo") if self.owns_group else process_group
         self.rank, self.world = _rank_world(self.group)
@@ -138,7 +155,7 @@ class ShardedCheckpointer:
         self.staged = None         # future of the newest save's staging (async_staging only)
         self.prepared: Future | None = None  # the background making of the staging buffers (prepare)
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
-        self.unfinished = 0
+        self.unfinished: list[int] = []  # steps saved but not yet uploaded (on rank 0: committed)
         self.cond = threading.Condition()
         self.error: BaseException | None = None
         self.blocked_s: list[float] = []
@@ -156,6 +173,10 @@ class ShardedCheckpointer:
         t0 = time.perf_counter()
         self._raise_if_failed()
         step = int(state["step"])
+        if len(self.unfinished) >= self.max_pending:
+            raise StoreOutage(f"{len(self.unfinished)} checkpoints (steps {self.unfinished}) are waiting for "
+                              f"{self.store.root}; this rank's files are staged in {self.staging}. Fix the store and "
+                              "rerun: the run resumes from the last committed checkpoint")
         if self.prepared is not None:
             if not self.prepared.done():
                 self.say(f"checkpoint step {step} waits for its staging buffers to be made")
@@ -175,7 +196,7 @@ class ShardedCheckpointer:
         self.writing = getattr(out, "upload_completion", out)
         self.staged = getattr(out, "staging_completion", None)
         with self.cond:
-            self.unfinished += 1
+            self.unfinished.append(step)
         self.jobs.put(_Job(step, folder, self.writing, dict(state), rng, t0))
         blocked = time.perf_counter() - t0
         self.blocked_s.append(blocked)
@@ -217,8 +238,8 @@ class ShardedCheckpointer:
             while self.unfinished and self.error is None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise StoreOutage(f"{self.unfinished} sharded checkpoints are still not in {self.store.root} "
-                                      f"after {timeout_s:.0f} s; they are staged in {self.staging}")
+                    raise StoreOutage(f"checkpoints of steps {self.unfinished} are still not in {self.store.root} "
+                                      f"after {timeout_s:.0f} s; this rank's files are staged in {self.staging}")
                 self.cond.wait(timeout=1 if left is None else min(1, left))
         self._raise_if_failed()
 
@@ -227,6 +248,7 @@ class ShardedCheckpointer:
         try:
             self.flush(timeout_s)
         finally:
+            self.stopping.set()
             self.jobs.put(None)
             self.thread.join(5)
             self.stager.close()
@@ -244,7 +266,7 @@ class ShardedCheckpointer:
             except BaseException as e:  # noqa: BLE001 - handed to the training loop, raised there
                 self.error = e
             with self.cond:
-                self.unfinished -= 1
+                self.unfinished.remove(job.step)
                 self.cond.notify_all()
 
     def _finish(self, job: _Job) -> None:
@@ -298,12 +320,13 @@ class ShardedCheckpointer:
         deadline, found = time.monotonic() + self.commit_timeout_s, {}
         ranks = f"{step_prefix(self.run_name, step)}/{RANKS_DIR}"
         while len(found) < self.world:
-            for key in self.store.list(ranks):
-                rank = int(key.rsplit("_", 1)[-1].removesuffix(".json"))
-                if rank not in found and rank < self.world:
-                    marker = json.loads(self.store.read_bytes(key))
-                    if marker.get("attempt") == self.attempt:
-                        found[rank] = marker
+            with contextlib.suppress(Exception):  # the store failing now is like a marker not there yet
+                for key in self.store.list(ranks):
+                    rank = int(key.rsplit("_", 1)[-1].removesuffix(".json"))
+                    if rank not in found and rank < self.world:
+                        marker = json.loads(self.store.read_bytes(key))
+                        if marker.get("attempt") == self.attempt:
+                            found[rank] = marker
             if len(found) < self.world:
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(self.world)) - set(found))
@@ -313,16 +336,25 @@ class ShardedCheckpointer:
         return [found[r] for r in range(self.world)]
 
     def _retry(self, step: int, put: Callable[[], None]) -> None:
-        for attempt in range(self.retries + 1):
+        """Run `put` until it succeeds: `retries` times with backoff, then every 30 s (the checkpoint stays
+        pending; save() stops the loop once `max_pending` are). A UserError (access denied, no bucket) is final."""
+        attempt = 0
+        while True:
             try:
                 return put()
-            except Exception as e:  # noqa: BLE001 - any store failure is retried, then raised
-                if attempt == self.retries:
-                    raise StoreOutage(f"checkpoint step {step}: the store {self.store.root} failed {attempt + 1} "
-                                      f"times ({e}); this rank's files stay staged in {self.staging}") from e
-                delay = min(30.0, self.backoff_s * 2 ** attempt)
-                self.say(f"checkpoint step {step}: upload failed ({e}); retrying in {delay:.0f}s")
-                time.sleep(delay)
+            except UserError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the store may come back
+                attempt += 1
+                delay = min(30.0, self.backoff_s * 2 ** min(attempt - 1, 5))
+                if attempt <= self.retries:
+                    self.say(f"checkpoint step {step}: upload failed ({e}); retrying in {delay:.0f}s")
+                elif attempt == self.retries + 1:
+                    self.say(f"checkpoint step {step}: upload failed {attempt} times ({e}); keeping it pending in "
+                             f"{self.staging}, retrying every {delay:.0f}s")
+                if self.stopping.wait(delay):
+                    raise StoreOutage(f"checkpoint step {step}: the store {self.store.root} still fails ({e}); "
+                                      f"this rank's files stay staged in {self.staging}") from e
 
 
 def _put(store: Store, path: str, key: str) -> None:
@@ -578,6 +610,22 @@ def load_any(store: Store, run_name: str, step: int, model: torch.nn.Module,
 def load_latest_sharded(store: Store, run_name: str, model: torch.nn.Module,
                         optimizer: torch.optim.Optimizer | None, cache_dir: str, process_group=None) -> Loaded | None:
     """The newest checkpoint (either format) that loads into `model` and `optimizer`; damaged ones are skipped
-    with a warning naming them (`checkpoint.load_latest`'s fallback). Every rank calls it."""
-    return checkpoint.load_latest(store, run_name, cache_dir, loader=lambda step: load_any(
-        store, run_name, step, model, optimizer, cache_dir, process_group))
+    with a warning naming them (`checkpoint.load_latest`'s fallback). Every rank calls it: they try rank 0's
+    list of complete steps, and all fall back together when any rank fails to load one."""
+    steps = _agree(checkpoint.complete_steps(store, run_name), process_group)
+
+    def load(step: int) -> Loaded:
+        loaded, error = None, None
+        try:
+            loaded = load_any(store, run_name, step, model, optimizer, cache_dir, process_group)
+        except (ValueError, OSError, RuntimeError, pickle.UnpicklingError) as e:
+            error = e
+        errors = _gather(str(error).splitlines()[0] if error else None, process_group)
+        if error is not None:
+            raise error
+        failed = [(rank, e) for rank, e in enumerate(errors) if e]
+        if failed:
+            raise ValueError(f"rank {failed[0][0]}: {failed[0][1]}")
+        return loaded
+
+    return checkpoint.load_latest(store, run_name, cache_dir, loader=load, steps=steps)

@@ -95,6 +95,7 @@ def _save_steps(rank, world, tmp, store):
             json.dump({"blocked_s": blocked}, open(f"{tmp}/blocked_{step}.json", "w"))
     _train(model, opt, 1, seed=99)  # the live state moves on while the uploads finish
     ckpt.close()
+    dist.barrier()  # close() returns on rank 1 once its files are up, on rank 0 once the step is committed
 
 
 def _load_fresh(rank, tmp, store, out):
@@ -146,7 +147,7 @@ def _s3_round_trip(rank, tmp, uri):
 
 
 def _one_rank_cannot_upload(rank, tmp):
-    # rank 1's store is unusable (its root is under a file): its uploads fail, rank 0 never sees its marker
+    # rank 1's store is unusable (its root is under a file): its uploads keep failing, rank 0 never sees its marker
     root = f"{tmp}/store" if rank == 0 else f"{tmp}/not-a-folder/store"
     if rank == 1:
         open(f"{tmp}/not-a-folder", "w").close()
@@ -155,11 +156,22 @@ def _one_rank_cannot_upload(rank, tmp):
                                                                            "files": {}}).encode())
     model = _fsdp(_model())
     opt = _optimizer(model)
-    ckpt = sc.ShardedCheckpointer(open_store(root), RUN, f"{tmp}/staging-{rank}", retries=1, backoff_s=0.1,
-                                  commit_timeout_s=3, say=lambda s: None)
+    said = []
+    ckpt = sc.ShardedCheckpointer(open_store(root), RUN, f"{tmp}/staging-{rank}", max_pending=1, retries=1,
+                                  backoff_s=0.1, commit_timeout_s=3, say=said.append)
     ckpt.save(model, opt, {"step": 6}, [])
-    with pytest.raises(checkpoint.StoreOutage, match="ranks \\[1\\] did not upload" if rank == 0 else "failed 2"):
-        ckpt.flush()
+    if rank == 0:
+        with pytest.raises(checkpoint.StoreOutage, match="ranks \\[1\\] did not upload their shards within 3 s"):
+            ckpt.flush()
+        return
+    # rank 1 keeps retrying (training would go on) until max_pending checkpoints wait, then says where they are
+    with pytest.raises(checkpoint.StoreOutage, match="checkpoints of steps \\[6\\] are still not in"):
+        ckpt.flush(timeout_s=3)
+    with pytest.raises(checkpoint.StoreOutage, match=f"steps \\[6\\]\\) are waiting for .*staged in {tmp}/staging-1"):
+        ckpt.save(model, opt, {"step": 7}, [])
+    assert any("keeping it pending" in line for line in said), said
+    with pytest.raises(checkpoint.StoreOutage):
+        ckpt.close(timeout_s=0.5)
 
 
 def _task_scenario(rank, world, tmp, s3_uri):
