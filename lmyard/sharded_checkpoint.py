@@ -17,8 +17,9 @@ while DCP stages this rank's shards into reused CPU buffers (pinned on GPUs; wit
 `async_staging` the copy runs on a side stream and only `before_update()` waits
 for it). DCP then writes them to a node-local folder in its own thread (its
 collectives use a gloo group of their own), and this rank's upload thread puts its
-files into the store with retries and writes its marker object
-`ranks/rank_RRRRR.json`. Rank 0 waits until every rank's marker exists, then
+files into the store and writes its marker object `ranks/rank_RRRRR.json`
+(while the store fails it retries and the loop goes on, until `max_pending`
+checkpoints wait: then save() raises StoreOutage, as AsyncCheckpointer does). Rank 0 waits until every rank's marker exists, then
 writes rng.pt, state.json and the manifest. Markers rather than a collective: the
 ranks of different nodes share no filesystem and rank 0 needs every file's
 checksum; a marker carries them, a slow or failed upload of one rank never stalls
