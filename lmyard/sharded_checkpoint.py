@@ -64,8 +64,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from lmyard import checkpoint, faults
 from lmyard.checkpoint import MANIFEST, Checkpoint, StoreOutage, step_prefix
-from lmyard.shards import sha256_file
 from lmyard.errors import UserError
+from lmyard.shards import sha256_file
 from lmyard.store import Store
 
 FORMAT = "dcp"
@@ -77,14 +77,12 @@ def is_sharded(manifest: dict) -> bool:
     return manifest.get("format") == FORMAT
 
 
-def _rank_world(group=None) -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
-
-
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _rank_world(group=None) -> tuple[int, int]:
+    return (dist.get_rank(group), dist.get_world_size(group)) if _distributed() else (0, 1)
 
 
 def _agree(value, group=None):
@@ -478,7 +476,10 @@ def _fetch(store: Store, prefix: str, manifest: dict, name: str, local_dir: str)
     path = store.local_path(key)
     if path is None:
         path = os.path.join(local_dir, name)
-        store.download(key, path)
+        try:
+            store.download(key, path)
+        except Exception as e:  # noqa: BLE001 - a missing object, a refused read: this checkpoint is unusable
+            raise ValueError(f"{store.uri(key)} could not be read ({str(e).splitlines()[0]})") from e
     meta = manifest["files"].get(name)
     if meta is None or not os.path.exists(path) or sha256_file(path) != meta["sha256"]:
         raise ValueError(f"{store.uri(key)} does not match its manifest checksum")
