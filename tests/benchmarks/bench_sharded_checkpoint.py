@@ -10,8 +10,10 @@ Fused AdamW; two steps on random tokens make its state. Then, on every rank:
 - sync: `dcp.save` of the same state to the node-local staging folder: the loop stops for all of it;
 - async, staged in the loop (ShardedCheckpointer(async_staging=False)): the time prepare() takes to make
   the pinned host buffers in the background (as a trainer calls it after its first step), then for
-  `--saves` saves the blocked time of save() (the copy into pinned memory; DCP's write runs in a thread)
-  and the wall time of the training step that follows it;
+  `--saves` saves the blocked time of save() (the copy into pinned memory; DCP's write runs in a thread),
+  the wall time of the training step that follows it, and the extra wall time of that step and the
+  `--after` steps after it over as many plain steps (the background write, hashing and upload share the
+  host with the loop);
 - async, staged on a side stream (async_staging=True): save() plus the before_update() wait after the
   next forward and backward (the copy overlaps them), and that step's wall time;
 - background, per save: seconds from save() until this rank's files are written to the staging folder
@@ -29,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -131,15 +132,14 @@ def sync_save(model, opt, folder: str, group) -> float:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def async_saves(model, opt, loss_fn, store, staging: str, stream: bool, saves: int, rank: int,
-                threads: int) -> list[dict]:
-    ckpt = sc.ShardedCheckpointer(store, RUN, staging, async_staging=stream, write_threads=threads,
+def async_saves(model, opt, loss_fn, store, staging: str, stream: bool, a, rank: int, base_s: float) -> list[dict]:
+    ckpt = sc.ShardedCheckpointer(store, RUN, staging, async_staging=stream, write_threads=a.write_threads,
                                   say=lambda s: print(s, flush=True))
     t0 = time.perf_counter()
     ckpt.prepare(model, opt)  # as a trainer does after its first step: the pinned buffers, in the background
     ckpt.prepared.result()
     rows = [worst({"prepare_s": time.perf_counter() - t0})]
-    for i in range(saves):
+    for i in range(a.saves):
         step = 1000 * (2 if stream else 1) + i
         synchronize()
         dist.barrier()
@@ -148,13 +148,18 @@ def async_saves(model, opt, loss_fn, store, staging: str, stream: bool, saves: i
         train_step(model, opt, loss_fn, ckpt.before_update)
         synchronize()
         step_s = time.perf_counter() - t0
+        for _ in range(a.after):  # the steps while DCP writes and the files upload in the background
+            train_step(model, opt, loss_fn)
+        synchronize()
+        extra_s = time.perf_counter() - t0 - (a.after + 1) * base_s
         ckpt.flush()
         timing = next(t for t in ckpt.timings if t["step"] == step)
         rows.append(worst({"blocked_s": ckpt.blocked_s[-1], "save_call_s": blocked, "step_with_save_s": step_s,
-                           "written_s": timing["written_s"], "uploaded_s": timing["uploaded_s"],
-                           "committed_s": timing.get("committed_s", 0.0), "bytes_per_rank": timing["bytes"]}))
+                           f"extra_wall_s_over_{a.after + 1}_steps": extra_s, "written_s": timing["written_s"],
+                           "uploaded_s": timing["uploaded_s"], "committed_s": timing.get("committed_s", 0.0),
+                           "bytes_per_rank": timing["bytes"]}))
         dist.barrier()
-        if i + 1 < saves and rank == 0:  # keep the disk to one checkpoint in the store
+        if i + 1 < a.saves and rank == 0:  # keep the disk to one checkpoint in the store
             store.delete(sc.step_prefix(RUN, step))
     ckpt.close()
     return rows
@@ -174,7 +179,8 @@ def main() -> None:
     p.add_argument("--params", type=float, default=8.03e9, help="parameters of the Linear stack fallback")
     p.add_argument("--stack", action="store_true", help="use the Linear stack even where lmyard.llama exists")
     p.add_argument("--seq", type=int, default=2048, help="tokens per rank per step")
-    p.add_argument("--saves", type=int, default=2, help="saves per async mode (the first allocates buffers)")
+    p.add_argument("--saves", type=int, default=2, help="saves per async mode")
+    p.add_argument("--after", type=int, default=9, help="steps timed after each save's step (background work)")
     p.add_argument("--dir", default="/tmp/lmyard-bench-dcp", help="node-local folder for staging and store")
     p.add_argument("--upload", choices=["copy", "rename"], default="rename",
                    help="copy: files are copied into the store (needs 2x the state on disk); rename: moved")
@@ -201,7 +207,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     for _ in range(2):
         train_step(model, opt, loss_fn)
-    step_s = worst(statistics.median(timed(lambda: train_step(model, opt, loss_fn)) for _ in range(5)))
+    step_s = worst(timed(lambda: [train_step(model, opt, loss_fn) for _ in range(5)]) / 5)  # back to back
     n = sum(p.numel() for p in model.parameters())
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     say(rank, {"model": what, "params": n, "ranks": world, "device": card,
@@ -215,7 +221,7 @@ def main() -> None:
     say(rank, {"phase": "sync dcp.save to node-local disk", "blocked_s": round(sync_s, 3)})
     results = {"sync_blocked_s": sync_s}
     for stream in (False, True):
-        rows = async_saves(model, opt, loss_fn, store, str(root / "staging"), stream, a.saves, rank, a.write_threads)
+        rows = async_saves(model, opt, loss_fn, store, str(root / "staging"), stream, a, rank, step_s)
         mode = "async, staged on a side stream" if stream else "async, staged in the loop"
         for i, row in enumerate(rows):
             say(rank, {"phase": mode, **({"save": i} if i else {}), **{k: round(v, 3) for k, v in row.items()}})
