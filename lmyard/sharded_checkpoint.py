@@ -28,7 +28,7 @@ leaving the step without a manifest (invisible).
 
 Loading (`load_sharded`) reshards to any world size (DCP plans the reads from
 the target's DTensor placements) and checks the sha256 of each file before DCP
-reads it; a damaged or missing file raises ValueError naming it, so
+reads it; a damaged or missing file raises DamagedCheckpoint naming it, so
 `load_latest_sharded` falls back to the previous checkpoint. `load_full` reads a
 sharded checkpoint on one process, without a process group, into today's full
 state dicts (`checkpoint.Checkpoint`: model by name, optimizer by parameter
@@ -63,8 +63,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from lmyard import checkpoint, faults
-from lmyard.checkpoint import MANIFEST, Checkpoint, StoreOutage, step_prefix
-from lmyard.errors import UserError
+from lmyard.checkpoint import MANIFEST, Checkpoint, DamagedCheckpoint, StepExists, step_prefix
+from lmyard.contracts import CheckpointState
+from lmyard.errors import StoreOutage, UserError
+from lmyard.paths import confined
 from lmyard.shards import sha256_file
 from lmyard.store import Store
 
@@ -272,6 +274,9 @@ class ShardedCheckpointer:
         job.future.result()  # DCP wrote this rank's files (raises if any rank failed)
         times = {"step": job.step, "written_s": time.perf_counter() - job.t0}
         prefix = step_prefix(self.run_name, job.step)
+        if self.store.exists(f"{prefix}/{MANIFEST}"):  # its files are never overwritten (as checkpoint.commit)
+            raise StepExists(f"checkpoint {self.store.uri(prefix)} already exists complete; it is not overwritten "
+                             "(another run of this lineage, or a step trained twice)")
         files = {}
         for name in sorted(os.listdir(job.folder)):
             path = os.path.join(job.folder, name)
@@ -431,38 +436,46 @@ class _SafeEmptyPlanner(_EmptyStateDictLoadPlanner):
 
 class _VerifiedReader(dcp.FileSystemReader):
     """Reads a checkpoint's dcp/ files, each fetched from the store (unless local) and checked against the
-    manifest before its first read; a missing or damaged file raises ValueError naming it."""
+    manifest before its first read; a missing or damaged file raises DamagedCheckpoint naming it."""
 
     def __init__(self, store: Store, prefix: str, manifest: dict, local_dir: str):
         in_place = store.local_path(f"{prefix}/{DCP_DIR}")
         super().__init__(in_place or local_dir)
         self.store, self.prefix, self.files, self.in_place = store, prefix, manifest["files"], in_place is not None
         self.checked: set[str] = set()
+        self.metadata = None
 
     def _check(self, name: str) -> str:
         key = f"{self.prefix}/{DCP_DIR}/{name}"
-        path = os.path.join(str(self.path), name)
+        path = confined(str(self.path), name, "checkpoint file")  # names come from files in the store
         if name in self.checked:
             return path
         meta = self.files.get(f"{DCP_DIR}/{name}")
         if meta is None:
-            raise ValueError(f"{self.store.uri(key)} is not in the checkpoint's manifest")
+            raise DamagedCheckpoint(f"{self.store.uri(key)} is not in the checkpoint's manifest")
         if not self.in_place:
-            try:
-                self.store.download(key, path)
-            except Exception as e:  # noqa: BLE001 - a missing object, a refused read: this checkpoint is unusable
-                raise ValueError(f"{self.store.uri(key)} could not be read ({str(e).splitlines()[0]})") from e
+            self.store.download(key, path)  # a failed read is not damage: raised as it is, then retried
         if not os.path.exists(path) or sha256_file(path) != meta["sha256"]:
-            raise ValueError(f"{self.store.uri(key)} does not match its manifest checksum")
+            raise DamagedCheckpoint(f"{self.store.uri(key)} does not match its manifest checksum")
         self.checked.add(name)
         return path
 
+    def load_metadata(self):
+        """DCP's index, checked and unpickled safely; called before dcp.load, whose own wrapping of a failed
+        read would hide that the checkpoint is damaged."""
+        if self.metadata is None:
+            with open(self._check(".metadata"), "rb") as f:
+                try:
+                    self.metadata = _SafeUnpickler(f).load()
+                except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+                    raise DamagedCheckpoint(f"{self.store.uri(f'{self.prefix}/{DCP_DIR}/.metadata')} does not "
+                                            f"load: {e}") from None
+            if getattr(self.metadata, "storage_meta", None) is not None:
+                self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
     def read_metadata(self, *args, **kwargs):
-        with open(self._check(".metadata"), "rb") as f:
-            metadata = _SafeUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
+        return self.load_metadata()
 
     def read_data(self, plan, planner):
         for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
@@ -476,22 +489,21 @@ def _fetch(store: Store, prefix: str, manifest: dict, name: str, local_dir: str)
     path = store.local_path(key)
     if path is None:
         path = os.path.join(local_dir, name)
-        try:
-            store.download(key, path)
-        except Exception as e:  # noqa: BLE001 - a missing object, a refused read: this checkpoint is unusable
-            raise ValueError(f"{store.uri(key)} could not be read ({str(e).splitlines()[0]})") from e
+        store.download(key, path)  # a failed read is not damage: raised as it is
     meta = manifest["files"].get(name)
     if meta is None or not os.path.exists(path) or sha256_file(path) != meta["sha256"]:
-        raise ValueError(f"{store.uri(key)} does not match its manifest checksum")
+        raise DamagedCheckpoint(f"{store.uri(key)} does not match its manifest checksum")
     return path
 
 
 def _unwrap(e: BaseException) -> Exception:
-    """DCP's CheckpointException (a BaseException carrying every rank's failure) as the first rank's error."""
-    failures = getattr(e, "failures", None)
-    if failures:
-        exc = next(iter(failures.values()))[0]
-        return exc if isinstance(exc, (ValueError, OSError, pickle.UnpicklingError)) else RuntimeError(str(exc))
+    """DCP's CheckpointException (a BaseException carrying every rank's failure) as one error: the first
+    DamagedCheckpoint of any rank (so every rank skips the checkpoint), else the first rank's error."""
+    failures = [f[0] for f in (getattr(e, "failures", None) or {}).values()]
+    damaged = [f for f in failures if isinstance(f, DamagedCheckpoint)]
+    if damaged or failures:
+        first = (damaged or failures)[0]
+        return first if isinstance(first, Exception) else RuntimeError(str(first))
     return e if isinstance(e, Exception) else RuntimeError(str(e))
 
 
@@ -501,10 +513,11 @@ def _read_sharded(store: Store, run_name: str, step: int, state: dict, cache_dir
     prefix = step_prefix(run_name, step)
     manifest = checkpoint.read_manifest(store, run_name, step)
     if not is_sharded(manifest):
-        raise ValueError(f"{store.uri(prefix)} is not a sharded checkpoint (format {manifest.get('format', 'full')})")
+        raise DamagedCheckpoint(f"{store.uri(prefix)} is not a sharded checkpoint (format {manifest.get('format', 'full')})")
     local = os.path.join(cache_dir, "checkpoint-load", str(os.getpid()), prefix)
     try:
         reader = _VerifiedReader(store, prefix, manifest, os.path.join(local, DCP_DIR))
+        reader.load_metadata()
         try:
             if state:
                 dcp.load(state, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
@@ -515,7 +528,7 @@ def _read_sharded(store: Store, run_name: str, step: int, state: dict, cache_dir
                 raise
             raise _unwrap(e) from None
         with open(_fetch(store, prefix, manifest, "state.json", local)) as f:
-            extras = {"state": json.load(f),
+            extras = {"state": CheckpointState.model_validate_json(f.read()),
                       "rng": torch.load(_fetch(store, prefix, manifest, "rng.pt", local), weights_only=True)}
     finally:
         if store.local_path(prefix) is None:
@@ -530,14 +543,15 @@ class Loaded:
     step: int
     uri: str
     rng: list
-    state: dict
+    state: CheckpointState
 
 
 def load_sharded(store: Store, run_name: str, step: int, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | None, cache_dir: str, process_group=None) -> Loaded:
     """Load sharded checkpoint `step` into `model` (FSDP2-wrapped or plain) and `optimizer`, on any world size.
 
-    Every rank calls it. A missing or damaged file raises ValueError (on every rank) naming it.
+    Every rank calls it. A missing or damaged file raises DamagedCheckpoint (on every rank) naming it; a read
+    that fails (the store down) raises as it is.
     """
     target = state_dict(model, optimizer)
     _, extras = _read_sharded(store, run_name, step, target, cache_dir, _SafeLoadPlanner(), process_group)
@@ -577,12 +591,13 @@ def optim_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer, opti
     (its param_groups must list the parameters in the order of the optimizer that saved it)."""
     names = {p: clean_name(n) for n, p in model.named_parameters()}
     if len(optim["param_groups"]) != len(optimizer.param_groups):
-        raise ValueError(f"the checkpoint's optimizer has {len(optim['param_groups'])} parameter groups, "
-                         f"this one {len(optimizer.param_groups)}")
+        raise UserError(f"the checkpoint's optimizer has {len(optim['param_groups'])} parameter groups, this one "
+                        f"{len(optimizer.param_groups)}; build the optimizer with the groups it was saved with")
     state, groups = {}, []
     for saved, live in zip(optim["param_groups"], optimizer.param_groups):
         if len(saved["params"]) != len(live["params"]):
-            raise ValueError("the checkpoint's optimizer groups its parameters differently from this one")
+            raise UserError("the checkpoint's optimizer groups its parameters differently from this one; build the "
+                            "optimizer with the groups it was saved with")
         fqns = [names[p] for p in live["params"]]
         state.update({fqn: optim["state"][i] for i, fqn in zip(saved["params"], fqns) if i in optim["state"]})
         groups.append({**saved, "params": fqns})
@@ -609,25 +624,34 @@ def load_any(store: Store, run_name: str, step: int, model: torch.nn.Module,
     return Loaded(ckpt.step, ckpt.uri, ckpt.rng, ckpt.state)
 
 
-def load_latest_sharded(store: Store, run_name: str, model: torch.nn.Module,
-                        optimizer: torch.optim.Optimizer | None, cache_dir: str, process_group=None) -> Loaded | None:
-    """The newest checkpoint (either format) that loads into `model` and `optimizer`; damaged ones are skipped
-    with a warning naming them (`checkpoint.load_latest`'s fallback). Every rank calls it: they try rank 0's
-    list of complete steps, and all fall back together when any rank fails to load one."""
+def find_latest_sharded(store: Store, run_name: str, model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer | None, cache_dir: str, process_group=None,
+                        read_attempts: int = 3, backoff_s: float = 2.0) -> tuple[Loaded | None, list[int]]:
+    """(the newest checkpoint, either format, loaded into `model` and `optimizer`; the damaged steps skipped),
+    as `checkpoint.find_latest`: a damaged one is skipped with a warning naming it, a read error retried and
+    then raised. Every rank calls it: they try rank 0's list of complete steps, and all skip a checkpoint
+    that any rank found damaged, or all retry a read that any rank could not make."""
     steps = _agree(checkpoint.complete_steps(store, run_name), process_group)
 
     def load(step: int) -> Loaded:
         loaded, error = None, None
         try:
             loaded = load_any(store, run_name, step, model, optimizer, cache_dir, process_group)
-        except (ValueError, OSError, RuntimeError, pickle.UnpicklingError) as e:
+        except Exception as e:  # noqa: BLE001 - told to every rank, raised on every rank
             error = e
-        errors = _gather(str(error).splitlines()[0] if error else None, process_group)
-        if error is not None:
-            raise error
-        failed = [(rank, e) for rank, e in enumerate(errors) if e]
-        if failed:
-            raise ValueError(f"rank {failed[0][0]}: {failed[0][1]}")
-        return loaded
+        said = None if error is None else (isinstance(error, DamagedCheckpoint), str(error).splitlines()[0])
+        failed = [(rank, s) for rank, s in enumerate(_gather(said, process_group)) if s]
+        if not failed:
+            return loaded
+        damaged = [(rank, s) for rank, s in failed if s[0]]
+        if damaged:
+            raise error if isinstance(error, DamagedCheckpoint) else DamagedCheckpoint(damaged[0][1][1])
+        raise error if error is not None else RuntimeError(f"rank {failed[0][0]}: {failed[0][1][1]}")
 
-    return checkpoint.load_latest(store, run_name, cache_dir, loader=load, steps=steps)
+    return checkpoint.find_latest(store, run_name, cache_dir, read_attempts, backoff_s, loader=load, steps=steps)
+
+
+def load_latest_sharded(store: Store, run_name: str, model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer | None, cache_dir: str, process_group=None) -> Loaded | None:
+    """The newest checkpoint (either format) that loads into `model` and `optimizer` (find_latest_sharded)."""
+    return find_latest_sharded(store, run_name, model, optimizer, cache_dir, process_group)[0]
