@@ -144,7 +144,8 @@ def async_saves(model, opt, loss_fn, store, staging: str, stream: bool, a, rank:
         synchronize()
         dist.barrier()
         t0 = time.perf_counter()
-        blocked = ckpt.save(model, opt, {"step": step}, [])
+        blocked = ckpt.save(model, opt, {"step": step, "cursor": 0, "tokens_seen": 0, "world_size": dist.get_world_size(),
+                                         "shard_address": "random", "config": {}, "model": {}}, [])
         train_step(model, opt, loss_fn, ckpt.before_update)
         synchronize()
         step_s = time.perf_counter() - t0
@@ -213,7 +214,10 @@ def main() -> None:
     say(rank, {"model": what, "params": n, "ranks": world, "device": card,
                "torch": torch.__version__, "state_bytes_per_rank": n * 12 // world, "step_s": round(step_s, 3)})
 
-    root = Path(a.dir)
+    root = Path(a.dir) / "bench-sharded-checkpoint"  # its own subfolder: emptied at the start and the end
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    dist.barrier()
     check_disk(root, n * 12 * (2 if a.upload == "copy" else 1) * int(os.environ.get("LOCAL_WORLD_SIZE", world)) // world)
     store = (CopyStore if a.upload == "copy" else LocalStore)(str(root / "store"))
     gloo = dist.new_group(backend="gloo")
