@@ -383,3 +383,17 @@ def test_loading_a_sharded_checkpoint_never_unpickles_arbitrary_objects(tmp_path
     assert not (tmp_path / "pwned-marker").exists()
     with pytest.raises(checkpoint.DamagedCheckpoint, match="refers to (os|posix).system, which a checkpoint may not"):
         checkpoint.load_step(store, RUN, 8, str(tmp_path / "cache"))
+
+
+def test_a_complete_sharded_step_is_never_overwritten(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    model = _model()
+    sc.save(store, RUN, model, _optimizer(model), _state(2), str(tmp_path / "s"))
+    manifest = checkpoint.read_manifest(store, RUN, 2)
+    other = _model(seed=3)
+    with pytest.raises(checkpoint.StepExists, match="step_00000002 already exists complete"):
+        sc.save(store, RUN, other, _optimizer(other), _state(2), str(tmp_path / "s"))
+    assert checkpoint.read_manifest(store, RUN, 2) == manifest
+    prefix = store.local_path(checkpoint.step_prefix(RUN, 2))
+    for name, meta in manifest["files"].items():
+        assert checkpoint.sha256_file(os.path.join(prefix, name)) == meta["sha256"]
