@@ -560,12 +560,14 @@ def load_sharded(store: Store, run_name: str, step: int, model: torch.nn.Module,
     return Loaded(step, store.uri(step_prefix(run_name, step)), extras["rng"], extras["state"])
 
 
-def load_full(store: Store, run_name: str, step: int, cache_dir: str) -> Checkpoint:
+def load_full(store: Store, run_name: str, step: int, cache_dir: str, optimizer: bool = True) -> Checkpoint:
     """Sharded checkpoint `step` read whole on this process (no process group), as today's full state dicts:
-    `model` by parameter name, `optim` as `optimizer.state_dict()` gives it (by parameter index). For the
-    evaluator, the export and a `ddp` resume; `checkpoint.load_step` calls it for sharded checkpoints."""
+    `model` by parameter name, `optim` as `optimizer.state_dict()` gives it (by parameter index; empty with
+    `optimizer=False`, which reads a third of the bytes into memory: an evaluator's or an export's load).
+    `checkpoint.load_step` calls it for sharded checkpoints."""
     full: dict = {}
-    _, extras = _read_sharded(store, run_name, step, full, cache_dir, _SafeEmptyPlanner(), no_dist=True)
+    planner = _SafeEmptyPlanner(keys=None if optimizer else {"model"})
+    _, extras = _read_sharded(store, run_name, step, full, cache_dir, planner, no_dist=True)
     optim = optim_by_index(full["optim"]) if "optim" in full else {"state": {}, "param_groups": []}
     return Checkpoint(step=step, uri=store.uri(step_prefix(run_name, step)), model=full["model"], optim=optim,
                       rng=extras["rng"], state=extras["state"])

@@ -308,6 +308,9 @@ def test_sharded_checkpoint_reads_whole_without_a_process_group_into_a_plain_mod
     weights_only = _model(seed=5)  # the model alone (an evaluator's)
     sc.load_sharded(open_store(str(tmp / "store")), RUN, 4, weights_only, None, str(tmp_path))
     _assert_equal(_load(tmp / "full_step4.pt")["model"], weights_only.state_dict())
+    model_only = sc.load_full(open_store(str(tmp / "store")), RUN, 4, str(tmp_path), optimizer=False)
+    _assert_equal(_load(tmp / "full_step4.pt")["model"], model_only.model)
+    assert model_only.optim == {"state": {}, "param_groups": []}
 
 
 def test_damaged_shard_file_is_named_and_the_ranks_fall_back_to_the_previous_checkpoint(ranks, tmp_path):
