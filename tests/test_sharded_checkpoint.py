@@ -181,6 +181,26 @@ def _one_rank_cannot_upload(rank, tmp):
         ckpt.close(timeout_s=0.5)
 
 
+def _llama_with_activation_checkpointing(rank, world, tmp):
+    """lmyard's Llama as `train.parallel=fsdp` wraps it (checkpoint_wrapper per block, FSDP2 units)."""
+    from lmyard.config import ModelConfig
+    from lmyard.models import build_model
+    from lmyard.parallel import apply_activation_checkpointing, apply_fsdp, fsdp_mesh
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(preset="llama-tiny"), 300)
+    apply_activation_checkpointing(model, "full")
+    apply_fsdp(model, fsdp_mesh(world, torch.device("cpu")), torch.device("cpu"))
+    opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-3)
+    idx = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(rank))
+    model(idx[:, :-1], idx[:, 1:]).backward()
+    opt.step()
+    sc.save(open_store(f"{tmp}/store"), "llama", model, opt, _state(1), f"{tmp}/staging-{rank}")
+    full = _full(model, opt)
+    if rank == 0:
+        torch.save(full, f"{tmp}/llama_full.pt")
+
+
 def _task_scenario(rank, world, tmp, s3_uri):
     """Every 2-rank case in one pair of processes (starting them costs more than the cases)."""
     store = open_store(f"{tmp}/store")
@@ -192,6 +212,7 @@ def _task_scenario(rank, world, tmp, s3_uri):
     _load_fresh(rank, tmp, open_store(f"{tmp}/damaged"), "fallback")
     _ddp_checkpoint_into_fsdp(rank, tmp, store)
     _s3_round_trip(rank, tmp, s3_uri)
+    _llama_with_activation_checkpointing(rank, world, tmp)
     os.makedirs(f"{tmp}/broken", exist_ok=True)
     _one_rank_cannot_upload(rank, f"{tmp}/broken")
 
@@ -344,6 +365,19 @@ def test_sharded_checkpoint_round_trips_through_s3(ranks, tmp_path):
     assert len([k for k in store.list(checkpoint.step_prefix(RUN, 3)) if k.endswith(".distcp")]) == 2
     ckpt = checkpoint.load_step(store, RUN, 3, str(tmp_path))
     assert ckpt.uri.startswith("s3://") and set(ckpt.model) == set(_model().state_dict())
+
+
+def test_llama_sharded_under_activation_checkpointing_loads_into_a_plain_llama(ranks, tmp_path):
+    from lmyard.config import ModelConfig
+    from lmyard.models import build_model
+
+    tmp, _ = ranks
+    ckpt = checkpoint.load_step(open_store(str(tmp / "store")), "llama", 1, str(tmp_path))
+    plain = build_model(ModelConfig(preset="llama-tiny"), 300)
+    opt = torch.optim.AdamW(plain.param_groups(0.1), lr=1e-3)
+    plain.load_state_dict(ckpt.model)  # no `_checkpoint_wrapped_module` in the names: a plain model's keys
+    opt.load_state_dict(ckpt.optim)
+    _assert_equal(_load(tmp / "llama_full.pt"), _full(plain, opt))
 
 
 def test_ddp_checkpoint_loads_into_the_fsdp_model(ranks):
