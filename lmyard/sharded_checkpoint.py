@@ -208,9 +208,12 @@ class ShardedCheckpointer:
         blocks no longer than later ones. Call once the optimizer has its state (after the first step)."""
         sd = state_dict(model, optimizer)
         self.prepared = Future()
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
         def make() -> None:
             try:
+                if device is not None:  # a new thread starts on GPU 0: a context there would cost memory
+                    torch.cuda.set_device(device)
                 staged = self.stager.stage(sd)  # a throwaway copy: it only fills the stager's buffer cache
                 if isinstance(staged, Future):
                     staged.result()
