@@ -174,7 +174,7 @@ def check_disk(root: Path, need: int) -> None:
                          "node; pass --dir on a larger disk, --upload rename, or a smaller --preset/--params")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama-8b", help="an lmyard.llama preset (when lmyard.llama exists)")
     p.add_argument("--params", type=float, default=8.03e9, help="parameters of the Linear stack fallback")
@@ -188,8 +188,11 @@ def main() -> None:
     p.add_argument("--write-threads", type=int, default=1, help="DCP writer threads per rank (a file each)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--width", type=int, default=4096, help="d of the Linear stack")
-    a = p.parse_args()
+    return p.parse_args()
 
+
+def main() -> None:
+    a = parse_args()
     if a.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -218,7 +221,8 @@ def main() -> None:
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
     dist.barrier()
-    check_disk(root, n * 12 * (2 if a.upload == "copy" else 1) * int(os.environ.get("LOCAL_WORLD_SIZE", world)) // world)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    check_disk(root, n * 12 * (2 if a.upload == "copy" else 1) * per_node // world)
     store = (CopyStore if a.upload == "copy" else LocalStore)(str(root / "store"))
     gloo = dist.new_group(backend="gloo")
     sync_s = worst(sync_save(model, opt, str(root / "sync" / f"rank_{rank:05d}"), gloo))
