@@ -173,6 +173,8 @@ class FaultHook:
         return faults.fires("nan_loss", step)
 
     def after_step(self, step: int, flush) -> None:
+        if faults.fires("pause", step):  # every rank: a window in which a drill can act at a known step
+            time.sleep(float(os.environ.get("LMYARD_FAULT_PAUSE_S", "5")))
         if self.rank == self.world - 1 and faults.fires("hang", step):
             print(f"injected hang of rank {self.rank} after step {step}", flush=True)
             time.sleep(1e6)

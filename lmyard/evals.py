@@ -33,14 +33,15 @@ from lmyard.config import EvalConfig, RunConfig, gate_results  # noqa: F401 - re
 from lmyard.contracts import EvalResult, run_stage
 from lmyard.data import default_cache_dir, split_stream, val_sequences
 from lmyard.errors import UserError
-from lmyard.model import GPT, GPTConfig
+from lmyard.model import GPT
+from lmyard.models import model_from_spec
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
 from lmyard.tokenizer import get_tokenizer
 
 
 def load_model(ckpt: checkpoint.Checkpoint, device: str = "cpu") -> GPT:
-    model = GPT(GPTConfig(**ckpt.state.model))
+    model = model_from_spec(ckpt.state.model)
     model.load_state_dict(ckpt.model)
     return model.to(device).eval()
 

@@ -40,7 +40,7 @@ from lmyard.config import RunConfig, TrainConfig
 from lmyard.contracts import CheckpointState, Exchange, Started, TrainResult, TrainSpec
 from lmyard.data import Prefetcher, TrainBatches, default_cache_dir, split_stream, val_sequences
 from lmyard.errors import Diverged, ExitCode, Preempted, StoreOutage, UserError, exit_code_of  # noqa: F401
-from lmyard.model import GPT, GPTConfig
+from lmyard.models import build_model, model_config, model_spec
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
 from lmyard.tracking import Lineage, MetricsSink, MLflowSink, NullSink, system_metrics
@@ -100,25 +100,18 @@ def grad_accum_steps(cfg: RunConfig, world: int, seq_len: int) -> int:
     return cfg.train.batch_tokens // per_micro
 
 
-def check_fits(model: GPT, micro_batch: int, device: torch.device) -> None:
-    """Refuse, before the first step, a model whose weights, grads and AdamW state exceed the GPU's memory."""
-    if device.type != "cuda":
+def plan_memory(cfg: RunConfig, n_vocab: int, d: Dist) -> None:
+    """Before the first step on a GPU: each GPU's parameters, gradients, optimizer state and activations
+    (lmyard.memory); a UserError naming what would fit (fsdp, activation checkpointing, a smaller
+    micro-batch, more GPUs) when they will not."""
+    if d.device.type != "cuda":
         return
-    c = model.config
-    static = model.num_params() * 16  # fp32 weights + grads + two AdamW moments
-    # bf16 activations kept for backward: ~34 bytes per token per layer per width unit with flash
-    # attention (Korthikanti et al. 2022), plus bf16 logits and their fp32 softmax.
-    activations = c.n_layer * micro_batch * c.block_size * c.n_embd * 34 + micro_batch * c.block_size * c.vocab_size * 6
-    free, total = torch.cuda.mem_get_info(device)
-    gib = 2**30
-    if static > free:
-        raise UserError(f"the model's weights, gradients and AdamW state need {static / gib:.1f} GiB but "
-                        f"{torch.cuda.get_device_name(device)} has {free / gib:.1f} GiB free of {total / gib:.1f}: "
-                        "choose a smaller model.preset")
-    if static + activations > free:
-        print(f"warning: this step may not fit: ~{(static + activations) / gib:.1f} GiB estimated, "
-              f"{free / gib:.1f} GiB free; lower train.micro_batch (batch_tokens stays, accumulation grows)",
-              flush=True)
+    from lmyard import memory
+
+    total = torch.cuda.get_device_properties(d.device).total_memory
+    plan = memory.check(memory.estimate(cfg.model, cfg.train, d.world, total, n_vocab))
+    if d.is_main:
+        print(f"memory plan per GPU: {plan.summary()}", flush=True)
 
 
 @torch.no_grad()
@@ -217,7 +210,8 @@ class Trainer:
         self.state = CheckpointState(step=0, cursor=0, tokens_seen=0, world_size=d.world,
                                      shard_address=shards.address, train_tokens=self.data.stream.total,
                                      config=cfg.model_dump(mode="json"),
-                                     lineage=lineage.to_dict() if lineage else None, model=self.gcfg.__dict__)
+                                     lineage=lineage.to_dict() if lineage else None,
+                                     model=model_spec(self.raw_model))
         self.started = Started(start_step=0, world_size=d.world)
         self.logger = MetricsLogger(cfg, d.device, d.world, self.raw_model.flops_per_token(), sink, d.is_main)
         self.validator, self.checkpointing = Validator(cfg), Checkpointing(cfg)
@@ -229,13 +223,13 @@ class Trainer:
 
     # ---- set up ---------------------------------------------------------------------
     def _build_model(self) -> None:
-        self.gcfg = GPTConfig.from_config(self.cfg.model, self.shards.n_vocab)
+        self.gcfg = model_config(self.cfg.model, self.shards.n_vocab)
         if self.gcfg.vocab_size < self.shards.n_vocab:
             raise UserError(f"model.vocab_size ({self.gcfg.vocab_size}) is smaller than the shard set's vocabulary "
                             f"({self.shards.n_vocab}, {self.shards.manifest['tokenizer']['name']}); unset it or raise it")
-        self.raw_model = GPT(self.gcfg)
-        check_fits(self.raw_model, self.t.micro_batch, self.d.device)
-        self.raw_model.to(self.d.device)
+        plan_memory(self.cfg, self.shards.n_vocab, self.d)
+        with torch.device(self.d.device):
+            self.raw_model = build_model(self.cfg.model, self.shards.n_vocab)
         self.optimizer = torch.optim.AdamW(self.raw_model.param_groups(self.t.weight_decay), lr=self.t.lr,
                                            betas=(self.t.beta1, self.t.beta2), fused=self.d.device.type == "cuda")
 

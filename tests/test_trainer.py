@@ -27,7 +27,7 @@ def shard_env(tmp_path_factory):
     return tmp, shards
 
 
-def _run(shard_env, run_name, *, nproc=2, steps=12, faults="", expect_fail=False, on_progress=None, **extra):
+def _run(shard_env, run_name, *, nproc=2, steps=12, faults="", expect_fail=False, on_line=None, **extra):
     tmp, shards = shard_env
     values = {"run_name": run_name, "launch.nproc_per_node": nproc, "train.batch_tokens": 1024,
               "checkpoint.interval": 4, "eval.interval": 100, **extra}
@@ -40,9 +40,9 @@ def _run(shard_env, run_name, *, nproc=2, steps=12, faults="", expect_fail=False
     try:
         if expect_fail:
             with pytest.raises(Exception) as info:
-                run_local(cfg, spec, on_line=lines.append)
+                run_local(cfg, spec, on_line=on_line or lines.append)
             return info.value, lines
-        return run_local(cfg, spec, on_line=lines.append, on_progress=on_progress), lines
+        return run_local(cfg, spec, on_line=lines.append), lines
     finally:
         os.environ.pop("LMYARD_FAULTS") if env_before is None else os.environ.update(LMYARD_FAULTS=env_before)
 
@@ -79,14 +79,20 @@ def _assert_identical(a, b, path=""):
         assert a == b, path
 
 
-def test_two_fresh_runs_of_one_config_write_identical_checkpoints_every_rng_state_included(shard_env):
+@pytest.fixture(scope="module")
+def straight(shard_env):
+    """An uninterrupted run of 12 steps on 2 ranks: what the interrupted runs must reproduce."""
     _run(shard_env, "straight")
+    return "straight"
+
+
+def test_two_fresh_runs_of_one_config_write_identical_checkpoints_every_rng_state_included(shard_env, straight):
     _run(shard_env, "straight-again")
     for step in (4, 12):
         _assert_identical(_whole_checkpoint(shard_env, "straight", step), _whole_checkpoint(shard_env, "straight-again", step))
 
 
-def test_resume_after_a_crash_reproduces_the_uninterrupted_run_bit_for_bit(shard_env):
+def test_resume_after_a_crash_reproduces_the_uninterrupted_run_bit_for_bit(shard_env, straight):
     err, lines = _run(shard_env, "crashed", faults="crash@10", expect_fail=True)
     assert "injected crash after step 10" in "\n".join(lines)
     result, lines = _run(shard_env, "crashed")
@@ -95,17 +101,17 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run_bit_for_bit(shard
     _assert_identical(_whole_checkpoint(shard_env, "straight", 12), _whole_checkpoint(shard_env, "crashed", 12))
 
 
-def test_sigterm_mid_training_checkpoints_that_step_and_the_resumed_run_equals_the_uninterrupted_one(shard_env):
+def test_sigterm_mid_training_checkpoints_that_step_and_the_resumed_run_equals_the_uninterrupted_one(
+        shard_env, straight):
     from lmyard.launch import stop_all
 
-    def on_progress(p):
-        if p.step == 5:
+    def on_line(line):
+        if line.startswith("step 5/12"):  # the ranks pause after step 5 (an injected fault): a known step
             stop_all()  # what a cancelled flow run does: SIGTERM to torchrun's process group
 
-    with pytest.raises(Preempted, match="stopped by SIGTERM after step (\\d+)") as info:
-        _run(shard_env, "preempted", on_progress=on_progress)
-    stopped_at = int(info.value.args[0].split("after step ")[1].split(";")[0])
-    assert 5 <= stopped_at < 12
+    err, _ = _run(shard_env, "preempted", faults="pause@5", expect_fail=True, on_line=on_line)
+    assert isinstance(err, Preempted) and "stopped by SIGTERM after step 5" in str(err)
+    stopped_at = 5
     tmp, _ = shard_env
     assert stopped_at in complete_steps(open_store(str(tmp / "store")), "preempted")
     result, _ = _run(shard_env, "preempted")
@@ -113,7 +119,7 @@ def test_sigterm_mid_training_checkpoints_that_step_and_the_resumed_run_equals_t
     _assert_identical(_whole_checkpoint(shard_env, "straight", 12), _whole_checkpoint(shard_env, "preempted", 12))
 
 
-def test_resume_on_another_world_size_continues_the_same_token_stream(shard_env):
+def test_resume_on_another_world_size_continues_the_same_token_stream(shard_env, straight):
     _run(shard_env, "two-ranks-crashed", faults="crash@5", expect_fail=True)
     result, lines = _run(shard_env, "two-ranks-crashed", nproc=1)
     assert any("from a checkpoint of 2" in ln for ln in lines) and result.step == 12
