@@ -29,7 +29,8 @@ leaving the step without a manifest (invisible).
 Loading (`load_sharded`) reshards to any world size (DCP plans the reads from
 the target's DTensor placements) and checks the sha256 of each file before DCP
 reads it; a damaged or missing file raises DamagedCheckpoint naming it, so
-`load_latest_sharded` falls back to the previous checkpoint. `load_full` reads a
+`find_latest_sharded` (checkpoint.find_latest for either format, on every rank
+together) falls back to the previous checkpoint. `load_full` reads a
 sharded checkpoint on one process, without a process group, into today's full
 state dicts (`checkpoint.Checkpoint`: model by name, optimizer by parameter
 index), which is what `checkpoint.load_step` returns for either format.
