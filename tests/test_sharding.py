@@ -105,7 +105,7 @@ def test_token_ids_too_large_for_the_format_are_refused():
     from lmyard.tokenizer import get_tokenizer
 
     enc = get_tokenizer(TokenizerConfig(name="bytes"))
-    sharding._init_worker(enc, np.dtype("<u1"))  # a format narrower than the vocabulary (257 ids)
+    sharding._init_worker(enc, 256, None, np.dtype("<u1"))  # a format narrower than the vocabulary (257 ids)
     with pytest.raises(UserError, match="token id 256 does not fit.*format version 2"):
         sharding._encode_batch(["hi"])
 
