@@ -11,6 +11,7 @@ import pytest
 
 from lmyard import sharding
 from lmyard import shards as fmt
+from lmyard import sources
 from lmyard.config import load_recipe
 from lmyard.errors import UserError
 from lmyard.sharding import tokenize_and_shard
@@ -33,6 +34,7 @@ def _no_manifest(root) -> bool:
 
 def test_parallel_shards_are_byte_identical_to_serial(tmp_path, monkeypatch):
     monkeypatch.setattr(sharding, "BATCH_CHARS", 2000)  # many small batches, so the pool reorders if it can
+    monkeypatch.setattr(sources, "UNIT_BYTES", 2000)  # many small read tasks (local files), likewise
     src = _jsonl(tmp_path / "c.jsonl", [f"doc {i}: " + "lorem ipsum dolor " * (i % 13) for i in range(400)])
     results = {}
     for n in (1, 2):
