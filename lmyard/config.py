@@ -74,7 +74,7 @@ class DataConfig(_Section):
     )
     sources: list[SourceConfig] | None = Field(
         None, description="A mixture instead of `data.source`: a list of {source, text_field, name, split, "
-        "revision, weight | tokens}, interleaved document by document so that each source's share of the tokens "
+        "revision, and weight or tokens}, interleaved document by document so that each source's share of the tokens "
         "follows its weight (or budget). The content address covers every source and its share.")
     name: str | None = Field(None, description="Hub dataset config name (e.g. `sample-10BT`).")
     split: str = Field("train", description="Dataset split to read.")
@@ -112,7 +112,7 @@ class DataConfig(_Section):
             return self
         if not self.sources:
             raise ValueError("data.sources is empty: list at least one source, or use data.source")
-        if "source" in self.model_fields_set:
+        if self.source != DataConfig.model_fields["source"].default:  # not model_fields_set: JSON round trips set all
             raise ValueError("set data.source or data.sources, not both")
         budgets = [s.tokens is not None for s in self.sources]
         if any(budgets) and not all(budgets):
@@ -153,14 +153,14 @@ class TokenizerConfig(_Section):
         "separator with tokenizer.bos and/or tokenizer.eos.")
     bos: str | None = Field(
         None, description="Special token written before every document. Default for tiktoken encodings and "
-        "`bytes`: `<|endoftext|>` (llm.c's convention); for a tokenizer.json e.g. `<|begin_of_text|>` or `<s>`.")
+        "`bytes`: their end-of-text token (llm.c's convention); for a tokenizer.json e.g. Llama 3's begin-of-text "
+        "token or `<s>`.")
     eos: str | None = Field(
-        None, description="Special token written after every document (e.g. `</s>`, `<|end_of_text|>`); "
-        "default none.")
+        None, description="Special token written after every document (e.g. `</s>`); default none.")
 
     @model_validator(mode="after")
     def _one_kind(self) -> TokenizerConfig:
-        if self.file is not None and "name" in self.model_fields_set:
+        if self.file is not None and self.name != TokenizerConfig.model_fields["name"].default:
             raise ValueError("set tokenizer.name (tiktoken) or tokenizer.file (tokenizer.json), not both")
         if self.file is not None and self.ranks_file is not None:
             raise ValueError("tokenizer.ranks_file belongs to tiktoken encodings; unset it with tokenizer.file")
@@ -512,6 +512,8 @@ def reference_markdown() -> str:
         args = typing.get_args(ann)
         if typing.get_origin(ann) is Literal:
             return " \\| ".join(f"`{a}`" for a in args)
+        if typing.get_origin(ann) is list:
+            return f"list[{type_name(args[0])}]"
         if args:
             return " \\| ".join(type_name(a) for a in args)
         return "null" if ann is type(None) else getattr(ann, "__name__", str(ann))

@@ -209,3 +209,12 @@ def test_the_default_separator_keeps_the_address_of_a_single_source(tmp_path):
     assert set(key) == {"source", "tokenizer", "shard_tokens", "split", "max_documents", "text_field",
                         "on_decode_error", "format"}, "a single unshuffled source hashes the same key as before"
     assert set(key["tokenizer"]) == {"name", "n_vocab", "eot", "ranks_sha256"}
+
+
+def test_a_mixture_and_a_tokenizer_json_config_survive_a_json_round_trip():
+    from lmyard.config import RunConfig
+
+    cfg = load_recipe("smoke", ["data.sources=[{source: a.jsonl, weight: 2}, {source: 's3://b/c/*.parquet'}]",
+                                "tokenizer.file=hf://org/model", "tokenizer.bos=<s>"])
+    again = RunConfig.model_validate(json.loads(json.dumps(cfg.model_dump(mode="json"))))  # as the flow passes it
+    assert again == cfg and again.data.shares() == ([2.0, 1.0], None)

@@ -1,15 +1,23 @@
 """Benchmark of the tokenize-and-shard stage; prints JSON figures.
 
-    TIKTOKEN_CACHE_DIR=... python tests/benchmarks/bench_shard.py [--num-proc N] [--sizes-mb 100 1000]
+    TIKTOKEN_CACHE_DIR=... python tests/benchmarks/bench_shard.py [--num-proc N] [--sizes-mb 1000 4000]
+        [--set data.shuffle_documents=true ...]
 
 For each corpus size it writes a JSONL corpus (CPython's bundled documentation,
-replicated with a per-copy prefix) to a temporary folder, runs the whole stage
-(`tokenize_and_shard`: fingerprint, read, tokenize on N processes, write shards
-to a local store) in a child process, and samples the resident memory of that
-child and its tokenizer processes every 20 ms. Then it times raw tiktoken
-`encode_ordinary_batch(texts, num_threads=N)` on the same texts in this
-process (16,384 documents a call; JSON parsing outside the timed calls).
-Everything it writes is removed at the end.
+replicated with a per-copy prefix; no network) to a temporary folder, runs the
+whole stage (`tokenize_and_shard`: fingerprint, read tasks, tokenize on N
+processes, write shards to a local store) in a child process, and samples the
+resident memory of that child and its tokenizer processes every 20 ms. Then it
+times raw tiktoken `encode_ordinary_batch(texts, num_threads=N)` on the same
+texts in this process (16,384 documents a call; JSON parsing outside the timed
+calls). Everything it writes is removed at the end.
+
+It needs no GPU and imports only numpy, tiktoken, psutil and what the stage
+imports for a local JSONL source (pydantic, pyyaml): no datasets, torch, boto3,
+prefect or mlflow. On a machine without them:
+    pip install --no-index --find-links .whl/bench-py312 pydantic pyyaml psutil
+(.whl/bench-py312 holds the CPython 3.12 x86-64 wheels and tiktoken's GPT-2
+ranks under tiktoken/, for TIKTOKEN_CACHE_DIR; see docs/benchmarks.md).
 
 Figures:
 - stage_tokens_per_s / raw_tokens_per_s: same text, same N (target >= 0.9)
@@ -53,14 +61,13 @@ def write_corpus(path: Path, target_bytes: int) -> int:
     """A JSONL corpus of about target_bytes: pydoc topics, each copy made distinct by a prefix line."""
     from pydoc_data.topics import topics
 
-    docs = [topics[k] for k in sorted(topics)]
+    bodies = [json.dumps(topics[k])[1:-1] for k in sorted(topics)]  # JSON-escaped once
     written, copy = 0, 0
-    with open(path, "w", encoding="utf-8") as f:
+    with open(path, "w", encoding="utf-8", buffering=1 << 22) as f:
         while written < target_bytes:
-            for d in docs:
-                line = json.dumps({"text": f"Copy {copy} of the Python reference.\n\n{d}"}) + "\n"
-                f.write(line)
-                written += len(line.encode())
+            block = "".join(f'{{"text": "Copy {copy} of the Python reference.\\n\\n{b}"}}\n' for b in bodies)
+            f.write(block)
+            written += len(block.encode())
             copy += 1
     return written
 
@@ -80,9 +87,9 @@ def tree_rss(proc: psutil.Process) -> tuple[int, int]:
         return 0, 0
 
 
-def run_stage(corpus: Path, work: Path, num_proc: int) -> dict:
+def run_stage(corpus: Path, work: Path, num_proc: int, overrides: list[str]) -> dict:
     store, cache = work / "store", work / "cache"
-    args = [f"store={store}", f"data.source={corpus}", "tokenizer.name=gpt2", f"data.num_proc={num_proc}"]
+    args = [f"store={store}", f"data.source={corpus}", "tokenizer.name=gpt2", f"data.num_proc={num_proc}", *overrides]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-c", _STAGE, str(cache), *args], env=env, stdout=subprocess.PIPE,
                             text=True)
@@ -130,19 +137,22 @@ def raw_tiktoken(corpus: Path, num_proc: int, chunk_docs: int = 16384) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-proc", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1000])
+    p.add_argument("--sizes-mb", type=int, nargs="+", default=[1000, 4000])
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for the stage, e.g. data.shuffle_documents=true (repeatable)")
     p.add_argument("--no-raw", action="store_true", help="skip the raw tiktoken baseline")
     p.add_argument("--tmp", default=None, help="folder for the corpus and the store (default: the system's)")
     a = p.parse_args()
 
-    report: dict = {"num_proc": a.num_proc, "cpus": os.cpu_count(), "tokenizer": "r50k_base (gpt2)", "sizes": []}
+    report: dict = {"num_proc": a.num_proc, "cpus": os.cpu_count(), "tokenizer": "r50k_base (gpt2)",
+                    "overrides": a.overrides, "python": sys.version.split()[0], "sizes": []}
     with tempfile.TemporaryDirectory(prefix="lmyard-bench-", dir=a.tmp) as tmp:
         work = Path(tmp)
         for i, mb in enumerate(a.sizes_mb):
             corpus = work / f"corpus-{mb}mb.jsonl"
             size = write_corpus(corpus, mb * 10**6)
             entry: dict = {"corpus_mb": round(size / 1e6, 1)}
-            stage = run_stage(corpus, work, a.num_proc)
+            stage = run_stage(corpus, work, a.num_proc, a.overrides)
             text_tokens = stage["tokens"] - stage["documents"]  # the stage adds one <|endoftext|> per document
             entry["stage"] = {**stage, "tokens_per_s": round(text_tokens / stage["seconds"])}
             if not a.no_raw:
