@@ -136,7 +136,8 @@ def _encode_batch(texts: list[str | None]) -> tuple[np.ndarray, np.ndarray]:
     for k, text in enumerate(texts):
         if text is None:
             continue
-        ids = enc.encode_to_numpy(text, disallowed_special=())
+        ids = (enc.encode_to_numpy(text, disallowed_special=()) if hasattr(enc, "encode_to_numpy")  # tiktoken>=0.8
+               else np.asarray(enc.encode_ordinary(text), dtype=np.uint32))
         parts += [head, ids, tail]
         lengths[k] = head.size + ids.size + tail.size
     flat = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint32)
