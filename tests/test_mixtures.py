@@ -218,3 +218,48 @@ def test_a_mixture_and_a_tokenizer_json_config_survive_a_json_round_trip():
                                 "tokenizer.file=hf://org/model", "tokenizer.bos=<s>"])
     again = RunConfig.model_validate(json.loads(json.dumps(cfg.model_dump(mode="json"))))  # as the flow passes it
     assert again == cfg and again.data.shares() == ([2.0, 1.0], None)
+
+
+def test_a_streamed_source_mixes_with_files_by_token_budget(tmp_path, two_sources):
+    a, _ = two_sources
+    cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", "data.num_proc=1", "data.shard_tokens=5000",
+                                f"data.sources=[{{source: 'builtin:pydoc-topics', tokens: 30000}}, "
+                                f"{{source: '{a}', tokens: 10000}}]"])
+    shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
+    hub_like, files = shards.manifest["mixture"]
+    assert 30000 <= hub_like["tokens"] < 30000 + 60000 and 10000 <= files["tokens"] < 10000 + 51
+    assert sum(shards.manifest["tokens"].values()) == hub_like["tokens"] + files["tokens"]
+
+
+def test_a_shuffled_mixture_resumes_to_identical_shards(tmp_path, two_sources):
+    cfg = _mix(tmp_path, *two_sources, "weight: 1", "weight: 1", "data.shuffle_documents=true",
+               "data.shuffle_buffer_tokens=2000", "data.shard_tokens=1000")
+    whole, _ = tokenize_and_shard(cfg, log=lambda s: None)
+    before = _tokens(whole, cfg.store)
+    root = tmp_path / "store" / "shards" / whole.address
+    (root / "manifest.json").unlink()  # as if the run died: some shards and sidecars stay
+    n_train = len(whole.files("train"))
+    assert n_train >= 8 and len(whole.files("val")) >= 2
+    for name in (f"train_{n_train - 3:06d}.bin", f"train_{n_train - 2:06d}.json", "val_000001.json"):
+        (root / name).unlink()
+    logs: list[str] = []
+    again, reused = tokenize_and_shard(cfg, log=logs.append)
+    assert not reused and any(f"{n_train - 3} train + 1 val shards" in line for line in logs), logs[:3]
+    assert again.manifest["shards"] == whole.manifest["shards"]
+    assert np.array_equal(_tokens(again, cfg.store), before)
+
+
+def test_a_tokenizer_json_loads_from_s3(s3_server, s3_bucket, tmp_path):
+    from tokenizers import Tokenizer
+
+    docs = [f"item {i} costs {i * 3} coins" for i in range(40)]
+    path = _train_tokenizer(tmp_path / "tokenizer.json", docs)
+    s3_server.client().upload_file(path, s3_bucket, "tok/tokenizer.json")
+    src = _jsonl(tmp_path / "c.jsonl", docs)
+    cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"data.source={src}", "data.num_proc=1",
+                                f"tokenizer.file=s3://{s3_bucket}/tok/tokenizer.json", "tokenizer.eos=</s>"])
+    shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
+    tok = Tokenizer.from_file(path)
+    eos = tok.token_to_id("</s>")
+    expected = [t for i, d in enumerate(docs) if i % 10 for t in [*tok.encode(d, add_special_tokens=False).ids, eos]]
+    assert _tokens(shards, cfg.store, "train").tolist() == expected
