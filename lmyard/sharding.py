@@ -268,8 +268,8 @@ def _mixed(readers: list[_Reader], weights: list[float], budgets: list[int] | No
         k = min(active, key=lambda j: (counts[j][1] / weights[j], j))
         doc = readers[k].next()
         if doc is None:
-            if budgets is None or len(readers) == 1:
-                return  # weights: the mixture ends with its first exhausted source
+            if budgets is None:
+                return  # weights (or one plain source): the stream ends with its first exhausted source
             if counts[k][0] == 0:
                 raise UserError(f"data.sources[{k}] holds no documents: check its path, split and filters")
             readers[k].restart()  # a budget larger than the source: read it again

@@ -186,8 +186,9 @@ def make_units(files: list[tuple[str, str, int]], builder: str, text_field: str,
 
             meta = pq.ParquetFile(path).metadata
             for g in range(meta.num_row_groups):
-                units.append(Unit(builder, (Piece(path, name, g, g + 1),), text_field, on_error,
-                                  meta.row_group(g).total_byte_size))
+                group = meta.row_group(g)  # its bytes in the file, for progress against the files' sizes
+                group_bytes = sum(group.column(c).total_compressed_size for c in range(group.num_columns))
+                units.append(Unit(builder, (Piece(path, name, g, g + 1),), text_field, on_error, group_bytes))
             continue
         splittable = builder == "json" and path.lower().endswith(".jsonl")
         for start in range(0, n, size) if splittable else [0]:
