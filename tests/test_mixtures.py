@@ -263,3 +263,20 @@ def test_a_tokenizer_json_loads_from_s3(s3_server, s3_bucket, tmp_path):
     eos = tok.token_to_id("</s>")
     expected = [t for i, d in enumerate(docs) if i % 10 for t in [*tok.encode(d, add_special_tokens=False).ids, eos]]
     assert _tokens(shards, cfg.store, "train").tolist() == expected
+
+
+def test_a_missing_field_found_by_a_tokenizer_process_is_a_user_error_without_manifest(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": [f"row {i}" for i in range(50)]}), tmp_path / "p.parquet", row_group_size=10)
+    cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"data.source={tmp_path / 'p.parquet'}",
+                                "data.num_proc=2"])
+    with pytest.raises(UserError, match=r"data.text_field 'text' is not in .*p.parquet .*\['content'\]"):
+        tokenize_and_shard(cfg, log=lambda s: None)
+    assert _no_manifest(tmp_path)
+    ok = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"data.source={tmp_path / 'p.parquet'}",
+                               "data.num_proc=2", "data.text_field=content", "data.val_every=5"])
+    shards, _ = tokenize_and_shard(ok, log=lambda s: None)
+    assert shards.manifest["documents"] == 50
+    assert _docs(_tokens(shards, ok.store, "val"), EOT) == [tuple(f"row {i}".encode()) for i in range(0, 50, 5)]
