@@ -89,6 +89,7 @@ from lmyard import shards as fmt
 from lmyard import sources as sources_mod
 from lmyard.config import RunConfig, digest
 from lmyard.errors import UserError
+from lmyard.paths import cache_root
 from lmyard.sources import Source, Unit, open_source, read_unit
 from lmyard.store import Store, open_store
 from lmyard.tokenizer import get_tokenizer, identity, separators
@@ -461,7 +462,7 @@ def tokenize_and_shard(cfg: RunConfig, log: Callable[[str], None] = print, cache
     `log` gets human-readable lines (documents/s and tokens/s every few seconds);
     `progress` gets the same figures as a Progress, for a UI.
     """
-    cache_dir = cache_dir or os.path.join(tempfile.gettempdir(), "lmyard-cache")
+    cache_dir = cache_dir or cache_root()
     store = open_store(cfg.store)
     enc = get_tokenizer(cfg.tokenizer)
     version, dtype = fmt.token_dtype(enc.n_vocab)

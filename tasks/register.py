@@ -7,7 +7,7 @@ from prefect.cache_policies import NO_CACHE
 
 from lmyard import tracking
 from lmyard.config import RunConfig
-from lmyard.evals import gate_results
+from lmyard.config import gate_results
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
 
