@@ -198,8 +198,9 @@ class _Reader:
     """One source's tokenized documents in order; its tasks run ahead in the pool, `depth` at most."""
 
     def __init__(self, source: Source, pool, depth: int, order_seed: int | None = None,
-                 skip: tuple | None = None, last_skipped: int = -1):
+                 skip: tuple | None = None, last_skipped: int = -1, limit: int | None = None):
         self.source, self.pool, self.depth, self.order_seed = source, pool, depth, order_seed
+        self.limit = limit  # data.max_documents: no source needs more (a streamed one is not read further)
         self.skip, self.last_skipped = skip, last_skipped  # resume: (val_every, train doc, val doc), max of them
         self.bytes_done = 0
         self.docs: deque[np.ndarray] = deque()
@@ -226,6 +227,8 @@ class _Reader:
         texts: list[str | None] = []
         size = 0
         for i, text in enumerate(self.source.documents()):
+            if self.limit is not None and i >= self.limit:
+                break
             wanted = self.skip is None or i > self.last_skipped or i >= (
                 self.skip[2] if i % self.skip[0] == 0 else self.skip[1])
             texts.append(text if wanted else None)
@@ -525,7 +528,7 @@ def _readers(cfg: RunConfig, sources: list[Source], pool, num_proc: int, kept: d
         if max(train_doc, val_doc) >= 0:
             skip, last = (d.val_every, train_doc, val_doc), max(train_doc, val_doc)
     return [_Reader(src, pool, depth, order_seed=[d.shuffle_seed, 0, k] if d.shuffle_documents else None,
-                    skip=skip, last_skipped=last) for k, src in enumerate(sources)]
+                    skip=skip, last_skipped=last, limit=d.max_documents) for k, src in enumerate(sources)]
 
 
 def _write(stream: Iterator[np.ndarray], writers: dict, d, stats: dict, report) -> None:
