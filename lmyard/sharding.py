@@ -79,7 +79,7 @@ import os
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -519,11 +519,11 @@ def _build(cfg: RunConfig, store: Store, pool, num_proc: int, sources: list[Sour
 
 
 def _readers(cfg: RunConfig, sources: list[Source], pool, num_proc: int, kept: dict) -> list[_Reader]:
-    """One reader per source; for one unshuffled source, told which documents the kept shards hold."""
+    """One reader per source; for data.source unshuffled, told which documents the kept shards hold."""
     d = cfg.data
     depth = IN_FLIGHT_PER_PROC * num_proc
     skip, last = None, -1
-    if len(sources) == 1 and not d.shuffle_documents:
+    if d.sources is None and not d.shuffle_documents:  # document i of the stream is document i of the source
         train_doc, val_doc = kept["train"][1]["doc"], kept["val"][1]["doc"]
         if max(train_doc, val_doc) >= 0:
             skip, last = (d.val_every, train_doc, val_doc), max(train_doc, val_doc)
