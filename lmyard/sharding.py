@@ -59,8 +59,8 @@ A run that finds no manifest at its address looks for sidecars. For each
 split it keeps the longest run of shards 0, 1, 2, ... whose sidecar exists
 and whose bytes in the store hash to the sidecar's sha256; the first shard
 that fails the check, and all after it, are written again. Shard numbers
-continue after the kept ones. For one unshuffled source the kept shards are
-not tokenized again: documents before a split's cursor are read but not
+continue after the kept ones. For one unshuffled `data.source` the kept shards
+are not tokenized again: documents before a split's cursor are read but not
 tokenized (file read tasks then run one at a time until both cursors are
 passed, since a task's first document index is known only after the task
 before it), and the cursor's document only contributes its tokens from
