@@ -9,7 +9,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from lmyard import lease, tracking
-from lmyard.config import RunConfig
+from lmyard.config import RunConfig, with_recipe
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
 from lmyard.version import code_version
@@ -40,11 +40,29 @@ def ended_status(exc: BaseException) -> str:
     return "KILLED" if isinstance(exc, (KeyboardInterrupt, SystemExit, TerminationSignal)) else "FAILED"
 
 
-def _close_from_hook(flow_run, status: str) -> None:
-    config = RunConfig.model_validate(flow_run.parameters.get("config") or {})
+def _close_from_hook(flow_run, status: str) -> str | None:
+    """Mark the MLflow run of the lineage a flow run trained (from its parameters) `status`, if still RUNNING."""
+    params = flow_run.parameters or {}
+    config = with_recipe(RunConfig.model_validate(params.get("config") or {}), params.get("recipe"))
     run_id = tracking.close_lineage_of(config.tracking.uri, open_store(config.store), config.run_name, status)
     if run_id:
         print(f"lineage {config.run_name}: MLflow run {run_id} marked {status} ({flow_run.name})", flush=True)
+    return run_id
+
+
+@task(name="close-crashed-lineage", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+def close_crashed_lineage(flow_run_id: str) -> str | None:
+    """A flow run that crashed with its process (a dead worker, an evicted container: marked Crashed by the
+    heartbeat automation of deploy/automations.yaml) cannot close its lineage itself: mark its MLflow run
+    FAILED here. The lineage's lease expires by itself; the next run resumes as a new attempt."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        crashed = client.read_flow_run(flow_run_id.removeprefix("prefect.flow-run."))
+    if "config" not in (crashed.parameters or {}) and "recipe" not in (crashed.parameters or {}):
+        get_run_logger().info(f"flow run {crashed.name} trains no lineage; nothing to close")
+        return None
+    return _close_from_hook(crashed, "FAILED")
 
 
 def lineage_killed(flow, flow_run, state) -> None:

@@ -96,7 +96,7 @@ def tree_rss(proc: psutil.Process) -> tuple[int, int]:
 def run_stage(corpus: Path, work: Path, num_proc: int, overrides: list[str]) -> dict:
     store, cache = work / "store", work / "cache"
     args = [f"store={store}", f"data.source={corpus}/*.jsonl", "tokenizer.name=gpt2", f"data.num_proc={num_proc}", *overrides]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)  # the stage and its tokenizer processes, once reaped
     proc = subprocess.Popen([sys.executable, "-c", _STAGE, str(cache), *args], env=env, stdout=subprocess.PIPE,
                             text=True)
