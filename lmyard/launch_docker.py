@@ -104,6 +104,28 @@ def _sqlite_dir(uri: str) -> tuple[str, str] | None:
     return f"sqlite:///{path}", str(path.parent)
 
 
+def _mounted(cfg: RunConfig, spec: dict) -> tuple[dict, dict[str, dict]]:
+    """The spec as the containers see it (absolute paths for what is bind-mounted at the same path: a local
+    store, a sqlite tracking folder) and the bind mounts, launch.docker.volumes included."""
+    spec = copy.deepcopy(spec)
+    mounts: dict[str, dict] = {}
+    store_root = _local_store_root(cfg.store)
+    if store_root is not None:
+        spec["config"]["store"] = store_root
+        mounts[store_root] = {"bind": store_root, "mode": "rw"}
+    lineage = spec.get("lineage")
+    if lineage and (sqlite := _sqlite_dir(lineage["tracking_uri"])):
+        lineage["tracking_uri"], folder = sqlite
+        mounts[folder] = {"bind": folder, "mode": "rw"}
+    for v in cfg.launch.docker.volumes:
+        host, _, rest = v.partition(":")
+        bind, _, mode = rest.partition(":")
+        if not host or not bind:
+            raise UserError(f"launch.docker.volumes: {v!r} is not host:container[:ro]")
+        mounts[host] = {"bind": bind, "mode": mode or "rw"}
+    return spec, mounts
+
+
 def plan(cfg: RunConfig, spec: dict, *, image: str, flow_run_id: str | None = None,
          environ: Mapping[str, str] | None = None, launch_id: str | None = None) -> LaunchPlan:
     """The containers of one launch: commands, environment, mounts, devices, network, labels."""
@@ -118,23 +140,7 @@ def plan(cfg: RunConfig, spec: dict, *, image: str, flow_run_id: str | None = No
     labels = {f"{LABEL}.run_name": cfg.run_name, f"{LABEL}.flow_run_id": flow_run_id or "",
               f"{LABEL}.launch_id": launch_id}
 
-    # The spec as the containers see it: absolute paths for what is bind-mounted at the same path.
-    spec = copy.deepcopy(spec)
-    mounts: dict[str, dict] = {}
-    store_root = _local_store_root(cfg.store)
-    if store_root is not None:
-        spec["config"]["store"] = store_root
-        mounts[store_root] = {"bind": store_root, "mode": "rw"}
-    lineage = spec.get("lineage")
-    if lineage and (sqlite := _sqlite_dir(lineage["tracking_uri"])):
-        lineage["tracking_uri"], folder = sqlite
-        mounts[folder] = {"bind": folder, "mode": "rw"}
-    for v in dc.volumes:
-        host, _, rest = v.partition(":")
-        bind, _, mode = rest.partition(":")
-        if not host or not bind:
-            raise UserError(f"launch.docker.volumes: {v!r} is not host:container[:ro]")
-        mounts[host] = {"bind": bind, "mode": mode or "rw"}
+    spec, mounts = _mounted(cfg, spec)
 
     # torchrun: c10d rendezvous hosted by node 0's agent; a fresh rendezvous id per launch, so a
     # straggler from an earlier attempt cannot join this one.
