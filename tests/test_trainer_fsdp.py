@@ -95,3 +95,30 @@ def test_checkpoints_move_from_ddp_to_fsdp_and_back(env, fsdp_straight):
         moved = _weights(env, run_name)
         for name in fsdp_straight:
             torch.testing.assert_close(moved[name], fsdp_straight[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_guard_rolls_back_a_sharded_run(env):
+    result = _run(env, "fsdp-rollback", "fsdp", faults="nan_loss@6", **{"train.guard.policy": "rollback"})
+    assert result.step == 8 and result.rollbacks == 1
+
+
+def test_the_pretrain_flow_trains_a_sharded_llama_and_evaluates_every_sharded_checkpoint(
+        env, prefect_api_url, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from flows.pretrain import pretrain
+
+    tmp, _ = env
+    monkeypatch.setenv("LMYARD_CACHE", str(tmp / "cache"))
+    cfg = load_recipe("smoke", tiny_overrides(tmp, steps=8, **{
+        "run_name": "fsdp-flow", "model.preset": "llama-tiny", "train.parallel": "fsdp", "checkpoint.interval": 4,
+        "eval.interval": 4, "tracking.uri": f"sqlite:///{tmp / 'fsdp-mlflow.db'}"}))
+    summary = pretrain(config=cfg)
+    assert summary["steps"] == 8
+    store = open_store(cfg.store)
+    assert checkpoint.read_manifest(store, "fsdp-flow", 8)["format"] == "dcp"
+    client = MlflowClient(cfg.tracking.uri)
+    val = {m.step: m.value for m in client.get_metric_history(summary["mlflow_run_id"], "val/loss")}
+    evaluated = {m.step: m.value for m in client.get_metric_history(summary["mlflow_run_id"], "eval/val_loss")}
+    assert sorted(evaluated) == [4, 8]  # the evaluator reads each sharded checkpoint whole, on one device
+    assert evaluated == {s: pytest.approx(val[s], rel=1e-5) for s in (4, 8)}
