@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -14,18 +17,28 @@ from lmyard.store import open_store
 
 @task(name="register-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
 def register_model(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage, final: dict) -> dict:
-    """A registry version whose source is the final checkpoint's URI; eval.alias only if every gate passes."""
+    """The final checkpoint exported to Hugging Face format and logged as an MLflow pyfunc model (weights in
+    the artifact store), registered as a new version; eval.alias only if every gate passes."""
+    from lmyard import export  # imports torch
+
     logger = get_run_logger()
     name = config.tracking.registered_model or config.run_name
     gates = gate_results(config.eval.gates, final)
-    descriptor = {"checkpoint": final["checkpoint"], "step": final["step"], "tokens_seen": final["tokens_seen"],
-                  "val_loss": final["val_loss"], "tokenizer": config.tokenizer.model_dump(),
-                  "model": config.model.model_dump(), "shard_address": shards.address,
-                  "load": "lmyard.checkpoint: model.pt (torch.load weights_only=True) + state.json['model'] dims"}
+    with tempfile.TemporaryDirectory(prefix="lmyard-register-") as tmp:
+        folder = os.path.join(tmp, "hf")
+        os.makedirs(folder)
+        ckpt = export.load_checkpoint(final["checkpoint"], None, os.path.join(tmp, "cache"))
+        info = export.write_folder(ckpt, folder)
+        del ckpt
+        params = {"checkpoint_uri": final["checkpoint"], "step": str(final["step"]),
+                  "tokens_seen": str(final["tokens_seen"]), "hf_architecture": info["hf_architecture"],
+                  "tokenizer": config.tokenizer.name, "shard_address": shards.address}
+        tags = {"lmyard.run_name": config.run_name, "lmyard.shard_address": shards.address}
+        model_id = tracking.log_hf_model(lineage, name, folder, final["step"], params, tags)
     version = tracking.register_model(
-        lineage, name, final["checkpoint"], final["step"],
+        lineage, name, model_id, final["step"],
         description=f"{config.run_name} at step {final['step']}: val loss {final['val_loss']:.4f}",
-        tags={"lmyard.run_name": config.run_name, "lmyard.shard_address": shards.address}, descriptor=descriptor)
+        tags=tags, checkpoint_uri=final["checkpoint"])
     tracking.protect_checkpoint(open_store(config.store), config.run_name, final["step"])
     alias = None
     if not gates:
@@ -37,4 +50,5 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: tracking.Lineag
     else:
         logger.warning(f"registered {name} version {version} without the {config.eval.alias!r} alias: gates {gates}")
     tracking.set_tags(lineage, {"lmyard.gates": str({k: g["passed"] for k, g in gates.items()})})
-    return {"name": name, "version": version, "alias": alias, "gates": gates, "source": final["checkpoint"]}
+    return {"name": name, "version": version, "alias": alias, "gates": gates, "source": final["checkpoint"],
+            "model_uri": f"models:/{model_id}"}

@@ -1,0 +1,180 @@
+"""Hugging Face export and import: transformers loads the folder and computes lmyard's logits; import then
+export is the identity; bad inputs are one clear error and leave nothing at the destination."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from conftest import REPO, lmyard_cmd
+from lmyard import checkpoint, export
+from lmyard.config import load_recipe
+from lmyard.errors import UserError
+from lmyard.model import GPT, GPTConfig
+from lmyard.store import open_store
+
+transformers = pytest.importorskip("transformers", reason="the export tests load folders with transformers (dev extra)")
+
+TEXTS = ["The for statement is used to iterate", "Exceptions are raised when  \n\n an error\tis detected",
+         "don't it's we'll 123456 3.14", "émoji 🎉 中文 <|endoftext|> after"]
+
+
+def write_checkpoint(root, tokenizer: str = "bytes", step: int = 5, run: str = "r", family: str | None = None,
+                     seed: int = 0) -> tuple[str, GPT]:
+    """A random 2-layer GPT (biases and LayerNorms random too, so every tensor's mapping is tested) saved with
+    lmyard.checkpoint.save; its checkpoint URI and the model."""
+    cfg = load_recipe("smoke", [f"tokenizer.name={tokenizer}", "model.preset=null", "model.n_layer=2",
+                                "model.n_head=2", "model.n_embd=32", "model.block_size=64"])
+    vocab = 320 if tokenizer == "bytes" else 50304
+    gcfg = GPTConfig(vocab_size=vocab, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    torch.manual_seed(seed)
+    model = GPT(gcfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("ln_1.weight") else 0.0))
+    config = cfg.model_dump(mode="json")
+    if family:
+        config["model"]["family"] = family
+    state = {"step": step, "tokens_seen": 4096 * step, "config": config, "model": gcfg.__dict__,
+             "shard_address": "0" * 64}
+    uri = checkpoint.save(open_store(str(root)), run, step, model.state_dict(), {}, [], state,
+                          str(root / "staging"))
+    return uri, model
+
+
+def hf_logits(folder: str, ids: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "gpt2"])
+def test_transformers_loads_the_export_and_its_logits_equal_lmyards(tmp_path, tokenizer):
+    import tiktoken  # noqa: F401 - the gpt2 case needs TIKTOKEN_CACHE_DIR (offline ranks)
+
+    from lmyard.tokenizer import _load
+
+    uri, model = write_checkpoint(tmp_path / "store", tokenizer)
+    info = export.export(uri, str(tmp_path / "hf"), cache_dir=str(tmp_path / "cache"))
+    assert info["step"] == 5 and info["hf_architecture"] == "GPT2LMHeadModel"
+    folder = str(tmp_path / "hf")
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "lmyard_export.json"} <= set(os.listdir(folder))
+
+    enc = _load(tokenizer, None)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+    for text in TEXTS:  # the tokenizer.json encodes and decodes as the run's tiktoken encoding
+        ids = hf_tok.encode(text)
+        assert ids == enc.encode(text, allowed_special="all")
+        assert hf_tok.decode(ids) == text
+    assert hf_tok.eos_token_id == enc.eot_token
+
+    ids = torch.tensor([enc.encode_ordinary(" ".join(TEXTS) * 3)[:64], enc.encode_ordinary(TEXTS[1] * 5)[:64]])
+    with torch.no_grad():
+        ours = model(ids)
+    theirs = hf_logits(folder, ids)
+    assert theirs.shape == ours.shape
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation["suppress_tokens"] == list(range(enc.n_vocab, model.config.vocab_size))
+
+
+def test_import_then_export_is_the_identity(tmp_path):
+    from safetensors.torch import load_file
+
+    uri, model = write_checkpoint(tmp_path / "store")
+    export.export(uri, str(tmp_path / "first"), cache_dir=str(tmp_path / "cache"))
+    sd, dims = export.init_from_hf(str(tmp_path / "first"))
+    imported = GPT(GPTConfig(**dims))
+    imported.load_state_dict(sd)
+    for name, tensor in model.state_dict().items():  # lmyard -> HF -> lmyard gives back every tensor
+        assert torch.equal(imported.state_dict()[name], tensor), name
+    ckpt = checkpoint.load_step(open_store(str(tmp_path / "store")), "r", 5, str(tmp_path / "cache"))
+    state = {**ckpt.state, "model": dims, "step": 7}
+    again = checkpoint.save(open_store(str(tmp_path / "store")), "r", 7, imported.state_dict(), {}, [], state,
+                            str(tmp_path / "staging"))
+    export.export(again, str(tmp_path / "second"), cache_dir=str(tmp_path / "cache"))
+    first, second = load_file(str(tmp_path / "first" / "model.safetensors")), load_file(str(tmp_path / "second" / "model.safetensors"))
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)  # HF -> lmyard -> HF too
+    for name in ("config.json", "tokenizer.json"):
+        assert (tmp_path / "first" / name).read_text() == (tmp_path / "second" / name).read_text()
+
+
+def test_export_to_s3_uploads_the_whole_folder(tmp_path, s3_bucket):
+    uri, _ = write_checkpoint(tmp_path / "store")
+    info = export.export(f"{tmp_path / 'store'}/runs/r", f"s3://{s3_bucket}/models/r", step=5,
+                         cache_dir=str(tmp_path / "cache"))
+    assert info["uri"] == f"s3://{s3_bucket}/models/r"
+    keys = set(open_store(f"s3://{s3_bucket}/models/r").list(""))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= keys
+    sd, dims = export.init_from_hf(f"s3://{s3_bucket}/models/r", cache_dir=str(tmp_path / "cache"))
+    assert dims["n_layer"] == 2 and sd["wte.weight"].shape == (320, 32)
+    with pytest.raises(UserError, match="is not empty"):
+        export.export(uri, f"s3://{s3_bucket}/models/r", cache_dir=str(tmp_path / "cache"))
+
+
+def _nothing_written(dest) -> bool:
+    leftovers = [n for n in os.listdir(dest.parent) if n.startswith(".lmyard-export-")] if dest.parent.exists() else []
+    return not dest.exists() and not leftovers
+
+
+def test_bad_inputs_are_one_clear_error_and_leave_nothing_at_the_destination(tmp_path):
+    store = tmp_path / "store"
+    uri, _ = write_checkpoint(store, step=5)
+    write_checkpoint(store, step=10)
+    cache = str(tmp_path / "cache")
+    dest = tmp_path / "out" / "hf"
+
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("x")
+    with pytest.raises(UserError, match="exists and is not empty"):
+        export.export(uri, str(full), cache_dir=cache)
+    assert os.listdir(full) == ["keep.txt"]
+
+    with pytest.raises(UserError, match="not a run or a checkpoint"):
+        export.export(str(tmp_path / "elsewhere"), str(dest), cache_dir=cache)
+
+    (store / "runs/r/checkpoints/step_00000010/manifest.json").unlink()  # incomplete: no manifest
+    with pytest.raises(UserError, match=r"step_00000010 is incomplete \(no manifest.json\); complete steps: \[5\]"):
+        export.export(f"{store}/runs/r", str(dest), step=10, cache_dir=cache)
+    assert _nothing_written(dest)
+
+    model_pt = store / "runs/r/checkpoints/step_00000005/model.pt"
+    model_pt.write_bytes(model_pt.read_bytes()[:-100])  # damaged: truncated
+    with pytest.raises(UserError, match=r"step_00000005 is damaged .*--step"):
+        export.export(f"{store}/runs/r", str(dest), cache_dir=cache)  # the newest complete one
+    assert _nothing_written(dest)
+
+    other, _ = write_checkpoint(tmp_path / "other", family="mamba")
+    with pytest.raises(UserError, match="architecture 'mamba', which lmyard cannot export: known architectures are gpt2"):
+        export.export(other, str(dest), cache_dir=cache)
+    assert _nothing_written(dest)
+
+    with pytest.raises(UserError, match="is not a folder"):
+        export.init_from_hf(str(tmp_path / "missing"))
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(UserError, match=r"\['LlamaForCausalLM'\] is not one lmyard can load"):
+        export.init_from_hf(str(tmp_path / "llama"))
+
+
+def test_export_command_writes_the_folder_and_names_a_bad_destination(tmp_path, monkeypatch):
+    uri, _ = write_checkpoint(tmp_path / "store")
+    env = {**os.environ, "LMYARD_CACHE": str(tmp_path / "cache")}
+    ok = subprocess.run(lmyard_cmd("export", f"{tmp_path / 'store'}/runs/r", "--to", str(tmp_path / "hf")),
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert ok.stdout.strip() == f"lmyard: exported {uri} (step 5) as GPT2LMHeadModel to {tmp_path / 'hf'}"
+    again = subprocess.run(lmyard_cmd("export", uri, "--to", str(tmp_path / "hf")), cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2
+    assert again.stderr.strip() == (f"lmyard: error: destination {tmp_path / 'hf'} exists and is not empty: "
+                                    "choose a new folder or delete it")
