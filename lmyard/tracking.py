@@ -415,7 +415,7 @@ def log_hf_model(lineage: Lineage, name: str, folder: str, step: int, params: di
     model = client.create_logged_model(lineage.experiment_id, name=name, source_run_id=lineage.mlflow_run_id,
                                        params=params, tags=tags, model_type="transformers-text-generation")
     signature = ModelSignature(
-        inputs=Schema([ColSpec("string", "prompt")]), outputs=Schema([ColSpec("string")]),
+        inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),  # prompts in, texts out
         params=ParamSchema([ParamSpec("max_new_tokens", "long", 64), ParamSpec("temperature", "double", 0.8),
                             ParamSpec("top_k", "long", 40), ParamSpec("seed", "long", 0),
                             ParamSpec("do_sample", "boolean", True)]))

@@ -25,7 +25,7 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: tracking.Lineag
     name = config.tracking.registered_model or config.run_name
     gates = gate_results(config.eval.gates, final)
     with tempfile.TemporaryDirectory(prefix="lmyard-register-") as tmp:
-        folder = os.path.join(tmp, "hf")
+        folder = os.path.join(tmp, "hf_model")  # its name in the logged model: artifacts/hf_model
         os.makedirs(folder)
         ckpt = export.load_checkpoint(final["checkpoint"], None, os.path.join(tmp, "cache"))
         info = export.write_folder(ckpt, folder)
