@@ -7,10 +7,14 @@ from `eval.harness_include` (task YAML files, e.g. `dataset_path: json` on
 local files) or lm-eval's own list with their data already in the local
 datasets cache: the hub is never asked (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE).
 
-lm-eval scores a choice by the log-likelihood of " " + ending given the
-context, as lmyard.evals does; its acc_norm divides by the ending's length in
-characters, lmyard's by its tokens (" " + ending): the two agree where one
-token is one character (the `bytes` tokenizer on ASCII text), e.g. in the tests.
+Both score a choice by the log-likelihood of " " + ending given the context.
+lm-eval's acc_norm divides it by the choice's length in characters, lmyard's by
+its tokens: `hellaswag_local` puts the space inside the choice (an empty target
+delimiter), so the two count the same text and agree exactly where one token is
+one character (the `bytes` tokenizer on ASCII text); with a BPE tokenizer acc
+agrees and acc_norm is per character in lm-eval, per token in lmyard. An
+example longer than the context differs too: lm-eval keeps one token more of
+its context (block_size + 1 tokens, the last one only predicted).
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ def _hellaswag_yaml(data_file: str) -> str:
         "task": LOCAL_HELLASWAG, "dataset_path": "json",
         "dataset_kwargs": {"data_files": {"validation": os.path.abspath(data_file)}},
         "output_type": "multiple_choice", "validation_split": "validation", "test_split": None,
-        "doc_to_text": "{{ctx}}", "doc_to_target": "{{label}}", "doc_to_choice": "endings",
-        "target_delimiter": " ",
+        "doc_to_text": "{{ctx}}", "doc_to_target": "{{label}}",
+        "doc_to_choice": "{{ endings | map('regex_replace', '^', ' ') | list }}", "target_delimiter": "",
         "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True},
                         {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}],
         "metadata": {"version": 1.0}}, indent=1)
@@ -40,11 +44,17 @@ def _hellaswag_yaml(data_file: str) -> str:
 def _include_dir(tasks: list[str], hellaswag: str | None, include: str | None, tmp: str) -> list[str]:
     paths = [include] if include else []
     if LOCAL_HELLASWAG in tasks:
-        if not hellaswag or hellaswag.startswith("s3://") or not os.path.exists(hellaswag):
-            raise UserError(f"eval.harness_tasks has {LOCAL_HELLASWAG}, which needs eval.hellaswag to name a local "
-                            f"JSONL file (it is {hellaswag!r})")
+        if not hellaswag:
+            raise UserError(f"eval.harness_tasks has {LOCAL_HELLASWAG}, which scores eval.hellaswag: set it to a "
+                            "JSONL file (ctx, endings, label)")
+        from lmyard.evals import read_hellaswag
+
+        data = os.path.join(tmp, "hellaswag_local.jsonl")  # normalized: integer labels, from a path or s3:// URI
+        with open(data, "w") as f:
+            for ex in read_hellaswag(hellaswag):
+                f.write(json.dumps(ex) + "\n")
         with open(os.path.join(tmp, f"{LOCAL_HELLASWAG}.yaml"), "w") as f:
-            f.write(_hellaswag_yaml(hellaswag))
+            f.write(_hellaswag_yaml(data))
         paths.append(tmp)
     return paths
 
@@ -77,7 +87,17 @@ def run(folder: str, tasks: list[str], *, hellaswag: str | None = None, include:
         if unknown:
             raise UserError(f"eval.harness_tasks: lm-eval knows no task {', '.join(unknown)}; add its YAML "
                             "under eval.harness_include")
-        model = HFLM(pretrained=folder, device=device, batch_size=batch_size, dtype="float32")
+        model = HFLM(pretrained=folder, device=device, batch_size=batch_size, dtype="float32", add_bos_token=False)
         results = lm_eval.simple_evaluate(model=model, tasks=tasks, task_manager=manager, limit=limit,
                                           log_samples=False, bootstrap_iters=0)
-    return {"metrics": flatten(results), "results": results.get("results", {})}
+    return {"metrics": flatten(results), "results": json.loads(json.dumps(results.get("results", {}), default=str))}
+
+
+def evaluate(ckpt, cfg, device: str = "cpu") -> dict:
+    """eval.harness_tasks on a checkpoint: exported to a temporary Hugging Face folder, then lm-eval."""
+    from lmyard.export import write_folder
+
+    with tempfile.TemporaryDirectory(prefix="lmyard-harness-model-") as folder:
+        write_folder(ckpt, folder)
+        return run(folder, cfg.eval.harness_tasks, hellaswag=cfg.eval.hellaswag, include=cfg.eval.harness_include,
+                   limit=cfg.eval.harness_limit, device=device)

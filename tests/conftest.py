@@ -41,6 +41,35 @@ def tiny_overrides(tmp: Path, steps: int = 6, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in values.items()]
 
 
+def write_random_checkpoint(root: Path, tokenizer: str = "bytes", step: int = 5, run: str = "r",
+                            family: str | None = None, seed: int = 0):
+    """A random 2-layer GPT (biases and LayerNorms random too, so every tensor's mapping is tested) saved with
+    lmyard.checkpoint.save under the store `root`; its checkpoint URI and the model."""
+    import torch
+
+    from lmyard import checkpoint
+    from lmyard.config import load_recipe
+    from lmyard.model import GPT, GPTConfig
+    from lmyard.store import open_store
+
+    cfg = load_recipe("smoke", [f"tokenizer.name={tokenizer}", "model.preset=null", "model.n_layer=2",
+                                "model.n_head=2", "model.n_embd=32", "model.block_size=64"])
+    gcfg = GPTConfig(vocab_size=320 if tokenizer == "bytes" else 50304, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    torch.manual_seed(seed)
+    model = GPT(gcfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("ln_1.weight") else 0.0))
+    config = cfg.model_dump(mode="json")
+    if family:
+        config["model"]["family"] = family
+    state = {"step": step, "tokens_seen": 4096 * step, "config": config, "model": gcfg.__dict__,
+             "shard_address": "0" * 64}
+    uri = checkpoint.save(open_store(str(root)), run, step, model.state_dict(), {}, [], state, str(root / "staging"))
+    return uri, model
+
+
 @pytest.fixture(scope="session")
 def prefect_api_url():
     """A real Prefect server for the session (prefect_test_harness); its API URL for subprocesses too."""

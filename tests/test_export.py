@@ -10,9 +10,8 @@ import subprocess
 import pytest
 import torch
 
-from conftest import REPO, lmyard_cmd
+from conftest import REPO, lmyard_cmd, write_random_checkpoint as write_checkpoint
 from lmyard import checkpoint, export
-from lmyard.config import load_recipe
 from lmyard.errors import UserError
 from lmyard.model import GPT, GPTConfig
 from lmyard.store import open_store
@@ -21,30 +20,6 @@ transformers = pytest.importorskip("transformers", reason="the export tests load
 
 TEXTS = ["The for statement is used to iterate", "Exceptions are raised when  \n\n an error\tis detected",
          "don't it's we'll 123456 3.14", "émoji 🎉 中文 <|endoftext|> after"]
-
-
-def write_checkpoint(root, tokenizer: str = "bytes", step: int = 5, run: str = "r", family: str | None = None,
-                     seed: int = 0) -> tuple[str, GPT]:
-    """A random 2-layer GPT (biases and LayerNorms random too, so every tensor's mapping is tested) saved with
-    lmyard.checkpoint.save; its checkpoint URI and the model."""
-    cfg = load_recipe("smoke", [f"tokenizer.name={tokenizer}", "model.preset=null", "model.n_layer=2",
-                                "model.n_head=2", "model.n_embd=32", "model.block_size=64"])
-    vocab = 320 if tokenizer == "bytes" else 50304
-    gcfg = GPTConfig(vocab_size=vocab, block_size=64, n_layer=2, n_head=2, n_embd=32)
-    torch.manual_seed(seed)
-    model = GPT(gcfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("ln_1.weight") else 0.0))
-    config = cfg.model_dump(mode="json")
-    if family:
-        config["model"]["family"] = family
-    state = {"step": step, "tokens_seen": 4096 * step, "config": config, "model": gcfg.__dict__,
-             "shard_address": "0" * 64}
-    uri = checkpoint.save(open_store(str(root)), run, step, model.state_dict(), {}, [], state,
-                          str(root / "staging"))
-    return uri, model
 
 
 def hf_logits(folder: str, ids: torch.Tensor) -> torch.Tensor:
