@@ -459,9 +459,14 @@ def register_model(lineage: Lineage, name: str, model_id: str, step: int, descri
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    version = client.create_model_version(name, source=f"models:/{model_id}", run_id=lineage.mlflow_run_id,
-                                          tags={"lmyard.step": str(step), "lmyard.checkpoint": checkpoint_uri, **tags},
-                                          description=description, model_id=model_id)
+    # MLflow's SQL registry store (a sqlite:// URI, no server) looks the logged model up through the process's
+    # global tracking URI rather than this client's: point that at ours for the call
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    with _use_tracking_uri(lineage.tracking_uri):
+        version = client.create_model_version(
+            name, source=f"models:/{model_id}", run_id=lineage.mlflow_run_id, description=description,
+            tags={"lmyard.step": str(step), "lmyard.checkpoint": checkpoint_uri, **tags}, model_id=model_id)
     _set_tags(client, lineage.mlflow_run_id, {"lmyard.registered_model": f"{name}/{version.version}",
                                               "lmyard.final_checkpoint": checkpoint_uri})
     return str(version.version)
