@@ -98,7 +98,7 @@ def _gpt2_to_hf(sd: dict, dims: dict) -> dict:
             out[f"transformer.h.{i}.{name}.weight"] = w.t() if name in _GPT2_CONV1D else w
             # a model without biases (model.bias=false) exports zero biases: the same function
             out[f"transformer.h.{i}.{name}.bias"] = sd.get(f"h.{i}.{name}.bias", torch.zeros(w.shape[0], dtype=w.dtype))
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in out.items()}  # lm_head is tied to wte
+    return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}  # lm_head is tied to wte: not saved
 
 
 def _gpt2_from_hf(tensors: dict, config: dict) -> tuple[dict, dict]:

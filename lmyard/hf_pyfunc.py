@@ -47,8 +47,9 @@ class HFTextGeneration(PythonModel):
         out = []
         for prompt in _prompts(model_input):
             torch.manual_seed(int(p["seed"]))
-            ids = torch.tensor([[eos, *self.tokenizer.encode(prompt)]])
-            room = self.model.config.n_positions - ids.size(1)
+            context = self.model.config.n_positions
+            ids = torch.tensor([[eos, *self.tokenizer.encode(prompt)][-(context - 1):]])  # a long prompt keeps its end
+            room = context - ids.size(1)
             with torch.no_grad():
                 gen = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max(0, min(
                     int(p["max_new_tokens"]), room)), do_sample=bool(p["do_sample"]), temperature=float(p["temperature"]),
