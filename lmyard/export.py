@@ -162,7 +162,8 @@ def load_checkpoint(uri: str, step: int | None, cache_dir: str) -> checkpoint.Ch
     step = steps[-1] if step is None else step
     where = store.uri(checkpoint.step_prefix(run, step))
     if step not in steps:
-        state = "is incomplete (no manifest.json)" if store.list(checkpoint.step_prefix(run, step)) else "does not exist"
+        started = store.list(checkpoint.step_prefix(run, step))
+        state = "is incomplete (no manifest.json)" if started else "does not exist"
         raise UserError(f"checkpoint {where} {state}; complete steps: {steps or 'none'}")
     try:
         return checkpoint.load_step(store, run, step, cache_dir)
@@ -236,7 +237,8 @@ def publish(folder: str, dest: str) -> str:
 
 
 def export(source: str, dest: str, step: int | None = None, cache_dir: str | None = None) -> dict:
-    """Export the checkpoint `source` (STORE/runs/RUN[/checkpoints/step_N], --step) to the folder or S3 prefix `dest`."""
+    """Export the checkpoint `source` (STORE/runs/RUN[/checkpoints/step_N], `step`) to the folder or S3 prefix
+    `dest`; returns lmyard_export.json's content and the destination's URI."""
     from lmyard.data import default_cache_dir
 
     check_destination(dest)

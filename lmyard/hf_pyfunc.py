@@ -47,13 +47,14 @@ class HFTextGeneration(PythonModel):
         out = []
         for prompt in _prompts(model_input):
             torch.manual_seed(int(p["seed"]))
-            context = self.model.config.n_positions
-            ids = torch.tensor([[eos, *self.tokenizer.encode(prompt)][-(context - 1):]])  # a long prompt keeps its end
-            room = context - ids.size(1)
+            n_ctx = self.model.config.n_positions
+            ids = torch.tensor([[eos, *self.tokenizer.encode(prompt)][-(n_ctx - 1):]])  # a long prompt keeps its end
+            room = max(0, min(int(p["max_new_tokens"]), n_ctx - ids.size(1)))
             with torch.no_grad():
-                gen = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max(0, min(
-                    int(p["max_new_tokens"]), room)), do_sample=bool(p["do_sample"]), temperature=float(p["temperature"]),
-                    top_k=int(p["top_k"]), pad_token_id=eos)
+                gen = self.model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=room,
+                    do_sample=bool(p["do_sample"]), temperature=float(p["temperature"]), top_k=int(p["top_k"]),
+                    pad_token_id=eos)
             new = gen[0, ids.size(1):].tolist()
             out.append(prompt + self.tokenizer.decode(new[:new.index(eos)] if eos in new else new))
         return out

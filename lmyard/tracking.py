@@ -359,7 +359,8 @@ def log_shard_dataset(lineage: Lineage, shards) -> None:
     dataset = Dataset(name=f"shards-{shards.address[:12]}", digest=shards.address[:36],  # MLflow keeps 36 characters
                       source_type="s3" if shards.uri.startswith("s3://") else "local",
                       source=json.dumps({"uri": shards.uri}), profile=json.dumps(profile),
-                      schema=json.dumps({"format": "llm.c .bin token shards", "n_vocab": m.get("tokenizer", {}).get("n_vocab")}))
+                      schema=json.dumps({"format": "llm.c .bin token shards",
+                                         "n_vocab": m.get("tokenizer", {}).get("n_vocab")}))
     _client(lineage.tracking_uri).log_inputs(
         lineage.mlflow_run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", "training")])])
 

@@ -75,7 +75,7 @@ def test_import_then_export_is_the_identity(tmp_path):
     again = checkpoint.save(open_store(str(tmp_path / "store")), "r", 7, imported.state_dict(), {}, [], state,
                             str(tmp_path / "staging"))
     export.export(again, str(tmp_path / "second"), cache_dir=str(tmp_path / "cache"))
-    first, second = load_file(str(tmp_path / "first" / "model.safetensors")), load_file(str(tmp_path / "second" / "model.safetensors"))
+    first, second = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("first", "second"))
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)  # HF -> lmyard -> HF too
     for name in ("config.json", "tokenizer.json"):
@@ -129,7 +129,8 @@ def test_bad_inputs_are_one_clear_error_and_leave_nothing_at_the_destination(tmp
     assert _nothing_written(dest)
 
     other, _ = write_checkpoint(tmp_path / "other", family="mamba")
-    with pytest.raises(UserError, match="architecture 'mamba', which lmyard cannot export: known architectures are gpt2"):
+    with pytest.raises(UserError, match="architecture 'mamba', which lmyard cannot export: known architectures are "
+                                        "gpt2"):
         export.export(other, str(dest), cache_dir=cache)
     assert _nothing_written(dest)
 

@@ -40,7 +40,8 @@ def test_local_store_with_mlflow_server_finishes_and_registers_a_version(served_
     assert summary["registered_model"] == f"{NAME}/1" and summary["alias"] == "candidate"
     version = client.get_model_version_by_alias(NAME, "candidate")
     assert version.source.startswith("models:/m-") and version.run_id == summary["mlflow_run_id"]
-    assert version.tags["lmyard.checkpoint"] == summary["checkpoint"] == f"{cfg.store}/runs/smoke/checkpoints/step_00000006"
+    checkpoint_uri = f"{cfg.store}/runs/smoke/checkpoints/step_00000006"
+    assert version.tags["lmyard.checkpoint"] == summary["checkpoint"] == checkpoint_uri
     model_id = version.source.removeprefix("models:/")
     model = client.get_logged_model(model_id)
     assert model.artifact_location.startswith("mlflow-artifacts:")  # the weights went to the artifact store (S3)

@@ -1,4 +1,5 @@
-"""The metrics sink keeps one value per step across attempts; evaluations are linked to logged models (sqlite MLflow store, no server)."""
+"""MLflow tracking on a sqlite store (no server): one metric value per step across attempts; evaluations
+linked to logged models."""
 
 from __future__ import annotations
 
