@@ -42,7 +42,7 @@ def tiny_overrides(tmp: Path, steps: int = 6, **extra) -> list[str]:
 
 
 def write_random_checkpoint(root: Path, tokenizer: str = "bytes", step: int = 5, run: str = "r",
-                            family: str | None = None, seed: int = 0):
+                            family: str | None = None, seed: int = 0, bias: bool = True):
     """A random 2-layer GPT (biases and LayerNorms random too, so every tensor's mapping is tested) saved with
     lmyard.checkpoint.save under the store `root`; its checkpoint URI and the model."""
     import torch
@@ -53,8 +53,9 @@ def write_random_checkpoint(root: Path, tokenizer: str = "bytes", step: int = 5,
     from lmyard.store import open_store
 
     cfg = load_recipe("smoke", [f"tokenizer.name={tokenizer}", "model.preset=null", "model.n_layer=2",
-                                "model.n_head=2", "model.n_embd=32", "model.block_size=64"])
-    gcfg = GPTConfig(vocab_size=320 if tokenizer == "bytes" else 50304, block_size=64, n_layer=2, n_head=2, n_embd=32)
+                                "model.n_head=2", "model.n_embd=32", "model.block_size=64", f"model.bias={bias}"])
+    gcfg = GPTConfig(vocab_size=320 if tokenizer == "bytes" else 50304, block_size=64, n_layer=2, n_head=2, n_embd=32,
+                     bias=bias)
     torch.manual_seed(seed)
     model = GPT(gcfg).eval()
     with torch.no_grad():

@@ -29,13 +29,13 @@ def hf_logits(folder: str, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-@pytest.mark.parametrize("tokenizer", ["bytes", "gpt2"])
-def test_transformers_loads_the_export_and_its_logits_equal_lmyards(tmp_path, tokenizer):
+@pytest.mark.parametrize("tokenizer,bias", [("bytes", True), ("gpt2", True), ("bytes", False)])
+def test_transformers_loads_the_export_and_its_logits_equal_lmyards(tmp_path, tokenizer, bias):
     import tiktoken  # noqa: F401 - the gpt2 case needs TIKTOKEN_CACHE_DIR (offline ranks)
 
     from lmyard.tokenizer import _load
 
-    uri, model = write_checkpoint(tmp_path / "store", tokenizer)
+    uri, model = write_checkpoint(tmp_path / "store", tokenizer, bias=bias)  # no biases: exported as zeros
     info = export.export(uri, str(tmp_path / "hf"), cache_dir=str(tmp_path / "cache"))
     assert info["step"] == 5 and info["hf_architecture"] == "GPT2LMHeadModel"
     folder = str(tmp_path / "hf")
