@@ -1,8 +1,8 @@
 """MLflow pyfunc model (models from code) around an exported Hugging Face folder: text in, text out.
 
-Logged by lmyard.tracking.register_model with the folder as the artifact
-`hf_model`. It imports only MLflow, pandas and `transformers`, never lmyard,
-so anything with those can load it:
+Logged by lmyard.tracking.log_hf_model with the folder as the artifact
+`hf_model`. It imports only MLflow and `transformers` (with torch), never
+lmyard, so anything with those can load it:
 
     model = mlflow.pyfunc.load_model("models:/NAME@ALIAS")
     model.predict(["Exceptions are"], params={"max_new_tokens": 40})  # -> ["Exceptions are ..."]

@@ -35,6 +35,9 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: tracking.Lineag
                   "tokenizer": config.tokenizer.name, "shard_address": shards.address}
         tags = {"lmyard.run_name": config.run_name, "lmyard.shard_address": shards.address}
         model_id = tracking.log_hf_model(lineage, name, folder, final["step"], params, tags)
+        size_mb = sum(e.stat().st_size for e in os.scandir(folder)) / 1e6
+        logger.info(f"exported {final['checkpoint']} as {info['hf_architecture']} ({size_mb:.1f} MB) and logged "
+                    f"it as MLflow model models:/{model_id}")
     version = tracking.register_model(
         lineage, name, model_id, final["step"],
         description=f"{config.run_name} at step {final['step']}: val loss {final['val_loss']:.4f}",
