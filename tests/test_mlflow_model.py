@@ -98,8 +98,12 @@ def _dom(url: str) -> str:
 def test_mlflow_ui_shows_the_runs_dataset_logged_model_and_registered_version(served_run, mlflow_server):
     cfg, summary, client = served_run
     run = client.get_run(summary["mlflow_run_id"])
-    page = _dom(f"{mlflow_server.uri}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}")
+    exp, model_id = run.info.experiment_id, client.get_model_version(NAME, "1").source.removeprefix("models:/")
+    view = "workflowType=machine_learning"  # MLflow 3's model-training view
+    page = _dom(f"{mlflow_server.uri}/#/experiments/{exp}/runs/{run.info.run_id}?{view}")
     text = re.sub(r"<[^>]+>", " ", page)
     assert f"shards-{summary['shard_address'][:12]}" in text, text[-3000:]  # Datasets
-    assert "smoke-step-00000006" in text or NAME in text  # Logged models
-    assert re.search(rf"{NAME}\s*v1", text), text[-3000:]  # Registered models
+    assert f'href="#/experiments/{exp}/models/{model_id}"' in page  # the logged model, beside its metrics
+    assert f'href="#/models/{NAME}/versions/1"' in page and re.search(rf"{NAME}\s*v1", text)  # Registered models
+    models = re.sub(r"<[^>]+>", " ", _dom(f"{mlflow_server.uri}/#/experiments/{exp}/models?{view}"))
+    assert all(name in models for name in ("smoke-step-00000003", "smoke-step-00000006", NAME)), models[-3000:]
