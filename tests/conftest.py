@@ -47,13 +47,8 @@ def write_random_checkpoint(root: Path, tokenizer: str = "bytes", step: int = 5,
     lmyard.checkpoint.save under the store `root`; its checkpoint URI and the model."""
     import torch
 
-    from lmyard import checkpoint
-    from lmyard.config import load_recipe
     from lmyard.model import GPT, GPTConfig
-    from lmyard.store import open_store
 
-    cfg = load_recipe("smoke", [f"tokenizer.name={tokenizer}", "model.preset=null", "model.n_layer=2",
-                                "model.n_head=2", "model.n_embd=32", "model.block_size=64", f"model.bias={bias}"])
     gcfg = GPTConfig(vocab_size=320 if tokenizer == "bytes" else 50304, block_size=64, n_layer=2, n_head=2, n_embd=32,
                      bias=bias)
     torch.manual_seed(seed)
@@ -62,13 +57,25 @@ def write_random_checkpoint(root: Path, tokenizer: str = "bytes", step: int = 5,
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("ln_1.weight") else 0.0))
+    return save_model_checkpoint(root, model, tokenizer, step, run, family), model
+
+
+def save_model_checkpoint(root: Path, model, tokenizer: str = "bytes", step: int = 5, run: str = "r",
+                          family: str | None = None) -> str:
+    """`model` (lmyard's GPT) as the checkpoint of `step` of run `run` in the store `root`; its URI."""
+    from lmyard import checkpoint
+    from lmyard.config import load_recipe
+    from lmyard.store import open_store
+
+    c = model.config
+    cfg = load_recipe("smoke", [f"tokenizer.name={tokenizer}", "model.preset=null", f"model.n_layer={c.n_layer}",
+                                f"model.n_head={c.n_head}", f"model.n_embd={c.n_embd}",
+                                f"model.block_size={c.block_size}", f"model.bias={c.bias}"])
     config = cfg.model_dump(mode="json")
     if family:
         config["model"]["family"] = family
-    state = {"step": step, "tokens_seen": 4096 * step, "config": config, "model": gcfg.__dict__,
-             "shard_address": "0" * 64}
-    uri = checkpoint.save(open_store(str(root)), run, step, model.state_dict(), {}, [], state, str(root / "staging"))
-    return uri, model
+    state = {"step": step, "tokens_seen": 4096 * step, "config": config, "model": c.__dict__, "shard_address": "0" * 64}
+    return checkpoint.save(open_store(str(root)), run, step, model.state_dict(), {}, [], state, str(root / "staging"))
 
 
 @pytest.fixture(scope="session")

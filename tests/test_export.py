@@ -10,8 +10,8 @@ import subprocess
 import pytest
 import torch
 
-from conftest import REPO, lmyard_cmd, write_random_checkpoint as write_checkpoint
-from lmyard import checkpoint, export
+from conftest import REPO, lmyard_cmd, save_model_checkpoint, write_random_checkpoint as write_checkpoint
+from lmyard import export
 from lmyard.errors import UserError
 from lmyard.model import GPT, GPTConfig
 from lmyard.store import open_store
@@ -70,10 +70,7 @@ def test_import_then_export_is_the_identity(tmp_path):
     imported.load_state_dict(sd)
     for name, tensor in model.state_dict().items():  # lmyard -> HF -> lmyard gives back every tensor
         assert torch.equal(imported.state_dict()[name], tensor), name
-    ckpt = checkpoint.load_step(open_store(str(tmp_path / "store")), "r", 5, str(tmp_path / "cache"))
-    state = {**ckpt.state, "model": dims, "step": 7}
-    again = checkpoint.save(open_store(str(tmp_path / "store")), "r", 7, imported.state_dict(), {}, [], state,
-                            str(tmp_path / "staging"))
+    again = save_model_checkpoint(tmp_path / "store", imported, step=7)
     export.export(again, str(tmp_path / "second"), cache_dir=str(tmp_path / "cache"))
     first, second = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("first", "second"))
     assert first.keys() == second.keys()
