@@ -7,7 +7,8 @@
                                                        a checkpoint as a Hugging Face model folder
 
 RECIPE is a built-in name (`smoke`, the CPU default) or a YAML path.
-User mistakes print one line, `lmyard: error: ...`, and exit 2.
+User mistakes print one line, `lmyard: error: ...`, and exit 2; a diverged run exits 3, a store
+outage 4, a preempted run 5 (lmyard.errors.ExitCode).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ class _NoTracebackForUserErrors(logging.Filter):
     """Prefect logs failed runs with their traceback; a user mistake needs only its message."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from lmyard.errors import UserError
+        from lmyard.errors import ExitCode, exit_code_of
 
-        if record.exc_info and isinstance(record.exc_info[1], UserError):
+        if record.exc_info and exit_code_of(record.exc_info[1]) != ExitCode.CRASHED:
             record.exc_info, record.exc_text = None, None
         return True
 
@@ -68,7 +69,7 @@ def _export(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from lmyard.config import load_recipe
-    from lmyard.errors import UserError
+    from lmyard.errors import Diverged, Preempted, StoreOutage, UserError
 
     try:
         if args.command == "export":
@@ -92,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
             from flows.shard import shard as flow_fn
         _quiet_user_errors()
         result = flow_fn(config=config)
-    except UserError as e:
+    except (UserError, Diverged, StoreOutage, Preempted) as e:  # one line each, with its exit code
         print(f"lmyard: error: {e}", file=sys.stderr)
-        return 2
+        return int(e.exit_code)
     except KeyboardInterrupt:
         print("lmyard: interrupted; run the same command again to resume from the latest checkpoint",
               file=sys.stderr)

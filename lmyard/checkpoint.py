@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import threading
 import time
@@ -37,21 +36,21 @@ import numpy as np
 import torch
 
 from lmyard import faults
+from lmyard.contracts import CheckpointState
+from lmyard.errors import StoreOutage  # noqa: F401 - raised here; its home is lmyard.errors
+from lmyard.catalog import (checkpoints_prefix, complete_steps, quarantine, read_manifest,  # noqa: F401 - re-exported
+                            read_state, step_prefix)
+from lmyard.layout import MANIFEST, RunLayout
+from lmyard.paths import confined
 from lmyard.shards import sha256_file
 from lmyard.store import Store
 
 log = logging.getLogger(__name__)
-MANIFEST = "manifest.json"
 FILES = ("model.pt", "optim.pt", "rng.pt", "state.json")
-_STEP_DIR = re.compile(r"step_(\d{8})$")
 
 
-def checkpoints_prefix(run_name: str) -> str:
-    return f"runs/{run_name}/checkpoints"
-
-
-def step_prefix(run_name: str, step: int) -> str:
-    return f"{checkpoints_prefix(run_name)}/step_{step:08d}"
+class DamagedCheckpoint(ValueError):
+    """A checkpoint's files do not match its manifest, or do not load: it is skipped, never repaired."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ class Checkpoint:
     model: dict
     optim: dict
     rng: list
-    state: dict
+    state: CheckpointState
 
 
 # ---------------------------------------------------------------- RNG state
@@ -110,9 +109,23 @@ def stage(folder: str, model: dict, optim: dict, rng: list, state: dict) -> dict
             "serialize_s": round(time.perf_counter() - t0, 3)}
 
 
+class StepExists(RuntimeError):
+    """A complete checkpoint of this step is already in the store: it is never overwritten."""
+
+
 def commit(store: Store, run_name: str, folder: str, manifest: dict) -> str:
-    """Upload a staged checkpoint's files, then its manifest; returns the checkpoint's URI."""
+    """Upload a staged checkpoint's files, then its manifest (with the upload's seconds); returns its URI.
+
+    A step that already has a manifest is never written again: the same files (a retried commit
+    whose manifest did land) are a no-op, other files raise StepExists.
+    """
     prefix = step_prefix(run_name, manifest["step"])
+    if store.exists(f"{prefix}/{MANIFEST}"):
+        if json.loads(store.read_bytes(f"{prefix}/{MANIFEST}")).get("files") == manifest["files"]:
+            return store.uri(prefix)
+        raise StepExists(f"checkpoint {store.uri(prefix)} already exists complete; it is not overwritten "
+                         "(another run of this lineage, or a step trained twice)")
+    t0 = time.perf_counter()
     for name in FILES:
         staged, key = os.path.join(folder, name), f"{prefix}/{name}"
         target = store.local_path(key)
@@ -123,7 +136,8 @@ def commit(store: Store, run_name: str, folder: str, manifest: dict) -> str:
         if faults.fires("crash_in_upload", manifest["step"]):
             print(f"injected crash while uploading checkpoint step {manifest['step']}", flush=True)
             os._exit(1)
-    store.write_bytes(f"{prefix}/{MANIFEST}", json.dumps({**manifest, "committed": time.time()}, indent=1).encode())
+    manifest = {**manifest, "upload_s": round(time.perf_counter() - t0, 3), "committed": time.time()}
+    store.write_bytes(f"{prefix}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
     return store.uri(prefix)
 
 
@@ -218,10 +232,6 @@ def _tensors(tree):
     elif isinstance(tree, (list, tuple)):
         for v in tree:
             yield from _tensors(v)
-
-
-class StoreOutage(RuntimeError):
-    """Too many checkpoints are waiting for an unreachable store."""
 
 
 class AsyncCheckpointer:
@@ -355,6 +365,8 @@ class AsyncCheckpointer:
                 try:
                     uri = commit(self.store, self.run_name, folder, manifest)
                     break
+                except StepExists:
+                    raise
                 except Exception as e:  # noqa: BLE001 - any store failure is retried, then left pending
                     self.failures += 1
                     if attempt == self.retries:
@@ -379,45 +391,34 @@ class AsyncCheckpointer:
 
 # ---------------------------------------------------------------- reading
 
-def complete_steps(store: Store, run_name: str, keys: list[str] | None = None) -> list[int]:
-    """Steps that have a manifest, oldest first (`keys`: a listing of the checkpoints prefix already made)."""
-    steps = set()
-    for key in store.list(checkpoints_prefix(run_name)) if keys is None else keys:
-        parent, _, name = key.rpartition("/")
-        m = _STEP_DIR.search(parent)
-        if name == MANIFEST and m:
-            steps.add(int(m.group(1)))
-    return sorted(steps)
-
-
-def read_manifest(store: Store, run_name: str, step: int) -> dict:
-    return json.loads(store.read_bytes(f"{step_prefix(run_name, step)}/{MANIFEST}"))
-
-
-def read_state(store: Store, run_name: str, step: int) -> dict:
-    return json.loads(store.read_bytes(f"{step_prefix(run_name, step)}/state.json"))
-
-
 def load_step(store: Store, run_name: str, step: int, cache_dir: str) -> Checkpoint:
-    prefix = step_prefix(run_name, step)
+    """One checkpoint, verified against its manifest. DamagedCheckpoint when its bytes are wrong; a read
+    that fails (the store down, a network error) raises as it is: that is not damage."""
+    import pickle
+
+    layout = RunLayout(run_name)
+    prefix = layout.step(step)
     manifest = read_manifest(store, run_name, step)
     local = os.path.join(cache_dir, "checkpoint-load", str(os.getpid()), prefix)  # one per process: ranks load at once
     paths = {}
     for name, meta in manifest["files"].items():
-        key = f"{prefix}/{name}"
+        key = layout.step_file(step, name)
         path = store.local_path(key)
         if path is None:
-            path = os.path.join(local, name)
+            path = confined(local, name, "checkpoint file")  # names come from the manifest in the store
             store.download(key, path)
         if not os.path.exists(path) or sha256_file(path) != meta["sha256"]:
-            raise ValueError(f"{store.uri(key)} does not match its manifest checksum")
+            raise DamagedCheckpoint(f"{store.uri(key)} does not match its manifest checksum")
         paths[name] = path
 
     def load(name: str):
-        return torch.load(paths[name], map_location="cpu", weights_only=True)
+        try:
+            return torch.load(paths[name], map_location="cpu", weights_only=True)
+        except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
+            raise DamagedCheckpoint(f"{store.uri(layout.step_file(step, name))} does not load: {e}") from None
 
     with open(paths["state.json"]) as f:
-        state = json.load(f)
+        state = CheckpointState.model_validate_json(f.read())
     ckpt = Checkpoint(step=step, uri=store.uri(prefix), model=load("model.pt"), optim=load("optim.pt"),
                       rng=load("rng.pt"), state=state)
     if store.local_path(prefix) is None:
@@ -425,16 +426,34 @@ def load_step(store: Store, run_name: str, step: int, cache_dir: str) -> Checkpo
     return ckpt
 
 
+def find_latest(store: Store, run_name: str, cache_dir: str, read_attempts: int = 3,
+                backoff_s: float = 2.0) -> tuple[Checkpoint | None, list[int]]:
+    """(the newest checkpoint whose files match its manifest, the damaged steps skipped on the way).
+
+    A damaged checkpoint is skipped with a warning naming it; a read error is retried `read_attempts`
+    times and then raised: a store hiccup never makes a good checkpoint look damaged.
+    """
+    damaged: list[int] = []
+    for step in reversed(complete_steps(store, run_name)):
+        for attempt in range(read_attempts):
+            try:
+                return load_step(store, run_name, step, cache_dir), damaged
+            except DamagedCheckpoint as e:
+                msg = (f"warning: checkpoint {store.uri(step_prefix(run_name, step))} is damaged "
+                       f"({str(e).splitlines()[0]}); falling back to the previous one")
+                log.warning(msg)
+                print(msg, flush=True)
+                damaged.append(step)
+                break
+            except Exception as e:  # noqa: BLE001 - a store or network failure: retried, then raised as it is
+                if attempt == read_attempts - 1:
+                    raise
+                print(f"reading checkpoint step {step} failed ({type(e).__name__}: {str(e)[:200]}); retrying",
+                      flush=True)
+                time.sleep(backoff_s * 2 ** attempt)
+    return None, damaged
+
+
 def load_latest(store: Store, run_name: str, cache_dir: str) -> Checkpoint | None:
     """The newest checkpoint whose files match its manifest; damaged ones are skipped with a warning."""
-    import pickle
-
-    for step in reversed(complete_steps(store, run_name)):
-        try:
-            return load_step(store, run_name, step, cache_dir)
-        except (ValueError, OSError, RuntimeError, pickle.UnpicklingError) as e:
-            msg = (f"warning: checkpoint {store.uri(step_prefix(run_name, step))} is damaged "
-                   f"({str(e).splitlines()[0]}); falling back to the previous one")
-            log.warning(msg)
-            print(msg, flush=True)
-    return None
+    return find_latest(store, run_name, cache_dir)[0]

@@ -13,17 +13,36 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from lmyard.errors import UserError
 
 
+def _numeric(annotation: Any) -> bool:
+    """Whether a field's type takes numbers (int, float, optionally with None or literals) and not booleans."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    return bool(set(args) & {int, float}) and bool not in args
+
+
 class _Section(BaseModel):
+    """A config section: unknown keys are refused, and so are booleans for numbers (`max_steps: true`
+    would otherwise pass as 1)."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, bool) and _numeric(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, not the boolean {str(v).lower()}")
+        return v
 
 
 class DataConfig(_Section):
@@ -62,27 +81,49 @@ class TokenizerConfig(_Section):
     )
 
 
-PRESETS: dict[str, dict[str, int]] = {
-    # name: layers, heads, width, context
+PRESETS: dict[str, dict] = {
+    # name: layers, heads, width, context (GPT-2 unless `arch` says otherwise)
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
     "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
     "gpt2-350m": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),
     "gpt2-774m": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),
     "gpt2-1.5b": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024),
+    # Llama 3 shapes: + kv heads, SwiGLU width rule (multiple_of, ffn_dim_multiplier), RoPE theta
+    "llama-tiny": dict(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=64, multiple_of=32),
+    "llama-150m": dict(arch="llama", n_layer=12, n_head=12, n_kv_head=4, n_embd=768, block_size=2048),
+    "llama-1b": dict(arch="llama", n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, block_size=2048,  # Llama-3.2-1B
+                     multiple_of=1024, ffn_dim_multiplier=1.5, vocab_size=128256),
+    "llama-3b": dict(arch="llama", n_layer=28, n_head=24, n_kv_head=8, n_embd=3072, block_size=2048,  # Llama-3.2-3B
+                     multiple_of=1024, ffn_dim_multiplier=1.0, vocab_size=128256),
+    "llama-8b": dict(arch="llama", n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, block_size=8192,  # Llama-3-8B
+                     multiple_of=1024, ffn_dim_multiplier=1.3, vocab_size=128256),
 }
+
+LLAMA_DEFAULTS = dict(n_kv_head=None, multiple_of=256, ffn_dim_multiplier=None, rope_theta=500000.0, norm_eps=1e-5)
 
 
 class ModelConfig(_Section):
     preset: str | None = Field("tiny", description=f"One of {sorted(PRESETS)}, or null for free-form sizes.")
+    arch: Literal["gpt2", "llama"] | None = Field(
+        None, description="`gpt2` (LayerNorm, GELU, learned positions, tied embeddings) or `llama` (RMSNorm, "
+        "SwiGLU, RoPE, grouped-query attention, untied, no biases); default: the preset's, gpt2 for free sizes.")
     n_layer: int | None = Field(None, gt=0, description="Transformer blocks (overrides the preset).")
     n_head: int | None = Field(None, gt=0, description="Attention heads (overrides the preset).")
     n_embd: int | None = Field(None, gt=0, description="Model width (overrides the preset).")
     block_size: int | None = Field(None, gt=0, description="Context length in tokens (overrides the preset).")
     vocab_size: int | None = Field(
-        None, gt=0, description="Embedding rows; default: the tokenizer's vocabulary rounded up to 64."
-    )
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    bias: bool = True
+        None, gt=0, description="Embedding rows; default: the preset's (128256 for llama-1b/3b/8b), else the "
+        "tokenizer's vocabulary rounded up to 64.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="GPT-2 only.")
+    bias: bool = Field(True, description="GPT-2 only (Llama has no biases).")
+    n_kv_head: int | None = Field(None, gt=0, description="Llama: key/value heads (grouped-query attention); "
+                                  "default: the preset's, else n_head.")
+    ffn_dim_multiplier: float | None = Field(None, gt=0, description="Llama: SwiGLU width = multiple_of-rounded "
+                                             "multiplier * 8d/3; default: the preset's, else 1.")
+    multiple_of: int | None = Field(None, gt=0, description="Llama: SwiGLU width rounded up to a multiple of this; "
+                                    "default: the preset's, else 256.")
+    rope_theta: float | None = Field(None, gt=0, description="Llama: RoPE base; default 500000 (Llama 3).")
+    norm_eps: float | None = Field(None, gt=0, description="Llama: RMSNorm epsilon; default 1e-5.")
     attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
         "auto", description="SDPA kernel: `auto` lets PyTorch choose; `cudnn` is often fastest on Hopper GPUs.")
     init_from: str | None = Field(
@@ -104,12 +145,41 @@ class ModelConfig(_Section):
             raise ValueError(f"model.preset is null, so model.{', model.'.join(missing)} must be set")
         if dims["n_embd"] % dims["n_head"]:
             raise ValueError(f"model.n_embd ({dims['n_embd']}) must be a multiple of model.n_head ({dims['n_head']})")
+        preset_arch = PRESETS.get(self.preset or "", {}).get("arch", "gpt2")
+        if self.preset is not None and self.arch is not None and self.arch != preset_arch:
+            raise ValueError(f"model.arch is {self.arch} but model.preset {self.preset} is a {preset_arch} model; "
+                             "unset model.arch or choose a preset of that architecture")
+        if self.architecture() == "gpt2":
+            given = [k for k in LLAMA_DEFAULTS if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"model.{', model.'.join(given)} apply to llama models only; set model.arch=llama")
+            return self
+        d = self.llama_dims()
+        if d["n_head"] % d["n_kv_head"]:
+            raise ValueError(f"model.n_head ({d['n_head']}) must be a multiple of model.n_kv_head ({d['n_kv_head']})")
+        if (d["n_embd"] // d["n_head"]) % 2:
+            raise ValueError(f"llama's head size n_embd / n_head ({d['n_embd']} / {d['n_head']}) must be even (RoPE)")
+        if self.dropout:
+            raise ValueError("model.dropout is GPT-2 only; llama models train without dropout")
         return self
+
+    def architecture(self) -> str:
+        """`gpt2` or `llama`: model.arch, else the preset's."""
+        return self.arch or PRESETS.get(self.preset or "", {}).get("arch", "gpt2")
 
     def dims(self) -> dict[str, int | None]:
         base = PRESETS.get(self.preset or "", {})
         return {k: getattr(self, k) if getattr(self, k) is not None else base.get(k)
                 for k in ("n_layer", "n_head", "n_embd", "block_size")}
+
+    def llama_dims(self) -> dict:
+        """The llama fields resolved: set value, else the preset's, else Llama 3's default."""
+        base = {**LLAMA_DEFAULTS, **PRESETS.get(self.preset or "", {})}
+        d = {k: getattr(self, k) if getattr(self, k) is not None else base.get(k)
+             for k in ("vocab_size", *LLAMA_DEFAULTS)}
+        d = {**self.dims(), **d}
+        d["n_kv_head"] = d["n_kv_head"] or d["n_head"]
+        return d
 
 
 class GuardConfig(_Section):
@@ -145,6 +215,18 @@ class TrainConfig(_Section):
     ddp_bucket_mb: float = Field(
         25.0, gt=0, description="DDP gradient bucket size (MB): each bucket's all-reduce starts as soon as its "
         "gradients are ready, overlapping the rest of backward.")
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="`ddp`: every rank holds the whole model, gradients and AdamW state; `fsdp`: FSDP2 shards "
+        "them over the ranks (fully_shard per block and at the root; bf16 parameters, fp32 gradient reduction on CUDA).")
+    fsdp_reshard_after_forward: bool = Field(
+        True, description="fsdp: free each block's gathered parameters after its forward (gather again for backward); "
+        "false keeps them until backward: less communication, more memory.")
+    activation_checkpointing: Literal["none", "selective", "full"] = Field(
+        "none", description="Recompute activations in backward instead of keeping them: `full` recomputes every "
+        "block; `selective` keeps matmul and attention outputs except every second matmul's (torchtitan's op-level "
+        "policy).")
+    float8: bool = Field(False, description="torchao float8 linears in the blocks (GPUs of compute capability 8.9+ "
+                         "with torchao installed; otherwise skipped with a warning).")
     guard: GuardConfig = Field(default_factory=GuardConfig)
 
 
@@ -155,6 +237,18 @@ class EvalGates(_Section):
 
     def configured(self) -> dict[str, float]:
         return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+def gate_results(gates: EvalGates, result: dict) -> dict[str, dict]:
+    """Each configured gate: {value, limit, passed}; a gate whose metric was not measured fails."""
+    hs = result.get("hellaswag") or {}
+    measured = {"val_loss_max": result.get("val_loss"), "hellaswag_acc_norm_min": hs.get("acc_norm")}
+    out = {}
+    for name, limit in gates.configured().items():
+        value = measured[name]
+        passed = value is not None and (value <= limit if name.endswith("_max") else value >= limit)
+        out[name] = {"value": value, "limit": limit, "passed": passed}
+    return out
 
 
 class EvalConfig(_Section):
@@ -260,6 +354,9 @@ class LaunchConfig(_Section):
                          "error (a dead node, a crashed rank); each resumes from the newest checkpoint.")
     watchdog_s: float | None = Field(
         900, gt=0, description="Kill the job when no step completes for this long (after the first); null: never.")
+    grace_s: float = Field(
+        120, gt=0, description="After SIGTERM (a spot reclaim, `docker stop`, a cancelled run), the seconds the "
+        "trainer has to checkpoint the current step and exit as preempted before it is killed.")
     docker: DockerConfig = Field(default_factory=DockerConfig)
 
     @model_validator(mode="after")
@@ -282,6 +379,12 @@ class TrackingConfig(_Section):
         None, description="Model registry name of the final model; default: the run_name.")
     system_metrics: bool = Field(True, description="Log CPU, memory, disk, network (and GPU) metrics per node.")
     system_metrics_interval_s: float = Field(10.0, gt=0, description="Seconds between system metric samples.")
+    lease_ttl_s: float = Field(
+        60.0, ge=3, description="One run writes a lineage at a time: it holds a lease on runs/<run_name>, renewed "
+        "every ttl/3; a lease not renewed for this long (its holder died) may be taken over.")
+    lease_wait_s: float = Field(
+        90.0, ge=0, description="How long a run waits for another run of the same lineage to end (or for a dead "
+        "holder's lease to expire) before it refuses, naming the holder.")
 
 
 class RunConfig(_Section):
@@ -299,8 +402,21 @@ class RunConfig(_Section):
     def world_size(self) -> int:
         return self.launch.nnodes * self.launch.nproc_per_node
 
+    def redacted_dump(self) -> dict[str, Any]:
+        """model_dump(mode="json") with the password of every URI removed (see redact_uri): what may be
+        logged or saved (MLflow params, lineage.json, checkpoint state)."""
+
+        def walk(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {k: walk(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [walk(v) for v in value]
+            return redact_uri(value) if isinstance(value, str) else value
+
+        return walk(self.model_dump(mode="json"))
+
     def flat(self) -> dict[str, str]:
-        """Dotted key -> value, for MLflow params."""
+        """Dotted key -> value, for MLflow params (credentials in URIs redacted)."""
         out: dict[str, str] = {}
 
         def walk(prefix: str, value: Any) -> None:
@@ -310,8 +426,17 @@ class RunConfig(_Section):
             else:
                 out[prefix] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
-        walk("", self.model_dump(mode="json"))
+        walk("", self.redacted_dump())
         return out
+
+
+_USERINFO = re.compile(r"(\w[\w+.-]*://[^/\s:@]+):[^/\s]*@")
+
+
+def redact_uri(uri: str) -> str:
+    """`uri` without the password of its `user:password@` part (`http://me:s3cret@host` -> `http://me:***@host`);
+    any URI inside a longer text (an error message) too; other strings as they are."""
+    return _USERINFO.sub(r"\1:***@", uri)
 
 
 # ---------------------------------------------------------------- recipes
@@ -395,6 +520,24 @@ def load_recipe(recipe: str = "smoke", overrides: list[str] | tuple[str, ...] = 
     for assignment in overrides:
         apply_override(data, assignment)
     return validate(data)
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def with_recipe(config: RunConfig, recipe: str | None) -> RunConfig:
+    """`config` on top of a recipe: the recipe's values, then every field `config` sets explicitly.
+
+    This is how a deployment points at its recipe (parameter `recipe`) while a run still overrides any
+    field through `config`; with no recipe, `config` as it is.
+    """
+    if not recipe:
+        return config
+    return validate(_merge(_recipe_dict(recipe), config.model_dump(mode="json", exclude_unset=True)))
 
 
 def digest(obj: Any, n: int = 16) -> str:

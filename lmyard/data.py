@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from lmyard.errors import UserError
-from lmyard.shards import ShardSet, read_header, read_shard, sha256_file
+from lmyard.paths import cache_root, confined
+from lmyard.shards import ShardSet, read_header, read_shard, sha256_file, shard_prefix
 from lmyard.store import open_store
 
 
@@ -37,7 +38,7 @@ class ShardFiles:
     def __init__(self, shards: ShardSet, store_uri: str, split: str, cache_dir: str):
         self.store = open_store(store_uri)
         self.files = shards.files(split)
-        self.prefix = f"shards/{shards.address}"
+        self.prefix = shard_prefix(shards.address)
         self.cache_dir = cache_dir
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-fetch")
         self.futures: dict[int, Future] = {}
@@ -53,7 +54,7 @@ class ShardFiles:
         direct = self.store.local_path(key)
         if direct is not None:
             return direct
-        dest = os.path.join(self.cache_dir, key)
+        dest = confined(self.cache_dir, key, "shard")  # names come from the manifest in the store
         if not (os.path.exists(dest) and os.path.getsize(dest) == meta["bytes"]):
             self.store.download(key, dest)
             if sha256_file(dest) != meta["sha256"]:
@@ -199,4 +200,5 @@ def split_stream(shards: ShardSet, store_uri: str, split: str, cache_dir: str) -
 
 
 def default_cache_dir() -> str:
-    return os.environ.get("LMYARD_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "lmyard"))
+    """The node-local cache root (LMYARD_CACHE, default ~/.cache/lmyard): see lmyard.paths.cache_root."""
+    return cache_root()

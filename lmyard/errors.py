@@ -1,9 +1,84 @@
-"""Errors that mean "the user asked for something that cannot work".
+"""The ways a stage can end, each with its exit code and whether a retry can help.
 
-They carry a one-line message that names the problem and the fix; the
-command line prints that line alone, without a traceback.
+A stage (the trainer, the evaluator, tokenize-and-shard) that fails writes its
+result file with the status and message below and exits with the status's
+code; the launcher reads the file (never the log) and raises the matching
+exception, and the train task's retry policy follows `retryable()`:
+
+    0  done
+    1  crashed        anything unexpected (a dead rank, a lost node): retried, resumes from a checkpoint
+    2  user_error     bad input, a config that cannot work (out of memory included): never retried
+    3  diverged       the loss went non-finite or spiked beyond the guard's policy: never retried
+    4  store_outage   checkpoints could not reach the store in time: retried (the store may come back)
+    5  preempted      SIGTERM (a spot reclaim, `docker stop`, a cancelled run): checkpointed, retried
+
+Every message is one line that names the problem and the fix; the command
+line prints it alone, without a traceback.
 """
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    DONE = 0
+    CRASHED = 1
+    USER_ERROR = 2
+    DIVERGED = 3
+    STORE_OUTAGE = 4
+    PREEMPTED = 5
 
 
 class UserError(ValueError):
-    """Bad input: a recipe, a config value, a data source, a tokenizer."""
+    """Bad input: a recipe, a config value, a data source, a tokenizer, a size that does not fit."""
+
+    exit_code = ExitCode.USER_ERROR
+
+
+class StageFailed(RuntimeError):
+    """A stage ended without its result; the base of the failures below."""
+
+    exit_code = ExitCode.CRASHED
+
+
+class TrainingFailed(StageFailed):
+    """The training job crashed, lost a node or stalled; the message holds what its output said last."""
+
+
+class Diverged(StageFailed):
+    """The loss became non-finite or spiked, and the guard's policy stops the run."""
+
+    exit_code = ExitCode.DIVERGED
+
+
+class StoreOutage(StageFailed):
+    """Checkpoints could not reach the store within the allowed time; they stay staged locally."""
+
+    exit_code = ExitCode.STORE_OUTAGE
+
+
+class Preempted(StageFailed):
+    """The stage was asked to stop (SIGTERM) and saved a checkpoint first; a rerun resumes from it."""
+
+    exit_code = ExitCode.PREEMPTED
+
+
+_BY_CODE = {e.exit_code: e for e in (UserError, Diverged, StoreOutage, Preempted, TrainingFailed)}
+STATUS = {ExitCode.DONE: "done", ExitCode.CRASHED: "crashed", ExitCode.USER_ERROR: "user_error",
+          ExitCode.DIVERGED: "diverged", ExitCode.STORE_OUTAGE: "store_outage", ExitCode.PREEMPTED: "preempted"}
+
+
+def error_for(code: int, message: str) -> Exception:
+    """The exception a launcher raises for a stage that exited with `code`."""
+    return _BY_CODE.get(code, TrainingFailed)(message)
+
+
+def exit_code_of(exc: BaseException) -> ExitCode:
+    """The exit code a stage ends with when `exc` stops it."""
+    return ExitCode(getattr(exc, "exit_code", ExitCode.CRASHED))
+
+
+def retryable(exc: BaseException | None) -> bool:
+    """Whether rerunning can help: not for bad input or divergence (the guard already had its say)."""
+    return not isinstance(exc, (UserError, Diverged))

@@ -29,17 +29,19 @@ import torch
 import torch.nn.functional as F
 
 from lmyard import checkpoint
-from lmyard.config import EvalConfig, EvalGates, RunConfig
+from lmyard.config import EvalConfig, RunConfig, gate_results  # noqa: F401 - re-exported
+from lmyard.contracts import EvalResult, run_stage
 from lmyard.data import default_cache_dir, split_stream, val_sequences
 from lmyard.errors import UserError
-from lmyard.model import GPT, GPTConfig
+from lmyard.model import GPT
+from lmyard.models import model_from_spec
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
 from lmyard.tokenizer import get_tokenizer
 
 
 def load_model(ckpt: checkpoint.Checkpoint, device: str = "cpu") -> GPT:
-    model = GPT(GPTConfig(**ckpt.state["model"]))
+    model = model_from_spec(ckpt.state.model)
     model.load_state_dict(ckpt.model)
     return model.to(device).eval()
 
@@ -197,8 +199,8 @@ def evaluate_checkpoint(cfg: RunConfig, shards: ShardSet, step: int) -> dict:
     ckpt = checkpoint.load_step(store, cfg.run_name, step, os.path.join(cache, "eval"))
     model = load_model(ckpt, device)
     val = val_sequences(split_stream(shards, cfg.store, "val", cache), model.config.block_size, cfg.eval.val_tokens)
-    result = {"step": ckpt.step, "checkpoint": ckpt.uri, "tokens_seen": ckpt.state["tokens_seen"],
-              "trainer_val_loss": ckpt.state.get("val_loss"), "device": device,
+    result = {"step": ckpt.step, "checkpoint": ckpt.uri, "tokens_seen": ckpt.state.tokens_seen,
+              "trainer_val_loss": ckpt.state.val_loss, "device": device,
               "val_loss": val_loss(model, val, batch=cfg.train.micro_batch, device=device)}
     if cfg.eval.hellaswag:
         examples = read_hellaswag(cfg.eval.hellaswag, cfg.eval.hellaswag_split, cfg.eval.hellaswag_limit)
@@ -212,37 +214,27 @@ def evaluate_checkpoint(cfg: RunConfig, shards: ShardSet, step: int) -> dict:
     return result
 
 
-def gate_results(gates: EvalGates, result: dict) -> dict[str, dict]:
-    """Each configured gate: {value, limit, passed}; a gate whose metric was not measured fails."""
-    hs = result.get("hellaswag") or {}
-    measured = {"val_loss_max": result.get("val_loss"), "hellaswag_acc_norm_min": hs.get("acc_norm")}
-    out = {}
-    for name, limit in gates.configured().items():
-        value = measured[name]
-        passed = value is not None and (value <= limit if name.endswith("_max") else value >= limit)
-        out[name] = {"value": value, "limit": limit, "passed": passed}
-    return out
+def evaluate_latest(cfg: RunConfig, shards: ShardSet, step: int | None = None) -> EvalResult:
+    """Evaluate checkpoint `step` of cfg.run_name, or its newest complete one."""
+    if step is None:
+        steps = checkpoint.complete_steps(open_store(cfg.store), cfg.run_name)
+        if not steps:
+            raise UserError(f"run {cfg.run_name!r} has no complete checkpoint in {cfg.store}: train it first, or "
+                            "set run_name to a run that has one")
+        step = steps[-1]
+    return EvalResult.model_validate(evaluate_checkpoint(cfg, shards, step))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lmyard.evals", description=__doc__.splitlines()[0])
     p.add_argument("--spec", required=True, help="JSON file: {config, shards}")
     p.add_argument("--step", type=int, required=True, help="the checkpoint's step")
-    p.add_argument("--out", required=True, help="where to write the result JSON")
+    p.add_argument("--out", required=True, help="where to write the result (EvalResult) or the failure (StageError)")
     args = p.parse_args(argv)
     with open(args.spec) as f:
         spec = json.load(f)
-    try:
-        result = evaluate_checkpoint(RunConfig.model_validate(spec["config"]), ShardSet.from_dict(spec["shards"]),
-                                     args.step)
-    except UserError as e:
-        print(f"lmyard: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, args.out)
-    return 0
+    return run_stage(args.out, lambda: EvalResult.model_validate(evaluate_checkpoint(
+        RunConfig.model_validate(spec["config"]), ShardSet.from_dict(spec["shards"]), args.step)))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@
 The folder holds config.json, model.safetensors, generation_config.json, the
 run's tokenizer (tokenizer.json built offline from its ranks, see
 lmyard.hf_tokenizer) and lmyard_export.json (where it came from). Exporters
-are registered by lmyard architecture (`EXPORTERS`): GPT-2 shapes become
-`GPT2LMHeadModel`; another family adds an `Exporter` under its name.
+are registered by lmyard architecture (`EXPORTERS`, keyed by `model.arch`):
+GPT-2 becomes `GPT2LMHeadModel`, Llama `LlamaForCausalLM`; another family adds
+an `Exporter` under its name.
 
 The folder is written to a temporary folder first and moved (local) or
 uploaded (S3, config.json last) at the end, so a destination never holds half
@@ -15,6 +16,7 @@ an export; `init_from_hf` reads such a folder back into lmyard's GPT.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -36,26 +38,25 @@ _URI = re.compile(r"^(?P<root>.+?)/runs/(?P<run>[A-Za-z0-9][A-Za-z0-9._-]*)"
 @dataclass(frozen=True)
 class CheckpointFacts:
     """What an export needs to know about a checkpoint besides its weights."""
-    architecture: str   # lmyard's name of the model family: a key of EXPORTERS
-    dims: dict          # the model's constructor arguments (GPTConfig fields for gpt2)
+    architecture: str   # lmyard's architecture (model.arch): a key of EXPORTERS
+    dims: dict          # the model config's fields (GPTConfig, LlamaConfig)
     tokenizer: TokenizerConfig
     generation: dict    # sampling defaults (temperature, top_k) from the run's eval config
     provenance: dict    # step, tokens seen, shard address, run name
 
 
 def checkpoint_facts(ckpt: checkpoint.Checkpoint) -> CheckpointFacts:
-    """The one place that reads a checkpoint's state (state.json): adapt it when that state changes shape."""
+    """The one place that reads a checkpoint's state (state.json, lmyard.contracts.CheckpointState)."""
     state = ckpt.state
-    config = state.get("config") or {}
-    model_cfg = config.get("model") or {}
+    config, spec = state.config, dict(state.model)
     eval_cfg = config.get("eval") or {}
     return CheckpointFacts(
-        architecture=model_cfg.get("family") or model_cfg.get("architecture") or "gpt2",
-        dims=dict(state["model"]),
+        architecture=spec.pop("arch", "gpt2"),  # lmyard.models.model_spec; checkpoints before Llama: GPT-2
+        dims=spec,
         tokenizer=TokenizerConfig.model_validate(config.get("tokenizer") or {}),
         generation={"temperature": eval_cfg.get("temperature", 0.8), "top_k": eval_cfg.get("top_k", 40)},
-        provenance={"checkpoint": ckpt.uri, "step": ckpt.step, "tokens_seen": state.get("tokens_seen"),
-                    "shard_address": state.get("shard_address"), "run_name": config.get("run_name")})
+        provenance={"checkpoint": ckpt.uri, "step": ckpt.step, "tokens_seen": state.tokens_seen,
+                    "shard_address": state.shard_address, "run_name": config.get("run_name")})
 
 
 # ---------------------------------------------------------------- architectures
@@ -108,11 +109,12 @@ def _gpt2_from_hf(tensors: dict, config: dict) -> tuple[dict, dict]:
     if config.get("n_inner") not in (None, 4 * config["n_embd"]) or not config.get("tie_word_embeddings", True):
         raise UserError("GPT-2 folder has a non-standard MLP width or untied head; lmyard's GPT cannot hold it")
     prefix = "transformer." if "transformer.wte.weight" in tensors else ""  # the original gpt2 files have none
-    dims = {"vocab_size": config["vocab_size"], "block_size": config["n_positions"], "n_layer": config["n_layer"],
-            "n_head": config["n_head"], "n_embd": config["n_embd"], "dropout": 0.0, "bias": True}
+    dims = {"arch": "gpt2", "vocab_size": config["vocab_size"], "block_size": config["n_positions"],
+            "n_layer": config["n_layer"], "n_head": config["n_head"], "n_embd": config["n_embd"], "dropout": 0.0,
+            "bias": True}
     sd = {"wte.weight": tensors[f"{prefix}wte.weight"], "wpe.weight": tensors[f"{prefix}wpe.weight"],
           "ln_f.weight": tensors[f"{prefix}ln_f.weight"], "ln_f.bias": tensors[f"{prefix}ln_f.bias"]}
-    for i in range(dims["n_layer"]):
+    for i in range(config["n_layer"]):
         for name in _GPT2_BIASED:
             w = tensors[f"{prefix}h.{i}.{name}.weight"]
             sd[f"h.{i}.{name}.weight"] = w.t().contiguous() if name in _GPT2_CONV1D else w
@@ -121,9 +123,63 @@ def _gpt2_from_hf(tensors: dict, config: dict) -> tuple[dict, dict]:
     return sd, dims
 
 
+def _llama_config(dims: dict, eot: int) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": dims["vocab_size"],
+            "hidden_size": dims["n_embd"], "intermediate_size": dims["ffn_hidden"],
+            "num_hidden_layers": dims["n_layer"], "num_attention_heads": dims["n_head"],
+            "num_key_value_heads": dims["n_kv_head"], "head_dim": dims["n_embd"] // dims["n_head"],
+            "max_position_embeddings": dims["block_size"], "rms_norm_eps": dims["norm_eps"],
+            "rope_theta": dims["rope_theta"],  # transformers 4; 5 reads rope_parameters
+            "rope_parameters": {"rope_type": "default", "rope_theta": dims["rope_theta"]},
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+            "initializer_range": 0.02, "use_cache": True, "bos_token_id": eot, "eos_token_id": eot,
+            "torch_dtype": "float32"}
+
+
+def _llama_sizes(dims: dict) -> list[int]:
+    head = dims["n_embd"] // dims["n_head"]
+    return [dims["n_head"] * head, dims["n_kv_head"] * head, dims["n_kv_head"] * head]
+
+
+def _llama_to_hf(sd: dict, dims: dict) -> dict:
+    """lmyard's Llama names are HF's without `model.`, but for q, k and v fused in qkv_proj (stacked by rows)."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("self_attn.qkv_proj.weight"):
+            base = "model." + k.removesuffix("qkv_proj.weight")
+            for name, part in zip(("q_proj", "k_proj", "v_proj"), v.split(_llama_sizes(dims), dim=0)):
+                out[f"{base}{name}.weight"] = part
+        else:
+            out[k if k.startswith("lm_head.") else f"model.{k}"] = v
+    return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+
+
+def _llama_from_hf(tensors: dict, config: dict) -> tuple[dict, dict]:
+    import torch
+
+    if config.get("tie_word_embeddings") or config.get("attention_bias") or config.get("mlp_bias"):
+        raise UserError("Llama folder has tied embeddings or biases; lmyard's Llama has neither")
+    dims = {"arch": "llama", "vocab_size": config["vocab_size"], "block_size": config["max_position_embeddings"],
+            "n_layer": config["num_hidden_layers"], "n_head": config["num_attention_heads"],
+            "n_embd": config["hidden_size"],
+            "n_kv_head": config.get("num_key_value_heads") or config["num_attention_heads"],
+            "ffn_hidden": config["intermediate_size"], "norm_eps": config.get("rms_norm_eps", 1e-5),
+            "rope_theta": (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta", 10000.0)}
+    sd = {}
+    for k, v in tensors.items():
+        name = k.removeprefix("model.")
+        if name.endswith("self_attn.q_proj.weight"):
+            base = name.removesuffix("q_proj.weight")
+            sd[f"{base}qkv_proj.weight"] = torch.cat([v, tensors[f"model.{base}k_proj.weight"],
+                                                      tensors[f"model.{base}v_proj.weight"]])
+        elif not name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            sd[name] = v
+    return sd, dims
+
+
 EXPORTERS: dict[str, Exporter] = {
     "gpt2": Exporter("GPT2LMHeadModel", _gpt2_config, _gpt2_to_hf, _gpt2_from_hf),
-    # "llama": Exporter("LlamaForCausalLM", ...) once lmyard has the Llama family
+    "llama": Exporter("LlamaForCausalLM", _llama_config, _llama_to_hf, _llama_from_hf),
 }
 
 
@@ -186,7 +242,7 @@ def write_folder(ckpt: checkpoint.Checkpoint, folder: str) -> dict:
     exporter = exporter_for(facts.architecture, f"checkpoint {ckpt.uri}")
     enc = get_tokenizer(facts.tokenizer)
     model = load_model(ckpt, "cpu")
-    dims = {**facts.dims, **model.config.__dict__}
+    dims = {**facts.dims, **dataclasses.asdict(model.config)}
     config = exporter.hf_config(dims, enc.eot_token)
     save_file(exporter.to_hf(model.state_dict(), dims), os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
     # sampling never picks the embedding's padding rows (ids past the tokenizer's vocabulary)
@@ -273,7 +329,8 @@ def _local_folder(path: str, cache_dir: str | None) -> str:
 
 
 def init_from_hf(path: str, cache_dir: str | None = None) -> tuple[dict, dict]:
-    """(lmyard GPT state_dict, GPTConfig fields) from a Hugging Face model folder (local or s3://)."""
+    """(state_dict, model spec) from a Hugging Face model folder (local or s3://): build the model with
+    `lmyard.models.model_from_spec(spec)` and load the state_dict into it."""
     from safetensors.torch import load_file
 
     folder = _local_folder(path, cache_dir)

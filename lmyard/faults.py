@@ -6,7 +6,8 @@
 process with status 1 right after step S (once earlier checkpoints are
 committed); `crash_in_upload@S` exits while checkpoint S is half uploaded;
 `hang@S` stops the last rank after step S (a stuck collective, for the
-watchdog). Each fires once per process, or once for good when
+watchdog); `pause@S` makes every rank sleep LMYARD_FAULT_PAUSE_S seconds
+(default 5) after step S, a window in which a drill acts at a known step. Each fires once per process, or once for good when
 LMYARD_FAULTS_STATE names a folder where fired faults are recorded (so a
 retried job does not meet the same fault again).
 Unset in production: nothing here fires.

@@ -6,7 +6,7 @@
     python -m lmyard.images prune --keep 3              # drop older stage images (~1.1 GB each)
 
 No image registry is needed. Three steps, each cached under LMYARD_IMAGE_CACHE
-(default /var/cache/lmyard) or in the engine:
+(default `images` in the cache root, LMYARD_CACHE or ~/.cache/lmyard) or in the engine:
 
 1. Base `lmyard-base:bookworm`: debootstrap Debian bookworm (minbase + python3,
    whose 3.11 matches the cp311 torch wheel) from the Debian mirror apt uses,
@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lmyard.errors import UserError
+from lmyard.paths import cache_root
 from lmyard.version import code_version
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,7 +54,8 @@ TRIM = ("var/cache/apt/archives", "var/lib/apt/lists", "usr/share/doc", "usr/sha
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("LMYARD_IMAGE_CACHE", "/var/cache/lmyard"))
+    """LMYARD_IMAGE_CACHE, default `images` under the one cache root (LMYARD_CACHE, ~/.cache/lmyard)."""
+    return Path(os.environ.get("LMYARD_IMAGE_CACHE") or cache_root("images"))
 
 
 def source_digest() -> str:

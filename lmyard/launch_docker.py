@@ -1,16 +1,17 @@
-"""The Docker launcher: one container per node, torchrun in each, c10d rendezvous on node 0.
+"""The Docker backend of lmyard.launch: one container per node, torchrun in each, c10d rendezvous on node 0.
 
     run_docker(cfg, spec, on_line=log, flow_run_id=id)
 
 `plan()` turns the config into one container definition per node (pure: unit
-tested without an engine); `run_docker()` connects to each node's engine,
-removes leftovers of the same flow run, creates a bridge network when asked,
-starts the containers and follows them: every log line goes to `on_line` as
-`[node i] ...`. The first container to exit non-zero stops the run: all
-containers are removed and TrainingFailed is raised, so a task retry resumes
-from the newest checkpoint. Whatever ends the follow (success, failure,
-KeyboardInterrupt, Prefect's TerminationSignal, an exception in `on_line`), the
-containers and the network are removed in a `finally`.
+tested without an engine). `DockerJob` connects to each node's engine, removes
+leftovers of the same flow run, creates a bridge network when asked, starts the
+containers and streams their logs; the shared `lmyard.launch.Follower` does the
+rest, as for a local job: `[node i]` lines, progress, the heartbeat watchdog,
+SIGTERM with `launch.grace_s` to checkpoint, the result and its exit code. The
+trainer writes its exchange folder (lmyard.contracts) inside each container, at
+EXCHANGE_DIR; the job reads it through the engine (`get_archive`), so nodes on
+other hosts need no shared folder. Whatever ends the follow, the containers and
+the network are removed.
 
 Credentials (every AWS_* variable of the launching process, and the names in
 launch.docker.pass_env) reach the containers through their environment only;
@@ -19,11 +20,12 @@ launch.docker.pass_env) reach the containers through their environment only;
 
 from __future__ import annotations
 
-import collections
 import copy
+import io
 import json
 import os
 import queue
+import tarfile
 import threading
 import uuid
 from collections.abc import Callable, Mapping
@@ -32,11 +34,12 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from lmyard.config import DockerConfig, RunConfig
+from lmyard.contracts import EXCHANGE_ENV, TrainResult, TrainSpec
 from lmyard.errors import UserError
-from lmyard.launch import TrainingFailed
+from lmyard.launch import Follower, stage_env, torchrun_command
 
 LABEL = "lmyard"  # label keys: lmyard.run_name, lmyard.flow_run_id, lmyard.launch_id, lmyard.node
-RDZV_TIMEOUT_S = 600  # how long node 0 waits for the others to join
+EXCHANGE_DIR = "/tmp/lmyard-exchange"  # inside each container
 
 
 @dataclass
@@ -140,11 +143,13 @@ def plan(cfg: RunConfig, spec: dict, *, image: str, flow_run_id: str | None = No
     else:
         rdzv = launch.rdzv_endpoint or f"{_node_host(urls[0])}:{dc.rdzv_port}"
 
-    env = {"PYTHONUNBUFFERED": "1", "LMYARD_SPEC": json.dumps(spec, separators=(",", ":")), **dc.env}
+    env = {**stage_env(cfg), EXCHANGE_ENV: EXCHANGE_DIR, "LMYARD_SPEC": json.dumps(spec, separators=(",", ":")),
+           **dc.env}
     if dc.socket_ifname:
         env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = dc.socket_ifname
-    if environ.get("LMYARD_FAULTS"):  # failure drills
-        env["LMYARD_FAULTS"] = environ["LMYARD_FAULTS"]
+    for name in ("LMYARD_FAULTS", "LMYARD_FAULTS_STATE"):  # failure drills
+        if environ.get(name):
+            env[name] = environ[name]
     secrets = secret_names(dc, environ)
     env.update({k: environ[k] for k in secrets})
 
@@ -156,15 +161,8 @@ def plan(cfg: RunConfig, spec: dict, *, image: str, flow_run_id: str | None = No
 
     nodes = []
     for i in range(nnodes):
-        if nnodes == 1:
-            torchrun = ["--standalone", "--nnodes", "1"]
-        else:
-            torchrun = ["--nnodes", str(nnodes), "--rdzv_backend", "c10d", "--rdzv_endpoint", rdzv,
-                        "--rdzv_id", launch_id, "--rdzv_conf", f"is_host={int(i == 0)},join_timeout={RDZV_TIMEOUT_S}"]
-            if not network:
-                torchrun += ["--local_addr", _local_addr(urls, i)]
-        command = ["python", "-m", "torch.distributed.run", *torchrun, "--nproc_per_node",
-                   str(launch.nproc_per_node), "--max_restarts", "0", "-m", "lmyard.train"]
+        command = torchrun_command(cfg, python="python", rdzv_endpoint=rdzv, rdzv_id=launch_id, node=i,
+                                   local_addr=None if network else _local_addr(urls, i))
         kwargs = dict(
             image=image, command=command, name=names[i], hostname=names[i] if network else None,
             labels={**labels, f"{LABEL}.node": str(i)}, environment=dict(env), volumes=dict(mounts),
@@ -257,133 +255,140 @@ def remove_leftovers(client, flow_run_id: str, log: Callable[[str], None]) -> in
     return n
 
 
-# ---------------------------------------------------------------- run and follow
+# ---------------------------------------------------------------- the job
 
-def run_docker(cfg: RunConfig, spec: dict, on_line: Callable[[str], None] = print, *, image: str | None = None,
-               flow_run_id: str | None = None, tail_lines: int = 40) -> dict:
-    """Run the trainer in one container per node; returns the result line rank 0 prints."""
-    import docker
+class DockerJob:
+    """One container per node, followed through the engines (see lmyard.launch.Job)."""
 
-    if image is None:
-        from lmyard.images import image_tag
+    def __init__(self, cfg: RunConfig, spec: TrainSpec, on_line: Callable[[str], None], *, image: str | None = None,
+                 flow_run_id: str | None = None):
+        if image is None:
+            from lmyard.images import image_tag
 
-        image = cfg.launch.docker.image or image_tag()
-    p = plan(cfg, spec, image=image, flow_run_id=flow_run_id)
-    mask = _Masker([v for n in p.nodes for k, v in n.kwargs["environment"].items() if k in n.secrets])
-    clients = {url: connect(url, cfg.launch.docker) for url in dict.fromkeys(n.url for n in p.nodes)}
-    for url, client in clients.items():
-        if flow_run_id:
-            remove_leftovers(client, flow_run_id, on_line)
-        try:
-            client.images.get(image)
-        except docker.errors.ImageNotFound:
-            raise UserError(f"image {image} is not on the engine {url}: build it there "
-                            "(python -m lmyard.images build) or load it (docker save | docker load)") from None
+            image = cfg.launch.docker.image or image_tag()
+        self.cfg, self.on_line, self.image, self.flow_run_id = cfg, on_line, image, flow_run_id
+        self.plan = plan(cfg, spec.model_dump(mode="json"), image=image, flow_run_id=flow_run_id)
+        self.nodes = len(self.plan.nodes)
+        self.mask = _Masker([v for n in self.plan.nodes for k, v in n.kwargs["environment"].items()
+                             if k in n.secrets])
+        self.clients: dict = {}
+        self.containers: list = []
+        self.network = None
+        self.stopping = threading.Event()
 
-    containers: list = []
-    network = None
-    try:
-        if p.network:
-            network = clients[p.nodes[0].url].networks.create(p.network, driver="bridge", labels=p.labels)
-        for node in p.nodes:
-            on_line(mask(describe(node)))
-            containers.append(clients[node.url].containers.create(**node.kwargs))
-        for c in containers:
+    def start(self, events: queue.Queue) -> None:
+        import docker
+
+        dc = self.cfg.launch.docker
+        self.clients = {url: connect(url, dc) for url in dict.fromkeys(n.url for n in self.plan.nodes)}
+        for url, client in self.clients.items():
+            if self.flow_run_id:
+                remove_leftovers(client, self.flow_run_id, self.on_line)
+            try:
+                client.images.get(self.image)
+            except docker.errors.ImageNotFound:
+                raise UserError(f"image {self.image} is not on the engine {url}: build it there "
+                                "(python -m lmyard.images build) or load it (docker save | docker load)") from None
+        if self.plan.network:
+            self.network = self.clients[self.plan.nodes[0].url].networks.create(
+                self.plan.network, driver="bridge", labels=self.plan.labels)
+        for node in self.plan.nodes:
+            self.on_line(self.mask(describe(node)))
+            self.containers.append(self.clients[node.url].containers.create(**node.kwargs))
+        for i, c in enumerate(self.containers):
             c.start()
-        return _follow(containers, on_line, mask, tail_lines)
-    finally:
-        _remove(containers, network)
-        for client in clients.values():
-            client.close()
+            threading.Thread(target=self._pump, args=(i, c, events), daemon=True, name=f"docker-logs-{i}").start()
 
-
-def _follow(containers: list, on_line: Callable[[str], None], mask: _Masker, tail_lines: int) -> dict:
-    events: queue.Queue = queue.Queue()
-    stopping = threading.Event()
-
-    def pump(i: int, c) -> None:
+    def _pump(self, i: int, c, events: queue.Queue) -> None:
         try:
             buf = b""
             for chunk in c.logs(stream=True, follow=True, stdout=True, stderr=True):
                 buf += chunk
                 *lines, buf = buf.split(b"\n")
                 for line in lines:
-                    events.put(("line", i, line.decode(errors="replace")))
+                    events.put(("line", i, self.mask(line.decode(errors="replace"))))
             if buf:
-                events.put(("line", i, buf.decode(errors="replace")))
+                events.put(("line", i, self.mask(buf.decode(errors="replace"))))
             events.put(("exit", i, c.wait()["StatusCode"]))
         except Exception as e:  # noqa: BLE001 - reported to the follower, which decides
-            if not stopping.is_set():
+            if not self.stopping.is_set():
                 events.put(("error", i, e))
 
-    threads = [threading.Thread(target=pump, args=(i, c), daemon=True, name=f"docker-logs-{i}")
-               for i, c in enumerate(containers)]
-    for t in threads:
-        t.start()
+    def _files(self, i: int, path: str) -> dict[str, bytes]:
+        """Regular files at `path` (a file or a folder) in container i, by base name; {} when absent."""
+        import docker
 
-    tails = [collections.deque(maxlen=tail_lines) for _ in containers]  # per node: the failing one's matters
-    result: dict | None = None
-    user_error: str | None = None
-    exits: dict[int, int] = {}
-    try:
-        while len(exits) < len(containers):
+        try:
+            stream, _ = self.containers[i].get_archive(path)
+            with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+                return {os.path.basename(m.name): tar.extractfile(m).read() for m in tar.getmembers()
+                        if m.isfile() and not os.path.basename(m.name).startswith(".")}
+        except (docker.errors.NotFound, docker.errors.APIError, tarfile.TarError):
+            return {}
+
+    def read(self, name: str) -> bytes | None:
+        if not self.containers:
+            return None
+        return self._files(0, f"{EXCHANGE_DIR}/{name}").get(os.path.basename(name))
+
+    def read_all(self, folder: str) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        for i in range(len(self.containers)):
+            out.update(self._files(i, f"{EXCHANGE_DIR}/{folder}"))
+        return out
+
+    def _each(self, action: Callable) -> None:
+        """`action(container)` on every container at once (docker stop blocks until the container ends)."""
+        import docker
+
+        def run(c) -> None:
             try:
-                kind, i, value = events.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            if kind == "line":
-                line = mask(value)
-                if line.startswith("result "):
-                    result = json.loads(line.removeprefix("result "))
-                    continue
-                if user_error is None and "lmyard: error:" in line:
-                    user_error = line.split("lmyard: error:", 1)[1].strip()
-                tails[i].append(f"[node {i}] {line}")
-                on_line(f"[node {i}] {line}")
-            elif kind == "error":
-                raise TrainingFailed(f"lost node {i} ({containers[i].name}): {value}")
-            else:
-                exits[i] = value
-                if value != 0:
-                    break
-    finally:
-        stopping.set()
+                action(c)
+            except docker.errors.APIError:
+                pass
+        threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in self.containers]
+        for t in threads:
+            t.start()
 
-    failed = {i: code for i, code in exits.items() if code != 0}
-    if failed:
-        i, code = next(iter(failed.items()))
-        if user_error:
-            raise UserError(user_error)
-        others = [ln for j, t in enumerate(tails) if j != i for ln in list(t)[-5:]]
-        raise TrainingFailed(f"node {i} ({containers[i].name}) exited with code {code}{_why(containers[i], code)}; "
-                             "stopped the others. Last lines:\n" + "\n".join([*tails[i], *others]))
-    if result is None:
-        raise TrainingFailed("training exited without a result line; last lines:\n"
-                             + "\n".join(ln for t in tails for ln in t))
-    return result
+    def terminate(self) -> None:
+        # SIGTERM to torchrun (pid 1), which forwards it to its ranks; the engine kills after the grace
+        self._each(lambda c: c.stop(timeout=int(self.cfg.launch.grace_s) + 15))
 
+    def kill(self) -> None:
+        self._each(lambda c: c.kill())
 
-def _why(container, code: int) -> str:
-    try:
-        container.reload()
-        if container.attrs["State"].get("OOMKilled"):
-            return " (out of memory)"
-    except Exception:  # noqa: BLE001 - only decorates the message
-        pass
-    return " (killed)" if code == 137 else ""
-
-
-def _remove(containers: list, network) -> None:
-    """Kill and remove every container, then the network; each step tolerates what is already gone."""
-    import docker
-
-    for c in containers:
+    def why(self, node: int, code: int) -> str:
         try:
-            c.remove(force=True, v=True)
-        except docker.errors.NotFound:
+            container = self.containers[node]
+            container.reload()
+            if container.attrs["State"].get("OOMKilled"):
+                return " (out of memory)"
+        except Exception:  # noqa: BLE001 - only decorates the message
             pass
-    if network is not None:
-        try:
-            network.remove()
-        except docker.errors.NotFound:
-            pass
+        return " (killed)" if code == 137 else ""
+
+    def close(self) -> None:
+        """Kill and remove every container, then the network; each step tolerates what is already gone."""
+        import docker
+
+        self.stopping.set()
+        for c in self.containers:
+            try:
+                c.remove(force=True, v=True)
+            except docker.errors.NotFound:
+                pass
+        if self.network is not None:
+            try:
+                self.network.remove()
+            except docker.errors.NotFound:
+                pass
+        for client in self.clients.values():
+            client.close()
+
+
+def run_docker(cfg: RunConfig, spec: TrainSpec | dict, on_line: Callable[[str], None] = print, *,
+               image: str | None = None, flow_run_id: str | None = None, **callbacks) -> TrainResult:
+    """Run the trainer in one container per node and follow it (lmyard.launch.Follower)."""
+    spec = TrainSpec.model_validate(spec)
+    job = DockerJob(cfg, spec, on_line, image=image, flow_run_id=flow_run_id)
+    return Follower(job, cfg, on_line, **callbacks).run()

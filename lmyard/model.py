@@ -85,6 +85,11 @@ class GPT(nn.Module):
         self.lm_head.weight = self.wte.weight  # weight tying (GPT-2)
         self.apply(self._init)
 
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The blocks, under the name lmyard.parallel wraps them by (FSDP2 units, checkpointing, compile)."""
+        return self.h
+
     def _init(self, m: nn.Module) -> None:
         if isinstance(m, nn.Linear):
             std = 0.02 / math.sqrt(2 * self.config.n_layer) if getattr(m, "RESIDUAL", False) else 0.02

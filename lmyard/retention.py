@@ -18,25 +18,22 @@ cut short) older than the newest complete checkpoint are deleted too.
 from __future__ import annotations
 
 import json
-import re
 import time
 
-from lmyard.checkpoint import MANIFEST, checkpoints_prefix, complete_steps, read_manifest, step_prefix
+from lmyard.catalog import complete_steps, read_manifest
 from lmyard.config import CheckpointConfig
+from lmyard.layout import EVALUATED, RunLayout
 from lmyard.store import Store
-
-_STEP = re.compile(r"/step_(\d{8})/")
-EVALUATED = "evaluated.json"
 
 
 def protected_steps(store: Store, run_name: str) -> set[int]:
-    key = f"runs/{run_name}/protected.json"
+    key = RunLayout(run_name).protected
     return set(json.loads(store.read_bytes(key)).get("steps", [])) if store.exists(key) else set()
 
 
 def mark_evaluated(store: Store, run_name: str, step: int, ok: bool) -> None:
     """Release checkpoint `step` for retention: its evaluation has ended (`ok`: it succeeded)."""
-    store.write_bytes(f"{step_prefix(run_name, step)}/{EVALUATED}", json.dumps({"ok": ok, "time": time.time()}).encode())
+    store.write_bytes(RunLayout(run_name).evaluated(step), json.dumps({"ok": ok, "time": time.time()}).encode())
 
 
 def plan(steps: list[int], val_loss: dict[int, float | None], policy: CheckpointConfig,
@@ -57,21 +54,22 @@ def apply(store: Store, run_name: str, policy: CheckpointConfig, hold_for_eval: 
 
     With `hold_for_eval`, checkpoints without an `evaluated.json` are kept (an evaluator still needs them).
     """
-    keys = store.list(checkpoints_prefix(run_name))
+    layout = RunLayout(run_name)
+    keys = store.list(layout.checkpoints)
     steps = complete_steps(store, run_name, keys)
     val = {s: read_manifest(store, run_name, s).get("val_loss") for s in steps}
     held = set()
     if hold_for_eval:
-        released = {int(m.group(1)) for k in keys if k.endswith(f"/{EVALUATED}") and (m := _STEP.search(f"/{k}"))}
+        released = {RunLayout.step_of(k) for k in keys if k.endswith(f"/{EVALUATED}")}
         held = set(steps) - released
     _, delete = plan(steps, val, policy, protected_steps(store, run_name), held)
     for s in delete:
-        store.delete(f"{step_prefix(run_name, s)}/{MANIFEST}")
-        store.delete(step_prefix(run_name, s))
+        store.delete(layout.manifest(s))
+        store.delete(layout.step(s))
     if steps:  # leftovers of uploads cut short, older than the newest complete checkpoint
-        partial = {int(m.group(1)) for k in keys if (m := _STEP.search(f"/{k}"))}
+        partial = {s for k in keys if (s := RunLayout.step_of(k)) is not None}
         for s in sorted(partial - set(steps)):
             if s < steps[-1]:
-                store.delete(step_prefix(run_name, s))
+                store.delete(layout.step(s))
                 delete.append(s)
     return sorted(delete)

@@ -11,7 +11,7 @@ trained on with the shard set of the data as it is now (content addresses):
 
 from __future__ import annotations
 
-from lmyard import checkpoint
+from lmyard import catalog
 from lmyard.config import RunConfig
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
@@ -19,16 +19,16 @@ from lmyard.store import open_store
 
 def plan(config: RunConfig, shards: ShardSet, extra_steps: int) -> dict:
     store = open_store(config.store)
-    steps = checkpoint.complete_steps(store, config.run_name)
+    steps = catalog.complete_steps(store, config.run_name)
     if not steps:
         return {"action": "train", "reason": f"lineage {config.run_name} has no checkpoint yet",
                 "max_steps": config.train.max_steps, "from_step": 0}
-    state = checkpoint.read_state(store, config.run_name, steps[-1])
-    if state["shard_address"] == shards.address:
+    state = catalog.read_state(store, config.run_name, steps[-1])
+    if state.shard_address == shards.address:
         return {"action": "none", "from_step": steps[-1], "max_steps": steps[-1],
                 "reason": f"no new data: shard set {shards.address} is what step {steps[-1]} was trained on"}
     return {"action": "continue", "from_step": steps[-1], "max_steps": steps[-1] + extra_steps,
-            "reason": f"new data: shard set {state['shard_address']} -> {shards.address}; "
+            "reason": f"new data: shard set {state.shard_address} -> {shards.address}; "
                       f"{extra_steps} more steps from step {steps[-1]}"}
 
 

@@ -58,6 +58,7 @@ import numpy as np
 from lmyard import shards as fmt
 from lmyard.config import RunConfig, digest
 from lmyard.errors import UserError
+from lmyard.paths import cache_root
 from lmyard.sources import open_source
 from lmyard.store import Store, open_store
 from lmyard.tokenizer import get_tokenizer, identity
@@ -287,7 +288,7 @@ def tokenize_and_shard(cfg: RunConfig, log: Callable[[str], None] = print, cache
     `log` gets human-readable lines (documents/s and tokens/s every few seconds);
     `progress` gets the same figures as a Progress, for a UI.
     """
-    cache_dir = cache_dir or os.path.join(tempfile.gettempdir(), "lmyard-cache")
+    cache_dir = cache_dir or cache_root()
     store = open_store(cfg.store)
     source, enc, address, key = plan(cfg, cache_dir)
     existing = fmt.load_manifest(store, address)

@@ -117,7 +117,9 @@ class ShardSet:
 
 
 def shard_prefix(address: str) -> str:
-    return f"shards/{address}"
+    from lmyard.layout import ShardLayout
+
+    return ShardLayout(address).root
 
 
 def load_manifest(store, address: str) -> ShardSet | None:

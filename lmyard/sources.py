@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from lmyard.config import DataConfig
 from lmyard.errors import UserError
+from lmyard.paths import confined
 from lmyard.store import s3_client, s3_errors
 
 BUILTIN_PYDOC = "builtin:pydoc-topics"
@@ -203,6 +204,8 @@ def _s3(cfg: DataConfig, cache_dir: str) -> Source:
                         if fnmatch.fnmatchcase(o["Key"], pattern) or o["Key"] == pattern)
     if not objs:
         raise UserError(f"data.source {cfg.source!r} matches no object")
+    for o in objs:
+        _cache_path(cache_dir, bucket, o)  # refuses a key that would leave the cache, before anything is read
     builder = _builder_for([o["Key"] for o in objs])
     fp = {"kind": "s3", "builder": builder,
           "files": [{"name": f"s3://{bucket}/{o['Key']}", "size": o["Size"], "etag": o["ETag"].strip('"')} for o in objs]}
@@ -211,17 +214,33 @@ def _s3(cfg: DataConfig, cache_dir: str) -> Source:
     def gen() -> Iterator[str]:
         scanned = []
         for o in objs:
-            dest = os.path.join(cache_dir, "sources", bucket, o["Key"])
-            if not (os.path.exists(dest) and os.path.getsize(dest) == o["Size"]):
-                os.makedirs(os.path.dirname(dest), exist_ok=True)
-                with s3_errors(f"data.source s3://{bucket}/{o['Key']}"):
-                    client.download_file(bucket, o["Key"], dest + ".part")
-                os.replace(dest + ".part", dest)
+            dest = _fetched(client, bucket, o, cache_dir)
             bad = _scan(dest, check_utf8=builder != "parquet")[1]
             scanned.append((dest, f"s3://{bucket}/{o['Key']}", bad))
         readable = _readable(scanned, builder, cfg.on_decode_error, cache_dir, skipped)
         yield from _dataset_documents(builder, readable, cfg.text_field, cfg.source)()
     return Source("s3", fp, gen, size_bytes=sum(o["Size"] for o in objs), skipped=skipped)
+
+
+def _cache_path(cache_dir: str, bucket: str, obj: dict) -> str:
+    etag = hashlib.sha256(obj["ETag"].strip('"').encode()).hexdigest()[:24]
+    return confined(os.path.join(cache_dir, "sources", bucket, etag), obj["Key"], f"data.source s3://{bucket} key")
+
+
+def _fetched(client, bucket: str, obj: dict, cache_dir: str) -> str:
+    """The local copy of one listed object, fetched unless the cache holds this very content.
+
+    The copy's folder is named by the object's ETag (its content identity, also in the fingerprint):
+    a rewrite with the same size gets a new ETag, so it is fetched again. A key that would leave the
+    cache folder (`..` segments) is refused.
+    """
+    name, dest = f"s3://{bucket}/{obj['Key']}", _cache_path(cache_dir, bucket, obj)
+    if not (os.path.exists(dest) and os.path.getsize(dest) == obj["Size"]):
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        with s3_errors(f"data.source {name}"):
+            client.download_file(bucket, obj["Key"], dest + ".part")
+        os.replace(dest + ".part", dest)
+    return dest
 
 
 def _hub(cfg: DataConfig) -> Source:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
 from lmyard.errors import UserError
+from lmyard.paths import confined
 
 
 class Store(Protocol):
@@ -32,8 +33,26 @@ class Store(Protocol):
     def download(self, key: str, local_path: str) -> None: ...
     def list(self, prefix: str) -> list[str]: ...
     def delete(self, prefix: str) -> None: ...
+    def copy(self, key: str, dest_key: str) -> None: ...
+    def size(self, key: str) -> int | None: ...
     def local_path(self, key: str) -> str | None: ...
     def sha256(self, key: str) -> str | None: ...
+
+
+@contextlib.contextmanager
+def _replacing(path: Path) -> Iterator:
+    """A new file in `path`'s folder, renamed over `path` once written (atomic). Its mode follows the
+    umask like any open() (0644 by default), not mkstemp's 0600: readers under another uid can read it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class LocalStore:
@@ -43,7 +62,7 @@ class LocalStore:
         self.root = str(Path(root.removeprefix("file://")).expanduser().resolve())
 
     def _path(self, key: str) -> Path:
-        return Path(self.root, key)
+        return Path(confined(self.root, key, "store key"))
 
     def uri(self, key: str) -> str:
         return str(self._path(key))
@@ -55,24 +74,17 @@ class LocalStore:
         return self._path(key).read_bytes()
 
     def write_bytes(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "wb") as f:
+        with _replacing(self._path(key)) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
 
     def upload(self, local_path: str, key: str) -> None:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if Path(local_path).resolve() == path.resolve():
+        if path.exists() and Path(local_path).resolve() == path.resolve():
             return
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        os.close(fd)
-        shutil.copyfile(local_path, tmp)
-        os.replace(tmp, path)
+        with _replacing(path) as f, open(local_path, "rb") as src:
+            shutil.copyfileobj(src, f, 1 << 22)
 
     def download(self, key: str, local_path: str) -> None:
         Path(local_path).parent.mkdir(parents=True, exist_ok=True)
@@ -84,6 +96,13 @@ class LocalStore:
             return []
         return sorted(str(p.relative_to(self.root)) for p in base.rglob("*")
                       if p.is_file() and not p.name.startswith("."))
+
+    def copy(self, key: str, dest_key: str) -> None:
+        self.upload(str(self._path(key)), dest_key)
+
+    def size(self, key: str) -> int | None:
+        path = self._path(key)
+        return path.stat().st_size if path.is_file() else None
 
     def delete(self, prefix: str) -> None:
         path = self._path(prefix)
@@ -238,6 +257,27 @@ class S3Store:
                     Bucket=self.bucket, Prefix=self._key(prefix)):
                 keys.extend(obj["Key"].removeprefix(strip) for obj in page.get("Contents", []))
         return sorted(keys)
+
+    def copy(self, key: str, dest_key: str) -> None:
+        """A server-side copy (managed: multipart for large objects); nothing passes through this machine."""
+        from boto3.s3.transfer import TransferConfig
+
+        self._check_bucket()
+        with self._errors(key):
+            self.client.copy({"Bucket": self.bucket, "Key": self._key(key)}, self.bucket, self._key(dest_key),
+                             Config=TransferConfig(**TRANSFER))
+
+    def size(self, key: str) -> int | None:
+        from botocore.exceptions import ClientError
+
+        self._check_bucket()
+        with self._errors(key):
+            try:
+                return self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"]
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                    return None
+                raise
 
     def delete(self, prefix: str) -> None:
         keys = [self._key(k) for k in self.list(prefix)]

@@ -22,8 +22,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
-from lmyard.config import RunConfig
+from lmyard.config import RunConfig, redact_uri
 from lmyard.errors import UserError
+from lmyard.layout import RunLayout
 
 
 class MetricsSink(Protocol):
@@ -48,7 +49,10 @@ class MLflowSink:
 
     Each key's points at or below the highest step the run already holds are
     dropped (see the module docstring), so a resumed attempt does not log a
-    step twice.
+    step twice. A batch that cannot be sent is kept and sent with the next one;
+    the first failure of each kind is reported at once, in one line. Training
+    never fails for tracking: what still cannot be sent at close() is counted
+    in one warning line.
     """
 
     def __init__(self, tracking_uri: str, run_id: str):
@@ -59,9 +63,10 @@ class MLflowSink:
 
         self.client, self.run_id = MlflowClient(tracking_uri), run_id
         self.queue: queue.Queue = queue.Queue()
-        self.error: BaseException | None = None
         self.floor: dict[str, int] | None = None  # key -> highest step the run holds; read by the thread
         self.skipped = 0
+        self.unsent: list = []  # points not sent yet (the server could not be reached), oldest first
+        self.warned: set[str] = set()  # kinds of send errors already reported
         self.thread = threading.Thread(target=self._send, daemon=True, name="mlflow-sink")
         self.thread.start()
 
@@ -72,7 +77,7 @@ class MLflowSink:
         self.queue.put([Metric(k, float(v), now, step) for k, v in metrics.items()])
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until everything logged so far has been sent (e.g. before a checkpoint commits)."""
+        """Wait until everything logged so far has been sent, or tried (e.g. before a checkpoint commits)."""
         import threading
 
         done = threading.Event()
@@ -82,55 +87,70 @@ class MLflowSink:
     def _fresh(self, batch: list) -> list:
         if self.floor is None:
             self.floor = {m.key: m.step for m in self.client.get_run(self.run_id).data._metric_objs}
-        out = []
+        out, seen = [], dict(self.floor)
         for m in batch:
-            if m.step <= self.floor.get(m.key, -1):
+            if m.step <= seen.get(m.key, -1):
                 if not self.skipped:
                     print(f"metrics: {m.key} at step {m.step} is already in the MLflow run (an earlier attempt "
                           "logged it); steps logged before are not logged again", flush=True)
                 self.skipped += 1
                 continue
-            self.floor[m.key] = m.step
+            seen[m.key] = m.step
             out.append(m)
         return out
+
+    def _deliver(self, batch: list) -> None:
+        """Send the unsent points and `batch`, 1000 at a time (MLflow's limit); keep what fails for the next try."""
+        self.unsent.extend(batch)
+        try:
+            self.unsent = self._fresh(self.unsent)
+            while self.unsent:
+                chunk = self.unsent[:1000]
+                self.client.log_batch(self.run_id, metrics=chunk)
+                for m in chunk:
+                    self.floor[m.key] = max(m.step, self.floor.get(m.key, -1))
+                del self.unsent[:len(chunk)]
+        except Exception as e:  # noqa: BLE001 - training must not stop for tracking; retried with the next batch
+            kind = type(e).__name__
+            if kind not in self.warned:
+                self.warned.add(kind)
+                detail = redact_uri(str(e)).splitlines()[0][:300] if str(e) else ""
+                print(f"metrics: MLflow logging failed ({kind}: {detail}); "
+                      "keeping the points and retrying with the next batch", flush=True)
 
     def _send(self) -> None:
         import threading
 
         while True:
             item = self.queue.get()
-            if item is None:
-                return
+            batch, stop, markers = [], item is None, []
             if isinstance(item, threading.Event):
-                item.set()
-                continue
-            batch, stop, markers = list(item), False, []
-            while not self.queue.empty() and len(batch) < 1000:  # coalesce what has queued up meanwhile
+                markers.append(item)
+            elif item is not None:
+                batch.extend(item)
+            while not stop and not self.queue.empty() and len(batch) < 1000:  # coalesce what queued up meanwhile
                 more = self.queue.get()
                 if more is None:
                     stop = True
-                    break
-                if isinstance(more, threading.Event):
+                elif isinstance(more, threading.Event):
                     markers.append(more)
-                    continue
-                batch.extend(more)
-            try:
-                fresh = self._fresh(batch)
-                if fresh:
-                    self.client.log_batch(self.run_id, metrics=fresh)
-            except Exception as e:  # noqa: BLE001 - reported at close(); training must not stop for tracking
-                self.error = e
+                else:
+                    batch.extend(more)
+            if batch or self.unsent:
+                self._deliver(batch)
             for marker in markers:
                 marker.set()
             if stop:
                 return
 
     def close(self) -> None:
-        """Send everything queued, then stop; raises if a batch could not be sent."""
+        """Send everything queued, then stop. Never raises: points that still cannot be sent are counted in
+        one warning line."""
         self.queue.put(None)
         self.thread.join()
-        if self.error is not None:
-            raise RuntimeError(f"MLflow logging failed: {self.error}") from self.error
+        if self.unsent:
+            print(f"metrics: {len(self.unsent)} metric points could not be sent to MLflow and are lost "
+                  f"(from step {self.unsent[0].step} on)", flush=True)
 
 
 # ---------------------------------------------------------------- lineage
@@ -154,7 +174,7 @@ class Lineage:
 
 
 def lineage_key(run_name: str) -> str:
-    return f"runs/{run_name}/lineage.json"
+    return RunLayout(run_name).lineage
 
 
 def _client(uri: str):
@@ -164,6 +184,20 @@ def _client(uri: str):
         path = uri.removeprefix("sqlite:///")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     return MlflowClient(uri)
+
+
+def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, with one line, when an http(s) tracking server does not answer at all (MLflow's own
+    client would retry for minutes). Any HTTP answer counts as reachable; other URIs are not checked."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import requests
+
+    try:
+        requests.get(f"{uri.rstrip('/')}/health", timeout=timeout_s)
+    except requests.RequestException as e:
+        raise UserError(f"tracking.uri {redact_uri(uri)}: the MLflow server does not answer ({type(e).__name__}); "
+                        "start it, or point tracking.uri at a running server") from None
 
 
 def _experiment_id(client, cfg: RunConfig) -> str:
@@ -184,6 +218,7 @@ def open_lineage(cfg: RunConfig, store, *, shard_address: str, code_version: str
 
     Attempts are recorded by `record_attempt`, once per launch of the trainer.
     """
+    check_reachable(cfg.tracking.uri)
     client = _client(cfg.tracking.uri)
     key = lineage_key(cfg.run_name)
     params = cfg.flat()
@@ -194,7 +229,7 @@ def open_lineage(cfg: RunConfig, store, *, shard_address: str, code_version: str
         try:
             run = client.get_run(run_id)
         except Exception:  # noqa: BLE001 - MlflowException for a missing run or an unreachable server
-            raise UserError(f"lineage {cfg.run_name!r} belongs to MLflow run {run_id}, which {cfg.tracking.uri} "
+            raise UserError(f"lineage {cfg.run_name!r} belongs to MLflow run {run_id}, which {redact_uri(cfg.tracking.uri)} "
                             "does not hold: point tracking.uri at the server that has it, or choose a new run_name") from None
         experiment_id = run.info.experiment_id
         attempts = int(run.data.tags.get("lmyard.attempts", "0"))
@@ -210,9 +245,9 @@ def open_lineage(cfg: RunConfig, store, *, shard_address: str, code_version: str
         for i in range(0, len(items), 100):
             client.log_batch(run_id, params=items[i:i + 100])
         store.write_bytes(key, json.dumps({"mlflow_run_id": run_id, "experiment_id": experiment_id,
-                                           "tracking_uri": cfg.tracking.uri}).encode())
+                                           "tracking_uri": redact_uri(cfg.tracking.uri)}).encode())
     tags = {"lmyard.shard_address": shard_address, "lmyard.code_version": code_version,
-            "lmyard.store": store.uri(f"runs/{cfg.run_name}")}
+            "lmyard.store": store.uri(RunLayout(cfg.run_name).root)}
     if changed:
         tags[f"lmyard.attempt.{attempts + 1}.config_changes"] = json.dumps(changed)[:5000]
     _set_tags(client, run_id, tags)
@@ -236,6 +271,13 @@ def record_attempt(lineage: Lineage, *, resumed_from: str | None, start_step: in
     tags.update({f"lmyard.attempt.{attempt}.{k}": str(v) for k, v in info.items()})
     _set_tags(client, lineage.mlflow_run_id, tags)
     return replace(lineage, attempt=attempt, resumed_from=resumed_from, start_step=start_step)
+
+
+def record_resume(lineage: Lineage, *, resumed_from: str | None, start_step: int) -> None:
+    """Record on the current attempt the checkpoint the trainer actually loaded (reported by the trainer)."""
+    _set_tags(_client(lineage.tracking_uri), lineage.mlflow_run_id, {
+        f"lmyard.attempt.{lineage.attempt}.start_step": str(start_step),
+        f"lmyard.attempt.{lineage.attempt}.resumed_from": resumed_from or ""})
 
 
 def end_attempt(lineage: Lineage, outcome: str, detail: str = "") -> None:
@@ -475,7 +517,7 @@ def register_model(lineage: Lineage, name: str, model_id: str, step: int, descri
 
 def protect_checkpoint(store, run_name: str, step: int) -> list[int]:
     """Add `step` to runs/<run>/protected.json ({"steps": [...]}): retention keeps what a registered model points to."""
-    key = f"runs/{run_name}/protected.json"
+    key = RunLayout(run_name).protected
     steps = set(json.loads(store.read_bytes(key))["steps"]) if store.exists(key) else set()
     steps.add(step)
     store.write_bytes(key, json.dumps({"steps": sorted(steps)}).encode())

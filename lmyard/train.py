@@ -2,54 +2,53 @@
 
     torchrun --nproc_per_node=8 -m lmyard.train --spec spec.json
 
-The spec (a JSON file, or the LMYARD_SPEC environment variable) holds the
-run config, the shard set, the lineage and `hold_for_eval` (the flow evaluates
-every checkpoint and applies retention itself). `train()` reads top to bottom:
-set up -> resume -> loop { lr -> micro-steps -> clip -> step -> check & log
--> evaluate -> checkpoint }. It resumes from the newest complete checkpoint
-of `runs/<run_name>` in the store, exactly: weights, AdamW state, step, data
-cursor and every rank's RNG state. Imports stay light (no mlflow or boto3
-until used) so the entrypoint starts fast on GPU nodes.
+The spec (lmyard.contracts.TrainSpec: a JSON file, or the LMYARD_SPEC
+environment variable) holds the run config, the shard set, the lineage and
+`hold_for_eval` (the flow evaluates every checkpoint and applies retention
+itself). `Trainer.train()` reads top to bottom: resume -> loop { step ->
+guard -> log -> validate -> checkpoint -> faults -> preemption }, each
+component deciding when it is due (lmyard.components). It resumes from the
+newest complete checkpoint of `runs/<run_name>` exactly: weights, AdamW state,
+step, data cursor and every rank's RNG state (Python's, numpy's and torch's,
+all seeded at the start). How the job ended goes to `<exchange>/result.json`
+and the exit code (lmyard.errors.ExitCode), never only to the log. Imports
+stay light (no mlflow or boto3 until used) so the entrypoint starts fast.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
+import random
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lmyard import checkpoint, faults, retention
-from lmyard.checkpoint import AsyncCheckpointer, StoreOutage
+from lmyard import checkpoint, retention
+from lmyard.checkpoint import AsyncCheckpointer
+from lmyard.components import (Checkpointing, DivergenceGuard, FaultHook, MetricsLogger, Preemption, Validator,
+                               all_mean)
 from lmyard.config import RunConfig, TrainConfig
+from lmyard.contracts import CheckpointState, Exchange, Started, TrainResult, TrainSpec
 from lmyard.data import Prefetcher, TrainBatches, default_cache_dir, split_stream, val_sequences
-from lmyard.errors import UserError
-from lmyard.model import GPT, GPTConfig
+from lmyard.errors import Diverged, ExitCode, Preempted, StoreOutage, UserError, exit_code_of  # noqa: F401
+from lmyard.models import build_model, model_config, model_spec
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
 from lmyard.tracking import Lineage, MetricsSink, MLflowSink, NullSink, system_metrics
 from lmyard.watchdog import Heartbeat
 
-# Dense bf16 peak FLOP/s per GPU for MFU (vendor datasheets, SXM parts, no sparsity).
-# MFU = tokens/s * flops_per_token / (peak * GPUs), flops_per_token = 6N + 12*L*d*T.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2250e12, "A100": 312e12,
-              "L40S": 362e12, "L4": 121e12, "A10": 125e12}
-
 # How long a rollback waits for the last good checkpoint to reach the store before it gives up with
 # StoreOutage (the other ranks wait at a barrier meanwhile; NCCL's default collective timeout is 10 min).
 FLUSH_TIMEOUT_S = 300.0
-
-
-class Diverged(RuntimeError):
-    """The loss became non-finite or spiked, and the guard's policy stops the run."""
 
 
 @dataclass(frozen=True)
@@ -101,40 +100,18 @@ def grad_accum_steps(cfg: RunConfig, world: int, seq_len: int) -> int:
     return cfg.train.batch_tokens // per_micro
 
 
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-
-
-def check_fits(model: GPT, micro_batch: int, device: torch.device) -> None:
-    """Refuse, before the first step, a model whose weights, grads and AdamW state exceed the GPU's memory."""
-    if device.type != "cuda":
+def plan_memory(cfg: RunConfig, n_vocab: int, d: Dist) -> None:
+    """Before the first step on a GPU: each GPU's parameters, gradients, optimizer state and activations
+    (lmyard.memory); a UserError naming what would fit (fsdp, activation checkpointing, a smaller
+    micro-batch, more GPUs) when they will not."""
+    if d.device.type != "cuda":
         return
-    c = model.config
-    static = model.num_params() * 16  # fp32 weights + grads + two AdamW moments
-    # bf16 activations kept for backward: ~34 bytes per token per layer per width unit with flash
-    # attention (Korthikanti et al. 2022), plus bf16 logits and their fp32 softmax.
-    activations = c.n_layer * micro_batch * c.block_size * c.n_embd * 34 + micro_batch * c.block_size * c.vocab_size * 6
-    free, total = torch.cuda.mem_get_info(device)
-    gib = 2**30
-    if static > free:
-        raise UserError(f"the model's weights, gradients and AdamW state need {static / gib:.1f} GiB but "
-                        f"{torch.cuda.get_device_name(device)} has {free / gib:.1f} GiB free of {total / gib:.1f}: "
-                        "choose a smaller model.preset")
-    if static + activations > free:
-        print(f"warning: this step may not fit: ~{(static + activations) / gib:.1f} GiB estimated, "
-              f"{free / gib:.1f} GiB free; lower train.micro_batch (batch_tokens stays, accumulation grows)",
-              flush=True)
+    from lmyard import memory
 
-
-def all_mean(value: torch.Tensor, d: Dist) -> float:
-    if d.world > 1:
-        value = value.detach().clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        value /= d.world
-    return float(value)
+    total = torch.cuda.get_device_properties(d.device).total_memory
+    plan = memory.check(memory.estimate(cfg.model, cfg.train, d.world, total, n_vocab))
+    if d.is_main:
+        print(f"memory plan per GPU: {plan.summary()}", flush=True)
 
 
 @torch.no_grad()
@@ -198,20 +175,275 @@ def prepare_model(raw_model: torch.nn.Module, cfg: RunConfig, d: Dist) -> tuple[
     return model, ComputeContext(cuda, cfg.model.attention)
 
 
-def new_data_cursor(state: dict, data: TrainBatches, d: Dist) -> int:
+def seed_everything(seed: int, rank: int) -> None:
+    """Seed every generator a run touches: the same init on every rank (torch), per-rank streams for Python's
+    and numpy's global generators, so two runs of one config save identical RNG states."""
+    torch.manual_seed(seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+
+
+def out_of_memory(e: BaseException, cfg: RunConfig, step: int) -> UserError | None:
+    """A UserError naming the settings to change when `e` is an allocation failure, else None."""
+    text = str(e)
+    if not (isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in text
+            or "out of memory" in text.lower()):
+        return None
+    t = cfg.train
+    return UserError(f"out of memory at step {step} with train.micro_batch={t.micro_batch} x model.block_size: "
+                     f"lower train.micro_batch (train.batch_tokens={t.batch_tokens} stays; gradient accumulation "
+                     "grows), or choose a smaller model")
+
+
+class Trainer:
+    """One run of the loop on this rank. `train()` only delegates; the components decide what is due."""
+
+    def __init__(self, cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, sink: MetricsSink,
+                 hold_for_eval: bool = False):
+        self.cfg, self.t, self.shards, self.lineage, self.d, self.sink = cfg, cfg.train, shards, lineage, d, sink
+        self.hold_for_eval = hold_for_eval
+        self.store, self.cache = open_store(cfg.store), default_cache_dir()
+        self.exchange = Exchange.from_env() if d.is_main else None
+        seed_everything(self.t.seed, d.rank)
+        self._build_model()
+        self._build_data()
+        self.state = CheckpointState(step=0, cursor=0, tokens_seen=0, world_size=d.world,
+                                     shard_address=shards.address, train_tokens=self.data.stream.total,
+                                     config=cfg.model_dump(mode="json"),
+                                     lineage=lineage.to_dict() if lineage else None,
+                                     model=model_spec(self.raw_model))
+        self.started = Started(start_step=0, world_size=d.world)
+        self.logger = MetricsLogger(cfg, d.device, d.world, self.raw_model.flops_per_token(), sink, d.is_main)
+        self.validator, self.checkpointing = Validator(cfg), Checkpointing(cfg)
+        self.guard, self.faults = DivergenceGuard(cfg), FaultHook(d.rank, d.world)
+        self.checkpointer = AsyncCheckpointer(
+            self.store, cfg.run_name, os.path.join(self.cache, "staging"), max_pending=cfg.checkpoint.max_pending,
+            retries=cfg.checkpoint.upload_retries, on_commit=self._committed) if d.is_main else None
+        self.last_checkpoint: str | None = None
+
+    # ---- set up ---------------------------------------------------------------------
+    def _build_model(self) -> None:
+        self.gcfg = model_config(self.cfg.model, self.shards.n_vocab)
+        if self.gcfg.vocab_size < self.shards.n_vocab:
+            raise UserError(f"model.vocab_size ({self.gcfg.vocab_size}) is smaller than the shard set's vocabulary "
+                            f"({self.shards.n_vocab}, {self.shards.manifest['tokenizer']['name']}); unset it or raise it")
+        plan_memory(self.cfg, self.shards.n_vocab, self.d)
+        with torch.device(self.d.device):
+            self.raw_model = build_model(self.cfg.model, self.shards.n_vocab)
+        self.optimizer = torch.optim.AdamW(self.raw_model.param_groups(self.t.weight_decay), lr=self.t.lr,
+                                           betas=(self.t.beta1, self.t.beta2), fused=self.d.device.type == "cuda")
+
+    def _build_data(self) -> None:
+        T = self.gcfg.block_size
+        self.accum = grad_accum_steps(self.cfg, self.d.world, T)
+        self.data = TrainBatches(split_stream(self.shards, self.cfg.store, "train", self.cache), T,
+                                 self.t.micro_batch, self.accum, self.d.rank, self.d.world)
+        self.val = val_sequences(split_stream(self.shards, self.cfg.store, "val", self.cache), T,
+                                 self.cfg.eval.val_tokens)
+
+    # ---- the run --------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        self.resume()
+        self.model, self.autocast = prepare_model(self.raw_model, self.cfg, self.d)
+        self.params = list(self.raw_model.parameters())
+        self._describe()
+        self.batches = Prefetcher(self.data, self.state.cursor, self.d.device)
+        self.preemption, heartbeat = Preemption(self.d.world, self.d.device.type == "cuda"), Heartbeat(self.d.rank)
+        steps_run = 0
+        try:
+            while self.state.step < self.t.max_steps:
+                loss, grad_norm, lr = self.step()
+                if steps_run == 0 and self.checkpointer is not None:  # optimizer state exists now: copy buffers
+                    self.checkpointer.prepare(self.raw_model.state_dict(), self.optimizer.state_dict())
+                steps_run += 1
+                heartbeat.beat(self.state.step)
+                if self.guard_or_log(loss, grad_norm, lr):
+                    continue  # rolled back
+                self.maybe_validate()
+                if self.checkpointing.due(self.state.step):
+                    self.save()
+                self.faults.after_step(self.state.step, self.flush)
+                if self.preemption.due():
+                    self.preempt()
+        except BaseException:
+            if self.checkpointer is not None:  # let committed-so-far uploads finish, but do not hang on a dead store
+                with contextlib.suppress(Exception):
+                    self.checkpointer.close(timeout_s=60)
+            raise
+        finally:
+            self.batches.close()
+            self.preemption.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # wait for the last upload
+        if self.d.world > 1:
+            dist.barrier()
+        return self.result(ExitCode.DONE)
+
+    def step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step; advances step, cursor and tokens seen."""
+        lr = lr_at(self.state.step, self.t)
+        loss, grad_norm = train_step(self.model, self.params, self.optimizer, self.batches.get, self.accum, lr,
+                                     self.t.grad_clip, self.autocast, self.d.world > 1,
+                                     poison=self.faults.poison(self.state.step + 1),
+                                     before_update=self.checkpointer.before_update if self.checkpointer else None)
+        s = self.state
+        s.step, s.cursor, s.tokens_seen = s.step + 1, s.cursor + self.data.per_step, s.tokens_seen + self.t.batch_tokens
+        self.logger.steps += 1
+        return loss, grad_norm, lr
+
+    def guard_or_log(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> bool:
+        """Check the loss on log steps and before every checkpoint; roll back (True) or log it."""
+        step = self.state.step
+        if not (self.logger.due(step) or self.checkpointing.due(step)):
+            return False
+        self.state.train_loss = all_mean(loss, self.d.world)
+        problem = self.guard.problem(self.state.train_loss)
+        if problem:
+            self.rollback(problem)
+            return True
+        self.logger.log(step, self.state.train_loss, lr, float(grad_norm), self.state.tokens_seen,
+                        self.batches.waited_s)
+        return False
+
+    def maybe_validate(self) -> None:
+        step = self.state.step
+        if not self.validator.due(step):
+            return
+        val_loss = evaluate_loss(self.model, self.val, self.d, self.t.micro_batch, self.autocast)
+        self.validator.last = (step, val_loss)
+        if self.d.is_main:
+            self.sink.log({"val/loss": val_loss}, step)
+            print(f"step {step} | val loss {val_loss:.4f}", flush=True)
+        self.logger.restart(self.batches.waited_s)
+
+    # ---- checkpoints ----------------------------------------------------------------
+    def save(self) -> None:
+        """Every rank hands in its RNG state; rank 0 snapshots the state and returns (upload in background)."""
+        rng = [None] * self.d.world
+        if self.d.world > 1:
+            dist.all_gather_object(rng, checkpoint.rng_state())
+        else:
+            rng = [checkpoint.rng_state()]
+        if self.checkpointer is not None:
+            self.sink.flush(timeout=30)  # metrics up to this step reach MLflow before the checkpoint exists
+            self.state.val_loss = self.validator.at(self.state.step)
+            blocked = self.checkpointer.save(self.raw_model.state_dict(), self.optimizer.state_dict(), rng,
+                                             self.state.model_dump(mode="json"))
+            print(f"checkpoint step {self.state.step} saving in the background (loop blocked "
+                  f"{blocked * 1000:.1f} ms)", flush=True)
+            self.sink.log({"checkpoint/blocked_s": blocked}, self.state.step)
+        self.logger.restart(self.batches.waited_s)
+
+    def _committed(self, step: int, uri: str) -> None:
+        self.last_checkpoint = uri
+        print(f"checkpoint step {step} committed -> {uri}", flush=True)
+        if not self.hold_for_eval:  # else the flow applies retention as it finishes evaluating each checkpoint
+            retention.apply(self.store, self.cfg.run_name, self.cfg.checkpoint)
+
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.flush(timeout_s)
+
+    def resume(self) -> None:
+        """Load the newest complete checkpoint (damaged ones are moved aside), exactly; report what was loaded."""
+        ckpt, damaged = checkpoint.find_latest(self.store, self.cfg.run_name, self.cache)
+        if self.d.world > 1:
+            found = [None] * self.d.world
+            dist.all_gather_object(found, ckpt.step if ckpt else None)
+            assert len(set(found)) == 1, f"ranks found different checkpoints: {found}"
+            dist.barrier()  # every rank has read before a damaged one is moved
+        if self.d.is_main:
+            for step in damaged:
+                checkpoint.quarantine(self.store, self.cfg.run_name, step)
+        if ckpt is not None:
+            self.restore(ckpt)
+            if self.d.is_main:
+                print(f"resuming from {ckpt.uri} at step {ckpt.step} ({self.state.tokens_seen:,} tokens seen)",
+                      flush=True)
+            if ckpt.state.shard_address != self.shards.address:
+                self.state.cursor = new_data_cursor(ckpt.state, self.data, self.d)
+            self.state.shard_address = self.shards.address
+        self.started = Started(start_step=self.state.step, resumed_from=ckpt.uri if ckpt else None,
+                               skipped_damaged=[self.store.uri(checkpoint.step_prefix(self.cfg.run_name, s))
+                                                for s in damaged], world_size=self.d.world)
+        if self.exchange:
+            self.exchange.write("started.json", self.started)
+
+    def restore(self, ckpt: checkpoint.Checkpoint) -> None:
+        self.raw_model.load_state_dict(ckpt.model)
+        self.optimizer.load_state_dict(ckpt.optim)
+        old = ckpt.state
+        self.state = self.state.model_copy(update={"step": old.step, "cursor": old.cursor,
+                                                   "tokens_seen": old.tokens_seen, "rollbacks": old.rollbacks})
+        if old.world_size == self.d.world:
+            checkpoint.set_rng_state(ckpt.rng[self.d.rank])
+        elif self.d.is_main:
+            print(f"resuming on {self.d.world} ranks from a checkpoint of {old.world_size}: "
+                  "the token stream continues, per-rank RNG states restart", flush=True)
+
+    def rollback(self, problem: str) -> None:
+        """Back to the last checkpoint, skipping the batches since (the data cursor stays), or Diverged."""
+        bad_step, rollbacks = self.state.step, self.state.rollbacks
+        self.guard.check_rollback_allowed(bad_step, problem, rollbacks)
+        self.flush()  # the last good checkpoint may still be uploading
+        if self.d.world > 1:
+            dist.barrier()
+        ckpt, _ = checkpoint.find_latest(self.store, self.cfg.run_name, self.cache)
+        if ckpt is None:
+            raise Diverged(f"training diverged at step {bad_step}: {problem}, and there is no checkpoint to roll "
+                           "back to; lower train.lr or checkpoint.interval")
+        cursor, skipped = self.state.cursor, self.state.cursor - ckpt.state.cursor
+        self.restore(ckpt)
+        self.state.cursor, self.state.rollbacks = cursor, rollbacks + 1
+        self.batches.reset(cursor)
+        if self.d.is_main:
+            self.sink.log({"guard/rollbacks": rollbacks + 1, "guard/skipped_sequences": skipped}, bad_step)
+            print(f"divergence at step {bad_step}: {problem}; rolled back to {ckpt.uri} (step {ckpt.step}), "
+                  f"skipping {skipped} sequences; rollback {rollbacks + 1} of {self.t.guard.max_rollbacks}", flush=True)
+        self.logger.restart(self.batches.waited_s)
+
+    def preempt(self) -> None:
+        """Asked to stop: checkpoint this step (unless just saved), wait for it to commit, end as preempted."""
+        step = self.state.step
+        if not self.checkpointing.due(step):
+            self.save()
+        grace = self.cfg.launch.grace_s
+        waited = time.monotonic() - (self.preemption.requested_at or time.monotonic())
+        self.flush(max(1.0, grace - waited))
+        raise Preempted(f"stopped by SIGTERM after step {step}; checkpoint step {step} is in the store, and a "
+                        "rerun resumes from it")
+
+    # ---- reporting ------------------------------------------------------------------
+    def _describe(self) -> None:
+        if self.d.is_main:
+            g, d, t = self.gcfg, self.d, self.t
+            print(f"model: {self.raw_model.num_params():,} params, {g.n_layer} layers, d={g.n_embd}, "
+                  f"T={g.block_size}, vocab {g.vocab_size} | {d.world} ranks on {d.device.type} | "
+                  f"{t.batch_tokens:,} tokens/step = {t.micro_batch} seq * {g.block_size} tokens * {d.world} "
+                  f"ranks * {self.accum} micro-steps", flush=True)
+
+    def result(self, code: ExitCode, message: str | None = None) -> TrainResult:
+        s = self.state
+        return TrainResult.ended(code, message, step=s.step, tokens_seen=s.tokens_seen,
+                                 val_loss=self.validator.last[1] if self.validator.last else None,
+                                 train_loss=s.train_loss, rollbacks=s.rollbacks, start_step=self.started.start_step,
+                                 resumed_from=self.started.resumed_from, last_checkpoint=self.last_checkpoint)
+
+
+def new_data_cursor(state: CheckpointState, data: TrainBatches, d: Dist) -> int:
     """Where a lineage continues when its shard set changed (retraining on new data).
 
     An append-only source keeps the old train stream as a prefix of the new one:
     continue at the first sequence past the old tokens. Otherwise start the new stream.
     """
-    old_tokens = state.get("train_tokens") or 0
+    old_tokens = state.train_tokens
     first_new = old_tokens // data.T
     if 0 < old_tokens < data.stream.total and first_new < data.n_seq:
         where, cursor = f"at the first sequence past its {old_tokens:,} tokens (the data that is new)", first_new
     else:
         where, cursor = "from the start of the new shard set", 0
     if d.is_main:
-        print(f"the shard set changed from {state['shard_address']} to this run's: continuing {where}", flush=True)
+        print(f"the shard set changed from {state.shard_address} to this run's: continuing {where}", flush=True)
     return cursor
 
 
@@ -239,238 +471,15 @@ def train_step(model: torch.nn.Module, params: list[torch.Tensor], optimizer: to
     return loss_sum / accum, grad_norm
 
 
-class Guard:
-    """Decides whether a checked loss means divergence (non-finite, or a spike over the running mean)."""
-
-    def __init__(self, spike_factor: float | None):
-        self.spike_factor, self.mean, self.seen = spike_factor, None, 0
-
-    def bad(self, loss: float) -> str | None:
-        if not math.isfinite(loss):
-            return f"loss is {loss}"
-        if self.spike_factor and self.mean is not None and self.seen >= 3 and loss > self.spike_factor * self.mean:
-            return f"loss {loss:.4f} is over {self.spike_factor} x its running mean {self.mean:.4f}"
-        self.mean = loss if self.mean is None else 0.9 * self.mean + 0.1 * loss
-        self.seen += 1
-        return None
-
-
-def train(cfg: RunConfig, shards: ShardSet, lineage: Lineage | None, d: Dist, sink: MetricsSink,
-          hold_for_eval: bool = False) -> dict:
-    """Train to cfg.train.max_steps. `hold_for_eval`: the flow evaluates every checkpoint and applies retention
-    itself after each evaluation (one deleter; no checkpoint removed before it is evaluated)."""
-    t = cfg.train
-    store = open_store(cfg.store)
-    cache = default_cache_dir()
-    cuda = d.device.type == "cuda"
-
-    # ---- model, optimizer, data -------------------------------------------------
-    torch.manual_seed(t.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
-    gcfg = GPTConfig.from_config(cfg.model, shards.n_vocab)
-    if gcfg.vocab_size < shards.n_vocab:
-        raise UserError(f"model.vocab_size ({gcfg.vocab_size}) is smaller than the shard set's vocabulary "
-                        f"({shards.n_vocab}, {shards.manifest['tokenizer']['name']}); unset it or raise it")
-    raw_model = GPT(gcfg)
-    check_fits(raw_model, t.micro_batch, d.device)
-    raw_model.to(d.device)
-    T = gcfg.block_size
-    accum = grad_accum_steps(cfg, d.world, T)
-    optimizer = torch.optim.AdamW(raw_model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                                  fused=cuda)
-    train_data = TrainBatches(split_stream(shards, cfg.store, "train", cache), T, t.micro_batch, accum,
-                              d.rank, d.world)
-    val = val_sequences(split_stream(shards, cfg.store, "val", cache), T, cfg.eval.val_tokens)
-
-    # ---- resume from the newest complete checkpoint -------------------------------
-    step, cursor, tokens_seen = 0, 0, 0
-
-    def restore(ckpt: checkpoint.Checkpoint) -> None:
-        nonlocal step, tokens_seen
-        raw_model.load_state_dict(ckpt.model)
-        optimizer.load_state_dict(ckpt.optim)
-        step, tokens_seen = ckpt.state["step"], ckpt.state["tokens_seen"]
-        if ckpt.state["world_size"] == d.world:
-            checkpoint.set_rng_state(ckpt.rng[d.rank])
-        elif d.is_main:
-            print(f"resuming on {d.world} ranks from a checkpoint of {ckpt.state['world_size']}: "
-                  "the token stream continues, per-rank RNG states restart", flush=True)
-
-    ckpt = checkpoint.load_latest(store, cfg.run_name, cache)
-    if d.world > 1:
-        found = [None] * d.world
-        dist.all_gather_object(found, ckpt.step if ckpt else None)
-        assert len(set(found)) == 1, f"ranks found different checkpoints: {found}"
-    if ckpt is not None:
-        restore(ckpt)
-        cursor = ckpt.state["cursor"]
-        if d.is_main:
-            print(f"resuming from {ckpt.uri} at step {step} ({tokens_seen:,} tokens seen)", flush=True)
-        if ckpt.state["shard_address"] != shards.address:
-            cursor = new_data_cursor(ckpt.state, train_data, d)
-    del ckpt
-
-    model, autocast = prepare_model(raw_model, cfg, d)
-    params = list(raw_model.parameters())
-    flops_tok = raw_model.flops_per_token()
-    peak = peak_flops(d.device)
-    if d.is_main:
-        print(f"model: {raw_model.num_params():,} params, {gcfg.n_layer} layers, d={gcfg.n_embd}, T={T}, "
-              f"vocab {gcfg.vocab_size} | {d.world} ranks on {d.device.type} | "
-              f"{t.batch_tokens:,} tokens/step = {t.micro_batch} seq * {T} tokens * {d.world} ranks * {accum} "
-              f"micro-steps", flush=True)
-
-    def committed(s: int, uri: str) -> None:
-        print(f"checkpoint step {s} committed -> {uri}", flush=True)
-        if not hold_for_eval:  # else the flow applies retention as it finishes evaluating each checkpoint
-            retention.apply(store, cfg.run_name, cfg.checkpoint)
-
-    checkpointer = AsyncCheckpointer(
-        store, cfg.run_name, os.path.join(cache, "staging"), max_pending=cfg.checkpoint.max_pending,
-        retries=cfg.checkpoint.upload_retries, on_commit=committed) if d.is_main else None
-
-    def save(val_loss: float | None, train_loss: float | None) -> None:
-        """Every rank hands in its RNG state; rank 0 snapshots the state and returns (upload in background)."""
-        rng = [None] * d.world
-        if d.world > 1:
-            dist.all_gather_object(rng, checkpoint.rng_state())
-        else:
-            rng = [checkpoint.rng_state()]
-        if checkpointer is not None:
-            sink.flush(timeout=30)  # metrics up to this step reach MLflow before the checkpoint exists: a resume skips them
-            state = {"step": step, "cursor": cursor, "tokens_seen": tokens_seen, "world_size": d.world,
-                     "val_loss": val_loss, "train_loss": train_loss, "shard_address": shards.address,
-                     "train_tokens": train_data.stream.total,
-                     "config": cfg.model_dump(mode="json"), "lineage": lineage.to_dict() if lineage else None,
-                     "model": gcfg.__dict__, "rollbacks": rollbacks}
-            blocked = checkpointer.save(raw_model.state_dict(), optimizer.state_dict(), rng, state)
-            print(f"checkpoint step {step} saving in the background (loop blocked {blocked * 1000:.1f} ms)", flush=True)
-            sink.log({"checkpoint/blocked_s": blocked}, step)
-
-    # ---- the loop -------------------------------------------------------------------
-    batches = Prefetcher(train_data, cursor, d.device)
-    guard, rollbacks, steps_run = Guard(t.guard.spike_factor), 0, 0
-    heartbeat = Heartbeat(d.rank)
-    val_loss = train_loss = None
-    t_log, steps_since_log, wait_at_log = time.perf_counter(), 0, 0.0
-    try:
-        while step < t.max_steps:
-            # one optimizer step: lr, micro-steps, clip, AdamW
-            lr = lr_at(step, t)
-            loss, grad_norm = train_step(model, params, optimizer, batches.get, accum, lr, t.grad_clip, autocast,
-                                         d.world > 1, poison=faults.fires("nan_loss", step + 1),
-                                         before_update=checkpointer.before_update if checkpointer else None)
-            if checkpointer is not None and steps_run == 0:  # optimizer state exists now: make copy buffers
-                checkpointer.prepare(raw_model.state_dict(), optimizer.state_dict())
-            steps_run += 1
-            step += 1
-            heartbeat.beat(step)
-            cursor += train_data.per_step
-            tokens_seen += t.batch_tokens
-            steps_since_log += 1
-            last = step == t.max_steps
-            checkpoint_due = step % cfg.checkpoint.interval == 0 or last
-
-            # check the loss (and log) on log steps, and always before a checkpoint
-            if step % t.log_interval == 0 or checkpoint_due:
-                train_loss = all_mean(loss, d)
-                problem = guard.bad(train_loss)
-                if problem:
-                    if checkpointer is not None:
-                        checkpointer.flush(FLUSH_TIMEOUT_S)  # the last good checkpoint may still be uploading
-                    if d.world > 1:
-                        dist.barrier()
-                    ckpt = _rollback_target(cfg, t, store, cache, step, problem, rollbacks, d)
-                    rollbacks += 1
-                    bad_step, skipped = step, cursor - ckpt.state["cursor"]
-                    restore(ckpt)
-                    batches.reset(cursor)  # the data cursor stays: the batches since the checkpoint are skipped
-                    if d.is_main:
-                        sink.log({"guard/rollbacks": rollbacks, "guard/skipped_sequences": skipped}, bad_step)
-                        print(f"divergence at step {bad_step}: {problem}; rolled back to {ckpt.uri} (step {ckpt.step}), "
-                              f"skipping {skipped} sequences; rollback {rollbacks} of {t.guard.max_rollbacks}", flush=True)
-                    del ckpt
-                    t_log, steps_since_log, wait_at_log = time.perf_counter(), 0, batches.waited_s
-                    continue
-                if cuda:
-                    torch.cuda.synchronize()
-                dt = (time.perf_counter() - t_log) / steps_since_log
-                tok_s = t.batch_tokens / dt
-                metrics = {"train/loss": train_loss, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tok_s,
-                           "step_time_s": dt, "data_wait_frac": (batches.waited_s - wait_at_log) / (dt * steps_since_log),
-                           "tokens_seen": tokens_seen}
-                if peak:
-                    metrics["mfu"] = tok_s * flops_tok / (peak * d.world)
-                if cuda:
-                    metrics["peak_mem_gb"] = torch.cuda.max_memory_allocated(d.device) / 2**30
-                if d.is_main:
-                    sink.log(metrics, step)
-                    print(f"step {step}/{t.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | grad {float(grad_norm):.3f} | "
-                          f"{tok_s:,.0f} tok/s | {dt * 1000:.1f} ms/step | data wait {metrics['data_wait_frac']:.2%}"
-                          + (f" | mfu {metrics['mfu']:.1%}" if peak else ""), flush=True)
-                t_log, steps_since_log, wait_at_log = time.perf_counter(), 0, batches.waited_s
-
-            # evaluate
-            if step % cfg.eval.interval == 0 or last:
-                val_loss = evaluate_loss(model, val, d, t.micro_batch, autocast)
-                if d.is_main:
-                    sink.log({"val/loss": val_loss}, step)
-                    print(f"step {step} | val loss {val_loss:.4f}", flush=True)
-                t_log = time.perf_counter()
-
-            # checkpoint
-            if checkpoint_due:
-                save(val_loss, train_loss)
-                t_log = time.perf_counter()
-
-            if d.rank == d.world - 1 and faults.fires("hang", step):
-                print(f"injected hang of rank {d.rank} after step {step}", flush=True)
-                time.sleep(1e6)
-            if faults.fires("crash", step):
-                if checkpointer is not None:  # crash at a reproducible point: earlier checkpoints committed
-                    checkpointer.flush(FLUSH_TIMEOUT_S)
-                print(f"injected crash after step {step}", flush=True)
-                os._exit(1)
-    except BaseException:
-        if checkpointer is not None:  # let committed-so-far uploads finish, but do not hang on a dead store
-            with contextlib.suppress(Exception):
-                checkpointer.close(timeout_s=60)
-        raise
-    finally:
-        batches.close()
-    if checkpointer is not None:
-        checkpointer.close()  # wait for the last upload
-    if d.world > 1:
-        dist.barrier()
-
-    return {"step": step, "tokens_seen": tokens_seen, "val_loss": val_loss, "train_loss": train_loss,
-            "rollbacks": rollbacks}
-
-
-def _rollback_target(cfg: RunConfig, t: TrainConfig, store, cache: str, step: int, problem: str, rollbacks: int,
-                     d: Dist) -> checkpoint.Checkpoint:
-    """The checkpoint to roll back to, or Diverged when the policy or the cap says stop."""
-    if t.guard.policy == "stop":
-        raise Diverged(f"training diverged at step {step}: {problem}. Resume from the last checkpoint with a lower "
-                       "train.lr, or set train.guard.policy=rollback")
-    if rollbacks >= t.guard.max_rollbacks:
-        raise Diverged(f"training diverged at step {step}: {problem}, after {rollbacks} rollbacks "
-                       f"(train.guard.max_rollbacks); lower train.lr")
-    ckpt = checkpoint.load_latest(store, cfg.run_name, cache)
-    if ckpt is None:
-        raise Diverged(f"training diverged at step {step}: {problem}, and there is no checkpoint to roll back to; "
-                       "lower train.lr or checkpoint.interval")
-    return ckpt
-
-
-def read_spec(argv: list[str] | None) -> dict:
+def read_spec(argv: list[str] | None) -> TrainSpec:
     parser = argparse.ArgumentParser(prog="python -m lmyard.train", description=__doc__.splitlines()[0])
     parser.add_argument("--spec", help="run spec JSON file (default: the LMYARD_SPEC environment variable)")
     args = parser.parse_args(argv)
     if args.spec:
         with open(args.spec) as f:
-            return json.load(f)
+            return TrainSpec.model_validate_json(f.read())
     if "LMYARD_SPEC" in os.environ:
-        return json.loads(os.environ["LMYARD_SPEC"])
+        return TrainSpec.model_validate_json(os.environ["LMYARD_SPEC"])
     parser.error("give --spec PATH or set LMYARD_SPEC")
 
 
@@ -483,32 +492,57 @@ def node_system_metrics(cfg: RunConfig, lineage: Lineage | None, d: Dist):
                           interval_s=cfg.tracking.system_metrics_interval_s)
 
 
+def _report(result: TrainResult, d: Dist | None) -> None:
+    """Rank 0 writes result.json; any other rank that fails writes failures/rank-R.json."""
+    exchange = Exchange.from_env()
+    rank = d.rank if d else int(os.environ.get("RANK", 0))
+    if exchange is None:
+        return
+    if rank == 0:
+        exchange.write("result.json", result)
+    elif result.exit_code:
+        exchange.write(f"failures/rank-{rank}.json", result)
+
+
 def main(argv: list[str] | None = None) -> int:
     spec = read_spec(argv)
-    cfg = RunConfig.model_validate(spec["config"])
-    shards = ShardSet.from_dict(spec["shards"])
-    lineage = Lineage.from_dict(spec["lineage"]) if spec.get("lineage") else None
-    d = setup_distributed(cfg)
-    if d.world > 1 and d.local_rank == 0:  # one line per node: which ranks run where
-        import socket
-
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        print(f"{socket.gethostname()}: ranks {d.rank}-{d.rank + local - 1} of {d.world} joined", flush=True)
-    sink: MetricsSink = NullSink()
+    d, trainer, sink = None, None, NullSink()
     try:
+        cfg = RunConfig.model_validate(spec.config)
+        shards = ShardSet.from_dict(spec.shards)
+        lineage = Lineage.from_dict(spec.lineage) if spec.lineage else None
+        d = setup_distributed(cfg)
+        if d.world > 1 and d.local_rank == 0:  # one line per node: which ranks run where
+            import socket
+
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            print(f"{socket.gethostname()}: ranks {d.rank}-{d.rank + local - 1} of {d.world} joined", flush=True)
         if d.is_main and lineage is not None:
             sink = MLflowSink(lineage.tracking_uri, lineage.mlflow_run_id)
         with node_system_metrics(cfg, lineage, d):
-            result = train(cfg, shards, lineage, d, sink, hold_for_eval=spec.get("hold_for_eval", False))
-        if d.is_main:
-            print("result " + json.dumps(result), flush=True)
+            trainer = Trainer(cfg, shards, lineage, d, sink, hold_for_eval=spec.hold_for_eval)
+            try:
+                result = trainer.train()
+            except Exception as e:
+                oom = out_of_memory(e, cfg, trainer.state.step)
+                if oom is None:
+                    raise
+                raise oom from None
+        _report(result, d)
+        print(f"training finished at step {result.step}", flush=True)
         return 0
-    except (UserError, Diverged, StoreOutage) as e:
-        if d.is_main:
-            print(f"lmyard: error: {e}", file=sys.stderr, flush=True)
-        return 2
+    except BaseException as e:  # noqa: BLE001 - every ending becomes a result file and an exit code
+        code = exit_code_of(e) if not isinstance(e, KeyboardInterrupt) else ExitCode.PREEMPTED
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if code == ExitCode.CRASHED:
+            traceback.print_exc()
+        elif d is None or d.is_main or code != ExitCode.USER_ERROR:
+            print(f"lmyard: error: {message}", file=sys.stderr, flush=True)
+        _report(trainer.result(code, message) if trainer else TrainResult.ended(code, message), d)
+        return int(code)
     finally:
-        sink.close()
+        with contextlib.suppress(Exception):
+            sink.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

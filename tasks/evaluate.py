@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 
 from prefect import get_run_logger, task
@@ -16,9 +17,9 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 
-from lmyard import checkpoint, tracking
+from lmyard import catalog, tracking
 from lmyard.config import RunConfig
-from lmyard.errors import UserError
+from lmyard.contracts import EvalResult, read_stage_result
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
 from tasks._common import artifact_key
@@ -46,19 +47,36 @@ def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: tracking.L
     return result
 
 
-def new_checkpoints(config: RunConfig, lineage: tracking.Lineage, training: PrefectFuture) -> Iterator[int]:
+def new_checkpoints(config: RunConfig, lineage: tracking.Lineage, training: PrefectFuture,
+                    log=None) -> Iterator[int]:
     """Steps of complete checkpoints not yet evaluated, as they appear while `training` runs.
 
-    Polls the store every eval.poll_s seconds. The final checkpoint (train.max_steps)
-    is left out: the flow evaluates it itself, with the training result in hand.
+    Polls the store every eval.poll_s seconds. The final checkpoint (train.max_steps) is left out: the
+    flow evaluates it itself, with the training result in hand. A look that fails (the store briefly
+    unreachable) is tried again at the next poll, for as long as the trainer's uploads would retry
+    (checkpoint.upload_retries); only an outage longer than that ends the flow, never a blip.
     """
     store = open_store(config.store)
+    log = log or get_run_logger().warning
     done = set(tracking.metric_history(lineage, EVALUATED))
+    budget = outage_budget_s(config)
+    failing_since: float | None = None
     while True:
         training.wait(timeout=config.eval.poll_s)
         finished = training.state.is_final()  # read before listing: the last listing sees every checkpoint
         if config.eval.watch or finished:
-            for step in checkpoint.complete_steps(store, config.run_name):
+            try:
+                steps = catalog.complete_steps(store, config.run_name)
+            except Exception as e:  # noqa: BLE001 - UserError from s3_errors included: unreachable is transient here
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since > budget:
+                    raise
+                log(f"looking for new checkpoints failed ({str(e).splitlines()[0]}); trying again "
+                               f"(for up to {budget:.0f} s)")
+                continue
+            failing_since = None
+            for step in steps:
                 if step not in done and step != config.train.max_steps:
                     done.add(step)
                     yield step
@@ -66,8 +84,13 @@ def new_checkpoints(config: RunConfig, lineage: tracking.Lineage, training: Pref
             return
 
 
+def outage_budget_s(config: RunConfig) -> float:
+    """The seconds a store may stay unreachable: what the trainer's upload retries wait (1, 2, 4 ... 30 s)."""
+    return sum(min(30.0, 2.0 ** i) for i in range(config.checkpoint.upload_retries + 1)) + 30.0
+
+
 def _run_evaluator(config: RunConfig, shards: ShardSet, step: int, tail_lines: int = 30) -> dict:
-    """`python -m lmyard.evals` in its own process group; its result JSON."""
+    """`python -m lmyard.evals` in its own process group; the EvalResult it writes to a file."""
     with tempfile.TemporaryDirectory(prefix="lmyard-eval-") as tmp:
         spec, out = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
         with open(spec, "w") as f:
@@ -85,13 +108,7 @@ def _run_evaluator(config: RunConfig, shards: ShardSet, step: int, tail_lines: i
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise
-        if rc != 0:
-            errors = [line for line in tail if "lmyard: error:" in line]
-            if errors:
-                raise UserError(errors[-1].split("lmyard: error:", 1)[1].strip())
-            raise RuntimeError(f"evaluation of step {step} exited with code {rc}; last lines:\n" + "\n".join(tail))
-        with open(out) as f:
-            return json.load(f)
+        return read_stage_result(out, EvalResult, rc, "\n".join(tail)).model_dump()
 
 
 def _log_to_mlflow(lineage: tracking.Lineage, r: dict) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from lmyard import tracking
+from lmyard import lease, tracking
 from lmyard.config import RunConfig
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
@@ -53,3 +56,18 @@ def lineage_killed(flow, flow_run, state) -> None:
 def lineage_crashed(flow, flow_run, state) -> None:
     """Flow hook on a crash: the lineage's MLflow run, if still RUNNING (the flow body did not close it), ends FAILED."""
     _close_from_hook(flow_run, "FAILED")
+
+
+@contextmanager
+def lineage_lease(config: RunConfig) -> Iterator[lease.Lease]:
+    """Hold the lease of runs/<run_name> meanwhile: one run writes a lineage at a time (see lmyard.lease).
+    Released at the end, on success, failure and cancellation alike."""
+    from prefect.runtime import flow_run
+
+    held = lease.acquire(open_store(config.store), config.run_name,
+                         {"flow_run": f"{flow_run.name or '-'} ({flow_run.id or '-'})"},
+                         ttl_s=config.tracking.lease_ttl_s, wait_s=config.tracking.lease_wait_s)
+    try:
+        yield held
+    finally:
+        held.release()

@@ -9,8 +9,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from lmyard import tracking
-from lmyard.config import RunConfig
-from lmyard.evals import gate_results
+from lmyard.config import RunConfig, gate_results
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import socket
 import time
 
@@ -11,83 +10,78 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
-from lmyard import checkpoint, tracking
+from lmyard import tracking
 from lmyard.config import RunConfig
-from lmyard.launch import run_local
+from lmyard.contracts import Progress, Started, TrainSpec
+from lmyard.errors import retryable
+from lmyard.launch import stop_all
 from lmyard.shards import ShardSet
-from lmyard.store import open_store
-from tasks._common import artifact_key, not_a_user_error
-
-_STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|")
+from tasks._common import artifact_key
 
 
-# A failed launch (a dead node or container, a crashed rank, a stalled job) fails the task; the retry
-# resumes from the newest complete checkpoint. The flow sets the count from config.launch.retries.
-@task(name="train", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5, retry_condition_fn=not_a_user_error)
+def retry_if_it_can_help(task, task_run, state) -> bool:
+    """Retry condition: a crash, a lost node, a store outage or a preemption is retried (each resumes from the
+    newest checkpoint); bad input and divergence (the guard already had its say) are not."""
+    return retryable(state.result(raise_on_failure=False))
+
+
+# The flow sets the retry count from config.launch.retries.
+@task(name="train", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5, retry_condition_fn=retry_if_it_can_help)
 def train(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage) -> dict:
     """Run torchrun with the trainer; resumes from the newest complete checkpoint, as a new attempt."""
     logger = get_run_logger()
-    lineage = _record_attempt(config, lineage)
-    logger.info(f"attempt {lineage.attempt} of lineage {config.run_name}: "
-                + (f"resuming from {lineage.resumed_from}" if lineage.resumed_from else "starting fresh"))
+    lineage = tracking.record_attempt(lineage, resumed_from=None, start_step=0, info={
+        "flow_run_id": flow_run.get_id() or "", "flow_run_count": flow_run.get_run_count(),
+        "task_run_count": task_run.get_run_count(), "nodes": config.launch.nnodes,
+        "world_size": config.world_size(), "host": socket.gethostname()})
     # the flow evaluates every checkpoint: retention keeps each one until its evaluation has ended
-    spec = {"config": config.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": lineage.to_dict(),
-            "hold_for_eval": True}
-    on_line = _with_progress(config, logger.info)
+    spec = TrainSpec(config=config.model_dump(mode="json"), shards=shards.to_dict(), lineage=lineage.to_dict(),
+                     hold_for_eval=True)
+
+    def started(s: Started) -> None:
+        """What the trainer actually loaded (after any fallback) becomes the attempt's record."""
+        tracking.record_resume(lineage, resumed_from=s.resumed_from, start_step=s.start_step)
+        logger.info(f"attempt {lineage.attempt} of lineage {config.run_name}: "
+                    + (f"resumed from {s.resumed_from} at step {s.start_step}" if s.resumed_from else "started fresh")
+                    + (f"; skipped damaged {s.skipped_damaged}" if s.skipped_damaged else ""))
+
     try:
-        result = _launch(config, spec, on_line)
+        result = _launch(config, spec, logger.info, on_progress=_progress_artifact(config), on_started=started)
     except BaseException as e:
         tracking.end_attempt(lineage, "failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         raise
-    tracking.end_attempt(lineage, "finished", f"step {result['step']}")
-    return {**result, "attempt": lineage.attempt}
+    tracking.end_attempt(lineage, "finished", f"step {result.step}")
+    return {**result.model_dump(), "attempt": lineage.attempt}
 
 
-def _launch(config: RunConfig, spec: dict, on_line) -> dict:
-    """torchrun here (`local`), or in one container per node (`docker`)."""
+def _launch(config: RunConfig, spec: TrainSpec, on_line, **callbacks):
+    """torchrun here (`local`), or in one container per node (`docker`): one follower for both."""
     if config.launch.backend == "docker":
         from lmyard.launch_docker import run_docker
 
-        return run_docker(config, spec, on_line=on_line, flow_run_id=flow_run.get_id())
-    return run_local(config, spec, on_line=on_line)
+        return run_docker(config, spec, on_line=on_line, flow_run_id=flow_run.get_id(), **callbacks)
+    from lmyard.launch import run_local
+
+    return run_local(config, spec, on_line=on_line, **callbacks)
 
 
-def _record_attempt(config: RunConfig, lineage: tracking.Lineage) -> tracking.Lineage:
-    store = open_store(config.store)
-    steps = checkpoint.complete_steps(store, config.run_name)
-    return tracking.record_attempt(
-        lineage, resumed_from=store.uri(checkpoint.step_prefix(config.run_name, steps[-1])) if steps else None,
-        start_step=steps[-1] if steps else 0,
-        info={"flow_run_id": flow_run.get_id() or "", "flow_run_count": flow_run.get_run_count(),
-              "task_run_count": task_run.get_run_count(), "nodes": config.launch.nnodes,
-              "world_size": config.world_size(), "host": socket.gethostname()})
-
-
-def _with_progress(config: RunConfig, log):
-    """Forward trainer lines to `log`, and show `step N/M` lines in a Prefect progress artifact (every >= 2 s)."""
+def _progress_artifact(config: RunConfig):
+    """A Prefect progress artifact fed by the trainer's progress file (at most every 2 s, and the last step)."""
     artifact_id = create_progress_artifact(0.0, key=artifact_key(config.run_name, "train-progress"),
                                            description="train: starting")
     last = 0.0
 
-    def on_line(line: str) -> None:
+    def on_progress(p: Progress) -> None:
         nonlocal last
-        log(line)
-        m = _STEP_LINE.match(line)
-        if m and (time.monotonic() - last > 2.0 or m.group(1) == m.group(2)):
+        if time.monotonic() - last > 2.0 or p.step == p.max_steps:
             last = time.monotonic()
-            step, total = int(m.group(1)), int(m.group(2))
-            update_progress_artifact(artifact_id, 100.0 * step / total, description=line[:500])
-    return on_line
+            text = f"step {p.step}/{p.max_steps}" + (f", loss {p.loss:.4f}" if p.loss is not None else "") + (
+                f", {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else "")
+            update_progress_artifact(artifact_id, 100.0 * p.step / p.max_steps, description=text)
+    return on_progress
 
 
-def stop_training() -> None:
-    """End the trainers this process launched (torchrun forwards SIGTERM to its ranks), e.g. when the flow is
-    interrupted while the train task runs in a worker thread."""
-    import psutil
-
-    for proc in psutil.Process().children():
-        try:
-            if "torch.distributed.run" in " ".join(proc.cmdline()) and "lmyard.train" in " ".join(proc.cmdline()):
-                proc.terminate()
-        except psutil.NoSuchProcess:
-            pass
+def stop_training() -> int:
+    """Stop the trainers this process follows (SIGTERM: each checkpoints and ends as preempted), e.g. when the
+    flow fails while the train task runs in a worker thread. Local and Docker jobs alike."""
+    return stop_all()

@@ -65,7 +65,7 @@ def test_checkpoints_round_trip_through_s3_and_resume_exactly(s3_run):
     assert isinstance(err, Exception) and "injected crash after step 10" in "\n".join(lines)
     result, lines = run("s3-crashed")
     assert not isinstance(result, Exception), result
-    assert result["step"] == 12 and any("at step 8" in ln and "s3://" in ln for ln in lines)
+    assert result.step == 12 and any("at step 8" in ln and "s3://" in ln for ln in lines)
     a = checkpoint.load_step(store, "s3-straight", 12, str(tmp / "load-a"))
     b = checkpoint.load_step(store, "s3-crashed", 12, str(tmp / "load-b"))
     assert a.state["cursor"] == b.state["cursor"] and a.uri.startswith("s3://")
@@ -135,7 +135,7 @@ def test_upload_cut_by_a_dying_process_leaves_no_manifest_and_resume_uses_the_pr
     assert checkpoint.complete_steps(store, "cut-upload") == [4]
     assert store.list(checkpoint.step_prefix("cut-upload", 8)), "some files of step 8 were uploaded"
     result, lines = run("cut-upload")
-    assert result["step"] == 12 and any("at step 4" in ln for ln in lines)
+    assert result.step == 12 and any("at step 4" in ln for ln in lines)
     assert checkpoint.complete_steps(store, "cut-upload")[-2:] == [8, 12]
 
 

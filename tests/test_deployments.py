@@ -49,6 +49,32 @@ def prefect_stack(tmp_path_factory):
             stop_group(p, 20)
 
 
+def test_every_deployment_names_a_recipe_that_loads_and_sets_nothing_that_disagrees_with_it():
+    import yaml
+
+    from lmyard.config import load_recipe, with_recipe, RunConfig
+
+    spec = yaml.safe_load((REPO / "deploy" / "prefect.yaml").read_text())
+    for d in spec["deployments"]:
+        params = d.get("parameters", {})
+        assert params.get("recipe"), f"deployment {d['name']} does not name its recipe"
+        recipe = load_recipe(params["recipe"])
+        given = RunConfig.model_validate(params.get("config", {}))
+        assert with_recipe(given, params["recipe"]) == recipe, (
+            f"deployment {d['name']} sets config fields that differ from recipe {params['recipe']}")
+
+
+def test_a_runs_config_overrides_only_the_fields_it_sets_on_top_of_the_recipe():
+    from lmyard.config import RunConfig, load_recipe, with_recipe
+
+    given = RunConfig.model_validate({"run_name": "mine", "train": {"max_steps": 7}})
+    cfg = with_recipe(given, "gpt2-124m")
+    recipe = load_recipe("gpt2-124m")
+    assert cfg.run_name == "mine" and cfg.train.max_steps == 7
+    assert cfg.train.batch_tokens == recipe.train.batch_tokens and cfg.model.preset == "gpt2-124m"
+    assert with_recipe(given, None) is given
+
+
 def _config(tmp: Path, corpus: Path, steps: int) -> dict:
     return {"run_name": "deployed", "store": str(tmp / "store"), "tracking": {"uri": f"sqlite:///{tmp / 'mlflow.db'}"},
             "data": {"source": str(corpus)},

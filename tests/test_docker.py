@@ -66,8 +66,10 @@ def _writable_by_image(path):
 
 
 def _stage(client, image, tmp_path, *args):
-    """Run `python -m lmyard.stages ARGS` in the image with tmp_path mounted; returns (exit code, output)."""
-    c = client.containers.run(image, ["python", "-m", "lmyard.stages", *args], detach=True,
+    """Run `python -m lmyard.stages ARGS` in the image with tmp_path mounted; returns (exit code, output).
+    The stage's result file goes to tmp_path/stage-result.json."""
+    out = ["--out", str(tmp_path / "stage-result.json")]
+    c = client.containers.run(image, ["python", "-m", "lmyard.stages", *args, *out], detach=True,
                               volumes={str(tmp_path): {"bind": str(tmp_path), "mode": "rw"}})
     try:
         code = c.wait(timeout=300)["StatusCode"]
@@ -129,8 +131,11 @@ def test_prune_keeps_the_newest_images_and_any_a_container_was_made_from(docker_
 
 def test_tokenize_stage_runs_in_the_image_and_writes_a_shard_set_the_host_reuses(image_sharded):
     tmp, shards, reused, out = image_sharded
+    from lmyard.contracts import ShardResult, read_model
+
     assert reused, "the host found no complete shard set where the container wrote it"
-    assert f'"address": "{shards.address}"' in out and shards.tokens("train") > 100_000
+    written = read_model(str(tmp / "stage-result.json"), ShardResult)
+    assert written.address == shards.address and written.train_tokens == shards.tokens("train") > 100_000
 
 
 def test_two_containers_on_a_bridge_network_train_and_checkpoint_to_a_mounted_store(
@@ -151,7 +156,7 @@ def test_two_containers_on_a_bridge_network_train_and_checkpoint_to_a_mounted_st
     result = run_docker(cfg, spec, on_line=lines.append, image=stage_image, flow_run_id="test-bridge")
 
     text = "\n".join(lines)
-    assert result["step"] == 12, text[-3000:]
+    assert result.step == 12, text[-3000:]
     assert complete_steps(open_store(cfg.store), "bridge") == [4, 8, 12]
     # both nodes' ranks logged, with their node prefix; rank 0's metrics reached MLflow from inside
     joined = sorted(ln.split("]")[0] for ln in lines if "of 2 joined" in ln)
@@ -267,3 +272,31 @@ def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_che
     assert _ours(docker_client, "killed") == ([], [])
     for secret in (s3_server.env["AWS_SECRET_ACCESS_KEY"], s3_server.env["AWS_ACCESS_KEY_ID"]):
         assert secret not in text
+
+
+def test_the_watchdog_ends_a_stalled_two_container_job_and_the_retry_resumes(
+        docker_client, stage_image, image_sharded, monkeypatch):
+    from lmyard.errors import TrainingFailed
+
+    tmp, shards, _, _ = image_sharded
+    faults = _writable_by_image(tmp / "faults-watchdog")  # fired faults recorded across attempts
+    monkeypatch.setenv("LMYARD_FAULTS", "hang@6")
+    monkeypatch.setenv("LMYARD_FAULTS_STATE", str(faults))
+    cfg = load_recipe("smoke", tiny_overrides(tmp, steps=10, **{"data.source": str(tmp / "corpus.jsonl"),
+        "run_name": "stalled", "launch.backend": "docker", "launch.nnodes": 2, "launch.nproc_per_node": 1,
+        "launch.docker.network": "bridge", "launch.docker.shm_size": "256m", **NO_MEMLOCK,
+        "launch.docker.volumes": f"['{faults}:{faults}']", "launch.watchdog_s": 8, "checkpoint.interval": 4,
+        "eval.interval": 100}))
+    _writable_by_image(tmp / "store")
+    spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
+    lines: list[str] = []
+    t0 = time.monotonic()
+    with pytest.raises(TrainingFailed, match="watchdog: no training step completed for .* rank-0 after step 6"):
+        run_docker(cfg, spec, on_line=lines.append, image=stage_image, flow_run_id="test-stalled")
+    assert time.monotonic() - t0 < 240, "the stall was not ended in time"
+    assert any("injected hang of rank 1 after step 6" in ln for ln in lines), "\n".join(lines[-20:])
+    assert _ours(docker_client, "stalled") == ([], [])
+    assert complete_steps(open_store(cfg.store), "stalled") == [4]
+
+    result = run_docker(cfg, spec, on_line=lines.append, image=stage_image, flow_run_id="test-stalled")
+    assert result.start_step == 4 and result.step == 10

@@ -13,7 +13,6 @@ import torch
 from conftest import REPO, lmyard_cmd, save_model_checkpoint, write_random_checkpoint as write_checkpoint
 from lmyard import export
 from lmyard.errors import UserError
-from lmyard.model import GPT, GPTConfig
 from lmyard.store import open_store
 
 transformers = pytest.importorskip("transformers", reason="the export tests load folders with transformers (dev extra)")
@@ -22,22 +21,24 @@ TEXTS = ["The for statement is used to iterate", "Exceptions are raised when  \n
          "don't it's we'll 123456 3.14", "émoji 🎉 中文 <|endoftext|> after"]
 
 
-def hf_logits(folder: str, ids: torch.Tensor) -> torch.Tensor:
+def hf_logits(folder: str, ids: torch.Tensor, hf_arch: str) -> torch.Tensor:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    assert type(model).__name__ == "GPT2LMHeadModel"
+    assert type(model).__name__ == hf_arch
     with torch.no_grad():
         return model(ids).logits
 
 
-@pytest.mark.parametrize("tokenizer,bias", [("bytes", True), ("gpt2", True), ("bytes", False)])
-def test_transformers_loads_the_export_and_its_logits_equal_lmyards(tmp_path, tokenizer, bias):
+@pytest.mark.parametrize("arch,tokenizer,bias", [("gpt2", "bytes", True), ("gpt2", "gpt2", True),
+                                               ("gpt2", "bytes", False), ("llama", "bytes", False)])
+def test_transformers_loads_the_export_and_its_logits_equal_lmyards(tmp_path, arch, tokenizer, bias):
     import tiktoken  # noqa: F401 - the gpt2 case needs TIKTOKEN_CACHE_DIR (offline ranks)
 
     from lmyard.tokenizer import _load
 
-    uri, model = write_checkpoint(tmp_path / "store", tokenizer, bias=bias)  # no biases: exported as zeros
+    uri, model = write_checkpoint(tmp_path / "store", tokenizer, arch=arch, bias=bias)  # GPT-2 without biases: zeros
     info = export.export(uri, str(tmp_path / "hf"), cache_dir=str(tmp_path / "cache"))
-    assert info["step"] == 5 and info["hf_architecture"] == "GPT2LMHeadModel"
+    hf_arch = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[arch]
+    assert info["step"] == 5 and info["hf_architecture"] == hf_arch
     folder = str(tmp_path / "hf")
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "lmyard_export.json"} <= set(os.listdir(folder))
@@ -53,20 +54,24 @@ def test_transformers_loads_the_export_and_its_logits_equal_lmyards(tmp_path, to
     ids = torch.tensor([enc.encode_ordinary(" ".join(TEXTS) * 3)[:64], enc.encode_ordinary(TEXTS[1] * 5)[:64]])
     with torch.no_grad():
         ours = model(ids)
-    theirs = hf_logits(folder, ids)
+    theirs = hf_logits(folder, ids, hf_arch)
     assert theirs.shape == ours.shape
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert generation["suppress_tokens"] == list(range(enc.n_vocab, model.config.vocab_size))
 
 
-def test_import_then_export_is_the_identity(tmp_path):
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_import_then_export_is_the_identity(tmp_path, arch):
     from safetensors.torch import load_file
 
-    uri, model = write_checkpoint(tmp_path / "store")
+    from lmyard.models import model_from_spec
+
+    uri, model = write_checkpoint(tmp_path / "store", arch=arch)
     export.export(uri, str(tmp_path / "first"), cache_dir=str(tmp_path / "cache"))
-    sd, dims = export.init_from_hf(str(tmp_path / "first"))
-    imported = GPT(GPTConfig(**dims))
+    sd, spec = export.init_from_hf(str(tmp_path / "first"))
+    imported = model_from_spec(spec)
+    assert type(imported) is type(model) and imported.config == model.config
     imported.load_state_dict(sd)
     for name, tensor in model.state_dict().items():  # lmyard -> HF -> lmyard gives back every tensor
         assert torch.equal(imported.state_dict()[name], tensor), name
@@ -125,18 +130,18 @@ def test_bad_inputs_are_one_clear_error_and_leave_nothing_at_the_destination(tmp
         export.export(f"{store}/runs/r", str(dest), cache_dir=cache)  # the newest complete one
     assert _nothing_written(dest)
 
-    other, _ = write_checkpoint(tmp_path / "other", family="mamba")
+    other, _ = write_checkpoint(tmp_path / "other", spec_arch="mamba")
     with pytest.raises(UserError, match="architecture 'mamba', which lmyard cannot export: known architectures are "
-                                        "gpt2"):
+                                        "gpt2, llama"):
         export.export(other, str(dest), cache_dir=cache)
     assert _nothing_written(dest)
 
     with pytest.raises(UserError, match="is not a folder"):
         export.init_from_hf(str(tmp_path / "missing"))
-    (tmp_path / "llama").mkdir()
-    (tmp_path / "llama" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
-    with pytest.raises(UserError, match=r"\['LlamaForCausalLM'\] is not one lmyard can load"):
-        export.init_from_hf(str(tmp_path / "llama"))
+    (tmp_path / "mistral").mkdir()
+    (tmp_path / "mistral" / "config.json").write_text('{"architectures": ["MistralForCausalLM"]}')
+    with pytest.raises(UserError, match=r"\['MistralForCausalLM'\] is not one lmyard can load"):
+        export.init_from_hf(str(tmp_path / "mistral"))
 
 
 def test_export_command_writes_the_folder_and_names_a_bad_destination(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -9,10 +10,12 @@ import torch
 
 from conftest import tiny_overrides
 from lmyard.config import load_recipe
-from lmyard.errors import UserError
+from lmyard.catalog import complete_steps
+from lmyard.errors import Diverged, Preempted, UserError
 from lmyard.launch import run_local
 from lmyard.model import GPT, GPTConfig
 from lmyard.sharding import tokenize_and_shard
+from lmyard.store import open_store
 from lmyard.train import grad_accum_steps, train_step
 
 
@@ -24,7 +27,7 @@ def shard_env(tmp_path_factory):
     return tmp, shards
 
 
-def _run(shard_env, run_name, *, nproc=2, steps=12, faults="", expect_fail=False, **extra):
+def _run(shard_env, run_name, *, nproc=2, steps=12, faults="", expect_fail=False, on_line=None, **extra):
     tmp, shards = shard_env
     values = {"run_name": run_name, "launch.nproc_per_node": nproc, "train.batch_tokens": 1024,
               "checkpoint.interval": 4, "eval.interval": 100, **extra}
@@ -37,7 +40,7 @@ def _run(shard_env, run_name, *, nproc=2, steps=12, faults="", expect_fail=False
     try:
         if expect_fail:
             with pytest.raises(Exception) as info:
-                run_local(cfg, spec, on_line=lines.append)
+                run_local(cfg, spec, on_line=on_line or lines.append)
             return info.value, lines
         return run_local(cfg, spec, on_line=lines.append), lines
     finally:
@@ -51,32 +54,75 @@ def _state(shard_env, run_name, step):
     return load("model.pt"), load("optim.pt")
 
 
-def _flat(tree):
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for k in sorted(tree, key=str) for t in _flat(tree[k])]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _flat(v)]
-    return []
+def _whole_checkpoint(shard_env, run_name, step):
+    """Every file of a checkpoint: tensors of model, optimizer and every rank's RNG (Python's, numpy's, torch's),
+    and state.json less the run's name."""
+    tmp, _ = shard_env
+    d = tmp / "store" / "runs" / run_name / "checkpoints" / f"step_{step:08d}"
+    state = json.loads((d / "state.json").read_text())
+    state["config"].pop("run_name")
+    return {name: torch.load(d / name, weights_only=True) for name in ("model.pt", "optim.pt", "rng.pt")}, state
 
 
-def test_resume_after_a_crash_reproduces_the_uninterrupted_run_bit_for_bit(shard_env):
+def _assert_identical(a, b, path=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert sorted(a, key=str) == sorted(b, key=str), path
+        for k in a:
+            _assert_identical(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_identical(x, y, f"{path}/{i}")
+    else:
+        assert a == b, path
+
+
+@pytest.fixture(scope="module")
+def straight(shard_env):
+    """An uninterrupted run of 12 steps on 2 ranks: what the interrupted runs must reproduce."""
     _run(shard_env, "straight")
+    return "straight"
+
+
+def test_two_fresh_runs_of_one_config_write_identical_checkpoints_every_rng_state_included(shard_env, straight):
+    _run(shard_env, "straight-again")
+    for step in (4, 12):
+        _assert_identical(_whole_checkpoint(shard_env, "straight", step), _whole_checkpoint(shard_env, "straight-again", step))
+
+
+def test_resume_after_a_crash_reproduces_the_uninterrupted_run_bit_for_bit(shard_env, straight):
     err, lines = _run(shard_env, "crashed", faults="crash@10", expect_fail=True)
     assert "injected crash after step 10" in "\n".join(lines)
     result, lines = _run(shard_env, "crashed")
-    assert any("resuming from" in ln and "at step 8" in ln for ln in lines)
-    assert result["step"] == 12
-    a, b = _state(shard_env, "straight", 12), _state(shard_env, "crashed", 12)
-    for x, y in zip(_flat(a), _flat(b), strict=True):
-        assert torch.equal(x, y)
+    assert result.resumed_from.endswith("step_00000008") and result.start_step == 8
+    assert result.step == 12
+    _assert_identical(_whole_checkpoint(shard_env, "straight", 12), _whole_checkpoint(shard_env, "crashed", 12))
 
 
-def test_resume_on_another_world_size_continues_the_same_token_stream(shard_env):
+def test_sigterm_mid_training_checkpoints_that_step_and_the_resumed_run_equals_the_uninterrupted_one(
+        shard_env, straight):
+    from lmyard.launch import stop_all
+
+    def on_line(line):
+        if line.startswith("step 5/12"):  # the ranks pause after step 5 (an injected fault): a known step
+            stop_all()  # what a cancelled flow run does: SIGTERM to torchrun's process group
+
+    err, _ = _run(shard_env, "preempted", faults="pause@5", expect_fail=True, on_line=on_line)
+    assert isinstance(err, Preempted) and "stopped by SIGTERM after step 5" in str(err)
+    stopped_at = 5
+    tmp, _ = shard_env
+    assert stopped_at in complete_steps(open_store(str(tmp / "store")), "preempted")
+    result, _ = _run(shard_env, "preempted")
+    assert result.start_step == stopped_at and result.step == 12  # no step lost, none repeated
+    _assert_identical(_whole_checkpoint(shard_env, "straight", 12), _whole_checkpoint(shard_env, "preempted", 12))
+
+
+def test_resume_on_another_world_size_continues_the_same_token_stream(shard_env, straight):
     _run(shard_env, "two-ranks-crashed", faults="crash@5", expect_fail=True)
     result, lines = _run(shard_env, "two-ranks-crashed", nproc=1)
-    assert any("from a checkpoint of 2" in ln for ln in lines) and result["step"] == 12
+    assert any("from a checkpoint of 2" in ln for ln in lines) and result.step == 12
     # One rank reads both ranks' sequences with twice the accumulation: same data, same updates
     # up to float summation order.
     (m1, _), (m2, _) = _state(shard_env, "straight", 12), _state(shard_env, "two-ranks-crashed", 12)
@@ -88,14 +134,14 @@ def test_guard_rolls_back_on_a_nan_loss_and_continues(shard_env):
     result, lines = _run(shard_env, "nan-rollback", faults="nan_loss@6", **{"train.guard.policy": "rollback"})
     text = "\n".join(lines)
     assert "divergence at step 6: loss is nan; rolled back to" in text and "(step 4)" in text
-    assert result["step"] == 12 and result["rollbacks"] == 1
+    assert result.step == 12 and result.rollbacks == 1
     model, _ = _state(shard_env, "nan-rollback", 12)
     assert all(torch.isfinite(t).all() for t in model.values())
 
 
-def test_guard_stops_with_a_clear_error_when_policy_is_stop(shard_env):
+def test_guard_stops_as_diverged_not_a_user_error_when_policy_is_stop(shard_env):
     err, _ = _run(shard_env, "nan-stop", faults="nan_loss@6", expect_fail=True)
-    assert isinstance(err, UserError) and "training diverged at step 6: loss is nan" in str(err)
+    assert isinstance(err, Diverged) and "training diverged at step 6: loss is nan" in str(err)
 
 
 def test_k_micro_steps_equal_one_step_on_a_k_times_larger_batch():

@@ -41,7 +41,7 @@ def test_hung_rank_is_detected_within_the_configured_time_and_the_job_killed(tmp
     assert complete_steps(open_store(cfg.store), "smoke") == [4]
 
     result = run_local(cfg, spec, on_line=lambda line: None)  # the retry: resumes at step 4, the fault has fired
-    assert result["step"] == 12
+    assert result.step == 12
 
 
 def test_flow_retries_the_killed_training_task_and_finishes(prefect_api_url, tmp_path, monkeypatch):

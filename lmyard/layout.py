@@ -1,0 +1,87 @@
+"""Where things live in the store: the one owner of every key under `runs/<run>/` and `shards/<address>/`.
+
+    runs/<run>/lineage.json                         the lineage's MLflow run id
+    runs/<run>/lease.json                           the one writer of the lineage (host, flow run, heartbeat)
+    runs/<run>/protected.json                       steps retention must keep (registered models)
+    runs/<run>/checkpoints/step_NNNNNNNN/<file>     one checkpoint; manifest.json written last
+    runs/<run>/damaged/step_NNNNNNNN-<time>/        a checkpoint that failed its checksums, moved aside
+    shards/<address>/manifest.json                  a shard set; its .bin shards and .json sidecars beside it
+
+Keys are POSIX paths relative to the store's root (see lmyard.store). No other
+module formats these paths: they ask a `RunLayout` or a `ShardLayout`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+MANIFEST = "manifest.json"
+EVALUATED = "evaluated.json"
+_STEP_DIR = re.compile(r"(?:^|/)step_(\d{8})(?:/|$)")
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The keys of one lineage (`run_name`) in the store."""
+
+    run_name: str
+
+    @property
+    def root(self) -> str:
+        return f"runs/{self.run_name}"
+
+    @property
+    def lineage(self) -> str:
+        return f"{self.root}/lineage.json"
+
+    @property
+    def lease(self) -> str:
+        return f"{self.root}/lease.json"
+
+    @property
+    def protected(self) -> str:
+        return f"{self.root}/protected.json"
+
+    @property
+    def checkpoints(self) -> str:
+        return f"{self.root}/checkpoints"
+
+    def step(self, step: int) -> str:
+        return f"{self.checkpoints}/step_{step:08d}"
+
+    def step_file(self, step: int, name: str) -> str:
+        return f"{self.step(step)}/{name}"
+
+    def manifest(self, step: int) -> str:
+        return self.step_file(step, MANIFEST)
+
+    def evaluated(self, step: int) -> str:
+        return self.step_file(step, EVALUATED)
+
+    def damaged(self, step: int, stamp: str) -> str:
+        return f"{self.root}/damaged/step_{step:08d}-{stamp}"
+
+    @staticmethod
+    def step_of(key: str) -> int | None:
+        """The step of a key inside a checkpoint folder (`.../step_00000100/...`), else None."""
+        m = _STEP_DIR.search(key)
+        return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The keys of one shard set (`address`) in the store."""
+
+    address: str
+
+    @property
+    def root(self) -> str:
+        return f"shards/{self.address}"
+
+    @property
+    def manifest(self) -> str:
+        return f"{self.root}/{MANIFEST}"
+
+    def file(self, name: str) -> str:
+        return f"{self.root}/{name}"

@@ -1,0 +1,191 @@
+"""lmyard's Llama under FSDP2 on 1..N GPUs, beside torchtitan 0.3.0 on the same shape, tokens and settings.
+
+    python tests/benchmarks/bench_llama.py --gpus 1 4 --preset llama-1b --seq 2048 --batch 4 --compile --titan
+    python tests/benchmarks/bench_llama.py --gpus 4 --preset llama-8b --seq 8192 --batch 1 --ac full --compile
+    python tests/benchmarks/bench_llama.py --device cpu --gpus 2 --preset llama-tiny --seq 64 --batch 2 --steps 3 --warmup 1
+
+For each GPU count it runs `torchrun --nproc_per_node=N bench_llama.py --worker`: the model from
+lmyard.models.build_model (made on the GPU, seeded), lmyard.parallel.parallelize (float8 -> activation
+checkpointing -> torch.compile per block -> FSDP2 with bf16 parameters and fp32 reduction), fused AdamW,
+gradient clipping at 1.0, one micro-batch per step, reading uniformly random GPT-2 token ids from a shard
+file (tests/benchmarks/random_shards.py): rank r, step s takes sequences (s * world + r) * batch ... of
+seq + 1 tokens. With `--titan` it then runs torchtitan on the same shard (run_torchtitan.py).
+
+Prints one JSON line per run and a summary: tokens/s, tokens/s per GPU, MFU = tokens/s * F / (peak * GPUs)
+with F = model.flops_per_token() = 6 * (parameters - input embedding) + 12 * layers * width * seq
+(torchtitan's formula; peak dense bf16 989 TFLOP/s on H100/H200, lmyard.train.PEAK_FLOPS), peak memory per
+GPU (max allocated and max reserved, GiB) beside lmyard.memory's estimate, and lmyard / torchtitan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path[:0] = [str(REPO), str(HERE)]
+
+
+def timed_steps(model, params, opt, batch, warmup: int, steps: int, device) -> tuple[float, list]:
+    """`warmup` untimed then `steps` timed optimizer steps; (seconds of the timed ones, losses)."""
+    import torch
+
+    from lmyard.parallel import clip_grad_norm
+
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    losses = []
+    for step in range(warmup + steps):
+        if step == warmup:
+            sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+        x, y = batch(step)
+        loss = model(x, y)
+        loss.backward()
+        clip_grad_norm(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    sync()
+    return time.perf_counter() - t0, losses
+
+
+def worker(a: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from lmyard.config import load_recipe
+    from lmyard.models import build_model
+    from lmyard.parallel import parallelize
+    from lmyard.shards import read_shard
+    from lmyard.train import PEAK_FLOPS
+
+    rank, local, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+    cuda = a.device == "cuda"
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    cfg = load_recipe("smoke", [f"model.preset={a.preset}", f"model.block_size={a.seq}", "train.parallel=fsdp",
+                                f"train.activation_checkpointing={a.ac}", f"train.compile={a.compile}",
+                                f"train.float8={a.float8}", f"train.fsdp_reshard_after_forward={not a.no_reshard}",
+                                f"train.device={a.device}"])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = build_model(cfg.model, 50257)
+    n_params, flops_tok = model.num_params(), model.flops_per_token()
+    model = parallelize(model, cfg, world, device)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(model.param_groups(0.1), lr=3e-4, betas=(0.9, 0.95), fused=cuda)
+    tokens, B, T = read_shard(a.shard), a.batch, a.seq
+
+    def batch(step: int):
+        first = (step * world + rank) * B * (T + 1)
+        rows = torch.from_numpy(tokens[first:first + B * (T + 1)].astype("int64")).view(B, T + 1)
+        rows = rows.pin_memory().to(device, non_blocking=True) if cuda else rows
+        return rows[:, :-1], rows[:, 1:]
+
+    if a.attention != "auto":  # cudnn: torchtitan's order, cuDNN first, then flash, then math
+        from torch.nn.attention import SDPBackend as K, sdpa_kernel
+
+        sdpa_kernel({"flash": [K.FLASH_ATTENTION], "cudnn": [K.CUDNN_ATTENTION, K.FLASH_ATTENTION, K.MATH],
+                     "efficient": [K.EFFICIENT_ATTENTION], "math": [K.MATH]}[a.attention], set_priority=True).__enter__()
+    dt, losses = timed_steps(model, params, opt, batch, a.warmup, a.steps, device)
+    tok_s = a.steps * B * T * world / dt
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None) if cuda else None
+    out = {"impl": "lmyard", "preset": a.preset, "params": n_params, "world": world, "B": B, "T": T, "ac": a.ac,
+           "compile": a.compile, "float8": a.float8, "tok_s": round(tok_s), "tok_s_per_gpu": round(tok_s / world),
+           "step_ms": round(dt / a.steps * 1000, 1), "flops_per_token": flops_tok,
+           "mfu": round(tok_s * flops_tok / (peak * world), 4) if peak else None,
+           "loss_first": round(float(losses[0]), 4), "loss_last": round(float(losses[-1]), 4)}
+    if cuda:
+        from lmyard.memory import estimate
+
+        plan = estimate(cfg.model, cfg.train.model_copy(update={"micro_batch": B}), world,
+                        torch.cuda.get_device_properties(device).total_memory)
+        out["planned_gib"] = round(plan.total / 2**30, 2)  # lmyard.memory's estimate, beside the measured peak
+        out["device"] = torch.cuda.get_device_name(device)
+        out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        out["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
+    if rank == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_lmyard(a: argparse.Namespace, gpus: int, shard: Path) -> dict:
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
+            if k in ("preset", "seq", "batch", "ac", "steps", "warmup", "device", "attention")]
+    args += [f"--shard={shard}"] + [f"--{f.replace('_', '-')}" for f in ("compile", "float8", "no_reshard") if getattr(a, f)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+           str(Path(__file__).resolve()), "--worker", *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        raise SystemExit(f"lmyard run failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, nargs="+", default=[1], help="GPU counts (ranks, with --device cpu)")
+    ap.add_argument("--preset", default="llama-1b")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
+    ap.add_argument("--ac", choices=["none", "selective", "full"], default="none")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block (and torchtitan's loss)")
+    ap.add_argument("--float8", action="store_true", help="lmyard only (torchao)")
+    ap.add_argument("--no-reshard", action="store_true", help="fsdp_reshard_after_forward=false (lmyard only)")
+    ap.add_argument("--attention", default="auto", choices=["auto", "flash", "cudnn", "efficient", "math"],
+                    help="SDPA kernels for lmyard: auto (PyTorch's choice), cudnn (cuDNN, then flash, then math: "
+                    "torchtitan's order), or one kernel")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--titan", action="store_true", help="also run torchtitan 0.3.0 (run_torchtitan.py)")
+    ap.add_argument("--titan-attn", default="sdpa", help="torchtitan's attention: sdpa (as lmyard) or flex")
+    ap.add_argument("--titan-no-cuda-graphs", action="store_true",
+                    help="torchtitan without its default CUDA graph of forward + backward")
+    ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "lmyard-bench-llama")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--shard", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a)
+    from run_torchtitan import ensure_shards, run as run_titan
+
+    rows = []
+    for gpus in a.gpus:
+        steps = a.warmup + a.steps
+        shard = ensure_shards(a.data, (steps + 1) * a.batch * (a.seq + 1) * max(a.gpus))
+        ours = run_lmyard(a, gpus, shard)
+        print(json.dumps(ours), flush=True)
+        rows.append(ours)
+        if a.titan:
+            # torchtitan logs every 5 steps; its first two intervals (compilation, warm-up) are left out
+            peer = run_titan(gpus, a.preset, a.seq, a.batch, a.ac, a.compile, max(steps, 25), 2, a.data, a.titan_attn,
+                             cuda_graphs=not a.titan_no_cuda_graphs)
+            peer["mfu"] = round(ours["mfu"] * peer["tok_s"] / ours["tok_s"], 4) if ours["mfu"] else None  # same F
+            print(json.dumps(peer), flush=True)
+            rows.append({**peer, "lmyard_over_titan": round(ours["tok_s"] / peer["tok_s"], 3)})
+    print("\nimpl              GPUs      tok/s  tok/s/GPU     MFU  peak reserved GiB/GPU  lmyard/torchtitan")
+    for r in rows:
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
+        ratio = f"{r['lmyard_over_titan']:.3f}x" if "lmyard_over_titan" in r else ""
+        print(f"{r['impl']:<16} {r['world']:>5} {r['tok_s']:>10,} {r['tok_s_per_gpu']:>10,} {mfu:>7}  "
+              f"{r.get('peak_reserved_gib', '-')!s:>21}  {ratio}")
+
+
+if __name__ == "__main__":
+    main()

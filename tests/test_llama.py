@@ -1,0 +1,183 @@
+"""The Llama model, its config and presets, activation checkpointing, and memory planning."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmyard.config import ModelConfig, TrainConfig, load_recipe
+from lmyard.errors import UserError
+from lmyard.llama import Llama, LlamaConfig, ffn_hidden_size
+from lmyard.memory import check, estimate
+from lmyard.model import GPT
+from lmyard.models import build_model, model_from_spec, model_spec
+from lmyard.parallel import apply_activation_checkpointing, compile_blocks
+
+GB80 = 80 * 10**9
+
+
+def _tiny(**kw) -> Llama:
+    torch.manual_seed(0)
+    return build_model(ModelConfig(preset="llama-tiny", **kw), 257)
+
+
+def test_forward_gives_logits_and_the_loss_is_the_cross_entropy_of_those_logits():
+    model = _tiny()
+    x, y = torch.randint(0, 257, (3, 64)), torch.randint(0, 257, (3, 64))
+    logits = model(x)
+    assert logits.shape == (3, 64, 320)
+    loss = model(x, y)
+    assert loss.shape == ()
+    assert torch.allclose(loss, F.cross_entropy(logits.view(-1, 320), y.view(-1)), atol=1e-5)
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_grouped_query_attention_equals_attention_with_the_kv_heads_repeated():
+    """4 query heads on 2 kv heads == 4-head attention whose k and v projections repeat each kv head."""
+    gqa = _tiny()
+    c = gqa.config
+    mha = Llama(LlamaConfig(**{**c.__dict__, "n_kv_head": c.n_head}))
+    state = gqa.state_dict()
+    rep = c.n_head // c.n_kv_head
+    for i in range(c.n_layer):
+        w = state[f"layers.{i}.self_attn.qkv_proj.weight"]
+        q, k, v = w.split(gqa.layers[i].self_attn.sizes)
+        k, v = (t.view(c.n_kv_head, c.head_dim, -1).repeat_interleave(rep, 0).reshape(-1, c.n_embd) for t in (k, v))
+        state[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat((q, k, v))
+    mha.load_state_dict(state)
+    x = torch.randint(0, 257, (2, 64))
+    assert torch.allclose(gqa(x), mha(x), atol=1e-5)
+
+
+def test_attention_is_causal_and_rope_makes_it_position_aware():
+    model = _tiny().eval()
+    x = torch.randint(0, 257, (1, 64))
+    y = x.clone()
+    y[0, 40:] = (y[0, 40:] + 1) % 257
+    a, b = model(x), model(y)
+    assert torch.allclose(a[0, :40], b[0, :40], atol=1e-5) and not torch.allclose(a[0, 40:], b[0, 40:])
+    # attention alone: without positions its last output would not depend on the order of the earlier tokens
+    attn = model.layers[0].self_attn
+    h = torch.randn(1, 5, model.config.n_embd)
+    swapped = h[:, [2, 1, 0, 3, 4]]
+    cos, sin = model.rope_cos[:5], model.rope_sin[:5]
+    no_rope = torch.ones_like(cos), torch.zeros_like(sin)
+    with_rope = (attn(h, cos, sin)[0, -1] - attn(swapped, cos, sin)[0, -1]).abs().max()
+    without = (attn(h, *no_rope)[0, -1] - attn(swapped, *no_rope)[0, -1]).abs().max()
+    assert with_rope > 1000 * without and with_rope > 1e-5
+
+
+def test_presets_have_the_published_llama_shapes():
+    def shape(preset):
+        with torch.device("meta"):
+            m = build_model(ModelConfig(preset=preset), 50257)
+        return m.config, m.num_params()
+
+    c1, n1 = shape("llama-1b")
+    assert (c1.n_layer, c1.n_embd, c1.n_head, c1.n_kv_head, c1.ffn_hidden, c1.vocab_size) == (16, 2048, 32, 8, 8192, 128256)
+    assert n1 == 1_235_814_400 + 128256 * 2048  # Llama-3.2-1B (tied) plus an untied head
+    c8, n8 = shape("llama-8b")
+    assert (c8.n_layer, c8.n_embd, c8.n_kv_head, c8.ffn_hidden, c8.rope_theta) == (32, 4096, 8, 14336, 500000.0)
+    assert n8 == 8_030_261_248  # Llama-3-8B
+    c3, _ = shape("llama-3b")
+    assert (c3.n_layer, c3.n_embd, c3.n_head, c3.ffn_hidden) == (28, 3072, 24, 8192)
+    assert ffn_hidden_size(4096, 1024, 1.3) == 14336 and ffn_hidden_size(768, 256, None) == 2048
+
+
+def test_flops_per_token_is_torchtitans_formula():
+    model = _tiny()
+    c = model.config
+    n_matmul = model.num_params() - c.vocab_size * c.n_embd  # all but the input embedding table
+    assert model.flops_per_token() == 6 * n_matmul + 12 * c.n_layer * c.n_embd * c.block_size
+
+
+def test_build_model_picks_the_architecture_and_the_spec_rebuilds_it():
+    assert isinstance(build_model(ModelConfig(preset="tiny"), 257), GPT)
+    llama = _tiny()
+    assert "lm_head.weight" in llama.state_dict() and llama.lm_head.weight.data_ptr() != llama.embed_tokens.weight.data_ptr()
+    again = model_from_spec(model_spec(llama))
+    assert isinstance(again, Llama) and again.config == llama.config
+    assert isinstance(model_from_spec({"vocab_size": 64, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 8}), GPT)
+
+
+def test_config_rejects_llama_fields_on_gpt2_and_mismatched_arch():
+    with pytest.raises(UserError, match="apply to llama models only"):
+        load_recipe("smoke", ["model.n_kv_head=2"])
+    with pytest.raises(UserError, match="model.arch is gpt2 but model.preset llama-1b"):
+        load_recipe("smoke", ["model.preset=llama-1b", "model.arch=gpt2"])
+    with pytest.raises(UserError, match="multiple of model.n_kv_head"):
+        load_recipe("smoke", ["model.preset=llama-tiny", "model.n_kv_head=3"])
+    cfg = load_recipe("smoke", ["model.preset=null", "model.arch=llama", "model.n_layer=2", "model.n_head=4",
+                                "model.n_embd=64", "model.block_size=32"])
+    assert cfg.model.architecture() == "llama" and cfg.model.llama_dims()["n_kv_head"] == 4
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_changes_no_loss_or_gradient(mode):
+    x, y = torch.randint(0, 257, (2, 64)), torch.randint(0, 257, (2, 64))
+    ref = _tiny()
+    ref(x, y).backward()
+    model = _tiny()
+    apply_activation_checkpointing(model, mode)
+    assert set(model.state_dict()) == set(ref.state_dict())  # checkpoints stay loadable either way
+    loss = model(x, y)
+    loss.backward()
+    assert torch.allclose(loss, ref(x, y), atol=1e-6)
+    grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        name = name.replace("._checkpoint_wrapped_module", "")
+        assert torch.allclose(p.grad, grads[name].grad, atol=1e-6), name
+
+
+def test_compiled_blocks_keep_their_parameter_names():
+    model = _tiny()
+    names = set(model.state_dict())
+    compile_blocks(model)
+    assert set(model.state_dict()) == names
+
+
+def _plan(preset, world, parallel, ac="none", micro_batch=1, device_bytes=GB80):
+    t = TrainConfig(parallel=parallel, activation_checkpointing=ac, micro_batch=micro_batch)
+    return estimate(ModelConfig(preset=preset), t, world, device_bytes)
+
+
+def test_8b_with_ddp_on_80gb_is_refused_naming_fsdp():
+    plan = _plan("llama-8b", 4, "ddp", ac="full")
+    assert plan.params + plan.grads + plan.optimizer == 16 * 8_030_261_248
+    with pytest.raises(UserError, match=r"will not fit: .* it would fit with train\.parallel=fsdp"):
+        check(plan)
+
+
+def test_8b_with_fsdp_on_four_80gb_gpus_fits_with_full_checkpointing_and_not_without():
+    assert check(_plan("llama-8b", 4, "fsdp", ac="full")).fits
+    with pytest.raises(UserError, match=r"train\.activation_checkpointing=(selective|full)"):
+        check(_plan("llama-8b", 4, "fsdp", ac="none"))
+
+
+def test_planning_error_names_a_smaller_micro_batch_and_more_gpus():
+    with pytest.raises(UserError, match=r"train\.micro_batch=\d+ "):
+        check(_plan("llama-1b", 1, "fsdp", ac="full", micro_batch=64))
+    with pytest.raises(UserError, match=r"\d+ GPUs"):
+        check(_plan("llama-8b", 1, "fsdp", ac="full"))
+
+
+def test_sharding_divides_the_static_memory_by_the_ranks():
+    one, four = _plan("llama-1b", 1, "fsdp"), _plan("llama-1b", 4, "fsdp")
+    assert four.optimizer * 4 == pytest.approx(one.optimizer, rel=1e-6)
+    assert four.activations == one.activations
+    assert _plan("llama-1b", 1, "fsdp", ac="full").activations < _plan("llama-1b", 1, "fsdp", ac="selective").activations \
+        < one.activations
+    assert math.isclose(check(_plan("gpt2-124m", 1, "ddp", micro_batch=32)).params, 4 * 124_475_904, rel_tol=0.01)
+
+
+def test_float8_is_skipped_with_a_warning_where_the_device_has_no_float8_matmuls():
+    from lmyard.parallel import apply_float8
+
+    model = _tiny()
+    with pytest.warns(UserWarning, match="train.float8 skipped"):
+        assert apply_float8(model, torch.device("cpu")) is False
+    assert not any("Float8" in type(m).__name__ for m in model.modules())

@@ -1,0 +1,111 @@
+"""A tracking server that is down: the run fails in seconds with one line; the trainer's metrics survive an
+outage of the server; credentials in the tracking URI reach no param, tag or lineage.json."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import time
+from urllib.parse import urlparse
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import free_port, lmyard_cmd, tiny_overrides
+from lmyard import tracking
+from lmyard.config import load_recipe
+from lmyard.store import open_store
+from lmyard.tracking import MLflowSink
+from tcp_proxy import TcpProxy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def mlflow_proxy(mlflow_server):
+    """The session's MLflow server behind a TCP proxy that a test can cut (an outage) and restore."""
+    proxy = TcpProxy(urlparse(mlflow_server.uri).port)
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+def cut(proxy: TcpProxy) -> None:
+    """Stop the proxy for good: closing its listener does not wake the thread blocked in accept(), which would
+    let one more connection through; this connection is that one."""
+    proxy.stop()
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", proxy.port), timeout=2):
+        pass
+    time.sleep(0.2)
+
+
+@pytest.fixture
+def quick_mlflow_retries(monkeypatch):
+    # MLflow's client retries a refused connection for minutes by default; the sink's own retry is the next batch
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
+
+
+def test_metrics_logged_while_the_server_is_down_are_sent_after_it_returns(mlflow_server, mlflow_proxy,
+                                                                         quick_mlflow_retries, capsys):
+    client = MlflowClient(mlflow_server.uri)
+    run_id = client.create_run(client.create_experiment(f"sink-{time.time_ns()}")).info.run_id
+    sink = MLflowSink(mlflow_proxy.url, run_id)
+    sink.log({"train/loss": 1.0}, 1)
+    sink.flush()
+    cut(mlflow_proxy)
+    try:
+        for step in (2, 3, 4):
+            sink.log({"train/loss": float(step)}, step)
+            sink.flush(timeout=30)
+    finally:
+        mlflow_proxy.start()
+    warned = [line for line in capsys.readouterr().out.splitlines() if "MLflow logging failed" in line]
+    assert len(warned) == 1  # at once, once per kind of error
+    sink.log({"train/loss": 5.0}, 5)
+    sink.close()  # does not raise: the final flush succeeded
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss"))
+    assert history == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0)]
+
+
+def test_sink_that_cannot_send_at_close_warns_with_a_count_instead_of_failing(quick_mlflow_retries, capsys):
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens here
+    sink = MLflowSink(uri, "0" * 32)
+    for step in range(1, 4):
+        sink.log({"train/loss": 1.0, "lr": 0.1}, step)
+    sink.close()
+    out = capsys.readouterr().out
+    assert "6 metric points could not be sent to MLflow" in out
+
+
+def test_credentials_in_the_tracking_uri_reach_no_param_tag_or_lineage_file(mlflow_server, tmp_path):
+    secret_uri = mlflow_server.uri.replace("http://", "http://alice:s3cret@")
+    cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"tracking.uri={secret_uri}",
+                                f"tracking.experiment=creds-{time.time_ns()}"])
+    store = open_store(cfg.store)
+    lineage = tracking.open_lineage(cfg, store, shard_address="abc", code_version="test")
+    run = MlflowClient(mlflow_server.uri).get_run(lineage.mlflow_run_id)
+    assert run.data.params["tracking.uri"] == mlflow_server.uri.replace("http://", "http://alice:***@")
+    saved = store.read_bytes(tracking.lineage_key(cfg.run_name)).decode()
+    assert json.loads(saved)["tracking_uri"] == run.data.params["tracking.uri"]
+    everything = json.dumps([run.data.params, run.data.tags]) + saved
+    assert "s3cret" not in everything
+
+
+def test_unreachable_tracking_server_fails_the_run_in_seconds_with_one_line(cli_env, tmp_path):
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens here
+    overrides = tiny_overrides(tmp_path, **{"tracking.uri": uri})
+    t0 = time.monotonic()
+    proc = subprocess.run(lmyard_cmd("run", "smoke", *[a for o in overrides for a in ("--set", o)]), cwd=tmp_path,
+                          env=cli_env, capture_output=True, text=True, timeout=240)
+    elapsed = time.monotonic() - t0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("lmyard: error:")]
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(errors) == 1 and uri in errors[0] and "tracking.uri" in errors[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+
