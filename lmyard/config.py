@@ -127,8 +127,9 @@ class ModelConfig(_Section):
     attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
         "auto", description="SDPA kernel: `auto` lets PyTorch choose; `cudnn` is often fastest on Hopper GPUs.")
     init_from: str | None = Field(
-        None, description="A Hugging Face model folder (local or s3://; GPT-2 shapes, model.safetensors) to "
-        "continue pretraining from: its weights and sizes replace the preset's (lmyard.export.init_from_hf).")
+        None, description="A Hugging Face model folder (local or s3://; GPT2LMHeadModel or LlamaForCausalLM, one "
+        "model.safetensors) to continue pretraining from: its weights and sizes replace the preset's "
+        "(lmyard.export.init_from_hf).")
 
     @field_validator("preset")
     @classmethod

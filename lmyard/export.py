@@ -353,3 +353,27 @@ def init_from_hf(path: str, cache_dir: str | None = None) -> tuple[dict, dict]:
         return exporter.from_hf(load_file(weights), config)
     except KeyError as e:
         raise UserError(f"model.init_from {path}: {WEIGHTS} lacks tensor {e} for its config") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m lmyard.export SOURCE [--step N] --to DEST`: what the register stage runs, in a process of its
+    own (the flow's process never loads torch); prints `result {...}` (lmyard_export.json and the URI) last."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m lmyard.export", description=__doc__.splitlines()[0])
+    p.add_argument("source")
+    p.add_argument("--step", type=int, default=None)
+    p.add_argument("--to", dest="dest", required=True)
+    args = p.parse_args(argv)
+    try:
+        info = export(args.source, args.dest, args.step)
+    except UserError as e:
+        print(f"lmyard: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    print("result " + json.dumps(info), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

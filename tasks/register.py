@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import tempfile
 
 from prefect import get_run_logger, task
@@ -10,6 +13,7 @@ from prefect.cache_policies import NO_CACHE
 
 from lmyard import tracking
 from lmyard.config import RunConfig, gate_results
+from lmyard.errors import UserError
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
 
@@ -18,17 +22,12 @@ from lmyard.store import open_store
 def register_model(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage, final: dict) -> dict:
     """The final checkpoint exported to Hugging Face format and logged as an MLflow pyfunc model (weights in
     the artifact store), registered as a new version; eval.alias only if every gate passes."""
-    from lmyard import export  # imports torch
-
     logger = get_run_logger()
     name = config.tracking.registered_model or config.run_name
     gates = gate_results(config.eval.gates, final)
     with tempfile.TemporaryDirectory(prefix="lmyard-register-") as tmp:
         folder = os.path.join(tmp, "hf_model")  # its name in the logged model: artifacts/hf_model
-        os.makedirs(folder)
-        ckpt = export.load_checkpoint(final["checkpoint"], None, os.path.join(tmp, "cache"))
-        info = export.write_folder(ckpt, folder)
-        del ckpt
+        info = _export(final["checkpoint"], folder)
         params = {"checkpoint_uri": final["checkpoint"], "step": str(final["step"]),
                   "tokens_seen": str(final["tokens_seen"]), "hf_architecture": info["hf_architecture"],
                   "tokenizer": config.tokenizer.name, "shard_address": shards.address}
@@ -54,3 +53,18 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: tracking.Lineag
     tracking.set_tags(lineage, {"lmyard.gates": str({k: g["passed"] for k, g in gates.items()})})
     return {"name": name, "version": version, "alias": alias, "gates": gates, "source": final["checkpoint"],
             "model_uri": f"models:/{model_id}"}
+
+
+def _export(checkpoint_uri: str, folder: str) -> dict:
+    """`python -m lmyard.export` in a process of its own (torch stays out of the flow's process);
+    lmyard_export.json's content."""
+    proc = subprocess.run([sys.executable, "-m", "lmyard.export", checkpoint_uri, "--to", folder],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = (proc.stdout + proc.stderr).splitlines()
+    if proc.returncode == 2 and any("lmyard: error:" in line for line in lines):
+        raise UserError([line for line in lines if "lmyard: error:" in line][-1].split("lmyard: error:", 1)[1].strip())
+    results = [line for line in proc.stdout.splitlines() if line.startswith("result ")]
+    if proc.returncode != 0 or not results:
+        raise RuntimeError(f"export of {checkpoint_uri} exited with code {proc.returncode}; last lines:\n"
+                           + "\n".join(lines[-30:]))
+    return json.loads(results[-1].removeprefix("result "))
