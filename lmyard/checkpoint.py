@@ -393,12 +393,17 @@ class AsyncCheckpointer:
 
 def load_step(store: Store, run_name: str, step: int, cache_dir: str) -> Checkpoint:
     """One checkpoint, verified against its manifest. DamagedCheckpoint when its bytes are wrong; a read
-    that fails (the store down, a network error) raises as it is: that is not damage."""
+    that fails (the store down, a network error) raises as it is: that is not damage. A sharded checkpoint
+    (lmyard.sharded_checkpoint) is read whole, as the same full state dicts."""
     import pickle
 
     layout = RunLayout(run_name)
     prefix = layout.step(step)
     manifest = read_manifest(store, run_name, step)
+    if manifest.get("format") == "dcp":
+        from lmyard.sharded_checkpoint import load_full
+
+        return load_full(store, run_name, step, cache_dir)
     local = os.path.join(cache_dir, "checkpoint-load", str(os.getpid()), prefix)  # one per process: ranks load at once
     paths = {}
     for name, meta in manifest["files"].items():
@@ -418,7 +423,11 @@ def load_step(store: Store, run_name: str, step: int, cache_dir: str) -> Checkpo
             raise DamagedCheckpoint(f"{store.uri(layout.step_file(step, name))} does not load: {e}") from None
 
     with open(paths["state.json"]) as f:
-        state = CheckpointState.model_validate_json(f.read())
+        try:
+            state = CheckpointState.model_validate_json(f.read())
+        except ValueError as e:  # pydantic's ValidationError: not a checkpoint state lmyard wrote
+            raise DamagedCheckpoint(f"{store.uri(layout.step_file(step, 'state.json'))} is not a checkpoint "
+                                    f"state: {str(e).splitlines()[0]}") from None
     ckpt = Checkpoint(step=step, uri=store.uri(prefix), model=load("model.pt"), optim=load("optim.pt"),
                       rng=load("rng.pt"), state=state)
     if store.local_path(prefix) is None:
@@ -426,18 +435,21 @@ def load_step(store: Store, run_name: str, step: int, cache_dir: str) -> Checkpo
     return ckpt
 
 
-def find_latest(store: Store, run_name: str, cache_dir: str, read_attempts: int = 3,
-                backoff_s: float = 2.0) -> tuple[Checkpoint | None, list[int]]:
+def find_latest(store: Store, run_name: str, cache_dir: str, read_attempts: int = 3, backoff_s: float = 2.0,
+                loader: Callable[[int], object] | None = None,
+                steps: list[int] | None = None) -> tuple[Checkpoint | None, list[int]]:
     """(the newest checkpoint whose files match its manifest, the damaged steps skipped on the way).
 
     A damaged checkpoint is skipped with a warning naming it; a read error is retried `read_attempts`
-    times and then raised: a store hiccup never makes a good checkpoint look damaged.
+    times and then raised: a store hiccup never makes a good checkpoint look damaged. `loader(step)`
+    loads one (default: `load_step`); `steps`: the complete steps to try (default: `complete_steps`).
     """
+    loader = loader or (lambda step: load_step(store, run_name, step, cache_dir))
     damaged: list[int] = []
-    for step in reversed(complete_steps(store, run_name)):
+    for step in reversed(complete_steps(store, run_name) if steps is None else steps):
         for attempt in range(read_attempts):
             try:
-                return load_step(store, run_name, step, cache_dir), damaged
+                return loader(step), damaged
             except DamagedCheckpoint as e:
                 msg = (f"warning: checkpoint {store.uri(step_prefix(run_name, step))} is damaged "
                        f"({str(e).splitlines()[0]}); falling back to the previous one")

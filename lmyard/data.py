@@ -10,6 +10,16 @@ Micro-step m on rank r of W reads sequences m*W*B + r*B ... + B of them.
 The cursor (global sequences consumed) is the whole data state: the token
 order does not depend on the world size, and resuming is exact.
 
+With a shuffle seed (data.shuffle_sequences, seeded by train.seed), global
+sequence k of epoch e = k // n reads sequence P_e(k mod n), where P_e is a
+pseudo-random permutation of 0..n-1 that depends only on the seed and e:
+numpy's permutation for up to 4M sequences (16 MB, one epoch's cached), and
+above that a 6-round Feistel network over the next power of 4, cycle-walked
+into range, which needs no memory. There is no state besides the cursor, so resume stays exact and
+the order stays the same for any number of ranks; every epoch reads every
+sequence once, in a new order. (The shard-time document shuffle,
+data.shuffle_documents, is separate: it changes the shards themselves.)
+
 Shards come from a node-local cache filled from the store on first use
 (a local store is read in place); the next shard is fetched in the
 background, and batches are built ahead of the GPU by a background thread.
@@ -17,6 +27,7 @@ background, and batches are built ahead of the GPU by a background thread.
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -106,20 +117,93 @@ class TokenStream:
         return out
 
 
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer on uint64 arrays (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+EXPLICIT_MAX = 1 << 22  # sequences up to which an epoch's permutation is an array (4 bytes each)
+
+
+@functools.lru_cache(maxsize=2)
+def _explicit(n: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n).astype(np.int32)
+
+
+def permute(index: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
+    """P(index): a pseudo-random permutation of 0..n-1 chosen by (seed, epoch); vectorized."""
+    if n <= EXPLICIT_MAX:
+        return _explicit(n, seed, epoch)[np.asarray(index, dtype=np.int64)].astype(np.int64)
+    half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    keys = [np.uint64(int(_mix64(np.array([(seed * 0x9E3779B97F4A7C15 + epoch * 8 + r + 1) & _M64],
+                                          dtype=np.uint64))[0])) for r in range(6)]
+
+    def feistel(x: np.ndarray) -> np.ndarray:
+        left, right = x >> np.uint64(half), x & mask
+        for key in keys:
+            left, right = right, left ^ (_mix64(right ^ key) & mask)
+        return (left << np.uint64(half)) | right
+
+    out = feistel(np.asarray(index, dtype=np.uint64))
+    while (over := out >= n).any():  # cycle-walking: a permutation of the 4**half domain, walked back into 0..n-1
+        out[over] = feistel(out[over])
+    return out.astype(np.int64)
+
+
 class TrainBatches:
-    def __init__(self, stream: TokenStream, seq_len: int, micro_batch: int, accum: int, rank: int, world: int):
+    def __init__(self, stream: TokenStream, seq_len: int, micro_batch: int, accum: int, rank: int, world: int,
+                 *, shuffle_seed: int | None = None):
         self.stream, self.T, self.B = stream, seq_len, micro_batch
         self.accum, self.rank, self.world = accum, rank, world
+        self.shuffle_seed = shuffle_seed  # None: sequences in stream order, epoch after epoch
         self.n_seq = (stream.total - 1) // seq_len
         if self.n_seq < 1:
             raise UserError(f"the train split holds {stream.total} tokens, fewer than one sequence of {seq_len + 1}")
         self.per_step = accum * world * micro_batch  # global sequences per optimizer step
 
+    @property
+    def tokens_per_epoch(self) -> int:
+        """Tokens (inputs) of one pass over the train split's sequences."""
+        return self.n_seq * self.T
+
+    def epoch(self, cursor: int) -> float:
+        """Epochs of the train split consumed at this cursor (global sequences read / sequences per epoch)."""
+        return cursor / self.n_seq
+
+    def repeat_warning(self, max_steps: int) -> str | None:
+        """The once-only warning when max_steps reads the train split more than once; None when it does not."""
+        planned = max_steps * self.per_step
+        if planned <= self.n_seq:
+            return None
+        first = -(-self.n_seq // self.per_step)  # the first step that reads a sequence a second time (1-based)
+        return (f"warning: train.max_steps={max_steps} reads {planned * self.T:,} tokens, "
+                f"{planned / self.n_seq:.2f} epochs of the train split ({self.tokens_per_epoch:,} tokens in "
+                f"{self.n_seq:,} sequences of {self.T}): data repeats from step {first} on. Add data or lower "
+                "train.max_steps if that is not meant")
+
+    def order(self, first: int, count: int) -> np.ndarray:
+        """Stream positions (sequence indices within an epoch) of global sequences first .. first+count-1."""
+        k = np.arange(first, first + count, dtype=np.int64)
+        epochs, pos = np.divmod(k, self.n_seq)
+        if self.shuffle_seed is None:
+            return pos
+        out = np.empty_like(pos)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            out[sel] = permute(pos[sel], self.n_seq, self.shuffle_seed, int(e))
+        return out
+
     def sequences(self, first: int, count: int) -> np.ndarray:
         """`count` global sequences from index `first`, as a (count, T+1) array."""
         rows = np.empty((count, self.T + 1), dtype=np.int64)
-        for j in range(count):
-            rows[j] = self.stream.read(((first + j) % self.n_seq) * self.T, self.T + 1)
+        for j, s in enumerate(self.order(first, count)):
+            rows[j] = self.stream.read(int(s) * self.T, self.T + 1)
         return rows
 
     def micro_batch(self, cursor: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,12 +10,19 @@
 The fingerprint pins the content: a hash of file names, sizes and checksums
 (local), of keys, sizes and ETags (S3), or the hub commit.
 
-Text files (.txt, .jsonl, .json) must be UTF-8. Every byte is checked before a
-file's first document is read (local files in the same pass as their checksum,
-S3 files right after download): with data.on_decode_error=error the first bad
-byte stops the stage with the file and its byte offset; with `skip` a .txt or
-.json file holding bad bytes is dropped whole, a .jsonl file loses only the
-lines holding them, and the count lands in `Source.skipped`.
+Files (local, and S3 objects once fetched to the cache) are read in `Unit`s: a
+byte range of about UNIT_BYTES of a .jsonl file (the lines that start in it),
+whole .txt/.json files grouped up to that size, or one parquet row group. The
+tokenizer processes read the units themselves (`read_unit`), so reading scales
+with them; documents come out in file order, lines in order, for any number of
+processes. Hub datasets and the built-in corpus stream through one reader.
+
+Text files (.txt, .jsonl, .json) must be UTF-8. A unit is decoded as it is
+read (S3 files are also checked right after download): with
+data.on_decode_error=error the first bad byte stops the stage with the file
+and its byte offset; with `skip` a .txt or .json file holding bad bytes is
+dropped whole, a .jsonl file loses only the lines holding them, and the count
+lands in `Source.skipped`.
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ import codecs
 import fnmatch
 import glob
 import hashlib
+import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from lmyard.config import DataConfig
@@ -36,6 +45,26 @@ from lmyard.store import s3_client, s3_errors
 
 BUILTIN_PYDOC = "builtin:pydoc-topics"
 _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+UNIT_BYTES = 1 << 20  # one read task: ~1 MiB of input, ~50-100 ms of one core's BPE
+
+
+@dataclass(frozen=True)
+class Piece:
+    path: str  # the local file read
+    name: str  # the file as the user knows it (path or s3:// URI)
+    start: int  # byte range [start, end) of a .jsonl file; the row group of a parquet file in `start`
+    end: int
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One read task: pieces of files read in order by one tokenizer process."""
+
+    builder: str  # text | json | parquet
+    pieces: tuple[Piece, ...]
+    text_field: str
+    on_error: str
+    nbytes: int
 
 
 @dataclass
@@ -45,6 +74,7 @@ class Source:
     _documents: object = field(repr=False)
     size_bytes: int | None = None  # bytes of input, when known: a base for progress estimates
     skipped: dict[str, int] = field(default_factory=dict)  # file -> documents dropped for non-UTF-8 bytes
+    units: Callable[[], list[Unit]] | None = field(default=None, repr=False)  # files: the read tasks, in order
 
     def documents(self) -> Iterator[str]:
         """Document texts in a fixed order."""
@@ -111,18 +141,18 @@ def _drop_bad_lines(path: str, dest: str) -> int:
 
 
 def _readable(files: list[tuple[str, str, int | None]], builder: str, on_error: str, cache_dir: str,
-              skipped: dict[str, int]) -> list[str]:
-    """The files to hand to `datasets`, given (local path, name shown to the user, first bad byte)."""
+              skipped: dict[str, int]) -> list[tuple[str, str]]:
+    """The (path, name) of the files to read, given (local path, name shown to the user, first bad byte)."""
     out = []
     for path, name, bad in files:
         if bad is None:
-            out.append(path)
+            out.append((path, name))
         elif on_error == "error":
             raise _decode_error(name, bad)
         elif builder == "json" and path.lower().endswith(".jsonl"):
             clean = os.path.join(cache_dir, "utf8-clean", hashlib.sha256(name.encode()).hexdigest()[:16] + ".jsonl")
             skipped[name] = _drop_bad_lines(path, clean)
-            out.append(clean)
+            out.append((clean, name))
         else:
             skipped[name] = 1  # one .txt file is one document; a .json array cannot be cut apart
     return out
@@ -137,16 +167,155 @@ def _builder_for(paths: list[str]) -> str:
     return builders.pop()
 
 
-def _dataset_documents(builder: str, files: list[str], text_field: str, where: str):
-    def gen() -> Iterator[str]:
-        import datasets
+def make_units(files: list[tuple[str, str, int]], builder: str, text_field: str, on_error: str,
+               unit_bytes: int | None = None) -> list[Unit]:
+    """Cut (path, name, size) files into read tasks of about unit_bytes, in file order."""
+    size = unit_bytes or UNIT_BYTES
+    units: list[Unit] = []
+    pieces: list[Piece] = []
+    nbytes = 0
 
-        nonempty = [f for f in files if os.path.getsize(f) > 0]  # datasets' readers fail on empty files
-        if not nonempty:
-            return
-        kwargs = {"sample_by": "document"} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=nonempty, split="train", streaming=True, **kwargs)
-        yield from _texts(ds, text_field, where)
+    def flush() -> None:
+        nonlocal pieces, nbytes
+        if pieces:
+            units.append(Unit(builder, tuple(pieces), text_field, on_error, nbytes))
+        pieces, nbytes = [], 0
+
+    for path, name, n in files:
+        if builder == "parquet":
+            import pyarrow.parquet as pq
+
+            meta = pq.ParquetFile(path).metadata
+            for g in range(meta.num_row_groups):
+                group = meta.row_group(g)  # its bytes in the file, for progress against the files' sizes
+                group_bytes = sum(group.column(c).total_compressed_size for c in range(group.num_columns))
+                units.append(Unit(builder, (Piece(path, name, g, g + 1),), text_field, on_error, group_bytes))
+            continue
+        splittable = builder == "json" and path.lower().endswith(".jsonl")
+        for start in range(0, n, size) if splittable else [0]:
+            end = min(start + size, n) if splittable else n
+            pieces.append(Piece(path, name, start, end))
+            nbytes += end - start
+            if nbytes >= size:
+                flush()
+    flush()
+    return units
+
+
+def read_unit(unit: Unit) -> tuple[list[str], dict[str, int]]:
+    """(document texts, {file: documents skipped for non-UTF-8 bytes}) of one read task."""
+    texts: list[str] = []
+    skipped: dict[str, int] = {}
+    for p in unit.pieces:
+        if unit.builder == "parquet":
+            texts.extend(_row_group_texts(p, unit.text_field))
+            continue
+        if unit.builder == "json" and p.path.lower().endswith(".jsonl"):
+            pos, data = _line_range(p)
+            lines = _decoded_lines(data, pos, p, unit.on_error, skipped)
+        else:
+            with open(p.path, "rb") as f:
+                data = f.read()
+            if not data:
+                continue  # an empty file holds no document
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                if unit.on_error == "error":
+                    raise _decode_error(p.name, e.start) from None
+                skipped[p.name] = 1
+                continue
+            if unit.builder == "text":  # as `datasets` reads a text file: universal newlines
+                texts.append(text.replace("\r\n", "\n").replace("\r", "\n"))
+                continue
+            lines = _json_rows(text, p.name)
+        texts.extend(_field_texts(lines, p.name, unit.text_field))
+    return texts, skipped
+
+
+def _line_range(p: Piece) -> tuple[int, bytes]:
+    """(offset, bytes) of the lines of a .jsonl file that start in [p.start, p.end)."""
+    with open(p.path, "rb") as f:
+        f.seek(max(p.start - 1, 0))
+        if p.start > 0:
+            f.readline()  # the line holding byte start-1 belongs to the previous range
+        pos = f.tell()
+        if pos >= p.end:
+            return pos, b""
+        data = f.read(p.end - pos)
+        if data and not data.endswith(b"\n"):
+            data += f.readline()
+    return pos, data
+
+
+def _decoded_lines(data: bytes, pos: int, p: Piece, on_error: str, skipped: dict[str, int]) -> list[str]:
+    try:
+        return data.decode("utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        if on_error == "error":
+            raise _decode_error(p.name, pos + e.start) from None
+    lines = []
+    for raw in data.split(b"\n"):
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            skipped[p.name] = skipped.get(p.name, 0) + 1
+    return lines
+
+
+def _json_rows(text: str, name: str) -> list:
+    """A .json file: one array of rows, or JSON lines."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg != "Extra data":
+            raise UserError(f"{name}: not valid JSON ({e.msg} at line {e.lineno}); fix the file") from None
+        return text.split("\n")
+    if isinstance(value, list):
+        return value
+    return [value]
+
+
+def _field_texts(rows: list, name: str, text_field: str) -> Iterator[str]:
+    """The text field of every row (JSON lines as strings, or parsed values)."""
+    for i, row in enumerate(rows):
+        if isinstance(row, str):
+            if not row.strip():
+                continue
+            try:
+                row = json.loads(row)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{name}: a line is not valid JSON ({e.msg}: {row[:80]!r}); fix the line") from None
+        if not isinstance(row, dict) or text_field not in row:
+            fields = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise UserError(f"data.text_field {text_field!r} is not in {name} (row {i} has fields "
+                            f"{fields}); set data.text_field to one of them")
+        text = row[text_field]
+        if not isinstance(text, str):
+            raise UserError(f"{name} row {i}: field {text_field!r} holds "
+                            f"{'nothing' if text is None else type(text).__name__}, not text; "
+                            "fix the row or set data.text_field to a text field")
+        yield text
+
+
+def _row_group_texts(p: Piece, text_field: str) -> list[str]:
+    import pyarrow.parquet as pq
+
+    f = pq.ParquetFile(p.path)
+    if text_field not in f.schema_arrow.names:
+        raise UserError(f"data.text_field {text_field!r} is not in {p.name} (its rows have fields "
+                        f"{sorted(f.schema_arrow.names)}); set data.text_field to one of them")
+    column = f.read_row_group(p.start, columns=[text_field]).column(0).to_pylist()
+    return list(_field_texts([{text_field: t} for t in column], p.name, text_field))
+
+
+def _unit_documents(units: Callable[[], list[Unit]], skipped: dict[str, int]):
+    def gen() -> Iterator[str]:
+        for unit in units():
+            texts, bad = read_unit(unit)
+            for k, v in bad.items():
+                skipped[k] = skipped.get(k, 0) + v
+            yield from texts
     return gen
 
 
@@ -181,16 +350,17 @@ def _local(cfg: DataConfig, cache_dir: str) -> Source:
     if not files:
         raise UserError(f"data.source {cfg.source!r} matches no file")
     builder = _builder_for(files)
-    entries, scanned = [], []
-    for p in files:
-        sha, bad = _scan(p, check_utf8=builder != "parquet")
-        entries.append({"name": os.path.abspath(p), "size": os.path.getsize(p), "sha256": sha})
-        scanned.append((p, p, bad))
+    with ThreadPoolExecutor(min(8, len(files))) as pool:  # hashlib releases the GIL: files hash side by side
+        shas = list(pool.map(lambda p: _scan(p, check_utf8=False)[0], files))
+    entries = [{"name": os.path.abspath(p), "size": os.path.getsize(p), "sha256": sha} for p, sha in zip(files, shas)]
     fp = {"kind": "files", "builder": builder, "files": entries}
     skipped: dict[str, int] = {}
-    readable = _readable(scanned, builder, cfg.on_decode_error, cache_dir, skipped)
-    return Source("files", fp, _dataset_documents(builder, readable, cfg.text_field, cfg.source),
-                  size_bytes=sum(e["size"] for e in entries), skipped=skipped)
+
+    def units() -> list[Unit]:
+        return make_units([(p, p, e["size"]) for p, e in zip(files, entries)], builder, cfg.text_field,
+                          cfg.on_decode_error)
+    return Source("files", fp, _unit_documents(units, skipped), size_bytes=sum(e["size"] for e in entries),
+                  skipped=skipped, units=units)
 
 
 def _s3(cfg: DataConfig, cache_dir: str) -> Source:
@@ -211,15 +381,18 @@ def _s3(cfg: DataConfig, cache_dir: str) -> Source:
           "files": [{"name": f"s3://{bucket}/{o['Key']}", "size": o["Size"], "etag": o["ETag"].strip('"')} for o in objs]}
     skipped: dict[str, int] = {}
 
-    def gen() -> Iterator[str]:
+    def fetch() -> list[tuple[str, str]]:
         scanned = []
         for o in objs:
             dest = _fetched(client, bucket, o, cache_dir)
             bad = _scan(dest, check_utf8=builder != "parquet")[1]
             scanned.append((dest, f"s3://{bucket}/{o['Key']}", bad))
-        readable = _readable(scanned, builder, cfg.on_decode_error, cache_dir, skipped)
-        yield from _dataset_documents(builder, readable, cfg.text_field, cfg.source)()
-    return Source("s3", fp, gen, size_bytes=sum(o["Size"] for o in objs), skipped=skipped)
+        return _readable(scanned, builder, cfg.on_decode_error, cache_dir, skipped)
+
+    def units() -> list[Unit]:  # the files were checked (and cleaned, with `skip`) when fetched
+        return make_units([(p, name, os.path.getsize(p)) for p, name in fetch()], builder, cfg.text_field, "error")
+    return Source("s3", fp, _unit_documents(units, skipped), size_bytes=sum(o["Size"] for o in objs),
+                  skipped=skipped, units=units)
 
 
 def _cache_path(cache_dir: str, bucket: str, obj: dict) -> str:

@@ -41,6 +41,7 @@ from lmyard.contracts import CheckpointState, Exchange, Started, TrainResult, Tr
 from lmyard.data import Prefetcher, TrainBatches, default_cache_dir, split_stream, val_sequences
 from lmyard.errors import Diverged, ExitCode, Preempted, StoreOutage, UserError, exit_code_of  # noqa: F401
 from lmyard.models import build_model, model_config, model_spec
+from lmyard.parallel import clip_grad_norm, no_sync
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
 from lmyard.tracking import Lineage, MetricsSink, MLflowSink, NullSink, system_metrics
@@ -116,16 +117,21 @@ def plan_memory(cfg: RunConfig, n_vocab: int, d: Dist) -> None:
 
 @torch.no_grad()
 def evaluate_loss(model: torch.nn.Module, val: torch.Tensor, d: Dist, micro_batch: int, autocast) -> float:
-    """Mean token loss over the fixed val sequences; each rank scores every world-th one."""
+    """Mean token loss over the fixed val sequences; each rank scores every world-th one. Every rank makes the
+    same number of forward calls (a rank out of rows scores a throwaway one): FSDP gathers in each."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=d.device)  # (loss sum, sequences)
     mine = val[d.rank::d.world]
-    for i in range(0, mine.size(0), micro_batch):
-        rows = mine[i:i + micro_batch].to(d.device)
+    calls = math.ceil(val[0::d.world].size(0) / micro_batch)  # rank 0 has the most rows
+    for i in range(0, calls * micro_batch, micro_batch):
+        rows = mine[i:i + micro_batch]
+        scored = rows.size(0)
+        rows = (rows if scored else val[:1]).to(d.device)
         with autocast:
             loss = model(rows[:, :-1], rows[:, 1:])
-        total[0] += loss.double() * rows.size(0)
-        total[1] += rows.size(0)
+        if scored:
+            total[0] += loss.double() * scored
+            total[1] += scored
     if d.world > 1:
         dist.all_reduce(total)
     model.train()
@@ -216,9 +222,7 @@ class Trainer:
         self.logger = MetricsLogger(cfg, d.device, d.world, self.raw_model.flops_per_token(), sink, d.is_main)
         self.validator, self.checkpointing = Validator(cfg), Checkpointing(cfg)
         self.guard, self.faults = DivergenceGuard(cfg), FaultHook(d.rank, d.world)
-        self.checkpointer = AsyncCheckpointer(
-            self.store, cfg.run_name, os.path.join(self.cache, "staging"), max_pending=cfg.checkpoint.max_pending,
-            retries=cfg.checkpoint.upload_retries, on_commit=self._committed) if d.is_main else None
+        self.checkpointer = self._checkpointer()
         self.last_checkpoint: str | None = None
 
     # ---- set up ---------------------------------------------------------------------
@@ -230,6 +234,11 @@ class Trainer:
         plan_memory(self.cfg, self.shards.n_vocab, self.d)
         with torch.device(self.d.device):
             self.raw_model = build_model(self.cfg.model, self.shards.n_vocab)
+        self.fsdp = self.t.parallel == "fsdp"
+        if self.fsdp:  # sharded before the optimizer is made: it holds the shards (DTensors) of this rank
+            from lmyard.parallel import parallelize
+
+            parallelize(self.raw_model, self.cfg, self.d.world, self.d.device)
         self.optimizer = torch.optim.AdamW(self.raw_model.param_groups(self.t.weight_decay), lr=self.t.lr,
                                            betas=(self.t.beta1, self.t.beta2), fused=self.d.device.type == "cuda")
 
@@ -237,14 +246,31 @@ class Trainer:
         T = self.gcfg.block_size
         self.accum = grad_accum_steps(self.cfg, self.d.world, T)
         self.data = TrainBatches(split_stream(self.shards, self.cfg.store, "train", self.cache), T,
-                                 self.t.micro_batch, self.accum, self.d.rank, self.d.world)
+                                 self.t.micro_batch, self.accum, self.d.rank, self.d.world,
+                                 shuffle_seed=self.t.seed if self.cfg.data.shuffle_sequences else None)
         self.val = val_sequences(split_stream(self.shards, self.cfg.store, "val", self.cache), T,
                                  self.cfg.eval.val_tokens)
+
+    def _checkpointer(self):
+        """fsdp: every rank saves its shards (lmyard.sharded_checkpoint); ddp: rank 0 saves the whole state."""
+        c, staging = self.cfg.checkpoint, os.path.join(self.cache, "staging")
+        if self.fsdp:
+            from lmyard.sharded_checkpoint import ShardedCheckpointer
+
+            return ShardedCheckpointer(self.store, self.cfg.run_name, staging, max_pending=c.max_pending,
+                                       retries=c.upload_retries, on_commit=self._committed)
+        if not self.d.is_main:
+            return None
+        return AsyncCheckpointer(self.store, self.cfg.run_name, staging, max_pending=c.max_pending,
+                                 retries=c.upload_retries, on_commit=self._committed)
 
     # ---- the run --------------------------------------------------------------------
     def train(self) -> TrainResult:
         self.resume()
-        self.model, self.autocast = prepare_model(self.raw_model, self.cfg, self.d)
+        if self.fsdp:  # FSDP2 keeps bf16 weights itself (its mixed-precision policy): no autocast
+            self.model, self.autocast = self.raw_model, ComputeContext(False, self.cfg.model.attention)
+        else:
+            self.model, self.autocast = prepare_model(self.raw_model, self.cfg, self.d)
         self.params = list(self.raw_model.parameters())
         self._describe()
         self.batches = Prefetcher(self.data, self.state.cursor, self.d.device)
@@ -254,7 +280,7 @@ class Trainer:
             while self.state.step < self.t.max_steps:
                 loss, grad_norm, lr = self.step()
                 if steps_run == 0 and self.checkpointer is not None:  # optimizer state exists now: copy buffers
-                    self.checkpointer.prepare(self.raw_model.state_dict(), self.optimizer.state_dict())
+                    self._prepare_checkpoint_buffers()
                 steps_run += 1
                 heartbeat.beat(self.state.step)
                 if self.guard_or_log(loss, grad_norm, lr):
@@ -279,13 +305,20 @@ class Trainer:
             dist.barrier()
         return self.result(ExitCode.DONE)
 
+    def _prepare_checkpoint_buffers(self) -> None:
+        if self.fsdp:
+            self.checkpointer.prepare(self.raw_model, self.optimizer)
+        else:
+            self.checkpointer.prepare(self.raw_model.state_dict(), self.optimizer.state_dict())
+
     def step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step; advances step, cursor and tokens seen."""
         lr = lr_at(self.state.step, self.t)
         loss, grad_norm = train_step(self.model, self.params, self.optimizer, self.batches.get, self.accum, lr,
                                      self.t.grad_clip, self.autocast, self.d.world > 1,
                                      poison=self.faults.poison(self.state.step + 1),
-                                     before_update=self.checkpointer.before_update if self.checkpointer else None)
+                                     before_update=self.checkpointer.before_update if self.checkpointer else None,
+                                     fsdp=self.fsdp)
         s = self.state
         s.step, s.cursor, s.tokens_seen = s.step + 1, s.cursor + self.data.per_step, s.tokens_seen + self.t.batch_tokens
         self.logger.steps += 1
@@ -302,7 +335,7 @@ class Trainer:
             self.rollback(problem)
             return True
         self.logger.log(step, self.state.train_loss, lr, float(grad_norm), self.state.tokens_seen,
-                        self.batches.waited_s)
+                        self.batches.waited_s, epoch=self.data.epoch(self.state.cursor))
         return False
 
     def maybe_validate(self) -> None:
@@ -325,13 +358,18 @@ class Trainer:
         else:
             rng = [checkpoint.rng_state()]
         if self.checkpointer is not None:
-            self.sink.flush(timeout=30)  # metrics up to this step reach MLflow before the checkpoint exists
+            if self.d.is_main:
+                self.sink.flush(timeout=30)  # metrics up to this step reach MLflow before the checkpoint exists
             self.state.val_loss = self.validator.at(self.state.step)
-            blocked = self.checkpointer.save(self.raw_model.state_dict(), self.optimizer.state_dict(), rng,
-                                             self.state.model_dump(mode="json"))
-            print(f"checkpoint step {self.state.step} saving in the background (loop blocked "
-                  f"{blocked * 1000:.1f} ms)", flush=True)
-            self.sink.log({"checkpoint/blocked_s": blocked}, self.state.step)
+            state = self.state.model_dump(mode="json")
+            if self.fsdp:
+                blocked = self.checkpointer.save(self.raw_model, self.optimizer, state, rng)
+            else:
+                blocked = self.checkpointer.save(self.raw_model.state_dict(), self.optimizer.state_dict(), rng, state)
+            if self.d.is_main:
+                print(f"checkpoint step {self.state.step} saving in the background (loop blocked "
+                      f"{blocked * 1000:.1f} ms)", flush=True)
+                self.sink.log({"checkpoint/blocked_s": blocked}, self.state.step)
         self.logger.restart(self.batches.waited_s)
 
     def _committed(self, step: int, uri: str) -> None:
@@ -346,7 +384,7 @@ class Trainer:
 
     def resume(self) -> None:
         """Load the newest complete checkpoint (damaged ones are moved aside), exactly; report what was loaded."""
-        ckpt, damaged = checkpoint.find_latest(self.store, self.cfg.run_name, self.cache)
+        ckpt, damaged = self._find_latest()
         if self.d.world > 1:
             found = [None] * self.d.world
             dist.all_gather_object(found, ckpt.step if ckpt else None)
@@ -369,9 +407,19 @@ class Trainer:
         if self.exchange:
             self.exchange.write("started.json", self.started)
 
-    def restore(self, ckpt: checkpoint.Checkpoint) -> None:
-        self.raw_model.load_state_dict(ckpt.model)
-        self.optimizer.load_state_dict(ckpt.optim)
+    def _find_latest(self):
+        """(the newest good checkpoint, the damaged steps); under fsdp already loaded into the sharded model."""
+        if self.fsdp:
+            from lmyard.sharded_checkpoint import find_latest_sharded
+
+            return find_latest_sharded(self.store, self.cfg.run_name, self.raw_model, self.optimizer, self.cache,
+                                       process_group=self.checkpointer.group)
+        return checkpoint.find_latest(self.store, self.cfg.run_name, self.cache)
+
+    def restore(self, ckpt) -> None:
+        if not self.fsdp:  # a sharded load has put the weights and the optimizer state in place already
+            self.raw_model.load_state_dict(ckpt.model)
+            self.optimizer.load_state_dict(ckpt.optim)
         old = ckpt.state
         self.state = self.state.model_copy(update={"step": old.step, "cursor": old.cursor,
                                                    "tokens_seen": old.tokens_seen, "rollbacks": old.rollbacks})
@@ -388,7 +436,7 @@ class Trainer:
         self.flush()  # the last good checkpoint may still be uploading
         if self.d.world > 1:
             dist.barrier()
-        ckpt, _ = checkpoint.find_latest(self.store, self.cfg.run_name, self.cache)
+        ckpt, _ = self._find_latest()
         if ckpt is None:
             raise Diverged(f"training diverged at step {bad_step}: {problem}, and there is no checkpoint to roll "
                            "back to; lower train.lr or checkpoint.interval")
@@ -420,7 +468,9 @@ class Trainer:
             print(f"model: {self.raw_model.num_params():,} params, {g.n_layer} layers, d={g.n_embd}, "
                   f"T={g.block_size}, vocab {g.vocab_size} | {d.world} ranks on {d.device.type} | "
                   f"{t.batch_tokens:,} tokens/step = {t.micro_batch} seq * {g.block_size} tokens * {d.world} "
-                  f"ranks * {self.accum} micro-steps", flush=True)
+                  f"ranks * {self.accum} micro-steps" + (f" | {self.t.parallel}" if self.fsdp else ""), flush=True)
+            if warning := self.data.repeat_warning(self.t.max_steps):
+                print(f"warning: {warning}", flush=True)
 
     def result(self, code: ExitCode, message: str | None = None) -> TrainResult:
         s = self.state
@@ -438,7 +488,9 @@ def new_data_cursor(state: CheckpointState, data: TrainBatches, d: Dist) -> int:
     """
     old_tokens = state.train_tokens
     first_new = old_tokens // data.T
-    if 0 < old_tokens < data.stream.total and first_new < data.n_seq:
+    if data.shuffle_seed is not None:  # a shuffled order has no "past the old tokens": the new stream, from its start
+        where, cursor = "from the start of the new shard set (sequences are shuffled)", 0
+    elif 0 < old_tokens < data.stream.total and first_new < data.n_seq:
         where, cursor = f"at the first sequence past its {old_tokens:,} tokens (the data that is new)", first_new
     else:
         where, cursor = "from the start of the new shard set", 0
@@ -449,7 +501,7 @@ def new_data_cursor(state: CheckpointState, data: TrainBatches, d: Dist) -> int:
 
 def train_step(model: torch.nn.Module, params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
                next_batch, accum: int, lr: float, grad_clip: float, autocast, distributed: bool,
-               poison: bool = False, before_update=None) -> tuple[torch.Tensor, torch.Tensor]:
+               poison: bool = False, before_update=None, fsdp: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over `accum` micro-batches; returns (mean loss, grad norm) as device tensors."""
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -457,13 +509,14 @@ def train_step(model: torch.nn.Module, params: list[torch.Tensor], optimizer: to
     for micro in range(accum):
         x, y = next_batch()
         sync = micro == accum - 1 or not distributed  # DDP all-reduces gradients on the last micro-step only
-        with (contextlib.nullcontext() if sync else model.no_sync()), autocast:
+        with (contextlib.nullcontext() if sync else no_sync(model)), autocast:
             loss = model(x, y)
         if poison:
             loss = loss * float("nan")
         (loss / accum).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    clip = clip_grad_norm if fsdp else torch.nn.utils.clip_grad_norm_  # the FSDP one reduces the shards' norms
+    grad_norm = clip(params, grad_clip if grad_clip > 0 else float("inf"))
     if before_update is not None:
         before_update()  # a checkpoint copy of the weights in flight must finish before they change
     optimizer.step()

@@ -68,7 +68,7 @@ def test_checkpoints_round_trip_through_s3_and_resume_exactly(s3_run):
     assert result.step == 12 and any("at step 8" in ln and "s3://" in ln for ln in lines)
     a = checkpoint.load_step(store, "s3-straight", 12, str(tmp / "load-a"))
     b = checkpoint.load_step(store, "s3-crashed", 12, str(tmp / "load-b"))
-    assert a.state["cursor"] == b.state["cursor"] and a.uri.startswith("s3://")
+    assert a.state.cursor == b.state.cursor and a.uri.startswith("s3://")
     for x, y in zip(_tensors(a), _tensors(b), strict=True):
         assert torch.equal(x, y)
 
@@ -111,7 +111,7 @@ def test_flush_gives_up_at_its_deadline_while_the_store_is_down_and_commits_once
     writer = checkpoint.AsyncCheckpointer(store, "down", str(tmp_path / "staging"), retries=1, backoff_s=0.1,
                                           say=said.append)
     try:
-        writer.save({"w": torch.arange(4.0)}, {"state": {}, "param_groups": []}, [], {"step": 4, "cursor": 4})
+        writer.save({"w": torch.arange(4.0)}, {"state": {}, "param_groups": []}, [], _state(4))
         t0 = time.monotonic()
         with pytest.raises(checkpoint.StoreOutage, match=r"steps \[4\] are still not in s3://.* after 3 s.*staged in"):
             writer.flush(timeout_s=3)
@@ -139,10 +139,16 @@ def test_upload_cut_by_a_dying_process_leaves_no_manifest_and_resume_uses_the_pr
     assert checkpoint.complete_steps(store, "cut-upload")[-2:] == [8, 12]
 
 
+def _state(step, val_loss=None):
+    """A minimal lmyard.contracts.CheckpointState."""
+    return {"step": step, "val_loss": val_loss, "cursor": step, "tokens_seen": step, "world_size": 1,
+            "shard_address": "a", "config": {}, "model": {}}
+
+
 def _save_local(store, run_name, step, val_loss=None, staging=None):
     model = {"w": torch.full((4,), float(step))}
-    return checkpoint.save(store, run_name, step, model, {"state": {}, "param_groups": []}, [],
-                           {"step": step, "val_loss": val_loss, "cursor": step}, staging)
+    state = _state(step, val_loss)
+    return checkpoint.save(store, run_name, step, model, {"state": {}, "param_groups": []}, [], state, staging)
 
 
 def test_damaged_newest_checkpoint_makes_the_loader_fall_back_and_say_which(tmp_path, capsys):

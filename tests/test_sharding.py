@@ -11,6 +11,7 @@ import pytest
 
 from lmyard import sharding
 from lmyard import shards as fmt
+from lmyard import sources
 from lmyard.config import load_recipe
 from lmyard.errors import UserError
 from lmyard.sharding import tokenize_and_shard
@@ -33,6 +34,7 @@ def _no_manifest(root) -> bool:
 
 def test_parallel_shards_are_byte_identical_to_serial(tmp_path, monkeypatch):
     monkeypatch.setattr(sharding, "BATCH_CHARS", 2000)  # many small batches, so the pool reorders if it can
+    monkeypatch.setattr(sources, "UNIT_BYTES", 2000)  # many small read tasks (local files), likewise
     src = _jsonl(tmp_path / "c.jsonl", [f"doc {i}: " + "lorem ipsum dolor " * (i % 13) for i in range(400)])
     results = {}
     for n in (1, 2):
@@ -105,7 +107,7 @@ def test_token_ids_too_large_for_the_format_are_refused():
     from lmyard.tokenizer import get_tokenizer
 
     enc = get_tokenizer(TokenizerConfig(name="bytes"))
-    sharding._init_worker(enc, np.dtype("<u1"))  # a format narrower than the vocabulary (257 ids)
+    sharding._init_worker(enc, 256, None, np.dtype("<u1"))  # a format narrower than the vocabulary (257 ids)
     with pytest.raises(UserError, match="token id 256 does not fit.*format version 2"):
         sharding._encode_batch(["hi"])
 

@@ -71,7 +71,7 @@ def test_second_run_with_the_same_inputs_does_no_tokenization(s3_server, s3_buck
     def no_tokenizing(*a, **k):
         raise AssertionError("the second run tokenized")
 
-    monkeypatch.setattr(sharding, "_tokenized", no_tokenizing)
+    monkeypatch.setattr(sharding, "_build", no_tokenizing)
     logs: list[str] = []
     second, reused2 = tokenize_and_shard(cfg, log=logs.append, cache_dir=str(tmp_path / "cache"))
     assert (reused1, reused2) == (False, True) and second.manifest == first.manifest

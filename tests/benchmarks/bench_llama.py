@@ -13,7 +13,7 @@ seq + 1 tokens. With `--titan` it then runs torchtitan on the same shard (run_to
 
 Prints one JSON line per run and a summary: tokens/s, tokens/s per GPU, MFU = tokens/s * F / (peak * GPUs)
 with F = model.flops_per_token() = 6 * (parameters - input embedding) + 12 * layers * width * seq
-(torchtitan's formula; peak dense bf16 989 TFLOP/s on H100/H200, lmyard.train.PEAK_FLOPS), peak memory per
+(torchtitan's formula; peak dense bf16 989 TFLOP/s on H100/H200, lmyard.components.PEAK_FLOPS), peak memory per
 GPU (max allocated and max reserved, GiB) beside lmyard.memory's estimate, and lmyard / torchtitan.
 """
 
@@ -67,7 +67,7 @@ def worker(a: argparse.Namespace) -> None:
     from lmyard.models import build_model
     from lmyard.parallel import parallelize
     from lmyard.shards import read_shard
-    from lmyard.train import PEAK_FLOPS
+    from lmyard.components import PEAK_FLOPS
 
     rank, local, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     cuda = a.device == "cuda"
@@ -137,6 +137,25 @@ def run_lmyard(a: argparse.Namespace, gpus: int, shard: Path) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
+    """lmyard's own trainer (`torchrun -m lmyard.train`, train.parallel=fsdp) on the same shape: its data loader,
+    logging, guard and a checkpoint at the end included; tokens/s is the median of its logged intervals."""
+    from bench_trainer import run_lmyard
+    from random_shards import make_shards
+
+    store = a.data / "trainer"
+    steps = a.warmup + a.steps
+    shards = make_shards(store, (steps + 2) * a.batch * a.seq * gpus + a.seq + 1)
+    overrides = [f"model.preset={a.preset}", f"model.block_size={a.seq}", "train.parallel=fsdp",
+                 f"train.batch_tokens={a.batch * a.seq * gpus}", f"train.activation_checkpointing={a.ac}",
+                 f"train.compile={str(a.compile).lower()}", f"model.attention={a.attention}",
+                 f"train.fsdp_reshard_after_forward={str(not a.no_reshard).lower()}", "eval.val_tokens=16384",
+                 "checkpoint.interval=100000"]
+    out = run_lmyard(store, shards, gpus, a.batch, steps, overrides, {}, log_interval=5,
+                     warmup_logs=max(1, a.warmup // 5))
+    return {"impl": "lmyard-trainer", **out}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, nargs="+", default=[1], help="GPU counts (ranks, with --device cpu)")
@@ -154,6 +173,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--titan", action="store_true", help="also run torchtitan 0.3.0 (run_torchtitan.py)")
+    ap.add_argument("--trainer", action="store_true", help="also run lmyard's trainer (torchrun -m lmyard.train)")
     ap.add_argument("--titan-attn", default="sdpa", help="torchtitan's attention: sdpa (as lmyard) or flex")
     ap.add_argument("--titan-no-cuda-graphs", action="store_true",
                     help="torchtitan without its default CUDA graph of forward + backward")
@@ -172,6 +192,11 @@ def main() -> None:
         ours = run_lmyard(a, gpus, shard)
         print(json.dumps(ours), flush=True)
         rows.append(ours)
+        if a.trainer:
+            trainer = run_trainer(a, gpus)
+            trainer["tok_s_per_gpu"] = round(trainer["tok_s"] / gpus)
+            print(json.dumps(trainer), flush=True)
+            rows.append(trainer)
         if a.titan:
             # torchtitan logs every 5 steps; its first two intervals (compilation, warm-up) are left out
             peer = run_titan(gpus, a.preset, a.seq, a.batch, a.ac, a.compile, max(steps, 25), 2, a.data, a.titan_attn,
@@ -179,10 +204,13 @@ def main() -> None:
             peer["mfu"] = round(ours["mfu"] * peer["tok_s"] / ours["tok_s"], 4) if ours["mfu"] else None  # same F
             print(json.dumps(peer), flush=True)
             rows.append({**peer, "lmyard_over_titan": round(ours["tok_s"] / peer["tok_s"], 3)})
+            if a.trainer:
+                rows[-1]["trainer_over_titan"] = round(trainer["tok_s"] / peer["tok_s"], 3)
     print("\nimpl              GPUs      tok/s  tok/s/GPU     MFU  peak reserved GiB/GPU  lmyard/torchtitan")
     for r in rows:
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
         ratio = f"{r['lmyard_over_titan']:.3f}x" if "lmyard_over_titan" in r else ""
+        ratio += f" (trainer {r['trainer_over_titan']:.3f}x)" if "trainer_over_titan" in r else ""
         print(f"{r['impl']:<16} {r['world']:>5} {r['tok_s']:>10,} {r['tok_s_per_gpu']:>10,} {mfu:>7}  "
               f"{r.get('peak_reserved_gib', '-')!s:>21}  {ratio}")
 

@@ -1,0 +1,97 @@
+"""The trainer under train.parallel=fsdp (FSDP2, sharded checkpoints) on 2 CPU ranks (gloo): it matches ddp,
+resumes exactly on 2 ranks and reshards to 1, and checkpoints move between ddp and fsdp both ways."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import tiny_overrides
+from lmyard import checkpoint
+from lmyard.config import load_recipe
+from lmyard.launch import run_local
+from lmyard.sharding import tokenize_and_shard
+from lmyard.store import open_store
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp")
+    cfg = load_recipe("smoke", tiny_overrides(tmp))
+    shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
+    return tmp, shards
+
+
+def _run(env, run_name, parallel, *, nproc=2, faults="", **extra):
+    tmp, shards = env
+    values = {"run_name": run_name, "model.preset": "llama-tiny", "train.parallel": parallel,
+              "launch.nproc_per_node": nproc, "checkpoint.interval": 4, "eval.interval": 4, **extra}
+    cfg = load_recipe("smoke", tiny_overrides(tmp, steps=8, **values))
+    spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict()}
+    os.environ["LMYARD_CACHE"] = str(tmp / "cache")
+    os.environ["LMYARD_FAULTS"] = faults
+    try:
+        return run_local(cfg, spec, on_line=lambda s: None)
+    except Exception as e:  # noqa: BLE001 - the caller checks what it expects
+        return e
+    finally:
+        os.environ.pop("LMYARD_FAULTS")
+
+
+def _weights(env, run_name, step=8):
+    tmp, _ = env
+    return checkpoint.load_step(open_store(str(tmp / "store")), run_name, step, str(tmp / "load")).model
+
+
+@pytest.fixture(scope="module")
+def fsdp_straight(env):
+    result = _run(env, "fsdp-straight", "fsdp")
+    assert result.step == 8, result
+    return _weights(env, "fsdp-straight")
+
+
+def test_fsdp_training_matches_ddp_training(env, fsdp_straight):
+    assert _run(env, "ddp-straight", "ddp").step == 8
+    ddp = _weights(env, "ddp-straight")
+    assert sorted(ddp) == sorted(fsdp_straight)
+    for name in ddp:  # same data, same updates: equal up to the order of float sums in the reductions
+        torch.testing.assert_close(fsdp_straight[name], ddp[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_two_rank_fsdp_checkpoint_resumes_exactly_on_two_ranks(env, fsdp_straight):
+    crashed = _run(env, "fsdp-crashed", "fsdp", faults="crash@6")
+    assert isinstance(crashed, Exception)
+    result = _run(env, "fsdp-crashed", "fsdp")
+    assert result.start_step == 4 and result.step == 8
+    resumed = _weights(env, "fsdp-crashed")
+    for name in fsdp_straight:  # bit for bit: same shards, same reductions, same RNG states
+        assert torch.equal(resumed[name], fsdp_straight[name]), name
+
+
+def test_a_two_rank_fsdp_checkpoint_reshards_onto_one_rank_with_the_same_token_order(env, fsdp_straight):
+    assert isinstance(_run(env, "fsdp-to-one", "fsdp", faults="crash@6"), Exception)
+    result = _run(env, "fsdp-to-one", "fsdp", nproc=1)
+    assert result.start_step == 4 and result.step == 8
+    tmp, _ = env
+    store = open_store(str(tmp / "store"))
+    assert checkpoint.read_state(store, "fsdp-to-one", 8).cursor == checkpoint.read_state(store, "fsdp-straight", 8).cursor
+    one = _weights(env, "fsdp-to-one")
+    for name in fsdp_straight:  # one rank reads both ranks' sequences: the same updates up to summation order
+        torch.testing.assert_close(one[name], fsdp_straight[name], rtol=2e-4, atol=2e-5, msg=name)
+
+
+def test_checkpoints_move_from_ddp_to_fsdp_and_back(env, fsdp_straight):
+    assert isinstance(_run(env, "ddp-then-fsdp", "ddp", faults="crash@6"), Exception)
+    result = _run(env, "ddp-then-fsdp", "fsdp")
+    assert result.start_step == 4 and result.step == 8
+    assert isinstance(_run(env, "fsdp-then-ddp", "fsdp", faults="crash@6"), Exception)
+    result = _run(env, "fsdp-then-ddp", "ddp")
+    assert result.start_step == 4 and result.step == 8
+    for run_name in ("ddp-then-fsdp", "fsdp-then-ddp"):
+        moved = _weights(env, run_name)
+        for name in fsdp_straight:
+            torch.testing.assert_close(moved[name], fsdp_straight[name], rtol=1e-4, atol=1e-5, msg=name)
