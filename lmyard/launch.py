@@ -120,13 +120,14 @@ class Follower:
         with _ACTIVE_LOCK:
             _ACTIVE.add(self)
         try:
-            self.job.start(events)
-            stalled = self._follow(events)
-            self._poll()
+            try:
+                self.job.start(events)
+                stalled = self._follow(events)
+                self._poll()
+            except BaseException:  # interrupted while the job runs: SIGTERM, grace, kill
+                self._stop(events)
+                raise
             return self._result(stalled)
-        except BaseException:
-            self._stop(events)
-            raise
         finally:
             with _ACTIVE_LOCK:
                 _ACTIVE.discard(self)

@@ -300,3 +300,20 @@ def test_the_watchdog_ends_a_stalled_two_container_job_and_the_retry_resumes(
 
     result = run_docker(cfg, spec, on_line=lines.append, image=stage_image, flow_run_id="test-stalled")
     assert result.start_step == 4 and result.step == 10
+
+
+def test_evaluate_stage_runs_in_the_image_as_docs_docker_md_shows(docker_client, stage_image, image_sharded):
+    """`python -m lmyard.stages evaluate` in the stage image, on a checkpoint of a run the host trained."""
+    from lmyard.contracts import EvalResult, read_model
+    from lmyard.launch import run_local
+
+    tmp, shards, _, _ = image_sharded
+    overrides = tiny_overrides(tmp, steps=2, **{"data.source": str(tmp / "corpus.jsonl"), "run_name": "evaluated",
+                                                "launch.nproc_per_node": 1, "checkpoint.interval": 2})
+    cfg = load_recipe("smoke", overrides)
+    run_local(cfg, {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict()}, on_line=lambda s: None)
+    _writable_by_image(tmp / "store")
+    code, out = _stage(docker_client, stage_image, tmp, "evaluate", "smoke", *sum((["--set", o] for o in overrides), []))
+    assert code == 0, out
+    result = read_model(str(tmp / "stage-result.json"), EvalResult)
+    assert result.step == 2 and result.checkpoint.endswith("step_00000002") and result.val_loss > 0

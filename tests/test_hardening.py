@@ -183,3 +183,24 @@ def test_credentials_in_uris_are_redacted_from_params_and_dumps():
     assert redact_uri("postgresql://mlflow:pw@db:5432/mlflow") == "postgresql://mlflow:***@db:5432/mlflow"
     assert redact_uri("ssh://deploy@gpu-1") == "ssh://deploy@gpu-1"
     assert RunConfig().redacted_dump() == RunConfig().model_dump(mode="json")
+
+
+def test_out_of_memory_is_one_line_naming_the_setting_and_is_not_retried(cli_env, tmp_path):
+    """A micro-batch far beyond the memory the trainer may use (an address-space limit stands in for a small
+    machine): exit 2, one line naming train.micro_batch, one attempt only."""
+    import resource
+    import subprocess
+
+    from conftest import lmyard_cmd, tiny_overrides
+
+    limit = 8 << 30
+    overrides = tiny_overrides(tmp_path, steps=4, **{"run_name": "oom", "train.micro_batch": 131072,
+                                                     "train.batch_tokens": 131072 * 64 * 2})
+    done = subprocess.run(lmyard_cmd("run", "smoke", *[x for o in overrides for x in ("--set", o)]), env=cli_env,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("lmyard: error:")]
+    assert len(errors) == 1 and "out of memory" in errors[0] and "lower train.micro_batch" in errors[0]
+    assert "Traceback" not in done.stderr.split("lmyard: error:")[-1]
+    assert "Retry 1/" not in done.stderr  # the train task is not retried: the same config cannot fit
