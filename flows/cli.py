@@ -3,6 +3,8 @@
     lmyard run RECIPE [--set dotted.key=value ...]     the pretrain flow
     lmyard shard RECIPE [--set dotted.key=value ...]   tokenize-and-shard only
     lmyard config [RECIPE] [--set ...]                 print the resolved config (YAML)
+    lmyard export RUN_OR_CHECKPOINT_URI [--step N] --to DIR_OR_S3_URI
+                                                       a checkpoint as a Hugging Face model folder
 
 RECIPE is a built-in name (`smoke`, the CPU default) or a YAML path.
 User mistakes print one line, `lmyard: error: ...`, and exit 2; a diverged run exits 3, a store
@@ -47,7 +49,21 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a config field, e.g. --set train.max_steps=50 (repeatable)")
         if name == "config":
             s.add_argument("--reference", action="store_true", help="print the reference of every key (Markdown)")
+    e = sub.add_parser("export", help="a checkpoint as a Hugging Face transformers model folder")
+    e.add_argument("source", metavar="RUN_OR_CHECKPOINT_URI",
+                   help="STORE/runs/RUN (its newest complete checkpoint) or STORE/runs/RUN/checkpoints/step_NNNNNNNN")
+    e.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest)")
+    e.add_argument("--to", dest="dest", required=True, metavar="DIR_OR_S3_URI",
+                   help="a new (or empty) folder or s3://bucket/prefix")
     return p
+
+
+def _export(args: argparse.Namespace) -> int:
+    from lmyard.export import export  # imports torch: only for this command
+
+    info = export(args.source, args.dest, args.step)
+    print(f"lmyard: exported {info['checkpoint']} (step {info['step']}) as {info['hf_architecture']} to {info['uri']}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     from lmyard.errors import Diverged, Preempted, StoreOutage, UserError
 
     try:
+        if args.command == "export":
+            return _export(args)
         if args.command == "config" and args.reference:
             from lmyard.config import reference_markdown
 

@@ -234,6 +234,10 @@ class ModelConfig(_Section):
     norm_eps: float | None = Field(None, gt=0, description="Llama: RMSNorm epsilon; default 1e-5.")
     attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
         "auto", description="SDPA kernel: `auto` lets PyTorch choose; `cudnn` is often fastest on Hopper GPUs.")
+    init_from: str | None = Field(
+        None, description="A Hugging Face model folder (local or s3://; GPT2LMHeadModel or LlamaForCausalLM, one "
+        "model.safetensors) to continue pretraining from: its weights and sizes replace the preset's "
+        "(lmyard.export.init_from_hf).")
 
     @field_validator("preset")
     @classmethod
@@ -378,6 +382,14 @@ class EvalConfig(_Section):
         "or a hub dataset name (e.g. `Rowan/hellaswag`); null: skipped.")
     hellaswag_split: str = Field("validation", description="Split of a hub HellaSwag dataset.")
     hellaswag_limit: int | None = Field(None, gt=0, description="Score only the first N examples.")
+    harness_tasks: list[str] = Field(
+        default_factory=list, description="lm-evaluation-harness tasks run on each checkpoint's Hugging Face "
+        "export (needs the `harness` extra), offline: `hellaswag_local` scores eval.hellaswag's local JSONL; "
+        "other tasks come from eval.harness_include or lm-eval's own list, with their data in the local "
+        "datasets cache. Results are logged as harness/<task>/<metric> at the checkpoint's step.")
+    harness_include: str | None = Field(
+        None, description="A folder of lm-eval task YAML files (e.g. with `dataset_path: json` on local files).")
+    harness_limit: int | None = Field(None, gt=0, description="Examples per lm-eval task (default: all).")
     gates: EvalGates = Field(default_factory=lambda: EvalGates())
     alias: str = Field("candidate", pattern=r"^[A-Za-z][A-Za-z0-9_-]*$",
                        description="Registry alias the final model version gets when every configured gate passes.")

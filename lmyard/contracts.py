@@ -110,6 +110,7 @@ class EvalResult(_Contract):
     device: str
     val_loss: float
     hellaswag: dict[str, Any] | None = None
+    harness: dict[str, Any] | None = Field(None, description="eval.harness_tasks: lm-eval's {metrics, results}.")
     samples: list[dict[str, str]] = Field(default_factory=list)
     eval_s: float = 0.0
 

@@ -205,6 +205,10 @@ def evaluate_checkpoint(cfg: RunConfig, shards: ShardSet, step: int) -> dict:
     if cfg.eval.hellaswag:
         examples = read_hellaswag(cfg.eval.hellaswag, cfg.eval.hellaswag_split, cfg.eval.hellaswag_limit)
         result["hellaswag"] = hellaswag(model, get_tokenizer(cfg.tokenizer), examples, device)
+    if cfg.eval.harness_tasks:  # lm-evaluation-harness on the checkpoint's Hugging Face export
+        from lmyard import harness
+
+        result["harness"] = harness.evaluate(ckpt, cfg, device)
     result["samples"] = samples(model, cfg, device=device)
     result["eval_s"] = round(time.perf_counter() - t0, 3)
     return result

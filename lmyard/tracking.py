@@ -208,7 +208,9 @@ def _experiment_id(client, cfg: RunConfig) -> str:
     if cfg.tracking.uri.startswith("sqlite:///"):
         db = os.path.abspath(cfg.tracking.uri.removeprefix("sqlite:///"))
         location = "file://" + os.path.join(os.path.dirname(db), "mlartifacts")
-    return client.create_experiment(cfg.tracking.experiment, artifact_location=location)
+    # the MLflow UI opens it in its model-training view (MLflow 3)
+    return client.create_experiment(cfg.tracking.experiment, artifact_location=location,
+                                    tags={"mlflow.experimentKind": "custom_model_development"})
 
 
 def open_lineage(cfg: RunConfig, store, *, shard_address: str, code_version: str) -> Lineage:
@@ -327,13 +329,14 @@ def log_artifact_dict(lineage: Lineage, data: dict | list, artifact_file: str) -
     _client(lineage.tracking_uri).log_dict(lineage.mlflow_run_id, data, artifact_file)
 
 
-def log_metrics(lineage: Lineage, metrics: dict[str, float], step: int) -> None:
-    """Log metrics at `step` now, in one batch (for evaluations; the trainer uses MLflowSink)."""
+def log_metrics(lineage: Lineage, metrics: dict[str, float], step: int, model_id: str | None = None) -> None:
+    """Log metrics at `step` now, in one batch (for evaluations; the trainer uses MLflowSink); with
+    `model_id`, linked to that logged model too."""
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
     _client(lineage.tracking_uri).log_batch(
-        lineage.mlflow_run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+        lineage.mlflow_run_id, metrics=[Metric(k, float(v), now, step, model_id=model_id) for k, v in metrics.items()])
 
 
 def metric_history(lineage: Lineage, key: str) -> dict[int, float]:
@@ -388,31 +391,125 @@ def log_loss_curve(lineage: Lineage, keys: tuple[str, ...] = ("train/loss", "val
     return histories
 
 
-def register_model(lineage: Lineage, name: str, checkpoint_uri: str, step: int, description: str,
-                   tags: dict[str, str], descriptor: dict) -> str:
-    """Log the final model (an MLflow logged model that references the checkpoint by URI: nothing is copied)
-    and register it as a new version of `name` whose source is the checkpoint's URI; its version number."""
+def log_shard_dataset(lineage: Lineage, shards) -> None:
+    """The shard set as the run's training dataset input: name, content address (digest), store URI (source)."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    m = shards.manifest
+    profile = {"address": shards.address, "train_tokens": shards.tokens("train"), "val_tokens": shards.tokens("val"),
+               "shards": len(m.get("shards", [])), "tokenizer": m.get("tokenizer", {}).get("name")}
+    dataset = Dataset(name=f"shards-{shards.address[:12]}", digest=shards.address[:36],  # MLflow keeps 36 characters
+                      source_type="s3" if shards.uri.startswith("s3://") else "local",
+                      source=json.dumps({"uri": shards.uri}), profile=json.dumps(profile),
+                      schema=json.dumps({"format": "llm.c .bin token shards",
+                                         "n_vocab": m.get("tokenizer", {}).get("n_vocab")}))
+    _client(lineage.tracking_uri).log_inputs(
+        lineage.mlflow_run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", "training")])])
+
+
+def log_checkpoint_model(lineage: Lineage, step: int, checkpoint_uri: str, descriptor: dict) -> str:
+    """An MLflow logged model for one evaluated checkpoint: a descriptor that points at the checkpoint by URI
+    (no weights are copied), an output of the run at `step`. Its id: log the step's metrics with it."""
     import tempfile
 
-    from mlflow.exceptions import MlflowException
+    from mlflow.entities import LoggedModelOutput
 
     client = _client(lineage.tracking_uri)
-    model = client.create_logged_model(lineage.experiment_id, name=name, source_run_id=lineage.mlflow_run_id,
+    model = client.create_logged_model(lineage.experiment_id, name=f"{lineage.run_name}-step-{step:08d}",
+                                       source_run_id=lineage.mlflow_run_id, model_type="lmyard-checkpoint",
                                        params={"checkpoint_uri": checkpoint_uri, "step": str(step)},
-                                       tags=tags, model_type="lmyard-gpt-checkpoint")
+                                       tags={"lmyard.run_name": lineage.run_name, "lmyard.step": str(step)})
     with tempfile.TemporaryDirectory(prefix="lmyard-model-") as tmp:
-        with open(os.path.join(tmp, "lmyard_model.json"), "w") as f:
+        with open(os.path.join(tmp, "lmyard_checkpoint.json"), "w") as f:
             json.dump(descriptor, f, indent=1)
         client.log_model_artifacts(model.model_id, tmp)
     client.finalize_logged_model(model.model_id, "READY")
+    client.log_outputs(lineage.mlflow_run_id, [LoggedModelOutput(model.model_id, step)])
+    return model.model_id
+
+
+def link_metrics(lineage: Lineage, model_id: str, step: int, prefixes: tuple[str, ...] = ("eval/", "val/")) -> None:
+    """Link the run's metrics at `step` (those under `prefixes`) to a logged model, as MLflow's log_model does:
+    the same points again with the model's id; the run's own history keeps one point per step."""
+    from mlflow.entities import Metric
+
+    client = _client(lineage.tracking_uri)
+    keys = [k for k in client.get_run(lineage.mlflow_run_id).data.metrics if k.startswith(prefixes)]
+    points = [Metric(m.key, m.value, m.timestamp, m.step, model_id=model_id, run_id=lineage.mlflow_run_id)
+              for k in keys for m in client.get_metric_history(lineage.mlflow_run_id, k)
+              if m.step == step and m.model_id is None]
+    if points:
+        client.log_batch(lineage.mlflow_run_id, metrics=points)
+
+
+def log_hf_model(lineage: Lineage, name: str, folder: str, step: int, params: dict[str, str],
+                 tags: dict[str, str]) -> str:
+    """Log an exported Hugging Face folder as an MLflow pyfunc model (lmyard/hf_pyfunc.py, text in, text out)
+    whose artifacts, the weights among them, go to the artifact store; linked to the run's metrics at
+    `step`. Returns the logged model's id."""
+    import tempfile
+
+    import mlflow.pyfunc
+    from mlflow.entities import LoggedModelOutput
+    from mlflow.models import Model, ModelSignature
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+
+    client = _client(lineage.tracking_uri)
+    model = client.create_logged_model(lineage.experiment_id, name=name, source_run_id=lineage.mlflow_run_id,
+                                       params=params, tags=tags, model_type="transformers-text-generation")
+    signature = ModelSignature(
+        inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),  # prompts in, texts out
+        params=ParamSchema([ParamSpec("max_new_tokens", "long", 64), ParamSpec("temperature", "double", 0.8),
+                            ParamSpec("top_k", "long", 40), ParamSpec("seed", "long", 0),
+                            ParamSpec("do_sample", "boolean", True)]))
+    with tempfile.TemporaryDirectory(prefix="lmyard-model-") as tmp:
+        path = os.path.join(tmp, "model")
+        mlflow.pyfunc.save_model(
+            path, python_model=os.path.join(os.path.dirname(__file__), "hf_pyfunc.py"),
+            artifacts={"hf_model": folder}, signature=signature, pip_requirements=_pyfunc_requirements(),
+            mlflow_model=Model(artifact_path=model.artifact_location, run_id=lineage.mlflow_run_id,
+                               model_id=model.model_id))
+        client.log_model_artifacts(model.model_id, path)
+    client.finalize_logged_model(model.model_id, "READY")
+    client.log_outputs(lineage.mlflow_run_id, [LoggedModelOutput(model.model_id, step)])
+    link_metrics(lineage, model.model_id, step)
+    return model.model_id
+
+
+def _pyfunc_requirements() -> list[str]:
+    """What loading the pyfunc needs (pinned to what is installed here, where known); never inferred by
+    loading the model, which would cost a full load at logging time."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for dist in ("mlflow", "torch", "transformers", "tokenizers", "safetensors"):
+        try:
+            out.append(f"{dist}=={version(dist)}")
+        except PackageNotFoundError:
+            out.append(dist)
+    return out
+
+
+def register_model(lineage: Lineage, name: str, model_id: str, step: int, description: str,
+                   tags: dict[str, str], checkpoint_uri: str) -> str:
+    """Register a logged model as a new version of `name` (source `models:/<model_id>`, which an MLflow
+    server accepts whatever the artifact store); its version number."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(lineage.tracking_uri)
     try:
         client.create_registered_model(name, description="GPT models pretrained with lmyard")
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    version = client.create_model_version(name, source=checkpoint_uri, run_id=lineage.mlflow_run_id,
-                                          tags={"lmyard.step": str(step), **tags}, description=description,
-                                          model_id=model.model_id)
+    # MLflow's SQL registry store (a sqlite:// URI, no server) looks the logged model up through the process's
+    # global tracking URI rather than this client's: point that at ours for the call
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    with _use_tracking_uri(lineage.tracking_uri):
+        version = client.create_model_version(
+            name, source=f"models:/{model_id}", run_id=lineage.mlflow_run_id, description=description,
+            tags={"lmyard.step": str(step), "lmyard.checkpoint": checkpoint_uri, **tags}, model_id=model_id)
     _set_tags(client, lineage.mlflow_run_id, {"lmyard.registered_model": f"{name}/{version.version}",
                                               "lmyard.final_checkpoint": checkpoint_uri})
     return str(version.version)

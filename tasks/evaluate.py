@@ -129,8 +129,12 @@ def _log_to_mlflow(lineage: tracking.Lineage, r: dict) -> None:
     tracking.log_artifact_dict(lineage, r, f"evals/step_{step:08d}.json")
     text = "\n\n".join(f"### {s['prompt']}\n{s['prompt']}{s['completion']}" for s in r["samples"])
     tracking.log_artifact_text(lineage, text, f"samples/step_{step:08d}.md")
+    metrics.update({f"harness/{k}": v for k, v in (r.get("harness") or {}).get("metrics", {}).items()})
     tracking.set_tags(lineage, {"lmyard.latest_evaluated_checkpoint": r["checkpoint"]})
-    tracking.log_metrics(lineage, metrics, step)  # last: its step marks the checkpoint as evaluated
+    # the checkpoint as an MLflow logged model (a pointer, no weights), its metrics linked to it
+    model_id = tracking.log_checkpoint_model(lineage, step, r["checkpoint"], {
+        "checkpoint": r["checkpoint"], "step": step, "tokens_seen": r["tokens_seen"], "val_loss": r["val_loss"]})
+    tracking.log_metrics(lineage, metrics, step, model_id=model_id)  # last: its step marks the checkpoint as evaluated
 
 
 def _table(r: dict) -> list[dict]:

@@ -22,6 +22,7 @@ def open_lineage(config: RunConfig, shards: ShardSet) -> tracking.Lineage:
     """Create or reopen the MLflow run of runs/<run_name>; the train task records each attempt."""
     lineage = tracking.open_lineage(config, open_store(config.store), shard_address=shards.address,
                                     code_version=code_version())
+    tracking.log_shard_dataset(lineage, shards)  # the UI's "Datasets": which data trained the run
     get_run_logger().info(f"lineage {config.run_name}: MLflow run {lineage.mlflow_run_id}"
                           + (f", {lineage.attempt} earlier attempt(s)" if lineage.attempt else ", new"))
     return lineage

@@ -2,30 +2,44 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from lmyard import tracking
-from lmyard.config import RunConfig
-from lmyard.config import gate_results
+from lmyard.config import RunConfig, gate_results
+from lmyard.errors import UserError
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
 
 
 @task(name="register-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
 def register_model(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage, final: dict) -> dict:
-    """A registry version whose source is the final checkpoint's URI; eval.alias only if every gate passes."""
+    """The final checkpoint exported to Hugging Face format and logged as an MLflow pyfunc model (weights in
+    the artifact store), registered as a new version; eval.alias only if every gate passes."""
     logger = get_run_logger()
     name = config.tracking.registered_model or config.run_name
     gates = gate_results(config.eval.gates, final)
-    descriptor = {"checkpoint": final["checkpoint"], "step": final["step"], "tokens_seen": final["tokens_seen"],
-                  "val_loss": final["val_loss"], "tokenizer": config.tokenizer.model_dump(),
-                  "model": config.model.model_dump(), "shard_address": shards.address,
-                  "load": "lmyard.checkpoint: model.pt (torch.load weights_only=True) + state.json['model'] dims"}
+    with tempfile.TemporaryDirectory(prefix="lmyard-register-") as tmp:
+        folder = os.path.join(tmp, "hf_model")  # its name in the logged model: artifacts/hf_model
+        info = _export(final["checkpoint"], folder)
+        params = {"checkpoint_uri": final["checkpoint"], "step": str(final["step"]),
+                  "tokens_seen": str(final["tokens_seen"]), "hf_architecture": info["hf_architecture"],
+                  "tokenizer": config.tokenizer.name, "shard_address": shards.address}
+        tags = {"lmyard.run_name": config.run_name, "lmyard.shard_address": shards.address}
+        model_id = tracking.log_hf_model(lineage, name, folder, final["step"], params, tags)
+        size_mb = sum(e.stat().st_size for e in os.scandir(folder)) / 1e6
+        logger.info(f"exported {final['checkpoint']} as {info['hf_architecture']} ({size_mb:.1f} MB) and logged "
+                    f"it as MLflow model models:/{model_id}")
     version = tracking.register_model(
-        lineage, name, final["checkpoint"], final["step"],
+        lineage, name, model_id, final["step"],
         description=f"{config.run_name} at step {final['step']}: val loss {final['val_loss']:.4f}",
-        tags={"lmyard.run_name": config.run_name, "lmyard.shard_address": shards.address}, descriptor=descriptor)
+        tags=tags, checkpoint_uri=final["checkpoint"])
     tracking.protect_checkpoint(open_store(config.store), config.run_name, final["step"])
     alias = None
     if not gates:
@@ -37,4 +51,20 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: tracking.Lineag
     else:
         logger.warning(f"registered {name} version {version} without the {config.eval.alias!r} alias: gates {gates}")
     tracking.set_tags(lineage, {"lmyard.gates": str({k: g["passed"] for k, g in gates.items()})})
-    return {"name": name, "version": version, "alias": alias, "gates": gates, "source": final["checkpoint"]}
+    return {"name": name, "version": version, "alias": alias, "gates": gates, "source": final["checkpoint"],
+            "model_uri": f"models:/{model_id}"}
+
+
+def _export(checkpoint_uri: str, folder: str) -> dict:
+    """`python -m lmyard.export` in a process of its own (torch stays out of the flow's process);
+    lmyard_export.json's content."""
+    proc = subprocess.run([sys.executable, "-m", "lmyard.export", checkpoint_uri, "--to", folder],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = (proc.stdout + proc.stderr).splitlines()
+    if proc.returncode == 2 and any("lmyard: error:" in line for line in lines):
+        raise UserError([line for line in lines if "lmyard: error:" in line][-1].split("lmyard: error:", 1)[1].strip())
+    results = [line for line in proc.stdout.splitlines() if line.startswith("result ")]
+    if proc.returncode != 0 or not results:
+        raise RuntimeError(f"export of {checkpoint_uri} exited with code {proc.returncode}; last lines:\n"
+                           + "\n".join(lines[-30:]))
+    return json.loads(results[-1].removeprefix("result "))

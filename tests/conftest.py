@@ -41,6 +41,44 @@ def tiny_overrides(tmp: Path, steps: int = 6, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in values.items()]
 
 
+def write_random_checkpoint(root: Path, tokenizer: str = "bytes", step: int = 5, run: str = "r", arch: str = "gpt2",
+                            seed: int = 0, bias: bool = True, spec_arch: str | None = None):
+    """A random 2-layer GPT-2 or Llama (GPT-2's biases and LayerNorms random too, so every tensor's mapping is
+    tested) saved with lmyard.checkpoint.save under the store `root`; its checkpoint URI and the model.
+    `spec_arch` overrides the architecture the checkpoint records."""
+    import torch
+
+    from lmyard.config import ModelConfig
+    from lmyard.models import build_model
+
+    n_vocab = 257 if tokenizer == "bytes" else 50257
+    shape = ({"preset": "llama-tiny"} if arch == "llama" else
+             {"preset": None, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64, "bias": bias})
+    torch.manual_seed(seed)
+    model = build_model(ModelConfig(**shape), n_vocab).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith(("ln_1.weight", "norm.weight")) else 0.0))
+    return save_model_checkpoint(root, model, tokenizer, step, run, spec_arch), model
+
+
+def save_model_checkpoint(root: Path, model, tokenizer: str = "bytes", step: int = 5, run: str = "r",
+                          spec_arch: str | None = None) -> str:
+    """`model` (lmyard's GPT or Llama) as the checkpoint of `step` of run `run` in the store `root`; its URI."""
+    from lmyard import checkpoint
+    from lmyard.config import load_recipe
+    from lmyard.models import model_spec
+    from lmyard.store import open_store
+
+    spec = model_spec(model)
+    if spec_arch:
+        spec["arch"] = spec_arch
+    state = {"step": step, "cursor": 0, "tokens_seen": 4096 * step, "world_size": 1, "shard_address": "0" * 64,
+             "config": load_recipe("smoke", [f"tokenizer.name={tokenizer}"]).model_dump(mode="json"), "model": spec}
+    return checkpoint.save(open_store(str(root)), run, step, model.state_dict(), {}, [], state, str(root / "staging"))
+
+
 @pytest.fixture(scope="session")
 def prefect_api_url():
     """A real Prefect server for the session (prefect_test_harness); its API URL for subprocesses too."""

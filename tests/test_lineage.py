@@ -120,9 +120,11 @@ def test_killed_training_is_retried_as_one_mlflow_run_with_two_attempts(
         assert row["val_loss"] == pytest.approx(val[s], rel=1e-5)
     assert not any(a.path.endswith(".pt") for a in client.list_artifacts(run.info.run_id, "evals"))
 
-    # the registered version's source is the final checkpoint; the gate passed, so it is the candidate
+    # the registered version is the final checkpoint's export, logged in the S3 artifact store; the gate
+    # passed, so it is the candidate
     version = client.get_model_version_by_alias(run_name, "candidate")
-    assert version.source == store.uri(step_prefix(run_name, 200)) == summary["checkpoint"]
+    assert version.source.startswith("models:/m-")
+    assert version.tags["lmyard.checkpoint"] == store.uri(step_prefix(run_name, 200)) == summary["checkpoint"]
     assert version.run_id == run.info.run_id
     assert json.loads(store.read_bytes(f"runs/{run_name}/protected.json")) == {"steps": [200]}
 

@@ -45,7 +45,9 @@ def test_flow_runs_end_to_end_and_tracks_the_run(prefect_api_url, tmp_path, monk
     assert {"config.yaml", "summary.json", "samples", "shards", "evals", "plots", "attempts.json"} <= artifacts
     # registered at the final checkpoint, but a failed gate (val loss far above 0.01) withholds the alias
     version = client.get_model_version("smoke", "1")
-    assert version.source == summary["checkpoint"] == open_store(cfg.store).uri("runs/smoke/checkpoints/step_00000006")
+    assert version.source.startswith("models:/m-")  # the exported model, logged in MLflow
+    assert version.tags["lmyard.checkpoint"] == summary["checkpoint"] == open_store(cfg.store).uri(
+        "runs/smoke/checkpoints/step_00000006")
     assert summary["alias"] is None and client.get_registered_model("smoke").aliases == {}
 
 

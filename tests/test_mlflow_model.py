@@ -1,0 +1,109 @@
+"""The registered model against a real `mlflow server` (artifacts in S3) with a local-path store: the flow
+finishes and registers a version, the version's pyfunc generates text, the run shows its dataset and logged
+models, and the MLflow UI in a real headless Chromium shows them too."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import tiny_overrides
+from lmyard.config import load_recipe
+
+pytestmark = pytest.mark.slow
+NAME = "served-smoke"
+
+
+@pytest.fixture(scope="module")
+def served_run(prefect_api_url, mlflow_server, tmp_path_factory):
+    """One tiny smoke run: store on a local path, tracking on the MLflow server, the gate passes."""
+    from flows.pretrain import pretrain
+
+    tmp = tmp_path_factory.mktemp("served")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LMYARD_CACHE", str(tmp / "cache"))
+        cfg = load_recipe("smoke", tiny_overrides(tmp, steps=6, **{
+            "tracking.uri": mlflow_server.uri, "tracking.experiment": "served", "tracking.registered_model": NAME,
+            "tracking.system_metrics": False, "eval.gates.val_loss_max": 100, "eval.threads": 1}))
+        summary = pretrain(config=cfg)
+    return cfg, summary, MlflowClient(mlflow_server.uri)
+
+
+def test_local_store_with_mlflow_server_finishes_and_registers_a_version(served_run):
+    cfg, summary, client = served_run
+    assert summary["registered_model"] == f"{NAME}/1" and summary["alias"] == "candidate"
+    version = client.get_model_version_by_alias(NAME, "candidate")
+    assert version.source.startswith("models:/m-") and version.run_id == summary["mlflow_run_id"]
+    checkpoint_uri = f"{cfg.store}/runs/smoke/checkpoints/step_00000006"
+    assert version.tags["lmyard.checkpoint"] == summary["checkpoint"] == checkpoint_uri
+    model_id = version.source.removeprefix("models:/")
+    model = client.get_logged_model(model_id)
+    assert model.artifact_location.startswith("mlflow-artifacts:")  # the weights went to the artifact store (S3)
+    files = {os.path.basename(a.path) for a in client.list_logged_model_artifacts(model_id, "artifacts/hf_model")}
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= files
+
+
+def test_registered_model_loads_as_pyfunc_and_generates_text(served_run, mlflow_server, monkeypatch):
+    import mlflow.pyfunc
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
+    model = mlflow.pyfunc.load_model(f"models:/{NAME}@candidate")
+    out = model.predict(["The for statement", "Exceptions are"], params={"max_new_tokens": 12, "seed": 1})
+    assert len(out) == 2 and out[0].startswith("The for statement") and out[1].startswith("Exceptions are")
+    assert all(len(text) > len(prompt) for text, prompt in zip(out, ["The for statement", "Exceptions are"]))
+    again = model.predict(["The for statement"], params={"max_new_tokens": 12, "seed": 1})
+    assert again == out[:1]  # seeded
+
+
+def test_run_has_its_dataset_input_and_logged_models(served_run):
+    cfg, summary, client = served_run
+    run = client.get_run(summary["mlflow_run_id"])
+    [dataset_input] = run.inputs.dataset_inputs
+    ds = dataset_input.dataset
+    assert ds.digest == summary["shard_address"][:36] and ds.name == f"shards-{summary['shard_address'][:12]}"
+    assert f"shards/{summary['shard_address']}" in ds.source
+    assert {t.key: t.value for t in dataset_input.tags} == {"mlflow.data.context": "training"}
+
+    models = client.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{run.info.run_id}'")
+    by_name = {m.name: m for m in models}
+    assert set(by_name) == {"smoke-step-00000003", "smoke-step-00000006", NAME}
+    # each evaluated checkpoint's model carries its step's metrics; the registered one the final step's
+    step3 = {m.key: m.step for m in by_name["smoke-step-00000003"].metrics}
+    assert step3["eval/val_loss"] == 3
+    final = {m.key: m.value for m in by_name[NAME].metrics if m.step == 6}
+    evaluated = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/val_loss")}
+    assert final["eval/val_loss"] == evaluated[6] and sorted(evaluated) == [3, 6]  # linked, not logged twice
+    assert {o.model_id for o in run.outputs.model_outputs} == {m.model_id for m in models}
+
+
+def _dom(url: str) -> str:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    with tempfile.TemporaryDirectory(prefix="lmyard-chromium-") as profile:
+        proc = subprocess.run(
+            [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile}", "--virtual-time-budget=20000", "--dump-dom", url],
+            capture_output=True, text=True, timeout=120)
+    return proc.stdout
+
+
+@pytest.mark.skipif(not (shutil.which("chromium") or shutil.which("chromium-browser")),
+                    reason="needs Debian's chromium (bash .ci/run installs it)")
+def test_mlflow_ui_shows_the_runs_dataset_logged_model_and_registered_version(served_run, mlflow_server):
+    cfg, summary, client = served_run
+    run = client.get_run(summary["mlflow_run_id"])
+    exp, model_id = run.info.experiment_id, client.get_model_version(NAME, "1").source.removeprefix("models:/")
+    view = "workflowType=machine_learning"  # MLflow 3's model-training view
+    page = _dom(f"{mlflow_server.uri}/#/experiments/{exp}/runs/{run.info.run_id}?{view}")
+    text = re.sub(r"<[^>]+>", " ", page)
+    assert f"shards-{summary['shard_address'][:12]}" in text, text[-3000:]  # Datasets
+    assert f'href="#/experiments/{exp}/models/{model_id}"' in page  # the logged model, beside its metrics
+    assert f'href="#/models/{NAME}/versions/1"' in page and re.search(rf"{NAME}\s*v1", text)  # Registered models
+    models = re.sub(r"<[^>]+>", " ", _dom(f"{mlflow_server.uri}/#/experiments/{exp}/models?{view}"))
+    assert all(name in models for name in ("smoke-step-00000003", "smoke-step-00000006", NAME)), models[-3000:]
