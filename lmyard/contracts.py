@@ -123,6 +123,13 @@ class ShardResult(_Contract):
     val_tokens: int
 
 
+class ExportResult(_Contract):
+    """What `python -m lmyard.export` writes: the export's lmyard_export.json fields and where the folder went."""
+
+    model_config = ConfigDict(extra="allow")
+    uri: str
+
+
 class StageError(_Contract):
     """What a stage other than the trainer writes when it fails: its exit code and one-line message."""
 

@@ -40,7 +40,7 @@ from lmyard.config import RunConfig, TrainConfig
 from lmyard.contracts import CheckpointState, Exchange, Started, TrainResult, TrainSpec
 from lmyard.data import Prefetcher, TrainBatches, default_cache_dir, split_stream, val_sequences
 from lmyard.errors import Diverged, ExitCode, Preempted, StoreOutage, UserError, exit_code_of  # noqa: F401
-from lmyard.models import build_model, model_config, model_spec
+from lmyard.models import build_model, model_from_spec, model_spec
 from lmyard.parallel import clip_grad_norm, no_sync
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
@@ -227,13 +227,16 @@ class Trainer:
 
     # ---- set up ---------------------------------------------------------------------
     def _build_model(self) -> None:
-        self.gcfg = model_config(self.cfg.model, self.shards.n_vocab)
+        plan_memory(self.cfg, self.shards.n_vocab, self.d)
+        with torch.device(self.d.device):
+            if self.cfg.model.init_from:  # a Hugging Face folder: its sizes and weights (a checkpoint wins at resume)
+                self.raw_model = self._from_hf(self.cfg.model.init_from)
+            else:
+                self.raw_model = build_model(self.cfg.model, self.shards.n_vocab)
+        self.gcfg = self.raw_model.config
         if self.gcfg.vocab_size < self.shards.n_vocab:
             raise UserError(f"model.vocab_size ({self.gcfg.vocab_size}) is smaller than the shard set's vocabulary "
                             f"({self.shards.n_vocab}, {self.shards.manifest['tokenizer']['name']}); unset it or raise it")
-        plan_memory(self.cfg, self.shards.n_vocab, self.d)
-        with torch.device(self.d.device):
-            self.raw_model = build_model(self.cfg.model, self.shards.n_vocab)
         self.fsdp = self.t.parallel == "fsdp"
         if self.fsdp:  # sharded before the optimizer is made: it holds the shards (DTensors) of this rank
             from lmyard.parallel import parallelize
@@ -241,6 +244,16 @@ class Trainer:
             parallelize(self.raw_model, self.cfg, self.d.world, self.d.device)
         self.optimizer = torch.optim.AdamW(self.raw_model.param_groups(self.t.weight_decay), lr=self.t.lr,
                                            betas=(self.t.beta1, self.t.beta2), fused=self.d.device.type == "cuda")
+
+    def _from_hf(self, path: str) -> torch.nn.Module:
+        from lmyard.export import init_from_hf
+
+        state, spec = init_from_hf(path, os.path.join(self.cache, "init-from"))
+        model = model_from_spec(spec)
+        model.load_state_dict(state)
+        if self.d.is_main:
+            print(f"initialised from {path}: {spec}", flush=True)
+        return model
 
     def _build_data(self) -> None:
         T = self.gcfg.block_size

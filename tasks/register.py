@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -13,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 
 from lmyard import tracking
 from lmyard.config import RunConfig, gate_results
-from lmyard.errors import UserError
+from lmyard.contracts import ExportResult, read_stage_result
 from lmyard.shards import ShardSet
 from lmyard.store import open_store
 
@@ -56,15 +56,13 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: tracking.Lineag
 
 
 def _export(checkpoint_uri: str, folder: str) -> dict:
-    """`python -m lmyard.export` in a process of its own (torch stays out of the flow's process);
-    lmyard_export.json's content."""
-    proc = subprocess.run([sys.executable, "-m", "lmyard.export", checkpoint_uri, "--to", folder],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines = (proc.stdout + proc.stderr).splitlines()
-    if proc.returncode == 2 and any("lmyard: error:" in line for line in lines):
-        raise UserError([line for line in lines if "lmyard: error:" in line][-1].split("lmyard: error:", 1)[1].strip())
-    results = [line for line in proc.stdout.splitlines() if line.startswith("result ")]
-    if proc.returncode != 0 or not results:
-        raise RuntimeError(f"export of {checkpoint_uri} exited with code {proc.returncode}; last lines:\n"
-                           + "\n".join(lines[-30:]))
-    return json.loads(results[-1].removeprefix("result "))
+    """`python -m lmyard.export` in a process of its own (torch stays out of the flow's process); the
+    ExportResult it writes to a file (lmyard_export.json's fields and the folder's URI)."""
+    out = os.path.join(folder + ".result", "result.json")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "lmyard.export", checkpoint_uri, "--to", folder, "--out", out],
+                              capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+        return read_stage_result(out, ExportResult, proc.returncode, tail).model_dump()
+    finally:
+        shutil.rmtree(folder + ".result", ignore_errors=True)

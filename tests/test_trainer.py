@@ -172,3 +172,17 @@ def test_batch_that_does_not_divide_names_a_valid_size():
 def test_shard_vocabulary_larger_than_the_model_is_refused(shard_env):
     err, _ = _run(shard_env, "small-vocab", expect_fail=True, **{"model.vocab_size": 128})
     assert isinstance(err, UserError) and "smaller than the shard set's vocabulary (257" in str(err)
+
+
+def test_model_init_from_a_hugging_face_folder_continues_from_its_weights(shard_env, straight):
+    from lmyard.export import export
+
+    tmp, _ = shard_env
+    folder = tmp / "hf-straight"
+    export(str(tmp / "store" / "runs" / "straight"), str(folder), 12)
+    result, lines = _run(shard_env, "from-hf", steps=1, **{"model.init_from": str(folder), "train.lr": 1e-12,
+                                                            "train.warmup_steps": 1, "checkpoint.interval": 1})
+    assert result.step == 1 and any(ln.startswith("initialised from") for ln in lines)
+    (start, _), (continued, _) = _state(shard_env, "straight", 12), _state(shard_env, "from-hf", 1)
+    for name in start:  # one step at lr 1e-12 from the exported weights: the same weights
+        torch.testing.assert_close(continued[name], start[name], rtol=0, atol=1e-6, msg=name)
