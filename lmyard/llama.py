@@ -194,9 +194,9 @@ class Llama(nn.Module):
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """AdamW groups: decay on matrices (projections, embeddings, head); none on RMSNorm gains."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        from lmyard.model import decay_groups
+
+        return decay_groups(self, weight_decay)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

@@ -72,6 +72,13 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups: weight decay on matrices (dim >= 2), none on vectors (biases, norm gains)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
 class GPT(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
@@ -123,9 +130,7 @@ class GPT(nn.Module):
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """AdamW groups: decay on matrices (weights, embeddings); none on biases and LayerNorm gains."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return decay_groups(self, weight_decay)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
