@@ -126,6 +126,17 @@ class _Job:
     t0: float = 0.0      # when save() was called
 
 
+def _stager_copying_classes(stager: DefaultStager) -> DefaultStager:
+    """DCP's stager deep-copies a DTensor's spec, which refers to classes; torch before 2.12 lacks `type` in the
+    stager's copy table and fails with KeyError: <class 'type'>. A class is copied as itself (as `copy` does)."""
+    import copy
+
+    table = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
+    if table is not None and type not in table:
+        table[type] = copy._deepcopy_atomic
+    return stager
+
+
 class ShardedCheckpointer:
     """Saves sharded checkpoints in the background; every rank makes one (see the module doc).
 
@@ -151,8 +162,9 @@ class ShardedCheckpointer:
         self.write_threads = write_threads  # DCP's writer threads, one file each per rank
         cuda = torch.cuda.is_available()
         self.async_staging = cuda if async_staging is None else async_staging and cuda
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                   use_async_staging=self.async_staging, use_non_blocking_copy=cuda))
+        self.stager = _stager_copying_classes(DefaultStager(StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=self.async_staging,
+            use_non_blocking_copy=cuda)))
         self.writing = None        # DCP future of the newest save: its staged buffers are reused by the next
         self.staged = None         # future of the newest save's staging (async_staging only)
         self.prepared: Future | None = None  # the background making of the staging buffers (prepare)
