@@ -126,14 +126,41 @@ class _Job:
     t0: float = 0.0      # when save() was called
 
 
+def _torch_at_least(major: int, minor: int) -> bool:
+    found = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return found >= (major, minor)
+
+
+class _CopyTable(dict):
+    """A stager's copy table that always knows `type` (a class is copied as itself, as `copy` does), even after
+    the stager clears its table."""
+
+    def __missing__(self, key):
+        if key is type:
+            import copy
+
+            return copy._deepcopy_atomic
+        raise KeyError(key)
+
+
 def _stager_copying_classes(stager: DefaultStager) -> DefaultStager:
     """DCP's stager deep-copies a DTensor's spec, which refers to classes; torch before 2.12 lacks `type` in the
-    stager's copy table and fails with KeyError: <class 'type'>. A class is copied as itself (as `copy` does)."""
-    import copy
+    stager's copy table and fails with KeyError: <class 'type'>. Every StateDictStager (DCP makes them inside
+    DefaultStager, at once or on first use) gets a table that knows it."""
+    from torch.distributed.checkpoint import _state_dict_stager
 
-    table = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
-    if table is not None and type not in table:
-        table[type] = copy._deepcopy_atomic
+    cls = _state_dict_stager.StateDictStager
+    if not getattr(cls, "_lmyard_copies_classes", False):
+        original = cls.__init__
+
+        def init(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            self._deepcopy_dispatch = _CopyTable(self._deepcopy_dispatch)
+
+        cls.__init__, cls._lmyard_copies_classes = init, True
+    inner = getattr(stager, "_state_dict_stager", None)
+    if inner is not None and not isinstance(getattr(inner, "_deepcopy_dispatch", None), _CopyTable):
+        inner._deepcopy_dispatch = _CopyTable(inner._deepcopy_dispatch)
     return stager
 
 
@@ -162,9 +189,17 @@ class ShardedCheckpointer:
         self.write_threads = write_threads  # DCP's writer threads, one file each per rank
         cuda = torch.cuda.is_available()
         self.async_staging = cuda if async_staging is None else async_staging and cuda
-        self.stager = _stager_copying_classes(DefaultStager(StagingOptions(
-            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=self.async_staging,
-            use_non_blocking_copy=cuda)))
+        # torch >= 2.12: DCP's stager (reused pinned buffers, optionally on a side stream). Before, its stager
+        # cannot copy a DTensor's spec (KeyError: <class 'type'>, then unbounded recursion): the writer stages
+        # instead, a blocking copy into pinned buffers it keeps (cache_staged_state_dict) between saves.
+        self.stager, self.writer = None, None
+        if _torch_at_least(2, 12):
+            self.stager = _stager_copying_classes(DefaultStager(StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=self.async_staging,
+                use_non_blocking_copy=cuda)))
+        else:
+            self.async_staging = False
+            self.writer = dcp.FileSystemWriter(self.staging, thread_count=write_threads, cache_staged_state_dict=cuda)
         self.writing = None        # DCP future of the newest save: its staged buffers are reused by the next
         self.staged = None         # future of the newest save's staging (async_staging only)
         self.prepared: Future | None = None  # the background making of the staging buffers (prepare)
@@ -204,9 +239,13 @@ class ShardedCheckpointer:
         shutil.rmtree(folder, ignore_errors=True)
         if self.async_staging:
             torch.cuda.current_stream().synchronize()  # the side-stream copy must see the last update
-        writer = dcp.FileSystemWriter(folder, thread_count=self.write_threads)
-        out = dcp.async_save(state_dict(model, optimizer), storage_writer=writer, process_group=self.group,
-                             async_stager=self.stager)
+        if self.stager is None:
+            out = dcp.async_save(state_dict(model, optimizer), checkpoint_id=folder, storage_writer=self.writer,
+                                 process_group=self.group)
+        else:
+            writer = dcp.FileSystemWriter(folder, thread_count=self.write_threads)
+            out = dcp.async_save(state_dict(model, optimizer), storage_writer=writer, process_group=self.group,
+                                 async_stager=self.stager)
         self.writing = getattr(out, "upload_completion", out)
         self.staged = getattr(out, "staging_completion", None)
         with self.cond:
@@ -219,6 +258,8 @@ class ShardedCheckpointer:
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Make the staging buffers (pinned host memory: seconds for GBs) in the background, so the first save
         blocks no longer than later ones. Call once the optimizer has its state (after the first step)."""
+        if self.stager is None:  # the writer makes its buffers at the first save
+            return
         sd = state_dict(model, optimizer)
         self.prepared = Future()
         device = torch.cuda.current_device() if torch.cuda.is_available() else None
@@ -268,7 +309,8 @@ class ShardedCheckpointer:
             self.stopping.set()
             self.jobs.put(None)
             self.thread.join(5)
-            self.stager.close()
+            if self.stager is not None:
+                self.stager.close()
 
     def _raise_if_failed(self) -> None:
         if self.error is not None:
