@@ -163,8 +163,12 @@ def test_every_cache_lives_under_lmyard_cache(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_bytes(b'{"text": "good line"}\n{"text": "bad \xff byte"}\n' * 5)
     cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"data.source={corpus}", "data.on_decode_error=skip"])
-    tokenize_and_shard(cfg, log=lambda s: None)  # no cache_dir given: the source's cleaned copy goes to the root
-    assert list((tmp_path / "cache" / "utf8-clean").glob("*.jsonl"))
+    import tempfile
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    tokenize_and_shard(cfg, log=lambda s: None)  # no cache_dir given: its work folder goes under the root
+    assert (tmp_path / "cache").is_dir() and os.listdir(tmp_path / "tmp") == []  # nothing left in the temp dir
 
     monkeypatch.delenv("LMYARD_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
