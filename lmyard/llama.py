@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from lmyard.config import ModelConfig
 from lmyard.losses import linear_cross_entropy
+from lmyard.model import LanguageModel
 
 
 def ffn_hidden_size(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
@@ -133,7 +134,7 @@ class LMHead(nn.Linear):
         return linear_cross_entropy(x, self.weight, targets)
 
 
-class Llama(nn.Module):
+class Llama(LanguageModel):
     def __init__(self, c: LlamaConfig):
         super().__init__()
         if c.n_embd % c.n_head or c.n_head % c.n_kv_head or c.head_dim % 2:
@@ -191,18 +192,3 @@ class Llama(nn.Module):
         FLOPs per multiply-add, x3 for forward + backward, causal masking not discounted."""
         c = self.config
         return 6 * (self.num_params() - self.embed_tokens.weight.numel()) + 12 * c.n_layer * c.n_embd * c.block_size
-
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        """AdamW groups: decay on matrices (projections, embeddings, head); none on RMSNorm gains."""
-        from lmyard.model import decay_groups
-
-        return decay_groups(self, weight_decay)
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None,
-                 vocab_limit: int | None = None) -> torch.Tensor:
-        """Sample continuations (no KV cache: each token runs the context again, as GPT.generate)."""
-        from lmyard.model import GPT
-
-        return GPT.generate(self, idx, max_new_tokens, temperature, top_k, generator, vocab_limit)

@@ -72,14 +72,36 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW parameter groups: weight decay on matrices (dim >= 2), none on vectors (biases, norm gains)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+class LanguageModel(nn.Module):
+    """What GPT-2 and Llama share: AdamW groups and sampling. A subclass has `config.block_size` and a
+    `forward(idx)` that gives logits (B, T, V)."""
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW groups: decay on matrices (weights, embeddings, head); none on biases and norm gains."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 vocab_limit: int | None = None) -> torch.Tensor:
+        """Sample continuations; `vocab_limit` masks the padding rows above the tokenizer's vocabulary."""
+        for _ in range(max_new_tokens):
+            cond = idx[:, -self.config.block_size:]
+            logits = self(cond)
+            logits = logits[:, -1, :].float() / temperature
+            if vocab_limit is not None:
+                logits[:, vocab_limit:] = -float("inf")
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            probs = F.softmax(logits, dim=-1)
+            idx = torch.cat((idx, torch.multinomial(probs, 1, generator=generator)), dim=1)
+        return idx
 
 
-class GPT(nn.Module):
+class GPT(LanguageModel):
     def __init__(self, c: GPTConfig):
         super().__init__()
         self.config = c
@@ -127,25 +149,3 @@ class GPT(nn.Module):
         """Training FLOPs per token: 6N for the weights + 12*L*d*T for attention (PaLM appendix B)."""
         c = self.config
         return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size
-
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        """AdamW groups: decay on matrices (weights, embeddings); none on biases and LayerNorm gains."""
-        return decay_groups(self, weight_decay)
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None,
-                 vocab_limit: int | None = None) -> torch.Tensor:
-        """Sample continuations; `vocab_limit` masks the padding rows above the tokenizer's vocabulary."""
-        for _ in range(max_new_tokens):
-            cond = idx[:, -self.config.block_size:]
-            logits = self(cond)
-            logits = logits[:, -1, :].float() / temperature
-            if vocab_limit is not None:
-                logits[:, vocab_limit:] = -float("inf")
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            probs = F.softmax(logits, dim=-1)
-            idx = torch.cat((idx, torch.multinomial(probs, 1, generator=generator)), dim=1)
-        return idx
