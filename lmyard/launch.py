@@ -19,6 +19,7 @@ shared, in `follow()`:
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import os
 import queue
@@ -291,11 +292,22 @@ class LocalJob:
         return {k: v.encode() for k, v in watchdog.read_beats(self.exchange.path(folder)).items()}
 
     def _signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
+        """`sig` to torchrun's process group and to every process under torchrun: torch's elastic agent starts
+        each rank in a session of its own, which a signal to torchrun's group alone does not reach (a SIGKILLed
+        torchrun would leave its ranks running)."""
+        import psutil
+
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            tree = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            tree = []
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(sig)
 
     def terminate(self) -> None:
         self._signal(signal.SIGTERM)

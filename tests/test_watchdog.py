@@ -16,6 +16,19 @@ from lmyard.store import open_store
 pytestmark = pytest.mark.slow
 
 
+def _ranks_of(tmp) -> list[int]:
+    """Trainer processes still running whose spec lies under `tmp`."""
+    import psutil
+
+    time.sleep(0.5)
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "lmyard.train" in cmd and str(tmp) in cmd and p.status() != psutil.STATUS_ZOMBIE:
+            found.append(p.pid)
+    return found
+
+
 def _cfg(tmp, **extra):
     return load_recipe("smoke", tiny_overrides(tmp, steps=12, **{"checkpoint.interval": 4, "eval.interval": 100,
                                                                   "launch.watchdog_s": 6, **extra}))
@@ -39,6 +52,7 @@ def test_hung_rank_is_detected_within_the_configured_time_and_the_job_killed(tmp
         run_local(cfg, spec, on_line=on_line)
     assert 6 <= seen["watchdog:"] - seen["injected hang"] < 6 + 5  # timeout + polling and kill slack
     assert complete_steps(open_store(cfg.store), "smoke") == [4]
+    assert _ranks_of(tmp_path) == [], "a killed job left ranks running (each rank has a session of its own)"
 
     result = run_local(cfg, spec, on_line=lambda line: None)  # the retry: resumes at step 4, the fault has fired
     assert result.step == 12
