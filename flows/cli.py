@@ -40,26 +40,47 @@ def _quiet_user_errors() -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmyard", description="Pretrain GPT-style language models.")
     sub = p.add_subparsers(dest="command", required=True)
-    for name, help_ in (("run", "run the pretrain flow"), ("shard", "tokenize-and-shard only"),
-                        ("config", "print the resolved config as YAML")):
+    for name, help_ in (
+        ("run", "run the pretrain flow"),
+        ("shard", "tokenize-and-shard only"),
+        ("config", "print the resolved config as YAML"),
+    ):
         s = sub.add_parser(name, help=help_)
-        s.add_argument("recipe", nargs="?" if name == "config" else None, default="smoke",
-                       help="`smoke` (CPU default), another name under deploy/recipes, or a YAML path")
-        s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config field, e.g. --set train.max_steps=50 (repeatable)")
+        s.add_argument(
+            "recipe",
+            nargs="?" if name == "config" else None,
+            default="smoke",
+            help="`smoke` (CPU default), another name under deploy/recipes, or a YAML path",
+        )
+        s.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config field, e.g. --set train.max_steps=50 (repeatable)",
+        )
         if name == "config":
             s.add_argument("--reference", action="store_true", help="print the reference of every key (Markdown)")
     e = sub.add_parser("export", help="a checkpoint as a Hugging Face transformers model folder")
-    e.add_argument("source", metavar="RUN_OR_CHECKPOINT_URI",
-                   help="STORE/runs/RUN (its newest complete checkpoint) or STORE/runs/RUN/checkpoints/step_NNNNNNNN")
+    e.add_argument(
+        "source",
+        metavar="RUN_OR_CHECKPOINT_URI",
+        help="STORE/runs/RUN (its newest complete checkpoint) or STORE/runs/RUN/checkpoints/step_NNNNNNNN",
+    )
     e.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest)")
-    e.add_argument("--to", dest="dest", required=True, metavar="DIR_OR_S3_URI",
-                   help="a new (or empty) folder or s3://bucket/prefix")
+    e.add_argument(
+        "--to",
+        dest="dest",
+        required=True,
+        metavar="DIR_OR_S3_URI",
+        help="a new (or empty) folder or s3://bucket/prefix",
+    )
     return p
 
 
 def _export(args: argparse.Namespace) -> int:
-    from lmyard.export import export  # imports torch: only for this command
+    from lmyard.export.hf import export  # imports torch: only for this command
 
     info = export(args.source, args.dest, args.step)
     print(f"lmyard: exported {info['checkpoint']} (step {info['step']}) as {info['hf_architecture']} to {info['uri']}")
@@ -97,12 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lmyard: error: {e}", file=sys.stderr)
         return int(e.exit_code)
     except KeyboardInterrupt:
-        print("lmyard: interrupted; run the same command again to resume from the latest checkpoint",
-              file=sys.stderr)
+        print("lmyard: interrupted; run the same command again to resume from the latest checkpoint", file=sys.stderr)
         return 130
     if args.command == "run":
-        print(f"lmyard: {result['run_name']} finished at step {result['steps']}: val loss {result['val_loss']:.4f} "
-              f"(MLflow run {result['mlflow_run_id']})")
+        print(
+            f"lmyard: {result['run_name']} finished at step {result['steps']}: val loss {result['val_loss']:.4f} "
+            f"(MLflow run {result['mlflow_run_id']})"
+        )
     else:
         print(f"lmyard: shard set {result['address']} at {result['uri']}")
     return 0

@@ -9,8 +9,7 @@ from lmyard.config import RunConfig, with_recipe
 from tasks.checkpoint import record_checkpoint
 from tasks.evaluate import evaluate_checkpoint, new_checkpoints
 from tasks.finish import finish
-from tasks.lineage import (close_lineage, ended_status, lineage_crashed, lineage_killed, lineage_lease,
-                          open_lineage)
+from tasks.lineage import close_lineage, ended_status, lineage_crashed, lineage_killed, lineage_lease, open_lineage
 from tasks.register import register_model
 from tasks.retention import retain_checkpoints
 from tasks.shard import tokenize_and_shard

@@ -6,7 +6,7 @@ from prefect import flow
 
 from flows.pretrain import pretrain
 from lmyard.config import RunConfig, with_recipe
-from lmyard.retraining import with_max_steps
+from lmyard.train.retraining import with_max_steps
 from tasks.retraining import plan_retraining
 from tasks.shard import tokenize_and_shard
 

@@ -1,7 +1,18 @@
-"""lmyard: pretrain GPT-style language models as a workflow of stages.
+"""lmyard: pretrain language models as a workflow of stages.
 
-The library half: config, tokenizer, shards, model, trainer, checkpoints,
-store, evals, tracking and launchers. It never imports Prefect.
+The library half; it never imports Prefect. The tree reads as the pipeline:
+
+    data/        sources, tokenizers, tokenize-and-shard, the token-shard format, the loader
+    models/      model families (GPT-2, Llama) as specs, losses, memory planning, FSDP2
+    checkpoint/  one checkpoint API: formats, manifest, commit, catalog, retention
+    tracking/    MLflow: the lineage, the trainer's metric sink, the lease
+    export/      Hugging Face folders and the MLflow pyfunc model
+    evaluate/    validation loss, multiple choice, samples, lm-eval
+    train/       the trainer, its components, heartbeats, the retraining decision
+    launch/      the follower and its jobs (local, Docker), the stage image
+    stages.py    the stage entrypoints a stage image runs besides the trainer
+
+At the bottom, used by all: errors, paths, config, contracts, layout, store.
 """
 
 __version__ = "0.1.0"

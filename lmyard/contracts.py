@@ -13,7 +13,7 @@ lines: the log is for people.
 
 The checkpoint's `state.json` is a `CheckpointState`: the trainer's own
 state and the checkpoint schema are one type. `EvalResult` is what
-`python -m lmyard.evals` writes, `ShardResult` what `python -m lmyard.stages shard` writes.
+`python -m lmyard.evaluate` writes, `ShardResult` what `python -m lmyard.stages shard` writes.
 """
 
 from __future__ import annotations
@@ -140,6 +140,7 @@ class StageError(_Contract):
 
 # ---------------------------------------------------------------- files
 
+
 def write_json(path: str, data: BaseModel | dict | list) -> None:
     """Write JSON atomically (a temp file in the same folder, then rename), readable by other users."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -197,7 +198,7 @@ def run_stage(out: str, produce) -> int:
 
     try:
         result = produce()
-    except Exception as e:  # noqa: BLE001 - every ending becomes a result file and an exit code
+    except Exception as e:
         code = exit_code_of(e)
         if code == ExitCode.CRASHED:
             traceback.print_exc()

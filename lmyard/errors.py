@@ -65,8 +65,14 @@ class Preempted(StageFailed):
 
 
 _BY_CODE = {e.exit_code: e for e in (UserError, Diverged, StoreOutage, Preempted, TrainingFailed)}
-STATUS = {ExitCode.DONE: "done", ExitCode.CRASHED: "crashed", ExitCode.USER_ERROR: "user_error",
-          ExitCode.DIVERGED: "diverged", ExitCode.STORE_OUTAGE: "store_outage", ExitCode.PREEMPTED: "preempted"}
+STATUS = {
+    ExitCode.DONE: "done",
+    ExitCode.CRASHED: "crashed",
+    ExitCode.USER_ERROR: "user_error",
+    ExitCode.DIVERGED: "diverged",
+    ExitCode.STORE_OUTAGE: "store_outage",
+    ExitCode.PREEMPTED: "preempted",
+}
 
 
 def error_for(code: int, message: str) -> Exception:

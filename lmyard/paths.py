@@ -27,7 +27,9 @@ def confined(base: str, key: str, what: str = "key") -> str:
     """
     parts = key.replace("\\", "/").split("/")
     if key.startswith(("/", "\\")) or os.path.isabs(key) or ".." in parts:
-        raise UserError(f"{what} {key!r} would leave its folder {base} (an absolute path or `..` segments); "
-                        "rename the object or fix the key")
+        raise UserError(
+            f"{what} {key!r} would leave its folder {base} (an absolute path or `..` segments); "
+            "rename the object or fix the key"
+        )
     norm = posixpath.normpath("/".join(parts)) if key else ""
     return os.path.join(base, norm) if norm not in ("", ".") else base

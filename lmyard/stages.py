@@ -24,11 +24,16 @@ from lmyard.contracts import EXCHANGE_ENV, ShardResult, run_stage
 
 
 def _shard(cfg, log) -> tuple[ShardResult, object]:
-    from lmyard import sharding
+    from lmyard.data import sharding
 
     shards, reused = sharding.tokenize_and_shard(cfg, log=log)
-    return ShardResult(address=shards.address, uri=shards.uri, reused=reused, train_tokens=shards.tokens("train"),
-                       val_tokens=shards.tokens("val")), shards
+    return ShardResult(
+        address=shards.address,
+        uri=shards.uri,
+        reused=reused,
+        train_tokens=shards.tokens("train"),
+        val_tokens=shards.tokens("val"),
+    ), shards
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="where the result file goes")
     args = p.parse_args(argv)
     out = args.out or os.path.join(os.environ.get(EXCHANGE_ENV, "."), "result.json")
-    say = lambda s: print(s, flush=True)  # noqa: E731
+    say = lambda s: print(s, flush=True)
 
     def produce():
         cfg = load_recipe(args.recipe, args.overrides)
@@ -48,11 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == "shard":
             say(f"shard set {result.address} at {result.uri} ({result.train_tokens:,} train tokens)")
             return result
-        from lmyard import evals
+        from lmyard.evaluate import evals
 
         evaluation = evals.evaluate_latest(cfg, shards, args.step)
         say(f"step {evaluation.step}: val loss {evaluation.val_loss:.4f} ({evaluation.checkpoint})")
         return evaluation
+
     return run_stage(out, produce)
 
 

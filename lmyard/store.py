@@ -94,8 +94,9 @@ class LocalStore:
         base = self._path(prefix)
         if not base.is_dir():
             return []
-        return sorted(str(p.relative_to(self.root)) for p in base.rglob("*")
-                      if p.is_file() and not p.name.startswith("."))
+        return sorted(
+            str(p.relative_to(self.root)) for p in base.rglob("*") if p.is_file() and not p.name.startswith(".")
+        )
 
     def copy(self, key: str, dest_key: str) -> None:
         self.upload(str(self._path(key)), dest_key)
@@ -140,8 +141,9 @@ def s3_client():
     from botocore.config import Config
 
     # A fresh session: boto3's default one keeps the credentials it resolved first.
-    return boto3.session.Session().client("s3", config=Config(connect_timeout=5, read_timeout=60,
-                                            retries={"max_attempts": 3, "mode": "standard"}))
+    return boto3.session.Session().client(
+        "s3", config=Config(connect_timeout=5, read_timeout=60, retries={"max_attempts": 3, "mode": "standard"})
+    )
 
 
 @contextlib.contextmanager
@@ -152,18 +154,23 @@ def s3_errors(what: str) -> Iterator[None]:
     try:
         yield
     except EndpointConnectionError as e:
-        raise UserError(f"{what}: cannot reach the S3 endpoint {e.kwargs.get('endpoint_url')}; "
-                        "check AWS_ENDPOINT_URL and the network") from None
+        raise UserError(
+            f"{what}: cannot reach the S3 endpoint {e.kwargs.get('endpoint_url')}; "
+            "check AWS_ENDPOINT_URL and the network"
+        ) from None
     except NoCredentialsError:
-        raise UserError(f"{what}: no S3 credentials found; set AWS_PROFILE or "
-                        "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY") from None
+        raise UserError(
+            f"{what}: no S3 credentials found; set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+        ) from None
     except ClientError as e:
         code = str(e.response.get("Error", {}).get("Code"))
         if code in ("NoSuchBucket",):
             raise UserError(f"{what}: the bucket does not exist; create it or fix the URI") from None
         if code in ("AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-            raise UserError(f"{what}: access denied ({code}); check the credentials (AWS_PROFILE, "
-                            "AWS_ACCESS_KEY_ID) and the bucket's policy") from None
+            raise UserError(
+                f"{what}: access denied ({code}); check the credentials (AWS_PROFILE, "
+                "AWS_ACCESS_KEY_ID) and the bucket's policy"
+            ) from None
         raise
 
 
@@ -203,8 +210,9 @@ class S3Store:
                 self.client.head_bucket(Bucket=self.bucket)
             except ClientError as e:
                 if str(e.response.get("Error", {}).get("Code")) in ("404", "NoSuchBucket", "NotFound"):
-                    raise UserError(f"store {self.root}: bucket {self.bucket!r} does not exist; "
-                                    "create it or fix `store`") from None
+                    raise UserError(
+                        f"store {self.root}: bucket {self.bucket!r} does not exist; create it or fix `store`"
+                    ) from None
                 raise
         self._bucket_checked = True
 
@@ -254,7 +262,8 @@ class S3Store:
         keys = []
         with self._errors(prefix):
             for page in self.client.get_paginator("list_objects_v2").paginate(
-                    Bucket=self.bucket, Prefix=self._key(prefix)):
+                Bucket=self.bucket, Prefix=self._key(prefix)
+            ):
                 keys.extend(obj["Key"].removeprefix(strip) for obj in page.get("Contents", []))
         return sorted(keys)
 
@@ -264,8 +273,12 @@ class S3Store:
 
         self._check_bucket()
         with self._errors(key):
-            self.client.copy({"Bucket": self.bucket, "Key": self._key(key)}, self.bucket, self._key(dest_key),
-                             Config=TransferConfig(**TRANSFER))
+            self.client.copy(
+                {"Bucket": self.bucket, "Key": self._key(key)},
+                self.bucket,
+                self._key(dest_key),
+                Config=TransferConfig(**TRANSFER),
+            )
 
     def size(self, key: str) -> int | None:
         from botocore.exceptions import ClientError
@@ -284,7 +297,8 @@ class S3Store:
         with self._errors(prefix):
             for i in range(0, len(keys), 1000):
                 self.client.delete_objects(
-                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]]})
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]]}
+                )
 
     def local_path(self, key: str) -> str | None:
         return None

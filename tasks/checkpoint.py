@@ -6,14 +6,16 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from lmyard import catalog, tracking
+from lmyard.checkpoint import catalog
 from lmyard.config import RunConfig
 from lmyard.store import open_store
+from lmyard.tracking import lineage as tracking
 from tasks._common import artifact_key
 
 
-@task(name="checkpoint", cache_policy=NO_CACHE, task_run_name="checkpoint-step-{step}", retries=2,
-      retry_delay_seconds=5)
+@task(
+    name="checkpoint", cache_policy=NO_CACHE, task_run_name="checkpoint-step-{step}", retries=2, retry_delay_seconds=5
+)
 def record_checkpoint(config: RunConfig, lineage: tracking.Lineage, step: int) -> dict:
     """Verify checkpoint `step` against its manifest in the store; its place, size and upload time to
     MLflow (checkpoint/* at its step) and to a Prefect artifact. The upload itself ran on the training node."""
@@ -24,9 +26,13 @@ def record_checkpoint(config: RunConfig, lineage: tracking.Lineage, step: int) -
             metrics[f"checkpoint/{key}"] = report[key]
     tracking.log_metrics(lineage, metrics, step)
     tracking.set_tags(lineage, {"lmyard.latest_checkpoint": report["uri"]})
-    create_table_artifact(key=artifact_key(config.run_name, f"checkpoint-step-{step:08d}"),
-                          table=[{"what": k, "value": str(v)} for k, v in report.items()],
-                          description=f"Checkpoint {step} of {config.run_name} in the store")
-    get_run_logger().info(f"checkpoint step {step}: {report['bytes'] / 2**20:,.1f} MiB in {report['files']} files at "
-                          f"{report['uri']} (uploaded in {report['upload_s']} s)")
+    create_table_artifact(
+        key=artifact_key(config.run_name, f"checkpoint-step-{step:08d}"),
+        table=[{"what": k, "value": str(v)} for k, v in report.items()],
+        description=f"Checkpoint {step} of {config.run_name} in the store",
+    )
+    get_run_logger().info(
+        f"checkpoint step {step}: {report['bytes'] / 2**20:,.1f} MiB in {report['files']} files at "
+        f"{report['uri']} (uploaded in {report['upload_s']} s)"
+    )
     return report

@@ -17,11 +17,12 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 
-from lmyard import catalog, tracking
+from lmyard.checkpoint import catalog
 from lmyard.config import RunConfig
 from lmyard.contracts import EvalResult, read_stage_result
-from lmyard.shards import ShardSet
+from lmyard.data.shards import ShardSet
 from lmyard.store import open_store
+from lmyard.tracking import lineage as tracking
 from tasks._common import artifact_key
 
 EVALUATED = "eval/val_loss"  # the metric whose steps say which checkpoints have been evaluated
@@ -36,19 +37,23 @@ def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: tracking.L
         logger.info(f"step {step} was evaluated by an earlier attempt; its results are not logged again")
         return result
     _log_to_mlflow(lineage, result)
-    create_table_artifact(key=artifact_key(config.run_name, f"eval-step-{step:08d}"), table=_table(result),
-                          description=f"Evaluation of {config.run_name} at step {step} ({result['checkpoint']})")
+    create_table_artifact(
+        key=artifact_key(config.run_name, f"eval-step-{step:08d}"),
+        table=_table(result),
+        description=f"Evaluation of {config.run_name} at step {step} ({result['checkpoint']})",
+    )
     hs = result.get("hellaswag")
-    logger.info(f"step {step}: val loss {result['val_loss']:.4f}"
-                + (f", HellaSwag acc {hs['acc']:.3f} acc_norm {hs['acc_norm']:.3f} ({hs['n']} examples)" if hs else "")
-                + f" in {result['eval_s']:.1f} s on {result['device']} ({result['checkpoint']})")
+    logger.info(
+        f"step {step}: val loss {result['val_loss']:.4f}"
+        + (f", HellaSwag acc {hs['acc']:.3f} acc_norm {hs['acc_norm']:.3f} ({hs['n']} examples)" if hs else "")
+        + f" in {result['eval_s']:.1f} s on {result['device']} ({result['checkpoint']})"
+    )
     for sample in result.get("samples", []):
         logger.info(f"step {step} sample: {sample['prompt']!r} -> {sample['completion'][:160]!r}")
     return result
 
 
-def new_checkpoints(config: RunConfig, lineage: tracking.Lineage, training: PrefectFuture,
-                    log=None) -> Iterator[int]:
+def new_checkpoints(config: RunConfig, lineage: tracking.Lineage, training: PrefectFuture, log=None) -> Iterator[int]:
     """Steps of complete checkpoints not yet evaluated, as they appear while `training` runs.
 
     Polls the store every eval.poll_s seconds. The final checkpoint (train.max_steps) is left out: the
@@ -67,13 +72,15 @@ def new_checkpoints(config: RunConfig, lineage: tracking.Lineage, training: Pref
         if config.eval.watch or finished:
             try:
                 steps = catalog.complete_steps(store, config.run_name)
-            except Exception as e:  # noqa: BLE001 - UserError from s3_errors included: unreachable is transient here
+            except Exception as e:
                 now = time.monotonic()
                 failing_since = failing_since or now
                 if now - failing_since > budget:
                     raise
-                log(f"looking for new checkpoints failed ({str(e).splitlines()[0]}); trying again "
-                               f"(for up to {budget:.0f} s)")
+                log(
+                    f"looking for new checkpoints failed ({str(e).splitlines()[0]}); trying again "
+                    f"(for up to {budget:.0f} s)"
+                )
                 continue
             failing_since = None
             for step in steps:
@@ -86,19 +93,25 @@ def new_checkpoints(config: RunConfig, lineage: tracking.Lineage, training: Pref
 
 def outage_budget_s(config: RunConfig) -> float:
     """The seconds a store may stay unreachable: what the trainer's upload retries wait (1, 2, 4 ... 30 s)."""
-    return sum(min(30.0, 2.0 ** i) for i in range(config.checkpoint.upload_retries + 1)) + 30.0
+    return sum(min(30.0, 2.0**i) for i in range(config.checkpoint.upload_retries + 1)) + 30.0
 
 
 def _run_evaluator(config: RunConfig, shards: ShardSet, step: int, tail_lines: int = 30) -> dict:
-    """`python -m lmyard.evals` in its own process group; the EvalResult it writes to a file."""
+    """`python -m lmyard.evaluate` in its own process group; the EvalResult it writes to a file."""
     with tempfile.TemporaryDirectory(prefix="lmyard-eval-") as tmp:
         spec, out = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
         with open(spec, "w") as f:
             json.dump({"config": config.model_dump(mode="json"), "shards": shards.to_dict()}, f)
-        cmd = [sys.executable, "-m", "lmyard.evals", "--spec", spec, "--step", str(step), "--out", out]
+        cmd = [sys.executable, "-m", "lmyard.evaluate", "--spec", spec, "--step", str(step), "--out", out]
         tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -118,22 +131,38 @@ def _log_to_mlflow(lineage: tracking.Lineage, r: dict) -> None:
     if hs:
         metrics.update({"eval/hellaswag_acc": hs["acc"], "eval/hellaswag_acc_norm": hs["acc_norm"]})
     # the checkpoint is referenced by its URI, not copied
-    row = {"step": [step], "checkpoint": [r["checkpoint"]], "tokens_seen": [r["tokens_seen"]],
-           "val_loss": [r["val_loss"]], "trainer_val_loss": [r["trainer_val_loss"]],
-           "hellaswag_acc": [hs["acc"] if hs else None], "hellaswag_acc_norm": [hs["acc_norm"] if hs else None]}
+    row = {
+        "step": [step],
+        "checkpoint": [r["checkpoint"]],
+        "tokens_seen": [r["tokens_seen"]],
+        "val_loss": [r["val_loss"]],
+        "trainer_val_loss": [r["trainer_val_loss"]],
+        "hellaswag_acc": [hs["acc"] if hs else None],
+        "hellaswag_acc_norm": [hs["acc_norm"] if hs else None],
+    }
     # one table file per checkpoint: appending to one file would download it each time
     tracking.log_table(lineage, row, f"evals/table_step_{step:08d}.json")
-    tracking.log_table(lineage, {"step": [step] * len(r["samples"]), "prompt": [s["prompt"] for s in r["samples"]],
-                                 "completion": [s["completion"] for s in r["samples"]]},
-                       f"evals/samples_step_{step:08d}.json")
+    tracking.log_table(
+        lineage,
+        {
+            "step": [step] * len(r["samples"]),
+            "prompt": [s["prompt"] for s in r["samples"]],
+            "completion": [s["completion"] for s in r["samples"]],
+        },
+        f"evals/samples_step_{step:08d}.json",
+    )
     tracking.log_artifact_dict(lineage, r, f"evals/step_{step:08d}.json")
     text = "\n\n".join(f"### {s['prompt']}\n{s['prompt']}{s['completion']}" for s in r["samples"])
     tracking.log_artifact_text(lineage, text, f"samples/step_{step:08d}.md")
     metrics.update({f"harness/{k}": v for k, v in (r.get("harness") or {}).get("metrics", {}).items()})
     tracking.set_tags(lineage, {"lmyard.latest_evaluated_checkpoint": r["checkpoint"]})
     # the checkpoint as an MLflow logged model (a pointer, no weights), its metrics linked to it
-    model_id = tracking.log_checkpoint_model(lineage, step, r["checkpoint"], {
-        "checkpoint": r["checkpoint"], "step": step, "tokens_seen": r["tokens_seen"], "val_loss": r["val_loss"]})
+    model_id = tracking.log_checkpoint_model(
+        lineage,
+        step,
+        r["checkpoint"],
+        {"checkpoint": r["checkpoint"], "step": step, "tokens_seen": r["tokens_seen"], "val_loss": r["val_loss"]},
+    )
     tracking.log_metrics(lineage, metrics, step, model_id=model_id)  # last: its step marks the checkpoint as evaluated
 
 
@@ -141,7 +170,9 @@ def _table(r: dict) -> list[dict]:
     rows = [{"what": "checkpoint", "value": r["checkpoint"]}, {"what": "val loss", "value": f"{r['val_loss']:.4f}"}]
     hs = r.get("hellaswag")
     if hs:
-        rows += [{"what": "HellaSwag acc", "value": f"{hs['acc']:.4f} ({hs['n']} examples)"},
-                 {"what": "HellaSwag acc_norm", "value": f"{hs['acc_norm']:.4f}"}]
+        rows += [
+            {"what": "HellaSwag acc", "value": f"{hs['acc']:.4f} ({hs['n']} examples)"},
+            {"what": "HellaSwag acc_norm", "value": f"{hs['acc_norm']:.4f}"},
+        ]
     rows += [{"what": f"sample: {s['prompt']}", "value": s["completion"]} for s in r["samples"]]
     return rows

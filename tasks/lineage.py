@@ -8,23 +8,26 @@ from contextlib import contextmanager
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from lmyard import lease, tracking
 from lmyard.config import RunConfig, with_recipe
-from lmyard.shards import ShardSet
+from lmyard.data.shards import ShardSet
 from lmyard.store import open_store
+from lmyard.tracking import lease
+from lmyard.tracking import lineage as tracking
 from lmyard.version import code_version
 from tasks._common import not_a_user_error
 
 
-@task(name="open-lineage", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
-      retry_condition_fn=not_a_user_error)
+@task(name="open-lineage", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, retry_condition_fn=not_a_user_error)
 def open_lineage(config: RunConfig, shards: ShardSet) -> tracking.Lineage:
     """Create or reopen the MLflow run of runs/<run_name>; the train task records each attempt."""
-    lineage = tracking.open_lineage(config, open_store(config.store), shard_address=shards.address,
-                                    code_version=code_version())
+    lineage = tracking.open_lineage(
+        config, open_store(config.store), shard_address=shards.address, code_version=code_version()
+    )
     tracking.log_shard_dataset(lineage, shards)  # the UI's "Datasets": which data trained the run
-    get_run_logger().info(f"lineage {config.run_name}: MLflow run {lineage.mlflow_run_id}"
-                          + (f", {lineage.attempt} earlier attempt(s)" if lineage.attempt else ", new"))
+    get_run_logger().info(
+        f"lineage {config.run_name}: MLflow run {lineage.mlflow_run_id}"
+        + (f", {lineage.attempt} earlier attempt(s)" if lineage.attempt else ", new")
+    )
     return lineage
 
 
@@ -82,9 +85,13 @@ def lineage_lease(config: RunConfig) -> Iterator[lease.Lease]:
     Released at the end, on success, failure and cancellation alike."""
     from prefect.runtime import flow_run
 
-    held = lease.acquire(open_store(config.store), config.run_name,
-                         {"flow_run": f"{flow_run.name or '-'} ({flow_run.id or '-'})"},
-                         ttl_s=config.tracking.lease_ttl_s, wait_s=config.tracking.lease_wait_s)
+    held = lease.acquire(
+        open_store(config.store),
+        config.run_name,
+        {"flow_run": f"{flow_run.name or '-'} ({flow_run.id or '-'})"},
+        ttl_s=config.tracking.lease_ttl_s,
+        wait_s=config.tracking.lease_wait_s,
+    )
     try:
         yield held
     finally:

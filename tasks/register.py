@@ -11,11 +11,11 @@ import tempfile
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from lmyard import tracking
 from lmyard.config import RunConfig, gate_results
 from lmyard.contracts import ExportResult, read_stage_result
-from lmyard.shards import ShardSet
+from lmyard.data.shards import ShardSet
 from lmyard.store import open_store
+from lmyard.tracking import lineage as tracking
 
 
 @task(name="register-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
@@ -28,18 +28,30 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: tracking.Lineag
     with tempfile.TemporaryDirectory(prefix="lmyard-register-") as tmp:
         folder = os.path.join(tmp, "hf_model")  # its name in the logged model: artifacts/hf_model
         info = _export(final["checkpoint"], folder)
-        params = {"checkpoint_uri": final["checkpoint"], "step": str(final["step"]),
-                  "tokens_seen": str(final["tokens_seen"]), "hf_architecture": info["hf_architecture"],
-                  "tokenizer": config.tokenizer.name, "shard_address": shards.address}
+        params = {
+            "checkpoint_uri": final["checkpoint"],
+            "step": str(final["step"]),
+            "tokens_seen": str(final["tokens_seen"]),
+            "hf_architecture": info["hf_architecture"],
+            "tokenizer": config.tokenizer.name,
+            "shard_address": shards.address,
+        }
         tags = {"lmyard.run_name": config.run_name, "lmyard.shard_address": shards.address}
         model_id = tracking.log_hf_model(lineage, name, folder, final["step"], params, tags)
         size_mb = sum(e.stat().st_size for e in os.scandir(folder)) / 1e6
-        logger.info(f"exported {final['checkpoint']} as {info['hf_architecture']} ({size_mb:.1f} MB) and logged "
-                    f"it as MLflow model models:/{model_id}")
+        logger.info(
+            f"exported {final['checkpoint']} as {info['hf_architecture']} ({size_mb:.1f} MB) and logged "
+            f"it as MLflow model models:/{model_id}"
+        )
     version = tracking.register_model(
-        lineage, name, model_id, final["step"],
+        lineage,
+        name,
+        model_id,
+        final["step"],
         description=f"{config.run_name} at step {final['step']}: val loss {final['val_loss']:.4f}",
-        tags=tags, checkpoint_uri=final["checkpoint"])
+        tags=tags,
+        checkpoint_uri=final["checkpoint"],
+    )
     tracking.protect_checkpoint(open_store(config.store), config.run_name, final["step"])
     alias = None
     if not gates:
@@ -51,8 +63,14 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: tracking.Lineag
     else:
         logger.warning(f"registered {name} version {version} without the {config.eval.alias!r} alias: gates {gates}")
     tracking.set_tags(lineage, {"lmyard.gates": str({k: g["passed"] for k, g in gates.items()})})
-    return {"name": name, "version": version, "alias": alias, "gates": gates, "source": final["checkpoint"],
-            "model_uri": f"models:/{model_id}"}
+    return {
+        "name": name,
+        "version": version,
+        "alias": alias,
+        "gates": gates,
+        "source": final["checkpoint"],
+        "model_uri": f"models:/{model_id}",
+    }
 
 
 def _export(checkpoint_uri: str, folder: str) -> dict:
@@ -60,8 +78,12 @@ def _export(checkpoint_uri: str, folder: str) -> dict:
     ExportResult it writes to a file (lmyard_export.json's fields and the folder's URI)."""
     out = os.path.join(folder + ".result", "result.json")
     try:
-        proc = subprocess.run([sys.executable, "-m", "lmyard.export", checkpoint_uri, "--to", folder, "--out", out],
-                              capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.run(
+            [sys.executable, "-m", "lmyard.export", checkpoint_uri, "--to", folder, "--out", out],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
         return read_stage_result(out, ExportResult, proc.returncode, tail).model_dump()
     finally:

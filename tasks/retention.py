@@ -5,13 +5,18 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from lmyard import retention
+from lmyard.checkpoint import retention
 from lmyard.config import RunConfig
 from lmyard.store import open_store
 
 
-@task(name="retain-checkpoints", cache_policy=NO_CACHE, task_run_name="retain-after-step-{step}", retries=2,
-      retry_delay_seconds=5)
+@task(
+    name="retain-checkpoints",
+    cache_policy=NO_CACHE,
+    task_run_name="retain-after-step-{step}",
+    retries=2,
+    retry_delay_seconds=5,
+)
 def retain_checkpoints(config: RunConfig, step: int, evaluated: bool, final: bool = False) -> list[int]:
     """Mark checkpoint `step` as evaluated (or its evaluation as failed) and apply checkpoint retention.
 

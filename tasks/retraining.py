@@ -5,9 +5,9 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from lmyard import retraining
 from lmyard.config import RunConfig
-from lmyard.shards import ShardSet
+from lmyard.data.shards import ShardSet
+from lmyard.train import retraining
 
 
 @task(name="plan-retraining", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)

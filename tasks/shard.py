@@ -6,23 +6,31 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from lmyard import sharding
 from lmyard.config import RunConfig
-from lmyard.shards import ShardSet
+from lmyard.data import sharding
+from lmyard.data.shards import ShardSet
 from tasks._common import artifact_key, not_a_user_error
 
 
 def _describe(p: sharding.Progress) -> str:
-    return (f"{p.documents:,} documents, {p.tokens:,} tokens tokenized, {p.shards} shards; "
-            f"{p.docs_per_s:,.0f} docs/s, {p.tokens_per_s:,.0f} tokens/s")
+    return (
+        f"{p.documents:,} documents, {p.tokens:,} tokens tokenized, {p.shards} shards; "
+        f"{p.docs_per_s:,.0f} docs/s, {p.tokens_per_s:,.0f} tokens/s"
+    )
 
 
-@task(name="tokenize-and-shard", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[10, 60],
-      retry_condition_fn=not_a_user_error)
+@task(
+    name="tokenize-and-shard",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=[10, 60],
+    retry_condition_fn=not_a_user_error,
+)
 def tokenize_and_shard(config: RunConfig) -> ShardSet:
     """Token shards + manifest for config.data at their content address."""
-    artifact_id = create_progress_artifact(0.0, key=artifact_key(config.run_name, "shard-progress"),
-                                           description="tokenize-and-shard: starting")
+    artifact_id = create_progress_artifact(
+        0.0, key=artifact_key(config.run_name, "shard-progress"), description="tokenize-and-shard: starting"
+    )
 
     def progress(p: sharding.Progress) -> None:
         if p.fraction is not None:  # a source of unknown size (hub) shows its rates in the log only

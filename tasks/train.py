@@ -10,12 +10,12 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
-from lmyard import tracking
 from lmyard.config import RunConfig
 from lmyard.contracts import Progress, Started, TrainSpec
+from lmyard.data.shards import ShardSet
 from lmyard.errors import retryable
-from lmyard.launch import stop_all
-from lmyard.shards import ShardSet
+from lmyard.launch.follower import stop_all
+from lmyard.tracking import lineage as tracking
 from tasks._common import artifact_key
 
 
@@ -30,20 +30,32 @@ def retry_if_it_can_help(task, task_run, state) -> bool:
 def train(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage) -> dict:
     """Run torchrun with the trainer; resumes from the newest complete checkpoint, as a new attempt."""
     logger = get_run_logger()
-    lineage = tracking.record_attempt(lineage, resumed_from=None, start_step=0, info={
-        "flow_run_id": flow_run.get_id() or "", "flow_run_count": flow_run.get_run_count(),
-        "task_run_count": task_run.get_run_count(), "nodes": config.launch.nnodes,
-        "world_size": config.world_size(), "host": socket.gethostname()})
+    lineage = tracking.record_attempt(
+        lineage,
+        resumed_from=None,
+        start_step=0,
+        info={
+            "flow_run_id": flow_run.get_id() or "",
+            "flow_run_count": flow_run.get_run_count(),
+            "task_run_count": task_run.get_run_count(),
+            "nodes": config.launch.nnodes,
+            "world_size": config.world_size(),
+            "host": socket.gethostname(),
+        },
+    )
     # the flow evaluates every checkpoint: retention keeps each one until its evaluation has ended
-    spec = TrainSpec(config=config.model_dump(mode="json"), shards=shards.to_dict(), lineage=lineage.to_dict(),
-                     hold_for_eval=True)
+    spec = TrainSpec(
+        config=config.model_dump(mode="json"), shards=shards.to_dict(), lineage=lineage.to_dict(), hold_for_eval=True
+    )
 
     def started(s: Started) -> None:
         """What the trainer actually loaded (after any fallback) becomes the attempt's record."""
         tracking.record_resume(lineage, resumed_from=s.resumed_from, start_step=s.start_step)
-        logger.info(f"attempt {lineage.attempt} of lineage {config.run_name}: "
-                    + (f"resumed from {s.resumed_from} at step {s.start_step}" if s.resumed_from else "started fresh")
-                    + (f"; skipped damaged {s.skipped_damaged}" if s.skipped_damaged else ""))
+        logger.info(
+            f"attempt {lineage.attempt} of lineage {config.run_name}: "
+            + (f"resumed from {s.resumed_from} at step {s.start_step}" if s.resumed_from else "started fresh")
+            + (f"; skipped damaged {s.skipped_damaged}" if s.skipped_damaged else "")
+        )
 
     try:
         result = _launch(config, spec, logger.info, on_progress=_progress_artifact(config), on_started=started)
@@ -57,27 +69,32 @@ def train(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage) -> dic
 def _launch(config: RunConfig, spec: TrainSpec, on_line, **callbacks):
     """torchrun here (`local`), or in one container per node (`docker`): one follower for both."""
     if config.launch.backend == "docker":
-        from lmyard.launch_docker import run_docker
+        from lmyard.launch.containers import run_docker
 
         return run_docker(config, spec, on_line=on_line, flow_run_id=flow_run.get_id(), **callbacks)
-    from lmyard.launch import run_local
+    from lmyard.launch.follower import run_local
 
     return run_local(config, spec, on_line=on_line, **callbacks)
 
 
 def _progress_artifact(config: RunConfig):
     """A Prefect progress artifact fed by the trainer's progress file (at most every 2 s, and the last step)."""
-    artifact_id = create_progress_artifact(0.0, key=artifact_key(config.run_name, "train-progress"),
-                                           description="train: starting")
+    artifact_id = create_progress_artifact(
+        0.0, key=artifact_key(config.run_name, "train-progress"), description="train: starting"
+    )
     last = 0.0
 
     def on_progress(p: Progress) -> None:
         nonlocal last
         if time.monotonic() - last > 2.0 or p.step == p.max_steps:
             last = time.monotonic()
-            text = f"step {p.step}/{p.max_steps}" + (f", loss {p.loss:.4f}" if p.loss is not None else "") + (
-                f", {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else "")
+            text = (
+                f"step {p.step}/{p.max_steps}"
+                + (f", loss {p.loss:.4f}" if p.loss is not None else "")
+                + (f", {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else "")
+            )
             update_progress_artifact(artifact_id, 100.0 * p.step / p.max_steps, description=text)
+
     return on_progress
 
 

@@ -41,19 +41,30 @@ def tiny_overrides(tmp: Path, steps: int = 6, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in values.items()]
 
 
-def write_random_checkpoint(root: Path, tokenizer: str = "bytes", step: int = 5, run: str = "r", arch: str = "gpt2",
-                            seed: int = 0, bias: bool = True, spec_arch: str | None = None):
+def write_random_checkpoint(
+    root: Path,
+    tokenizer: str = "bytes",
+    step: int = 5,
+    run: str = "r",
+    arch: str = "gpt2",
+    seed: int = 0,
+    bias: bool = True,
+    spec_arch: str | None = None,
+):
     """A random 2-layer GPT-2 or Llama (GPT-2's biases and LayerNorms random too, so every tensor's mapping is
     tested) saved with lmyard.checkpoint.save under the store `root`; its checkpoint URI and the model.
     `spec_arch` overrides the architecture the checkpoint records."""
     import torch
 
     from lmyard.config import ModelConfig
-    from lmyard.models import build_model
+    from lmyard.models.registry import build_model
 
     n_vocab = 257 if tokenizer == "bytes" else 50257
-    shape = ({"preset": "llama-tiny"} if arch == "llama" else
-             {"preset": None, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64, "bias": bias})
+    shape = (
+        {"preset": "llama-tiny"}
+        if arch == "llama"
+        else {"preset": None, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64, "bias": bias}
+    )
     torch.manual_seed(seed)
     model = build_model(ModelConfig(**shape), n_vocab).eval()
     with torch.no_grad():
@@ -63,19 +74,27 @@ def write_random_checkpoint(root: Path, tokenizer: str = "bytes", step: int = 5,
     return save_model_checkpoint(root, model, tokenizer, step, run, spec_arch), model
 
 
-def save_model_checkpoint(root: Path, model, tokenizer: str = "bytes", step: int = 5, run: str = "r",
-                          spec_arch: str | None = None) -> str:
+def save_model_checkpoint(
+    root: Path, model, tokenizer: str = "bytes", step: int = 5, run: str = "r", spec_arch: str | None = None
+) -> str:
     """`model` (lmyard's GPT or Llama) as the checkpoint of `step` of run `run` in the store `root`; its URI."""
-    from lmyard import checkpoint
+    from lmyard.checkpoint import full as checkpoint
     from lmyard.config import load_recipe
-    from lmyard.models import model_spec
+    from lmyard.models.registry import model_spec
     from lmyard.store import open_store
 
     spec = model_spec(model)
     if spec_arch:
         spec["arch"] = spec_arch
-    state = {"step": step, "cursor": 0, "tokens_seen": 4096 * step, "world_size": 1, "shard_address": "0" * 64,
-             "config": load_recipe("smoke", [f"tokenizer.name={tokenizer}"]).model_dump(mode="json"), "model": spec}
+    state = {
+        "step": step,
+        "cursor": 0,
+        "tokens_seen": 4096 * step,
+        "world_size": 1,
+        "shard_address": "0" * 64,
+        "config": load_recipe("smoke", [f"tokenizer.name={tokenizer}"]).model_dump(mode="json"),
+        "model": spec,
+    }
     return checkpoint.save(open_store(str(root)), run, step, model.state_dict(), {}, [], state, str(root / "staging"))
 
 
@@ -92,8 +111,12 @@ def prefect_api_url():
 @pytest.fixture
 def cli_env(prefect_api_url, tmp_path):
     """Environment for `lmyard` subprocesses: the session's Prefect server, a private cache."""
-    env = {**os.environ, "PREFECT_API_URL": prefect_api_url, "LMYARD_CACHE": str(tmp_path / "cache"),
-           "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": prefect_api_url,
+        "LMYARD_CACHE": str(tmp_path / "cache"),
+        "PYTHONUNBUFFERED": "1",
+    }
     env.pop("PREFECT_HOME", None)
     return env
 
@@ -103,6 +126,7 @@ def lmyard_cmd(*args: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- S3: a real S3-compatible HTTP server
+
 
 def free_port() -> int:
     import socket
@@ -153,19 +177,30 @@ class S3Server:
         import boto3
 
         keys = env or self.env
-        return boto3.client(service, endpoint_url=self.endpoint, region_name="us-east-1",
-                            aws_access_key_id=keys["AWS_ACCESS_KEY_ID"],
-                            aws_secret_access_key=keys["AWS_SECRET_ACCESS_KEY"])
+        return boto3.client(
+            service,
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=keys["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=keys["AWS_SECRET_ACCESS_KEY"],
+        )
 
     def user_env(self, name: str, statements: list[dict], iam=None) -> dict[str, str]:
         """AWS_* variables for a new IAM user allowed only what `statements` say."""
         iam = iam or self.client("iam")
         iam.create_user(UserName=name)
-        iam.put_user_policy(UserName=name, PolicyName=f"{name}-policy",
-                            PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": statements}))
+        iam.put_user_policy(
+            UserName=name,
+            PolicyName=f"{name}-policy",
+            PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": statements}),
+        )
         key = iam.create_access_key(UserName=name)["AccessKey"]
-        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
-                "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"], "AWS_DEFAULT_REGION": "us-east-1"}
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+            "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
 
     def new_bucket(self, stem: str = "lmyard-test") -> str:
         self._n += 1
@@ -193,15 +228,25 @@ def s3_server():
     endpoint = f"http://127.0.0.1:{port}"
     env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}
     # `python -m moto.server` is `moto_server`, found through this interpreter whether or not a venv is on PATH
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_for_http(f"{endpoint}/moto-api/", proc, 30)
         server = S3Server(endpoint)
         import boto3
 
-        bootstrap = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1",
-                                 aws_access_key_id="bootstrap", aws_secret_access_key="bootstrap")
+        bootstrap = boto3.client(
+            "iam",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="bootstrap",
+            aws_secret_access_key="bootstrap",
+        )
         server.env = server.user_env("admin", [{"Effect": "Allow", "Action": "*", "Resource": "*"}], iam=bootstrap)
         with pytest.MonkeyPatch.context() as mp:
             for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
@@ -223,6 +268,7 @@ def s3_bucket(s3_server):
 
 # ---------------------------------------------------------------- MLflow: a real tracking server
 
+
 class MLflowServer:
     def __init__(self, uri: str, artifacts: str):
         self.uri, self.artifacts = uri, artifacts
@@ -242,9 +288,27 @@ def mlflow_server(s3_server, tmp_path_factory):
     env = {**os.environ, **s3_server.env, "MLFLOW_S3_ENDPOINT_URL": s3_server.endpoint}
     log = open(tmp / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}", "--artifacts-destination", f"s3://{bucket}/mlartifacts"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{tmp / 'mlflow.db'}",
+            "--artifacts-destination",
+            f"s3://{bucket}/mlartifacts",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         wait_for_http(f"{uri}/health", proc, 120, tmp / "server.log")
         with pytest.MonkeyPatch.context() as mp:

@@ -11,14 +11,15 @@ from urllib.parse import urlparse
 
 import pytest
 import torch
-
 from conftest import tiny_overrides
-from lmyard import checkpoint, retention
-from lmyard.config import CheckpointConfig, load_recipe
-from lmyard.launch import run_local
-from lmyard.sharding import tokenize_and_shard
-from lmyard.store import open_store
 from tcp_proxy import TcpProxy
+
+from lmyard.checkpoint import full as checkpoint
+from lmyard.checkpoint import retention
+from lmyard.config import CheckpointConfig, load_recipe
+from lmyard.data.sharding import tokenize_and_shard
+from lmyard.launch.follower import run_local
+from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +43,7 @@ def s3_run(s3_server, tmp_path_factory):
         try:
             result = run_local(cfg, spec, on_line=lambda ln: (lines.append(ln), on_line and on_line(ln)))
             return result, lines
-        except Exception as e:  # noqa: BLE001 - the test inspects the failure
+        except Exception as e:
             return e, lines
         finally:
             os.environ.clear()
@@ -53,9 +54,15 @@ def s3_run(s3_server, tmp_path_factory):
 
 
 def _tensors(ckpt):
-    return [t for tree in (ckpt.model, ckpt.optim["state"]) for t in
-            (tree.values() if isinstance(tree, dict) and "wte.weight" in tree else
-             [v for s in tree.values() for v in s.values()])]
+    return [
+        t
+        for tree in (ckpt.model, ckpt.optim["state"])
+        for t in (
+            tree.values()
+            if isinstance(tree, dict) and "wte.weight" in tree
+            else [v for s in tree.values() for v in s.values()]
+        )
+    ]
 
 
 def test_checkpoints_round_trip_through_s3_and_resume_exactly(s3_run):
@@ -86,9 +93,18 @@ def test_store_outage_during_uploads_does_not_stop_training_and_checkpoints_land
             threading.Timer(4.0, proxy.start).start()
 
     try:
-        result, lines = run("outage", steps=160, on_line=on_line, env={"AWS_ENDPOINT_URL": proxy.url},
-                            **{"checkpoint.interval": 40, "checkpoint.upload_retries": 1, "checkpoint.max_pending": 4,
-                               "train.log_interval": 40})
+        result, lines = run(
+            "outage",
+            steps=160,
+            on_line=on_line,
+            env={"AWS_ENDPOINT_URL": proxy.url},
+            **{
+                "checkpoint.interval": 40,
+                "checkpoint.upload_retries": 1,
+                "checkpoint.max_pending": 4,
+                "train.log_interval": 40,
+            },
+        )
     finally:
         proxy.stop()
     text = "\n".join(lines)
@@ -100,7 +116,8 @@ def test_store_outage_during_uploads_does_not_stop_training_and_checkpoints_land
 
 
 def test_flush_gives_up_at_its_deadline_while_the_store_is_down_and_commits_once_it_is_back(
-        s3_server, tmp_path, monkeypatch):
+    s3_server, tmp_path, monkeypatch
+):
     proxy = TcpProxy(urlparse(s3_server.endpoint).port)
     proxy.start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
@@ -108,8 +125,9 @@ def test_flush_gives_up_at_its_deadline_while_the_store_is_down_and_commits_once
     store = open_store(f"s3://{bucket}/lmyard")
     proxy.stop()  # the store goes down before the first upload
     said: list[str] = []
-    writer = checkpoint.AsyncCheckpointer(store, "down", str(tmp_path / "staging"), retries=1, backoff_s=0.1,
-                                          say=said.append)
+    writer = checkpoint.AsyncCheckpointer(
+        store, "down", str(tmp_path / "staging"), retries=1, backoff_s=0.1, say=said.append
+    )
     try:
         writer.save({"w": torch.arange(4.0)}, {"state": {}, "param_groups": []}, [], _state(4))
         t0 = time.monotonic()
@@ -141,8 +159,16 @@ def test_upload_cut_by_a_dying_process_leaves_no_manifest_and_resume_uses_the_pr
 
 def _state(step, val_loss=None):
     """A minimal lmyard.contracts.CheckpointState."""
-    return {"step": step, "val_loss": val_loss, "cursor": step, "tokens_seen": step, "world_size": 1,
-            "shard_address": "a", "config": {}, "model": {}}
+    return {
+        "step": step,
+        "val_loss": val_loss,
+        "cursor": step,
+        "tokens_seen": step,
+        "world_size": 1,
+        "shard_address": "a",
+        "config": {},
+        "model": {},
+    }
 
 
 def _save_local(store, run_name, step, val_loss=None, staging=None):
@@ -220,8 +246,12 @@ def test_retention_holds_checkpoints_until_their_evaluation_has_ended(s3_server,
 
 def test_retention_plan_keeps_last_every_best_and_protected():
     steps = [10, 20, 30, 40, 50]
-    keep, delete = retention.plan(steps, {10: 1.0, 20: 0.5, 30: 0.7, 40: 0.9, 50: 0.8},
-                                  CheckpointConfig(keep_last=2, keep_every=None, keep_best=True), {10})
+    keep, delete = retention.plan(
+        steps,
+        {10: 1.0, 20: 0.5, 30: 0.7, 40: 0.9, 50: 0.8},
+        CheckpointConfig(keep_last=2, keep_every=None, keep_best=True),
+        {10},
+    )
     assert keep == [10, 20, 40, 50] and delete == [30]
 
 

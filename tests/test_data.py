@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lmyard import shards as fmt
-from lmyard.data import TokenStream, TrainBatches
+from lmyard.data import shards as fmt
+from lmyard.data.loader import TokenStream, TrainBatches
 
 
 def _stream(tmp_path, sizes=(1000, 777, 1500)):

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, free_port, stop_group, wait_for_http
-from lmyard.checkpoint import complete_steps
+
+from lmyard.checkpoint.full import complete_steps
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -23,18 +23,39 @@ def prefect_stack(tmp_path_factory):
     """A Prefect server (sqlite) and a worker on the lmyard-process pool, with the repo's deployments."""
     tmp = tmp_path_factory.mktemp("prefect-stack")
     port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect-home"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "1",
-           "PREFECT_WORKER_PREFETCH_SECONDS": "1", "LMYARD_CACHE": str(tmp / "cache"), "PYTHONUNBUFFERED": "1", "LMYARD_IMAGE": "lmyard-stage:test",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp / "prefect-home"),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_WORKER_PREFETCH_SECONDS": "1",
+        "LMYARD_CACHE": str(tmp / "cache"),
+        "PYTHONUNBUFFERED": "1",
+        "LMYARD_IMAGE": "lmyard-stage:test",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     procs = []
     server_log = open(tmp / "server.log", "w")
-    procs.append(subprocess.Popen([*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                                  stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True))
+    procs.append(
+        subprocess.Popen(
+            [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=server_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    )
     try:
         wait_for_http(f"http://127.0.0.1:{port}/api/health", procs[0], 120, tmp / "server.log")
-        run = lambda *args: subprocess.run([*PREFECT, *args], env=env, cwd=REPO, capture_output=True,  # noqa: E731
-                                           text=True, timeout=300)
+        run = lambda *args: subprocess.run(
+            [*PREFECT, *args],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         for pool, kind in (("lmyard-process", "process"), ("lmyard-docker", "docker")):
             created = run("work-pool", "create", pool, "--type", kind)
             assert created.returncode == 0, created.stdout + created.stderr
@@ -45,8 +66,14 @@ def prefect_stack(tmp_path_factory):
         worker_log = tmp / "worker.log"
 
         def start_worker() -> subprocess.Popen:
-            worker = subprocess.Popen([*PREFECT, "worker", "start", "--pool", "lmyard-process"], env=env, cwd=REPO,
-                                      stdout=open(worker_log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
+            worker = subprocess.Popen(
+                [*PREFECT, "worker", "start", "--pool", "lmyard-process"],
+                env=env,
+                cwd=REPO,
+                stdout=open(worker_log, "a"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             procs.append(worker)
             return worker
 
@@ -60,7 +87,7 @@ def prefect_stack(tmp_path_factory):
 def test_every_deployment_names_a_recipe_that_loads_and_sets_nothing_that_disagrees_with_it():
     import yaml
 
-    from lmyard.config import load_recipe, with_recipe, RunConfig
+    from lmyard.config import RunConfig, load_recipe, with_recipe
 
     spec = yaml.safe_load((REPO / "deploy" / "prefect.yaml").read_text())
     for d in spec["deployments"]:
@@ -71,7 +98,8 @@ def test_every_deployment_names_a_recipe_that_loads_and_sets_nothing_that_disagr
         recipe = load_recipe(params["recipe"])
         given = RunConfig.model_validate(params.get("config", {}))
         assert with_recipe(given, params["recipe"]) == recipe, (
-            f"deployment {d['name']} sets config fields that differ from recipe {params['recipe']}")
+            f"deployment {d['name']} sets config fields that differ from recipe {params['recipe']}"
+        )
 
 
 def test_a_runs_config_overrides_only_the_fields_it_sets_on_top_of_the_recipe():
@@ -86,11 +114,16 @@ def test_a_runs_config_overrides_only_the_fields_it_sets_on_top_of_the_recipe():
 
 
 def _config(tmp: Path, corpus: Path, steps: int) -> dict:
-    return {"run_name": "deployed", "store": str(tmp / "store"), "tracking": {"uri": f"sqlite:///{tmp / 'mlflow.db'}"},
-            "data": {"source": str(corpus)},
-            "model": {"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 64},
-            "train": {"max_steps": steps, "batch_tokens": 1024, "micro_batch": 4, "warmup_steps": 2, "log_interval": 2},
-            "eval": {"interval": 4, "val_tokens": 2048, "sample_tokens": 8}, "checkpoint": {"interval": 4}}
+    return {
+        "run_name": "deployed",
+        "store": str(tmp / "store"),
+        "tracking": {"uri": f"sqlite:///{tmp / 'mlflow.db'}"},
+        "data": {"source": str(corpus)},
+        "model": {"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 64},
+        "train": {"max_steps": steps, "batch_tokens": 1024, "micro_batch": 4, "warmup_steps": 2, "log_interval": 2},
+        "eval": {"interval": 4, "val_tokens": 2048, "sample_tokens": 8},
+        "checkpoint": {"interval": 4},
+    }
 
 
 def _write_corpus(path: Path, n: int) -> None:
@@ -106,23 +139,49 @@ def test_deployment_runs_and_scheduled_retraining_continues_only_on_new_data(pre
     _write_corpus(corpus, 40)
     store = open_store(str(tmp / "store"))
 
-    first = run("deployment", "run", "pretrain/smoke", "--params", json.dumps({"config": _config(tmp, corpus, 8)}),
-                "--watch", "--watch-timeout", "400")
+    first = run(
+        "deployment",
+        "run",
+        "pretrain/smoke",
+        "--params",
+        json.dumps({"config": _config(tmp, corpus, 8)}),
+        "--watch",
+        "--watch-timeout",
+        "400",
+    )
     assert first.returncode == 0 and "Completed" in first.stdout, first.stdout[-2000:] + worker_log.read_text()[-4000:]
     assert complete_steps(store, "deployed")[-1] == 8
 
     _write_corpus(corpus, 60)  # new documents appended
     params = {"config": _config(tmp, corpus, 8), "extra_steps": 4}
-    second = run("deployment", "run", "retrain/smoke-retrain", "--params", json.dumps(params), "--watch",
-                 "--watch-timeout", "400")
-    assert second.returncode == 0 and "Completed" in second.stdout, second.stdout[-2000:] + worker_log.read_text()[-4000:]
+    second = run(
+        "deployment",
+        "run",
+        "retrain/smoke-retrain",
+        "--params",
+        json.dumps(params),
+        "--watch",
+        "--watch-timeout",
+        "400",
+    )
+    assert second.returncode == 0 and "Completed" in second.stdout, (
+        second.stdout[-2000:] + worker_log.read_text()[-4000:]
+    )
     assert complete_steps(store, "deployed")[-1] == 12
     log = worker_log.read_text()
     assert "retraining deployed: continue (new data" in log
     assert "resuming from" in log and "continuing at the first sequence past its" in log
 
-    third = run("deployment", "run", "retrain/smoke-retrain", "--params", json.dumps(params), "--watch",
-                "--watch-timeout", "400")
+    third = run(
+        "deployment",
+        "run",
+        "retrain/smoke-retrain",
+        "--params",
+        json.dumps(params),
+        "--watch",
+        "--watch-timeout",
+        "400",
+    )
     assert third.returncode == 0 and "Completed" in third.stdout, third.stdout[-2000:] + worker_log.read_text()[-4000:]
     assert complete_steps(store, "deployed")[-1] == 12
     assert "retraining deployed: none (no new data" in worker_log.read_text()
@@ -160,8 +219,12 @@ def test_a_killed_worker_leaves_a_crashed_flow_run_a_failed_mlflow_run_and_the_n
     corpus = tmp / "crash-corpus.jsonl"
     _write_corpus(corpus, 40)
     store = open_store(str(tmp / "store"))
-    config = {**_config(tmp, corpus, 1000), "run_name": "worker-killed",
-              "checkpoint": {"interval": 250}, "eval": {"interval": 250, "val_tokens": 2048, "sample_tokens": 8}}
+    config = {
+        **_config(tmp, corpus, 1000),
+        "run_name": "worker-killed",
+        "checkpoint": {"interval": 250},
+        "eval": {"interval": 250, "val_tokens": 2048, "sample_tokens": 8},
+    }
     started = run("deployment", "run", "pretrain/smoke", "--params", json.dumps({"config": config}))
     assert started.returncode == 0, started.stdout + started.stderr
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
@@ -173,15 +236,26 @@ def test_a_killed_worker_leaves_a_crashed_flow_run_a_failed_mlflow_run_and_the_n
     start_worker()
 
     api = env["PREFECT_API_URL"]
-    state = _wait("the flow run to be marked Crashed", lambda: (s := _flow_run(api, flow_run_id).state) and
-                  s.is_crashed() and s, 300)
+    state = _wait(
+        "the flow run to be marked Crashed",
+        lambda: (s := _flow_run(api, flow_run_id).state) and s.is_crashed() and s,
+        300,
+    )
     assert "no heartbeat" in (state.message or "")
     run_id = json.loads(store.read_bytes("runs/worker-killed/lineage.json"))["mlflow_run_id"]
     mlflow = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
     _wait("the MLflow run to end FAILED", lambda: mlflow.get_run(run_id).info.status == "FAILED", 180)
 
-    again = run("deployment", "run", "pretrain/smoke", "--params", json.dumps({"config": config}), "--watch",
-                "--watch-timeout", "400")
+    again = run(
+        "deployment",
+        "run",
+        "pretrain/smoke",
+        "--params",
+        json.dumps({"config": config}),
+        "--watch",
+        "--watch-timeout",
+        "400",
+    )
     assert again.returncode == 0 and "Completed" in again.stdout, again.stdout[-2000:] + worker_log.read_text()[-4000:]
     tags = mlflow.get_run(run_id).data.tags
     assert tags["lmyard.attempts"] == "2" and tags["lmyard.attempt.2.resumed_from"].endswith("step_00000250")

@@ -14,14 +14,14 @@ import threading
 import time
 
 import pytest
-
 from conftest import free_port, tiny_overrides
-from lmyard import tracking
-from lmyard.checkpoint import complete_steps
+
+from lmyard.checkpoint.full import complete_steps
 from lmyard.config import load_recipe
-from lmyard.launch_docker import remove_leftovers, run_docker
-from lmyard.sharding import tokenize_and_shard
+from lmyard.data.sharding import tokenize_and_shard
+from lmyard.launch.containers import remove_leftovers, run_docker
 from lmyard.store import open_store
+from lmyard.tracking import lineage as tracking
 
 pytestmark = pytest.mark.slow
 IMAGE_UID = 1000  # the stage image's non-root user
@@ -45,7 +45,7 @@ def docker_client():
 
 @pytest.fixture(scope="session")
 def stage_image(docker_client):
-    from lmyard.images import build_image
+    from lmyard.launch.images import build_image
 
     t0 = time.perf_counter()
     tag = build_image(log=lambda s: None)
@@ -69,8 +69,12 @@ def _stage(client, image, tmp_path, *args):
     """Run `python -m lmyard.stages ARGS` in the image with tmp_path mounted; returns (exit code, output).
     The stage's result file goes to tmp_path/stage-result.json."""
     out = ["--out", str(tmp_path / "stage-result.json")]
-    c = client.containers.run(image, ["python", "-m", "lmyard.stages", *args, *out], detach=True,
-                              volumes={str(tmp_path): {"bind": str(tmp_path), "mode": "rw"}})
+    c = client.containers.run(
+        image,
+        ["python", "-m", "lmyard.stages", *args, *out],
+        detach=True,
+        volumes={str(tmp_path): {"bind": str(tmp_path), "mode": "rw"}},
+    )
     try:
         code = c.wait(timeout=300)["StatusCode"]
         return code, c.logs().decode()
@@ -79,7 +83,7 @@ def _stage(client, image, tmp_path, *args):
 
 
 def test_image_runs_as_a_non_root_user_and_is_labelled_with_its_sources(docker_client, stage_image):
-    from lmyard.images import SOURCE_LABEL, source_digest
+    from lmyard.launch.images import SOURCE_LABEL, source_digest
 
     out = docker_client.containers.run(stage_image, ["sh", "-c", "id -u; echo $LMYARD_CODE_VERSION"], remove=True)
     uid, version = out.decode().split()
@@ -107,7 +111,7 @@ def image_sharded(docker_client, stage_image, tmp_path_factory):
 
 def test_prune_keeps_the_newest_images_and_any_a_container_was_made_from(docker_client, stage_image):
     from lmyard.errors import UserError
-    from lmyard.images import prune
+    from lmyard.launch.images import prune
 
     repo = "lmyard-prune-test"
     for i in range(4):  # four small images, oldest first (a label on top of the stage image)
@@ -139,13 +143,30 @@ def test_tokenize_stage_runs_in_the_image_and_writes_a_shard_set_the_host_reuses
 
 
 def test_two_containers_on_a_bridge_network_train_and_checkpoint_to_a_mounted_store(
-        docker_client, stage_image, image_sharded):
+    docker_client, stage_image, image_sharded
+):
     tmp, shards, _, _ = image_sharded
-    cfg = load_recipe("smoke", tiny_overrides(tmp, steps=12, **{"data.source": str(tmp / "corpus.jsonl"),
-        "run_name": "bridge", "launch.backend": "docker", "launch.nnodes": 2, "launch.nproc_per_node": 1,
-        "launch.docker.network": "bridge", "launch.docker.shm_size": "256m", **NO_MEMLOCK, "checkpoint.interval": 4,
-        "eval.interval": 6, "tracking.uri": f"sqlite:///{tmp / 'mlflow' / 'mlflow.db'}",
-        "tracking.system_metrics_interval_s": 0.5}))
+    cfg = load_recipe(
+        "smoke",
+        tiny_overrides(
+            tmp,
+            steps=12,
+            **{
+                "data.source": str(tmp / "corpus.jsonl"),
+                "run_name": "bridge",
+                "launch.backend": "docker",
+                "launch.nnodes": 2,
+                "launch.nproc_per_node": 1,
+                "launch.docker.network": "bridge",
+                "launch.docker.shm_size": "256m",
+                **NO_MEMLOCK,
+                "checkpoint.interval": 4,
+                "eval.interval": 6,
+                "tracking.uri": f"sqlite:///{tmp / 'mlflow' / 'mlflow.db'}",
+                "tracking.system_metrics_interval_s": 0.5,
+            },
+        ),
+    )
     (tmp / "mlflow").mkdir(exist_ok=True)
     lineage = tracking.open_lineage(cfg, open_store(cfg.store), shard_address=shards.address, code_version="test")
     lineage = tracking.record_attempt(lineage, resumed_from=None, start_step=0, info={})
@@ -175,9 +196,24 @@ def test_two_containers_on_a_bridge_network_train_and_checkpoint_to_a_mounted_st
 
 def test_cancelling_the_follower_removes_every_container_and_the_network(docker_client, stage_image, image_sharded):
     tmp, shards, _, _ = image_sharded
-    cfg = load_recipe("smoke", tiny_overrides(tmp, steps=5000, **{"data.source": str(tmp / "corpus.jsonl"),
-        "run_name": "cancelled", "launch.backend": "docker", "launch.nnodes": 2, "launch.nproc_per_node": 1,
-        "launch.docker.network": "bridge", "launch.docker.shm_size": "256m", **NO_MEMLOCK, "checkpoint.interval": 1000}))
+    cfg = load_recipe(
+        "smoke",
+        tiny_overrides(
+            tmp,
+            steps=5000,
+            **{
+                "data.source": str(tmp / "corpus.jsonl"),
+                "run_name": "cancelled",
+                "launch.backend": "docker",
+                "launch.nnodes": 2,
+                "launch.nproc_per_node": 1,
+                "launch.docker.network": "bridge",
+                "launch.docker.shm_size": "256m",
+                **NO_MEMLOCK,
+                "checkpoint.interval": 1000,
+            },
+        ),
+    )
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
     seen: list[str] = []
 
@@ -193,10 +229,12 @@ def test_cancelling_the_follower_removes_every_container_and_the_network(docker_
 
 
 def test_leftovers_of_the_same_flow_run_are_removed_and_others_kept(docker_client, stage_image):
-    mine = docker_client.containers.create(stage_image, ["true"], labels={"lmyard.run_name": "left",
-                                           "lmyard.flow_run_id": "fr-left"})
-    other = docker_client.containers.create(stage_image, ["true"], labels={"lmyard.run_name": "left",
-                                            "lmyard.flow_run_id": "fr-other"})
+    mine = docker_client.containers.create(
+        stage_image, ["true"], labels={"lmyard.run_name": "left", "lmyard.flow_run_id": "fr-left"}
+    )
+    other = docker_client.containers.create(
+        stage_image, ["true"], labels={"lmyard.run_name": "left", "lmyard.flow_run_id": "fr-other"}
+    )
     try:
         assert remove_leftovers(docker_client, "fr-left", log=lambda s: None) == 1
         assert [c.id for c in _ours(docker_client, "left")[0]] == [other.id]
@@ -204,7 +242,7 @@ def test_leftovers_of_the_same_flow_run_are_removed_and_others_kept(docker_clien
         for c in (mine, other):
             try:
                 c.remove(force=True)
-            except Exception:  # noqa: BLE001 - already removed
+            except Exception:
                 pass
 
 
@@ -218,19 +256,37 @@ class _Records(logging.Handler):
 
 
 def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_checkpoint(
-        docker_client, stage_image, s3_server, s3_bucket, prefect_api_url, tmp_path):
+    docker_client, stage_image, s3_server, s3_bucket, prefect_api_url, tmp_path
+):
     from prefect import flow
 
     from tasks.train import train
 
     # Host networking: the containers reach the S3 server on the host's 127.0.0.1, credentials via AWS_*.
-    cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=100, **{
-        "store": f"s3://{s3_bucket}/lmyard", "run_name": "killed", "launch.backend": "docker",
-        "launch.nnodes": 2, "launch.nproc_per_node": 1, "launch.docker.network": "host",
-        "launch.docker.socket_ifname": "lo", "launch.docker.rdzv_port": free_port(),
-        "launch.docker.shm_size": "256m", **NO_MEMLOCK, "launch.docker.image": stage_image, "checkpoint.interval": 20,
-        "eval.interval": 1000, "train.log_interval": 20,
-        "tracking.uri": f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}"}))
+    cfg = load_recipe(
+        "smoke",
+        tiny_overrides(
+            tmp_path,
+            steps=100,
+            **{
+                "store": f"s3://{s3_bucket}/lmyard",
+                "run_name": "killed",
+                "launch.backend": "docker",
+                "launch.nnodes": 2,
+                "launch.nproc_per_node": 1,
+                "launch.docker.network": "host",
+                "launch.docker.socket_ifname": "lo",
+                "launch.docker.rdzv_port": free_port(),
+                "launch.docker.shm_size": "256m",
+                **NO_MEMLOCK,
+                "launch.docker.image": stage_image,
+                "checkpoint.interval": 20,
+                "eval.interval": 1000,
+                "train.log_interval": 20,
+                "tracking.uri": f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}",
+            },
+        ),
+    )
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     store = open_store(cfg.store)
     (tmp_path / "mlflow").mkdir()
@@ -242,8 +298,7 @@ def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_che
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not killed:
             if complete_steps(store, "killed"):
-                for c in docker_client.containers.list(filters={"label": ["lmyard.run_name=killed",
-                                                                          "lmyard.node=1"]}):
+                for c in docker_client.containers.list(filters={"label": ["lmyard.run_name=killed", "lmyard.node=1"]}):
                     c.kill()
                     killed.append(c.name)
             time.sleep(0.2)
@@ -275,18 +330,35 @@ def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_che
 
 
 def test_the_watchdog_ends_a_stalled_two_container_job_and_the_retry_resumes(
-        docker_client, stage_image, image_sharded, monkeypatch):
+    docker_client, stage_image, image_sharded, monkeypatch
+):
     from lmyard.errors import TrainingFailed
 
     tmp, shards, _, _ = image_sharded
     faults = _writable_by_image(tmp / "faults-watchdog")  # fired faults recorded across attempts
     monkeypatch.setenv("LMYARD_FAULTS", "hang@6")
     monkeypatch.setenv("LMYARD_FAULTS_STATE", str(faults))
-    cfg = load_recipe("smoke", tiny_overrides(tmp, steps=10, **{"data.source": str(tmp / "corpus.jsonl"),
-        "run_name": "stalled", "launch.backend": "docker", "launch.nnodes": 2, "launch.nproc_per_node": 1,
-        "launch.docker.network": "bridge", "launch.docker.shm_size": "256m", **NO_MEMLOCK,
-        "launch.docker.volumes": f"['{faults}:{faults}']", "launch.watchdog_s": 8, "checkpoint.interval": 4,
-        "eval.interval": 100}))
+    cfg = load_recipe(
+        "smoke",
+        tiny_overrides(
+            tmp,
+            steps=10,
+            **{
+                "data.source": str(tmp / "corpus.jsonl"),
+                "run_name": "stalled",
+                "launch.backend": "docker",
+                "launch.nnodes": 2,
+                "launch.nproc_per_node": 1,
+                "launch.docker.network": "bridge",
+                "launch.docker.shm_size": "256m",
+                **NO_MEMLOCK,
+                "launch.docker.volumes": f"['{faults}:{faults}']",
+                "launch.watchdog_s": 8,
+                "checkpoint.interval": 4,
+                "eval.interval": 100,
+            },
+        ),
+    )
     _writable_by_image(tmp / "store")
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
     lines: list[str] = []
@@ -305,15 +377,25 @@ def test_the_watchdog_ends_a_stalled_two_container_job_and_the_retry_resumes(
 def test_evaluate_stage_runs_in_the_image_as_docs_docker_md_shows(docker_client, stage_image, image_sharded):
     """`python -m lmyard.stages evaluate` in the stage image, on a checkpoint of a run the host trained."""
     from lmyard.contracts import EvalResult, read_model
-    from lmyard.launch import run_local
+    from lmyard.launch.follower import run_local
 
     tmp, shards, _, _ = image_sharded
-    overrides = tiny_overrides(tmp, steps=2, **{"data.source": str(tmp / "corpus.jsonl"), "run_name": "evaluated",
-                                                "launch.nproc_per_node": 1, "checkpoint.interval": 2})
+    overrides = tiny_overrides(
+        tmp,
+        steps=2,
+        **{
+            "data.source": str(tmp / "corpus.jsonl"),
+            "run_name": "evaluated",
+            "launch.nproc_per_node": 1,
+            "checkpoint.interval": 2,
+        },
+    )
     cfg = load_recipe("smoke", overrides)
     run_local(cfg, {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict()}, on_line=lambda s: None)
     _writable_by_image(tmp / "store")
-    code, out = _stage(docker_client, stage_image, tmp, "evaluate", "smoke", *sum((["--set", o] for o in overrides), []))
+    code, out = _stage(
+        docker_client, stage_image, tmp, "evaluate", "smoke", *sum((["--set", o] for o in overrides), [])
+    )
     assert code == 0, out
     result = read_model(str(tmp / "stage-result.json"), EvalResult)
     assert result.step == 2 and result.checkpoint.endswith("step_00000002") and result.val_loss > 0

@@ -11,11 +11,16 @@ import pytest
 
 from lmyard.config import load_recipe
 from lmyard.errors import UserError
-from lmyard.launch_docker import connect, describe, plan
+from lmyard.launch.containers import connect, describe, plan
 
 SPEC = {"config": None, "shards": {"address": "a"}, "lineage": None}
-ENV = {"AWS_ACCESS_KEY_ID": "AKIDEXAMPLEKEY", "AWS_SECRET_ACCESS_KEY": "s3cr3t-value-123", "HOME": "/root",
-       "MLFLOW_TRACKING_TOKEN": "tok-abcdef", "UNRELATED": "x"}
+ENV = {
+    "AWS_ACCESS_KEY_ID": "AKIDEXAMPLEKEY",
+    "AWS_SECRET_ACCESS_KEY": "s3cr3t-value-123",
+    "HOME": "/root",
+    "MLFLOW_TRACKING_TOKEN": "tok-abcdef",
+    "UNRELATED": "x",
+}
 
 
 def _plan(tmp_path, *sets, environ=ENV, **kw):
@@ -25,9 +30,15 @@ def _plan(tmp_path, *sets, environ=ENV, **kw):
 
 
 def test_gpu_nodes_request_gpus_use_host_networking_and_name_the_nccl_interface(tmp_path):
-    _, p = _plan(tmp_path, "launch.nnodes=2", "launch.nproc_per_node=8", "launch.docker.gpus=8",
-                 "launch.docker.socket_ifname=eth0", "launch.docker.nodes=[tcp://gpu-a:2376, tcp://gpu-b:2376]",
-                 "launch.docker.env={NCCL_IB_HCA: mlx5, NCCL_DEBUG: WARN}")
+    _, p = _plan(
+        tmp_path,
+        "launch.nnodes=2",
+        "launch.nproc_per_node=8",
+        "launch.docker.gpus=8",
+        "launch.docker.socket_ifname=eth0",
+        "launch.docker.nodes=[tcp://gpu-a:2376, tcp://gpu-b:2376]",
+        "launch.docker.env={NCCL_IB_HCA: mlx5, NCCL_DEBUG: WARN}",
+    )
     assert [n.url for n in p.nodes] == ["tcp://gpu-a:2376", "tcp://gpu-b:2376"]
     for i, node in enumerate(p.nodes):
         k = node.kwargs
@@ -45,7 +56,9 @@ def test_gpu_nodes_request_gpus_use_host_networking_and_name_the_nccl_interface(
         assert cmd[cmd.index("--rdzv_id") + 1] == "abc123"
         assert cmd[cmd.index("--local_addr") + 1] == ["gpu-a", "gpu-b"][i]
         assert {u["Name"]: (u["Soft"], u["Hard"]) for u in k["ulimits"]} == {
-            "memlock": (-1, -1), "stack": (64 << 20, 64 << 20)}
+            "memlock": (-1, -1),
+            "stack": (64 << 20, 64 << 20),
+        }
         assert k["shm_size"] == "16g"
         assert k["labels"]["lmyard.node"] == str(i)
 
@@ -61,8 +74,12 @@ def test_all_gpus_and_gpu_ids_become_device_requests(tmp_path):
 
 
 def test_an_explicit_rendezvous_endpoint_wins_over_node_zeros_url(tmp_path):
-    _, p = _plan(tmp_path, "launch.nnodes=2", "launch.rdzv_endpoint=10.1.2.3:29500",
-                 "launch.docker.nodes=[ssh://ops@gpu-a, ssh://ops@gpu-b]")
+    _, p = _plan(
+        tmp_path,
+        "launch.nnodes=2",
+        "launch.rdzv_endpoint=10.1.2.3:29500",
+        "launch.docker.nodes=[ssh://ops@gpu-a, ssh://ops@gpu-b]",
+    )
     cmd = p.nodes[1].kwargs["command"]
     assert cmd[cmd.index("--rdzv_endpoint") + 1] == "10.1.2.3:29500"
 
@@ -89,11 +106,20 @@ def test_bridge_network_puts_the_rendezvous_on_node_zeros_container_name(tmp_pat
 
 def test_bridge_across_engines_and_wrong_node_counts_are_refused():
     with pytest.raises(UserError, match="needs every node on one engine"):
-        load_recipe("smoke", ["launch.backend=docker", "launch.nnodes=2", "launch.docker.network=bridge",
-                              "launch.docker.nodes=[tcp://a:2376, tcp://b:2376]"])
+        load_recipe(
+            "smoke",
+            [
+                "launch.backend=docker",
+                "launch.nnodes=2",
+                "launch.docker.network=bridge",
+                "launch.docker.nodes=[tcp://a:2376, tcp://b:2376]",
+            ],
+        )
     with pytest.raises(UserError, match="lists 3 engines for launch.nnodes=2"):
-        load_recipe("smoke", ["launch.backend=docker", "launch.nnodes=2",
-                              "launch.docker.nodes=[unix:///a, unix:///b, unix:///c]"])
+        load_recipe(
+            "smoke",
+            ["launch.backend=docker", "launch.nnodes=2", "launch.docker.nodes=[unix:///a, unix:///b, unix:///c]"],
+        )
     with pytest.raises(UserError, match="several nodes on one remote engine with host networking"):
         load_recipe("smoke", ["launch.backend=docker", "launch.nnodes=2", "launch.docker.nodes=[tcp://a:2376]"])
     with pytest.raises(UserError, match="gpus or launch.docker.gpu_ids, not both"):
@@ -117,8 +143,13 @@ def test_a_local_store_and_sqlite_tracking_are_mounted_at_their_own_absolute_pat
     monkeypatch.chdir(tmp_path)
     cfg = load_recipe("smoke", ["store=rel/store", "launch.backend=docker"])
     lineage = {"tracking_uri": "sqlite:///db/mlflow.db", "mlflow_run_id": "r"}
-    p = plan(cfg, {"config": cfg.model_dump(mode="json"), "shards": {}, "lineage": lineage}, image="i",
-             environ={}, launch_id="x")
+    p = plan(
+        cfg,
+        {"config": cfg.model_dump(mode="json"), "shards": {}, "lineage": lineage},
+        image="i",
+        environ={},
+        launch_id="x",
+    )
     k = p.nodes[0].kwargs
     store, db_dir = str(tmp_path / "rel" / "store"), str(tmp_path / "db")
     assert k["volumes"][store] == {"bind": store, "mode": "rw"}

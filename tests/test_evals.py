@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmyard import evals
 from lmyard.config import EvalGates, TokenizerConfig
+from lmyard.data.tokenizer import get_tokenizer
 from lmyard.errors import UserError
-from lmyard.model import GPT, GPTConfig
-from lmyard.tokenizer import get_tokenizer
+from lmyard.evaluate import evals
+from lmyard.models.gpt2 import GPT, GPTConfig
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hellaswag_tiny.jsonl"
 V = 320  # the byte tokenizer's 257 tokens, rounded up to 64
@@ -50,7 +50,7 @@ def test_hellaswag_scoring_reproduces_a_hand_computation():
     # each ending is scored as " " + ending: the space costs `other`, then its letters
     expected_sums = [
         [other + 4 * a_loss, 2 * other + a_loss, 2 * other, other + 12 * a_loss],  # sums 13.10 13.69 11.90 27.42
-        [other + a_loss, 3 * other, 4 * other, 2 * other + a_loss],                # sums  7.74 17.84 23.79 13.69
+        [other + a_loss, 3 * other, 4 * other, 2 * other + a_loss],  # sums  7.74 17.84 23.79 13.69
     ]
     lengths = [[5, 3, 2, 13], [2, 3, 4, 3]]
     examples = evals.read_hellaswag(str(FIXTURE))

@@ -9,16 +9,21 @@ import subprocess
 
 import pytest
 import torch
+from conftest import REPO, lmyard_cmd, save_model_checkpoint
+from conftest import write_random_checkpoint as write_checkpoint
 
-from conftest import REPO, lmyard_cmd, save_model_checkpoint, write_random_checkpoint as write_checkpoint
-from lmyard import export
 from lmyard.errors import UserError
+from lmyard.export import hf as export
 from lmyard.store import open_store
 
 transformers = pytest.importorskip("transformers", reason="the export tests load folders with transformers (dev extra)")
 
-TEXTS = ["The for statement is used to iterate", "Exceptions are raised when  \n\n an error\tis detected",
-         "don't it's we'll 123456 3.14", "émoji 🎉 中文 <|endoftext|> after"]
+TEXTS = [
+    "The for statement is used to iterate",
+    "Exceptions are raised when  \n\n an error\tis detected",
+    "don't it's we'll 123456 3.14",
+    "émoji 🎉 中文 <|endoftext|> after",
+]
 
 
 def hf_logits(folder: str, ids: torch.Tensor, hf_arch: str) -> torch.Tensor:
@@ -28,20 +33,28 @@ def hf_logits(folder: str, ids: torch.Tensor, hf_arch: str) -> torch.Tensor:
         return model(ids).logits
 
 
-@pytest.mark.parametrize("arch,tokenizer,bias", [("gpt2", "bytes", True), ("gpt2", "gpt2", True),
-                                               ("gpt2", "bytes", False), ("llama", "bytes", False)])
+@pytest.mark.parametrize(
+    "arch,tokenizer,bias",
+    [("gpt2", "bytes", True), ("gpt2", "gpt2", True), ("gpt2", "bytes", False), ("llama", "bytes", False)],
+)
 def test_transformers_loads_the_export_and_its_logits_equal_lmyards(tmp_path, arch, tokenizer, bias):
     import tiktoken  # noqa: F401 - the gpt2 case needs TIKTOKEN_CACHE_DIR (offline ranks)
 
-    from lmyard.tokenizer import _load
+    from lmyard.data.tokenizer import _load
 
     uri, model = write_checkpoint(tmp_path / "store", tokenizer, arch=arch, bias=bias)  # GPT-2 without biases: zeros
     info = export.export(uri, str(tmp_path / "hf"), cache_dir=str(tmp_path / "cache"))
     hf_arch = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[arch]
     assert info["step"] == 5 and info["hf_architecture"] == hf_arch
     folder = str(tmp_path / "hf")
-    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "lmyard_export.json"} <= set(os.listdir(folder))
+    assert {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "lmyard_export.json",
+    } <= set(os.listdir(folder))
 
     enc = _load(tokenizer, None)
     hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
@@ -65,7 +78,7 @@ def test_transformers_loads_the_export_and_its_logits_equal_lmyards(tmp_path, ar
 def test_import_then_export_is_the_identity(tmp_path, arch):
     from safetensors.torch import load_file
 
-    from lmyard.models import model_from_spec
+    from lmyard.models.registry import model_from_spec
 
     uri, model = write_checkpoint(tmp_path / "store", arch=arch)
     export.export(uri, str(tmp_path / "first"), cache_dir=str(tmp_path / "cache"))
@@ -86,8 +99,9 @@ def test_import_then_export_is_the_identity(tmp_path, arch):
 
 def test_export_to_s3_uploads_the_whole_folder(tmp_path, s3_bucket):
     uri, _ = write_checkpoint(tmp_path / "store")
-    info = export.export(f"{tmp_path / 'store'}/runs/r", f"s3://{s3_bucket}/models/r", step=5,
-                         cache_dir=str(tmp_path / "cache"))
+    info = export.export(
+        f"{tmp_path / 'store'}/runs/r", f"s3://{s3_bucket}/models/r", step=5, cache_dir=str(tmp_path / "cache")
+    )
     assert info["uri"] == f"s3://{s3_bucket}/models/r"
     keys = set(open_store(f"s3://{s3_bucket}/models/r").list(""))
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= keys
@@ -131,8 +145,9 @@ def test_bad_inputs_are_one_clear_error_and_leave_nothing_at_the_destination(tmp
     assert _nothing_written(dest)
 
     other, _ = write_checkpoint(tmp_path / "other", spec_arch="mamba")
-    with pytest.raises(UserError, match="architecture 'mamba', which lmyard cannot export: known architectures are "
-                                        "gpt2, llama"):
+    with pytest.raises(
+        UserError, match="architecture 'mamba', which lmyard cannot export: known architectures are gpt2, llama"
+    ):
         export.export(other, str(dest), cache_dir=cache)
     assert _nothing_written(dest)
 
@@ -147,12 +162,25 @@ def test_bad_inputs_are_one_clear_error_and_leave_nothing_at_the_destination(tmp
 def test_export_command_writes_the_folder_and_names_a_bad_destination(tmp_path, monkeypatch):
     uri, _ = write_checkpoint(tmp_path / "store")
     env = {**os.environ, "LMYARD_CACHE": str(tmp_path / "cache")}
-    ok = subprocess.run(lmyard_cmd("export", f"{tmp_path / 'store'}/runs/r", "--to", str(tmp_path / "hf")),
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    ok = subprocess.run(
+        lmyard_cmd("export", f"{tmp_path / 'store'}/runs/r", "--to", str(tmp_path / "hf")),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert ok.stdout.strip() == f"lmyard: exported {uri} (step 5) as GPT2LMHeadModel to {tmp_path / 'hf'}"
-    again = subprocess.run(lmyard_cmd("export", uri, "--to", str(tmp_path / "hf")), cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        lmyard_cmd("export", uri, "--to", str(tmp_path / "hf")),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 2
-    assert again.stderr.strip() == (f"lmyard: error: destination {tmp_path / 'hf'} exists and is not empty: "
-                                    "choose a new folder or delete it")
+    assert again.stderr.strip() == (
+        f"lmyard: error: destination {tmp_path / 'hf'} exists and is not empty: choose a new folder or delete it"
+    )

@@ -4,26 +4,30 @@ rewrites it in place), and its attempt records what it really resumed from."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import tiny_overrides
-from lmyard import tracking
-from lmyard.catalog import complete_steps, step_prefix
+
+from lmyard.checkpoint.catalog import complete_steps, step_prefix
 from lmyard.config import load_recipe
-from lmyard.sharding import tokenize_and_shard
+from lmyard.data.sharding import tokenize_and_shard
 from lmyard.store import open_store
+from lmyard.tracking import lineage as tracking
 
 pytestmark = pytest.mark.slow
 
 
 def test_fallback_moves_the_damaged_checkpoint_aside_and_the_attempt_names_what_was_loaded(
-        prefect_api_url, tmp_path, monkeypatch):
+    prefect_api_url, tmp_path, monkeypatch
+):
     from prefect import flow
 
     from tasks.train import train
 
     monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
-    overrides = tiny_overrides(tmp_path, steps=8, **{"run_name": "fallback", "checkpoint.interval": 4,
-                                                     "checkpoint.keep_last": 5, "eval.interval": 100})
+    overrides = tiny_overrides(
+        tmp_path,
+        steps=8,
+        **{"run_name": "fallback", "checkpoint.interval": 4, "checkpoint.keep_last": 5, "eval.interval": 100},
+    )
     cfg = load_recipe("smoke", overrides)
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     store = open_store(cfg.store)

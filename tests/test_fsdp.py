@@ -7,11 +7,11 @@ import os
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from conftest import free_port
+
 from lmyard.config import ModelConfig, load_recipe
-from lmyard.models import build_model
-from lmyard.parallel import clip_grad_norm, no_sync, parallelize
+from lmyard.models.parallel import clip_grad_norm, no_sync, parallelize
+from lmyard.models.registry import build_model
 
 STEPS, ACCUM, MICRO, WORLD = 4, 2, 2, 2
 
@@ -56,12 +56,21 @@ def _worker(rank: int, port: int, runs: list[tuple[str, str]]) -> None:
             torch.manual_seed(123)  # a different init, then the reference's weights: sharding must keep them
             model = build_model(ModelConfig(preset=preset), 257)
             model.load_state_dict(init)
-            cfg = load_recipe("smoke", [f"model.preset={preset}", "train.parallel=fsdp", "train.device=cpu",
-                                        f"train.activation_checkpointing={mode}"])
+            cfg = load_recipe(
+                "smoke",
+                [
+                    f"model.preset={preset}",
+                    "train.parallel=fsdp",
+                    "train.device=cpu",
+                    f"train.activation_checkpointing={mode}",
+                ],
+            )
             model = parallelize(model, cfg, WORLD, torch.device("cpu"))
             params = list(model.parameters())
             assert all(type(p).__name__ == "DTensor" for p in params)
-            losses = _train(model, params, batches, rank, WORLD, lambda last: _null() if last else no_sync(model))
+            losses = _train(
+                model, params, batches, rank, WORLD, lambda last, model=model: _null() if last else no_sync(model)
+            )
             full = {k: v.full_tensor() for k, v in model.state_dict().items()}
             if rank == 0:
                 for (a, na), (b, nb) in zip(losses, ref_losses):

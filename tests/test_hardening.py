@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from lmyard import checkpoint, images, tracking
+from lmyard.checkpoint import full as checkpoint
 from lmyard.config import RunConfig, load_recipe, redact_uri
-from lmyard.data import default_cache_dir
+from lmyard.data.loader import default_cache_dir
+from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import UserError
-from lmyard.sharding import tokenize_and_shard
+from lmyard.launch import images
 from lmyard.store import LocalStore, open_store
+from lmyard.tracking import lineage as tracking
 
 
 def _text_docs(tag: str, n: int = 8) -> list[bytes]:
@@ -22,6 +24,7 @@ def _text_docs(tag: str, n: int = 8) -> list[bytes]:
 
 
 # ---------------------------------------------------------------- keys confined to their folders
+
 
 def test_local_store_refuses_keys_that_leave_its_folder(tmp_path):
     store = LocalStore(str(tmp_path / "store"))
@@ -43,7 +46,7 @@ def test_s3_source_key_with_dotdot_is_refused_not_written_outside_the_cache(s3_s
     cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"data.source=s3://{s3_bucket}/data/*.txt"])
     with pytest.raises(UserError, match=r"data/\.\./\.\./x/pwned\.txt.*would leave its folder"):
         tokenize_and_shard(cfg, log=lambda s: None, cache_dir=str(cache))
-    planted = [p for p in tmp_path.rglob("pwned.txt")]
+    planted = list(tmp_path.rglob("pwned.txt"))
     assert planted == []
 
 
@@ -60,6 +63,7 @@ def test_file_names_in_an_s3_checkpoint_manifest_stay_in_the_load_cache(s3_serve
 
 
 # ---------------------------------------------------------------- source cache keyed by content
+
 
 @pytest.mark.slow
 def test_s3_object_rewritten_with_the_same_size_is_read_again(s3_server, s3_bucket, tmp_path):
@@ -79,16 +83,28 @@ def test_s3_object_rewritten_with_the_same_size_is_read_again(s3_server, s3_buck
     local.mkdir()
     for i, body in enumerate(new):
         (local / f"{i}.txt").write_bytes(body)
-    expected, _ = tokenize_and_shard(load_recipe("smoke", [*overrides[:1], f"data.source={local}/*.txt",
-                                                           "data.val_every=4"]), log=lambda s: None, cache_dir=cache)
+    expected, _ = tokenize_and_shard(
+        load_recipe("smoke", [*overrides[:1], f"data.source={local}/*.txt", "data.val_every=4"]),
+        log=lambda s: None,
+        cache_dir=cache,
+    )
     assert second.address != first.address
     assert [s["sha256"] for s in second.manifest["shards"]] == [s["sha256"] for s in expected.manifest["shards"]]
 
 
 # ---------------------------------------------------------------- strict config types
 
-@pytest.mark.parametrize("assignment", ["train.max_steps=true", "train.lr=false", "model.n_layer=true",
-                                        "checkpoint.upload_retries=true", "tracking.lease_ttl_s=true"])
+
+@pytest.mark.parametrize(
+    "assignment",
+    [
+        "train.max_steps=true",
+        "train.lr=false",
+        "model.n_layer=true",
+        "checkpoint.upload_retries=true",
+        "tracking.lease_ttl_s=true",
+    ],
+)
 def test_booleans_are_refused_for_numbers_with_one_line(assignment):
     with pytest.raises(UserError) as e:
         load_recipe("smoke", [assignment])
@@ -105,6 +121,7 @@ def test_numbers_still_pass_ints_for_floats_and_yaml_recipes(tmp_path):
 
 
 # ---------------------------------------------------------------- file modes
+
 
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o027, 0o640)])
 def test_store_files_follow_the_umask_like_data_files(tmp_path, umask, mode):
@@ -126,13 +143,21 @@ def test_store_files_follow_the_umask_like_data_files(tmp_path, umask, mode):
         os.umask(old)
     root = Path(store.root)
     written = [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")]
-    assert {p.name for p in written} >= {"lineage.json", "evaluated.json", "protected.json", "manifest.json",
-                                         "train_000000.bin", "model.pt"}
-    assert {p.relative_to(root).as_posix(): oct(p.stat().st_mode & 0o777) for p in written} == \
-        {p.relative_to(root).as_posix(): oct(mode) for p in written}
+    assert {p.name for p in written} >= {
+        "lineage.json",
+        "evaluated.json",
+        "protected.json",
+        "manifest.json",
+        "train_000000.bin",
+        "model.pt",
+    }
+    assert {p.relative_to(root).as_posix(): oct(p.stat().st_mode & 0o777) for p in written} == {
+        p.relative_to(root).as_posix(): oct(mode) for p in written
+    }
 
 
 # ---------------------------------------------------------------- a complete step is never overwritten
+
 
 def test_a_complete_checkpoint_step_is_never_overwritten(tmp_path):
     store = open_store(str(tmp_path / "store"))
@@ -142,8 +167,10 @@ def test_a_complete_checkpoint_step_is_never_overwritten(tmp_path):
         folder.mkdir()
         for name in checkpoint.FILES:
             (folder / name).write_bytes(content + name.encode())
-        files = {n: {"bytes": len(content) + len(n), "sha256": checkpoint.sha256_file(str(folder / n))}
-                 for n in checkpoint.FILES}
+        files = {
+            n: {"bytes": len(content) + len(n), "sha256": checkpoint.sha256_file(str(folder / n))}
+            for n in checkpoint.FILES
+        }
         return str(folder), {"step": 9, "files": files}
 
     checkpoint.commit(store, "r", *staged(b"first"))
@@ -154,6 +181,7 @@ def test_a_complete_checkpoint_step_is_never_overwritten(tmp_path):
 
 
 # ---------------------------------------------------------------- one cache root
+
 
 def test_every_cache_lives_under_lmyard_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
@@ -177,9 +205,16 @@ def test_every_cache_lives_under_lmyard_cache(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- credentials in URIs
 
+
 def test_credentials_in_uris_are_redacted_from_params_and_dumps():
-    cfg = load_recipe("smoke", ["tracking.uri=https://alice:s3cret@mlflow.example:5000/root",
-                                "store=s3://bucket/prefix", "data.source=s3://bucket/data/*.txt"])
+    cfg = load_recipe(
+        "smoke",
+        [
+            "tracking.uri=https://alice:s3cret@mlflow.example:5000/root",
+            "store=s3://bucket/prefix",
+            "data.source=s3://bucket/data/*.txt",
+        ],
+    )
     assert "s3cret" not in json.dumps(cfg.flat()) and "s3cret" not in json.dumps(cfg.redacted_dump())
     assert cfg.flat()["tracking.uri"] == "https://alice:***@mlflow.example:5000/root"
     assert cfg.redacted_dump()["store"] == "s3://bucket/prefix"
@@ -198,11 +233,17 @@ def test_out_of_memory_is_one_line_naming_the_setting_and_is_not_retried(cli_env
     from conftest import lmyard_cmd, tiny_overrides
 
     limit = 8 << 30
-    overrides = tiny_overrides(tmp_path, steps=4, **{"run_name": "oom", "train.micro_batch": 131072,
-                                                     "train.batch_tokens": 131072 * 64 * 2})
-    done = subprocess.run(lmyard_cmd("run", "smoke", *[x for o in overrides for x in ("--set", o)]), env=cli_env,
-                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
-                          capture_output=True, text=True, timeout=600)
+    overrides = tiny_overrides(
+        tmp_path, steps=4, **{"run_name": "oom", "train.micro_batch": 131072, "train.batch_tokens": 131072 * 64 * 2}
+    )
+    done = subprocess.run(
+        lmyard_cmd("run", "smoke", *[x for o in overrides for x in ("--set", o)]),
+        env=cli_env,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [ln for ln in done.stderr.splitlines() if ln.startswith("lmyard: error:")]
     assert len(errors) == 1 and "out of memory" in errors[0] and "lower train.micro_batch" in errors[0]

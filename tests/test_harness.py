@@ -7,12 +7,13 @@ import json
 import random
 
 import pytest
-
 from conftest import write_random_checkpoint
-from lmyard import checkpoint, evals, harness
+
+from lmyard.checkpoint import full as checkpoint
 from lmyard.config import TokenizerConfig, load_recipe
+from lmyard.data.tokenizer import get_tokenizer
+from lmyard.evaluate import evals, harness
 from lmyard.store import open_store
-from lmyard.tokenizer import get_tokenizer
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed: pip install -e '.[harness]'")
 
@@ -23,9 +24,11 @@ def _examples(n: int, seed: int = 0) -> list[dict]:
     words = "the a cat sat on mat class for statement is an exception raised when error value module".split()
     out = []
     while len(out) < n:
-        ex = {"ctx": " ".join(rng.choices(words, k=rng.randint(2, 6))).capitalize(),
-              "endings": [" ".join(rng.choices(words, k=rng.randint(1, 5))) for _ in range(4)],
-              "label": rng.randrange(4)}
+        ex = {
+            "ctx": " ".join(rng.choices(words, k=rng.randint(2, 6))).capitalize(),
+            "endings": [" ".join(rng.choices(words, k=rng.randint(1, 5))) for _ in range(4)],
+            "label": rng.randrange(4),
+        }
         if len(ex["ctx"]) + max(len(e) for e in ex["endings"]) + 1 <= 64:  # fits the block: nothing truncated
             out.append(ex)
     return out
@@ -38,8 +41,9 @@ def test_lm_eval_hellaswag_gives_lmyards_acc_and_acc_norm(tmp_path):
     cfg = load_recipe("smoke", [f"eval.hellaswag={data}", "eval.harness_tasks=[hellaswag_local]"])
     ckpt = checkpoint.load_step(open_store(str(tmp_path / "store")), "r", 5, str(tmp_path / "cache"))
 
-    ours = evals.hellaswag(evals.load_model(ckpt), get_tokenizer(TokenizerConfig(name="bytes")),
-                           evals.read_hellaswag(str(data)))
+    ours = evals.hellaswag(
+        evals.load_model(ckpt), get_tokenizer(TokenizerConfig(name="bytes")), evals.read_hellaswag(str(data))
+    )
     theirs = harness.evaluate(ckpt, cfg)["metrics"]
     assert ours["acc"] != ours["acc_norm"]  # the two rules pick different endings here: both are tested
     assert theirs["hellaswag_local/acc"] == pytest.approx(ours["acc"], abs=1e-9)

@@ -44,10 +44,13 @@ def test_importing_every_flow_and_task_loads_no_torch_transitively():
     import subprocess
     import sys
 
-    modules = sorted(f"{p.parent.name}.{p.stem}" for folder in ("flows", "tasks")
-                     for p in (REPO / folder).glob("*.py") if p.stem != "__init__")
-    code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
-            "print('torch' in sys.modules)")
+    modules = sorted(
+        f"{p.parent.name}.{p.stem}"
+        for folder in ("flows", "tasks")
+        for p in (REPO / folder).glob("*.py")
+        if p.stem != "__init__"
+    )
+    code = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", "importing flows/ and tasks/ loads torch into the flow process"

@@ -10,11 +10,12 @@ import threading
 import time
 
 import pytest
-
 from conftest import lmyard_cmd, tiny_overrides
-from lmyard import checkpoint, lease
+
+from lmyard.checkpoint import full as checkpoint
 from lmyard.errors import UserError
 from lmyard.store import open_store
+from lmyard.tracking import lease
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -67,8 +68,15 @@ def test_concurrent_acquirers_one_wins_the_other_waits_for_the_release(store):
 
 def test_an_expired_lease_is_taken_over_and_a_live_one_is_renewed(store):
     key = lease.lease_key("r")
-    stale = {"host": "gone-host", "pid": 1, "flow_run": "crashed-run", "token": "t", "since": "2026-01-01T00:00:00Z",
-             "ttl_s": 5, "heartbeat": time.time() - 60}
+    stale = {
+        "host": "gone-host",
+        "pid": 1,
+        "flow_run": "crashed-run",
+        "token": "t",
+        "since": "2026-01-01T00:00:00Z",
+        "ttl_s": 5,
+        "heartbeat": time.time() - 60,
+    }
     store.write_bytes(key, json.dumps(stale).encode())
     held = lease.acquire(store, "r", {"flow_run": "new-run"}, ttl_s=3, wait_s=0)
     try:
@@ -116,5 +124,7 @@ def test_two_runs_of_one_lineage_one_refused_the_other_intact(cli_env, tmp_path)
         for name, meta in manifest["files"].items():
             assert store.sha256(f"{checkpoint.step_prefix('smoke', step)}/{name}") == meta["sha256"]
     run_id = json.loads(store.read_bytes("runs/smoke/lineage.json"))["mlflow_run_id"]
-    history = [m.step for m in MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(run_id, "train/loss")]
+    history = [
+        m.step for m in MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(run_id, "train/loss")
+    ]
     assert sorted(history) == list(range(1, 7))

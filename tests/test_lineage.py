@@ -13,10 +13,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import lmyard_cmd, tiny_overrides
 from mlflow.tracking import MlflowClient
 
-from conftest import lmyard_cmd, tiny_overrides
-from lmyard.checkpoint import complete_steps, step_prefix
+from lmyard.checkpoint.full import complete_steps, step_prefix
 from lmyard.config import load_recipe
 from lmyard.store import open_store
 
@@ -24,8 +24,9 @@ pytestmark = pytest.mark.slow
 HELLASWAG = Path(__file__).parent / "fixtures" / "hellaswag_tiny.jsonl"
 
 
-def _kill_training_after(store, run_name: str, tracking_uri: str, step: int, killed: list[int],
-                         timeout: float = 300) -> None:
+def _kill_training_after(
+    store, run_name: str, tracking_uri: str, step: int, killed: list[int], timeout: float = 300
+) -> None:
     """SIGKILL the trainer (torchrun and its ranks) mid-run: once the checkpoint of `step` exists and MLflow
     holds train/loss past it, so the next attempt repeats steps the first one logged."""
     deadline = time.monotonic() + timeout
@@ -50,21 +51,43 @@ def _kill_training_after(store, run_name: str, tracking_uri: str, step: int, kil
 
 
 def test_killed_training_is_retried_as_one_mlflow_run_with_two_attempts(
-        prefect_api_url, mlflow_server, s3_server, s3_bucket, tmp_path, monkeypatch):
+    prefect_api_url, mlflow_server, s3_server, s3_bucket, tmp_path, monkeypatch
+):
     from flows.pretrain import pretrain
 
     monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
     run_name = "killed-and-retried"
-    cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=200, **{
-        "store": f"s3://{s3_bucket}/store", "run_name": run_name, "tracking.uri": mlflow_server.uri,
-        "tracking.experiment": "lineage-tests", "tracking.registered_model": run_name,
-        "tracking.system_metrics_interval_s": 1, "launch.retries": 1, "launch.nproc_per_node": 1,
-        "train.threads_per_rank": 1, "checkpoint.interval": 50, "eval.interval": 50, "train.log_interval": 1, "eval.threads": 1,
-        "eval.poll_s": 0.5, "eval.hellaswag": str(HELLASWAG), "eval.gates.val_loss_max": 50,
-        "checkpoint.keep_last": 2}))
+    cfg = load_recipe(
+        "smoke",
+        tiny_overrides(
+            tmp_path,
+            steps=200,
+            **{
+                "store": f"s3://{s3_bucket}/store",
+                "run_name": run_name,
+                "tracking.uri": mlflow_server.uri,
+                "tracking.experiment": "lineage-tests",
+                "tracking.registered_model": run_name,
+                "tracking.system_metrics_interval_s": 1,
+                "launch.retries": 1,
+                "launch.nproc_per_node": 1,
+                "train.threads_per_rank": 1,
+                "checkpoint.interval": 50,
+                "eval.interval": 50,
+                "train.log_interval": 1,
+                "eval.threads": 1,
+                "eval.poll_s": 0.5,
+                "eval.hellaswag": str(HELLASWAG),
+                "eval.gates.val_loss_max": 50,
+                "checkpoint.keep_last": 2,
+            },
+        ),
+    )
     store = open_store(cfg.store)
     killed: list[int] = []
-    killer = threading.Thread(target=_kill_training_after, args=(store, run_name, cfg.tracking.uri, 50, killed), daemon=True)
+    killer = threading.Thread(
+        target=_kill_training_after, args=(store, run_name, cfg.tracking.uri, 50, killed), daemon=True
+    )
     killer.start()
     summary = pretrain(config=cfg)
     killer.join(timeout=5)
@@ -135,19 +158,34 @@ def test_killed_training_is_retried_as_one_mlflow_run_with_two_attempts(
     with get_client(sync_client=True) as pc:
         keys = [f"{run_name}-eval-step-{s:08d}" for s in (50, 100, 150, 200)] + [f"{run_name}-train-progress"]
         found = {}  # the newest of each key: each attempt of the train task makes its own progress artifact
-        for a in sorted(pc.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys))),
-                        key=lambda a: a.created):
+        for a in sorted(
+            pc.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys))), key=lambda a: a.created
+        ):
             found[a.key] = a
     assert set(found) == set(keys)
     assert found[f"{run_name}-train-progress"].data == 100.0
 
 
 def test_interrupted_run_ends_killed(cli_env, tmp_path):
-    overrides = tiny_overrides(tmp_path, steps=2000, **{"checkpoint.interval": 5, "launch.nproc_per_node": 1,
-                                                        "train.threads_per_rank": 1, "tracking.system_metrics": False})
+    overrides = tiny_overrides(
+        tmp_path,
+        steps=2000,
+        **{
+            "checkpoint.interval": 5,
+            "launch.nproc_per_node": 1,
+            "train.threads_per_rank": 1,
+            "tracking.system_metrics": False,
+        },
+    )
     store = open_store(str(tmp_path / "store"))
-    proc = subprocess.Popen(lmyard_cmd("run", "smoke", *[a for o in overrides for a in ("--set", o)]), cwd=tmp_path,
-                            env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        lmyard_cmd("run", "smoke", *[a for o in overrides for a in ("--set", o)]),
+        cwd=tmp_path,
+        env=cli_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 240
         while not complete_steps(store, "smoke") and time.time() < deadline and proc.poll() is None:

@@ -10,11 +10,11 @@ import torch.nn.functional as F
 
 from lmyard.config import ModelConfig, TrainConfig, load_recipe
 from lmyard.errors import UserError
-from lmyard.llama import Llama, LlamaConfig, ffn_hidden_size
-from lmyard.memory import check, estimate
-from lmyard.model import GPT
-from lmyard.models import build_model, model_from_spec, model_spec
-from lmyard.parallel import apply_activation_checkpointing, compile_blocks
+from lmyard.models.gpt2 import GPT
+from lmyard.models.llama import Llama, LlamaConfig, ffn_hidden_size
+from lmyard.models.memory import check, estimate
+from lmyard.models.parallel import apply_activation_checkpointing, compile_blocks
+from lmyard.models.registry import build_model, model_from_spec, model_spec
 
 GB80 = 80 * 10**9
 
@@ -78,7 +78,14 @@ def test_presets_have_the_published_llama_shapes():
         return m.config, m.num_params()
 
     c1, n1 = shape("llama-1b")
-    assert (c1.n_layer, c1.n_embd, c1.n_head, c1.n_kv_head, c1.ffn_hidden, c1.vocab_size) == (16, 2048, 32, 8, 8192, 128256)
+    assert (c1.n_layer, c1.n_embd, c1.n_head, c1.n_kv_head, c1.ffn_hidden, c1.vocab_size) == (
+        16,
+        2048,
+        32,
+        8,
+        8192,
+        128256,
+    )
     assert n1 == 1_235_814_400 + 128256 * 2048  # Llama-3.2-1B (tied) plus an untied head
     c8, n8 = shape("llama-8b")
     assert (c8.n_layer, c8.n_embd, c8.n_kv_head, c8.ffn_hidden, c8.rope_theta) == (32, 4096, 8, 14336, 500000.0)
@@ -98,10 +105,15 @@ def test_flops_per_token_is_torchtitans_formula():
 def test_build_model_picks_the_architecture_and_the_spec_rebuilds_it():
     assert isinstance(build_model(ModelConfig(preset="tiny"), 257), GPT)
     llama = _tiny()
-    assert "lm_head.weight" in llama.state_dict() and llama.lm_head.weight.data_ptr() != llama.embed_tokens.weight.data_ptr()
+    assert (
+        "lm_head.weight" in llama.state_dict()
+        and llama.lm_head.weight.data_ptr() != llama.embed_tokens.weight.data_ptr()
+    )
     again = model_from_spec(model_spec(llama))
     assert isinstance(again, Llama) and again.config == llama.config
-    assert isinstance(model_from_spec({"vocab_size": 64, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 8}), GPT)
+    assert isinstance(
+        model_from_spec({"vocab_size": 64, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 8}), GPT
+    )
 
 
 def test_config_rejects_llama_fields_on_gpt2_and_mismatched_arch():
@@ -111,8 +123,17 @@ def test_config_rejects_llama_fields_on_gpt2_and_mismatched_arch():
         load_recipe("smoke", ["model.preset=llama-1b", "model.arch=gpt2"])
     with pytest.raises(UserError, match="multiple of model.n_kv_head"):
         load_recipe("smoke", ["model.preset=llama-tiny", "model.n_kv_head=3"])
-    cfg = load_recipe("smoke", ["model.preset=null", "model.arch=llama", "model.n_layer=2", "model.n_head=4",
-                                "model.n_embd=64", "model.block_size=32"])
+    cfg = load_recipe(
+        "smoke",
+        [
+            "model.preset=null",
+            "model.arch=llama",
+            "model.n_layer=2",
+            "model.n_head=4",
+            "model.n_embd=64",
+            "model.block_size=32",
+        ],
+    )
     assert cfg.model.architecture() == "llama" and cfg.model.llama_dims()["n_kv_head"] == 4
 
 
@@ -169,13 +190,16 @@ def test_sharding_divides_the_static_memory_by_the_ranks():
     one, four = _plan("llama-1b", 1, "fsdp"), _plan("llama-1b", 4, "fsdp")
     assert four.optimizer * 4 == pytest.approx(one.optimizer, rel=1e-6)
     assert four.activations == one.activations
-    assert _plan("llama-1b", 1, "fsdp", ac="full").activations < _plan("llama-1b", 1, "fsdp", ac="selective").activations \
+    assert (
+        _plan("llama-1b", 1, "fsdp", ac="full").activations
+        < _plan("llama-1b", 1, "fsdp", ac="selective").activations
         < one.activations
+    )
     assert math.isclose(check(_plan("gpt2-124m", 1, "ddp", micro_batch=32)).params, 4 * 124_475_904, rel_tol=0.01)
 
 
 def test_float8_is_skipped_with_a_warning_where_the_device_has_no_float8_matmuls():
-    from lmyard.parallel import apply_float8
+    from lmyard.models.parallel import apply_float8
 
     model = _tiny()
     with pytest.warns(UserWarning, match="train.float8 skipped"):

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmyard.losses import linear_cross_entropy
-from lmyard.model import GPT, GPTConfig
+from lmyard.models.gpt2 import GPT, GPTConfig
+from lmyard.models.losses import linear_cross_entropy
 
 
 def _inputs(n=48, d=24, v=333, dtype=torch.float32, seed=0):
@@ -46,6 +46,7 @@ def test_fused_head_under_bf16_autocast_matches_the_autocast_linear_and_cross_en
         def run(a, b, t):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return fn(a, b, t)
+
         return run
 
     fused = _loss_and_grads(autocast(linear_cross_entropy), x, w, y)
@@ -82,7 +83,7 @@ def test_triton_kernel_matches_the_torch_path_in_the_triton_interpreter(block):
     code = textwrap.dedent("""
         import sys
         import torch
-        import lmyard.losses as L
+        import lmyard.models.losses as L
         L.BLOCK = int(sys.argv[1])
         g = torch.Generator().manual_seed(0)
         logits = (torch.randn(6, 300, generator=g) * 4).to(torch.bfloat16)

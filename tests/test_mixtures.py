@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from lmyard import sharding
-from lmyard import sources as sources_mod
 from lmyard.config import load_recipe
+from lmyard.data import sharding
+from lmyard.data import sources as sources_mod
+from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import UserError
-from lmyard.sharding import tokenize_and_shard
 from lmyard.store import open_store
 
 EOT = 256  # the byte tokenizer's <|endoftext|>
@@ -36,7 +36,7 @@ def _tokens(shards, store_uri, split=None) -> np.ndarray:
 def _docs(tokens: np.ndarray, sep: int) -> list[tuple[int, ...]]:
     """The documents of a stream written as [sep, *tokens] each."""
     starts = np.flatnonzero(tokens == sep)
-    return [tuple(tokens[a + 1:b].tolist()) for a, b in zip(starts, [*starts[1:], tokens.size])]
+    return [tuple(tokens[a + 1 : b].tolist()) for a, b in zip(starts, [*starts[1:], tokens.size])]
 
 
 def _no_manifest(root) -> bool:
@@ -51,10 +51,10 @@ def two_sources(tmp_path):
 
 
 def _mix(tmp_path, a, b, share_a="weight: 3", share_b="weight: 1", *extra, store="store"):
-    sources = (f"data.sources=[{{source: '{a}', {share_a}}}, "
-               f"{{source: '{b}', text_field: body, {share_b}}}]")
-    return load_recipe("smoke", [f"store={tmp_path / store}", sources, "data.shard_tokens=4000",
-                                 "data.num_proc=1", *extra])
+    sources = f"data.sources=[{{source: '{a}', {share_a}}}, {{source: '{b}', text_field: body, {share_b}}}]"
+    return load_recipe(
+        "smoke", [f"store={tmp_path / store}", sources, "data.shard_tokens=4000", "data.num_proc=1", *extra]
+    )
 
 
 def test_mixture_token_shares_match_the_weights_within_one_percent(tmp_path, two_sources):
@@ -80,15 +80,17 @@ def test_token_budgets_repeat_a_source_smaller_than_its_budget(tmp_path, two_sou
     assert abs(mix[0]["tokens"] / (mix[0]["tokens"] + mix[1]["tokens"]) - 0.25) < 0.01
 
 
-def test_same_inputs_and_seed_give_the_same_shards_another_seed_another_address(tmp_path, two_sources,
-                                                                                monkeypatch):
+def test_same_inputs_and_seed_give_the_same_shards_another_seed_another_address(tmp_path, two_sources, monkeypatch):
     monkeypatch.setattr(sources_mod, "UNIT_BYTES", 2000)  # many read tasks, so their order is shuffled too
     shuffle = ["data.shuffle_documents=true", "data.shuffle_buffer_tokens=3000"]
     runs = {}
-    for name, extra in {"seed0": ["data.shuffle_seed=0"], "seed0-again": ["data.shuffle_seed=0", "data.num_proc=2"],
-                        "seed1": ["data.shuffle_seed=1"], "plain": []}.items():
-        cfg = _mix(tmp_path, *two_sources, "weight: 3", "weight: 1", *(shuffle if extra else []), *extra,
-                   store=name)
+    for name, extra in {
+        "seed0": ["data.shuffle_seed=0"],
+        "seed0-again": ["data.shuffle_seed=0", "data.num_proc=2"],
+        "seed1": ["data.shuffle_seed=1"],
+        "plain": [],
+    }.items():
+        cfg = _mix(tmp_path, *two_sources, "weight: 3", "weight: 1", *(shuffle if extra else []), *extra, store=name)
         shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
         runs[name] = (shards.address, _tokens(shards, cfg.store))
     assert runs["seed0"][0] == runs["seed0-again"][0], "the process count changed the address"
@@ -131,14 +133,16 @@ def test_bad_mixture_configs_are_one_line_errors(tmp_path):
 
 # ---------------------------------------------------------------- tokenizer.json
 
+
 def _train_tokenizer(path, texts, vocab_size=300) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(texts, trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     tok.save(str(path))
@@ -151,15 +155,26 @@ def test_tokenizer_json_gives_exactly_the_tokens_of_tokenizers_per_document(tmp_
     docs = [f"def f{i}(x):\n    return x * {i} + 'caf\u00e9'  # <s> is text here\n" * (1 + i % 4) for i in range(120)]
     path = _train_tokenizer(tmp_path / "tokenizer.json", docs)
     src = _jsonl(tmp_path / "code.jsonl", docs)
-    cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"data.source={src}", f"tokenizer.file={path}",
-                                "tokenizer.bos=<s>", "tokenizer.eos=</s>", "data.shard_tokens=700",
-                                "data.val_every=4", "data.num_proc=1"])
+    cfg = load_recipe(
+        "smoke",
+        [
+            f"store={tmp_path / 'store'}",
+            f"data.source={src}",
+            f"tokenizer.file={path}",
+            "tokenizer.bos=<s>",
+            "tokenizer.eos=</s>",
+            "data.shard_tokens=700",
+            "data.val_every=4",
+            "data.num_proc=1",
+        ],
+    )
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     tok = Tokenizer.from_file(path)
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
     for split, keep in (("train", lambda i: i % 4 != 0), ("val", lambda i: i % 4 == 0)):
-        expected = [t for i, d in enumerate(docs) if keep(i)
-                    for t in [bos, *tok.encode(d, add_special_tokens=False).ids, eos]]
+        expected = [
+            t for i, d in enumerate(docs) if keep(i) for t in [bos, *tok.encode(d, add_special_tokens=False).ids, eos]
+        ]
         assert _tokens(shards, cfg.store, split).tolist() == expected
     assert shards.manifest["tokenizer"]["bos"] == bos and shards.n_vocab == tok.get_vocab_size()
 
@@ -175,9 +190,17 @@ def test_shards_of_a_vocabulary_over_65536_round_trip_as_uint32(tmp_path):
     tok.save(str(tmp_path / "wide.json"))
     docs = [" ".join(words[(i + k) % 4] for k in range(3 + i % 5)) for i in range(50)]
     src = _jsonl(tmp_path / "w.jsonl", docs)
-    cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"data.source={src}",
-                                f"tokenizer.file={tmp_path / 'wide.json'}", "tokenizer.bos=<|eot|>",
-                                "data.shard_tokens=64", "data.num_proc=1"])
+    cfg = load_recipe(
+        "smoke",
+        [
+            f"store={tmp_path / 'store'}",
+            f"data.source={src}",
+            f"tokenizer.file={tmp_path / 'wide.json'}",
+            "tokenizer.bos=<|eot|>",
+            "data.shard_tokens=64",
+            "data.num_proc=1",
+        ],
+    )
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     assert shards.manifest["format"]["version"] == 2 and shards.manifest["format"]["dtype"] == "uint32"
     eot = vocab["<|eot|>"]
@@ -206,25 +229,45 @@ def test_the_default_separator_keeps_the_address_of_a_single_source(tmp_path):
     src = _jsonl(tmp_path / "c.jsonl", [f"doc {i}" for i in range(30)])
     plain = load_recipe("smoke", [f"store={tmp_path / 's'}", f"data.source={src}"])
     key = sharding.plan(plain, str(tmp_path / "cache"))[3]
-    assert set(key) == {"source", "tokenizer", "shard_tokens", "split", "max_documents", "text_field",
-                        "on_decode_error", "format"}, "a single unshuffled source hashes the same key as before"
+    assert set(key) == {
+        "source",
+        "tokenizer",
+        "shard_tokens",
+        "split",
+        "max_documents",
+        "text_field",
+        "on_decode_error",
+        "format",
+    }, "a single unshuffled source hashes the same key as before"
     assert set(key["tokenizer"]) == {"name", "n_vocab", "eot", "ranks_sha256"}
 
 
 def test_a_mixture_and_a_tokenizer_json_config_survive_a_json_round_trip():
     from lmyard.config import RunConfig
 
-    cfg = load_recipe("smoke", ["data.sources=[{source: a.jsonl, weight: 2}, {source: 's3://b/c/*.parquet'}]",
-                                "tokenizer.file=hf://org/model", "tokenizer.bos=<s>"])
+    cfg = load_recipe(
+        "smoke",
+        [
+            "data.sources=[{source: a.jsonl, weight: 2}, {source: 's3://b/c/*.parquet'}]",
+            "tokenizer.file=hf://org/model",
+            "tokenizer.bos=<s>",
+        ],
+    )
     again = RunConfig.model_validate(json.loads(json.dumps(cfg.model_dump(mode="json"))))  # as the flow passes it
     assert again == cfg and again.data.shares() == ([2.0, 1.0], None)
 
 
 def test_a_streamed_source_mixes_with_files_by_token_budget(tmp_path, two_sources):
     a, _ = two_sources
-    cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", "data.num_proc=1", "data.shard_tokens=5000",
-                                f"data.sources=[{{source: 'builtin:pydoc-topics', tokens: 30000}}, "
-                                f"{{source: '{a}', tokens: 10000}}]"])
+    cfg = load_recipe(
+        "smoke",
+        [
+            f"store={tmp_path / 'store'}",
+            "data.num_proc=1",
+            "data.shard_tokens=5000",
+            f"data.sources=[{{source: 'builtin:pydoc-topics', tokens: 30000}}, {{source: '{a}', tokens: 10000}}]",
+        ],
+    )
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     hub_like, files = shards.manifest["mixture"]
     assert 30000 <= hub_like["tokens"] < 30000 + 60000 and 10000 <= files["tokens"] < 10000 + 51
@@ -232,8 +275,15 @@ def test_a_streamed_source_mixes_with_files_by_token_budget(tmp_path, two_source
 
 
 def test_a_shuffled_mixture_resumes_to_identical_shards(tmp_path, two_sources):
-    cfg = _mix(tmp_path, *two_sources, "weight: 1", "weight: 1", "data.shuffle_documents=true",
-               "data.shuffle_buffer_tokens=2000", "data.shard_tokens=1000")
+    cfg = _mix(
+        tmp_path,
+        *two_sources,
+        "weight: 1",
+        "weight: 1",
+        "data.shuffle_documents=true",
+        "data.shuffle_buffer_tokens=2000",
+        "data.shard_tokens=1000",
+    )
     whole, _ = tokenize_and_shard(cfg, log=lambda s: None)
     before = _tokens(whole, cfg.store)
     root = tmp_path / "store" / "shards" / whole.address
@@ -256,8 +306,16 @@ def test_a_tokenizer_json_loads_from_s3(s3_server, s3_bucket, tmp_path):
     path = _train_tokenizer(tmp_path / "tokenizer.json", docs)
     s3_server.client().upload_file(path, s3_bucket, "tok/tokenizer.json")
     src = _jsonl(tmp_path / "c.jsonl", docs)
-    cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"data.source={src}", "data.num_proc=1",
-                                f"tokenizer.file=s3://{s3_bucket}/tok/tokenizer.json", "tokenizer.eos=</s>"])
+    cfg = load_recipe(
+        "smoke",
+        [
+            f"store={tmp_path / 'store'}",
+            f"data.source={src}",
+            "data.num_proc=1",
+            f"tokenizer.file=s3://{s3_bucket}/tok/tokenizer.json",
+            "tokenizer.eos=</s>",
+        ],
+    )
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     tok = Tokenizer.from_file(path)
     eos = tok.token_to_id("</s>")
@@ -270,13 +328,22 @@ def test_a_missing_field_found_by_a_tokenizer_process_is_a_user_error_without_ma
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"content": [f"row {i}" for i in range(50)]}), tmp_path / "p.parquet", row_group_size=10)
-    cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"data.source={tmp_path / 'p.parquet'}",
-                                "data.num_proc=2"])
+    cfg = load_recipe(
+        "smoke", [f"store={tmp_path / 'store'}", f"data.source={tmp_path / 'p.parquet'}", "data.num_proc=2"]
+    )
     with pytest.raises(UserError, match=r"data.text_field 'text' is not in .*p.parquet .*\['content'\]"):
         tokenize_and_shard(cfg, log=lambda s: None)
     assert _no_manifest(tmp_path)
-    ok = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"data.source={tmp_path / 'p.parquet'}",
-                               "data.num_proc=2", "data.text_field=content", "data.val_every=5"])
+    ok = load_recipe(
+        "smoke",
+        [
+            f"store={tmp_path / 'store'}",
+            f"data.source={tmp_path / 'p.parquet'}",
+            "data.num_proc=2",
+            "data.text_field=content",
+            "data.val_every=5",
+        ],
+    )
     shards, _ = tokenize_and_shard(ok, log=lambda s: None)
     assert shards.manifest["documents"] == 50
     assert _docs(_tokens(shards, ok.store, "val"), EOT) == [tuple(f"row {i}".encode()) for i in range(0, 50, 5)]

@@ -11,9 +11,9 @@ import subprocess
 import tempfile
 
 import pytest
+from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
-from conftest import tiny_overrides
 from lmyard.config import load_recipe
 
 pytestmark = pytest.mark.slow
@@ -28,9 +28,21 @@ def served_run(prefect_api_url, mlflow_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("served")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LMYARD_CACHE", str(tmp / "cache"))
-        cfg = load_recipe("smoke", tiny_overrides(tmp, steps=6, **{
-            "tracking.uri": mlflow_server.uri, "tracking.experiment": "served", "tracking.registered_model": NAME,
-            "tracking.system_metrics": False, "eval.gates.val_loss_max": 100, "eval.threads": 1}))
+        cfg = load_recipe(
+            "smoke",
+            tiny_overrides(
+                tmp,
+                steps=6,
+                **{
+                    "tracking.uri": mlflow_server.uri,
+                    "tracking.experiment": "served",
+                    "tracking.registered_model": NAME,
+                    "tracking.system_metrics": False,
+                    "eval.gates.val_loss_max": 100,
+                    "eval.threads": 1,
+                },
+            ),
+        )
         summary = pretrain(config=cfg)
     return cfg, summary, MlflowClient(mlflow_server.uri)
 
@@ -86,15 +98,32 @@ def _dom(url: str) -> str:
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     with tempfile.TemporaryDirectory(prefix="lmyard-chromium-") as profile:
         proc = subprocess.run(
-            [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={profile}", "--virtual-time-budget=20000", "--dump-dom", url],
-            capture_output=True, text=True, timeout=120)
+            [
+                chromium,
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                f"--user-data-dir={profile}",
+                "--virtual-time-budget=20000",
+                "--dump-dom",
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     return proc.stdout
 
 
-@pytest.mark.skipif(not (shutil.which("chromium") or shutil.which("chromium-browser")),
-                    reason="needs Debian's chromium (bash .ci/run installs it)")
+@pytest.mark.skipif(
+    not (shutil.which("chromium") or shutil.which("chromium-browser")),
+    reason="needs Debian's chromium (bash .ci/run installs it)",
+)
 def test_mlflow_ui_shows_the_runs_dataset_logged_model_and_registered_version(served_run, mlflow_server):
     cfg, summary, client = served_run
     run = client.get_run(summary["mlflow_run_id"])

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lmyard.config import ModelConfig, TrainConfig
-from lmyard.model import GPT, GPTConfig
-from lmyard.train import lr_at
+from lmyard.models.gpt2 import GPT, GPTConfig
+from lmyard.train.trainer import lr_at
 
 
 def _tiny(vocab=257):

@@ -9,10 +9,10 @@ import time
 
 import psutil
 import pytest
+from conftest import lmyard_cmd, tiny_overrides
 from mlflow.tracking import MlflowClient
 
-from conftest import lmyard_cmd, tiny_overrides
-from lmyard.checkpoint import complete_steps
+from lmyard.checkpoint.full import complete_steps
 from lmyard.config import load_recipe
 from lmyard.store import open_store
 
@@ -46,8 +46,11 @@ def test_flow_runs_end_to_end_and_tracks_the_run(prefect_api_url, tmp_path, monk
     # registered at the final checkpoint, but a failed gate (val loss far above 0.01) withholds the alias
     version = client.get_model_version("smoke", "1")
     assert version.source.startswith("models:/m-")  # the exported model, logged in MLflow
-    assert version.tags["lmyard.checkpoint"] == summary["checkpoint"] == open_store(cfg.store).uri(
-        "runs/smoke/checkpoints/step_00000006")
+    assert (
+        version.tags["lmyard.checkpoint"]
+        == summary["checkpoint"]
+        == open_store(cfg.store).uri("runs/smoke/checkpoints/step_00000006")
+    )
     assert summary["alias"] is None and client.get_registered_model("smoke").aliases == {}
 
 
@@ -77,11 +80,14 @@ def test_killed_run_resumes_from_its_checkpoint_without_retokenizing(cli_env, tm
     assert killed_at and killed_at[-1] < 400, first[-3000:]
     assert "wrote shard set" in first
 
-    second = subprocess.run([*args[:-1], "train.max_steps=20"], cwd=tmp_path, env=cli_env, capture_output=True,
-                            text=True, timeout=400)
+    second = subprocess.run(
+        [*args[:-1], "train.max_steps=20"], cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=400
+    )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     out = second.stdout + second.stderr
-    assert f"resuming from {store.uri(f'runs/smoke/checkpoints/step_{killed_at[-1]:08d}')} at step {killed_at[-1]}" in out
+    assert (
+        f"resuming from {store.uri(f'runs/smoke/checkpoints/step_{killed_at[-1]:08d}')} at step {killed_at[-1]}" in out
+    )
     assert "already complete" in out and "tokenizing" not in out
     assert complete_steps(store, "smoke")[-1] == 20
     lineage = json.loads(store.read_bytes("runs/smoke/lineage.json"))
@@ -94,8 +100,14 @@ def test_killed_run_resumes_from_its_checkpoint_without_retokenizing(cli_env, tm
 def test_empty_corpus_fails_with_one_line_and_no_traceback(cli_env, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    proc = subprocess.run(lmyard_cmd("shard", "smoke", "--set", f"store={tmp_path / 's'}", "--set", f"data.source={empty}"),
-                          cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        lmyard_cmd("shard", "smoke", "--set", f"store={tmp_path / 's'}", "--set", f"data.source={empty}"),
+        cwd=tmp_path,
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("lmyard: error: data.source")
     assert "holds no documents" in proc.stderr

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from lmyard import sharding
 from lmyard.config import load_recipe
+from lmyard.data import sharding
 
 pytestmark = pytest.mark.slow
 
@@ -22,13 +22,15 @@ def test_shard_flow_publishes_a_progress_artifact_that_ends_at_100(prefect_api_u
     monkeypatch.setattr(sharding, "BATCH_CHARS", 4000)
     src = tmp_path / "c.jsonl"
     src.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(60)))
-    cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"data.source={src}", "run_name=Progress.Test",
-                                "data.num_proc=1"])
+    cfg = load_recipe(
+        "smoke", [f"store={tmp_path / 'store'}", f"data.source={src}", "run_name=Progress.Test", "data.num_proc=1"]
+    )
     result = shard(config=cfg)
 
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["progress-test-shard-progress"])))
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["progress-test-shard-progress"]))
+        )
     assert len(artifacts) == 1 and artifacts[0].type == "progress"
     assert float(artifacts[0].data) == 100.0
     assert "60 documents" in artifacts[0].description and "tokens/s" in artifacts[0].description

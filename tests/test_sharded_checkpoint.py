@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port
 from torch import nn
 
-from conftest import free_port
-from lmyard import checkpoint, retention
-from lmyard import sharded_checkpoint as sc
+from lmyard.checkpoint import dcp as sc
+from lmyard.checkpoint import full as checkpoint
+from lmyard.checkpoint import retention
 from lmyard.config import CheckpointConfig
 from lmyard.store import open_store
 
@@ -28,6 +29,7 @@ RUN = "r"
 
 # ---------------------------------------------------------------- the ranks' side (run in spawned processes)
 
+
 def _model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
@@ -36,14 +38,23 @@ def _model(seed: int = 0) -> nn.Module:
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     no_decay = [p for n, p in model.named_parameters() if not n.endswith("weight")]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=1e-2)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2
+    )
 
 
 def _state(step: int, **extra) -> dict:
     """A state.json (lmyard.contracts.CheckpointState) for step `step`."""
-    return {"step": step, "cursor": 10 * step, "tokens_seen": 100 * step, "world_size": 2, "shard_address": "a",
-            "config": {}, "model": {}, **extra}
+    return {
+        "step": step,
+        "cursor": 10 * step,
+        "tokens_seen": 100 * step,
+        "world_size": 2,
+        "shard_address": "a",
+        "config": {},
+        "model": {},
+        **extra,
+    }
 
 
 def _fsdp(model: nn.Module) -> nn.Module:
@@ -66,13 +77,16 @@ def _train(model, opt, steps: int, seed: int = 1) -> None:
 
 def _local(model, opt) -> dict:
     """This rank's shards, as plain tensors (what a bitwise comparison needs)."""
+
     def plain(t):
         return t.to_local().clone() if hasattr(t, "to_local") else t.clone() if torch.is_tensor(t) else t
 
     sd = sc.state_dict(model, opt)
-    return {"model": {k: plain(v) for k, v in sd["model"].items()},
-            "optim": {k: {n: plain(v) for n, v in s.items()} for k, s in sd["optim"]["state"].items()},
-            "groups": sd["optim"]["param_groups"]}
+    return {
+        "model": {k: plain(v) for k, v in sd["model"].items()},
+        "optim": {k: {n: plain(v) for n, v in s.items()} for k, s in sd["optim"]["state"].items()},
+        "groups": sd["optim"]["param_groups"],
+    }
 
 
 def _full(model, opt) -> dict:
@@ -111,8 +125,9 @@ def _load_fresh(rank, tmp, store, out):
     said = io.StringIO()
     with contextlib.redirect_stdout(said):
         loaded = sc.load_latest_sharded(store, RUN, model, opt, f"{tmp}/cache-{rank}")
-    torch.save({"step": loaded.step, "state": loaded.state.model_dump(), **_local(model, opt)},
-               f"{tmp}/{out}_rank{rank}.pt")
+    torch.save(
+        {"step": loaded.step, "state": loaded.state.model_dump(), **_local(model, opt)}, f"{tmp}/{out}_rank{rank}.pt"
+    )
     open(f"{tmp}/{out}_rank{rank}.log", "w").write(said.getvalue())
 
 
@@ -159,13 +174,22 @@ def _one_rank_cannot_upload(rank, tmp):
     if rank == 1:
         open(f"{tmp}/not-a-folder", "w").close()
     if rank == 0:  # rank 1's marker of an earlier attempt at this step must not count
-        open_store(root).write_bytes(sc.marker_key(RUN, 6, 1), json.dumps({"rank": 1, "attempt": "earlier",
-                                                                           "files": {}}).encode())
+        open_store(root).write_bytes(
+            sc.marker_key(RUN, 6, 1), json.dumps({"rank": 1, "attempt": "earlier", "files": {}}).encode()
+        )
     model = _fsdp(_model())
     opt = _optimizer(model)
     said = []
-    ckpt = sc.ShardedCheckpointer(open_store(root), RUN, f"{tmp}/staging-{rank}", max_pending=1, retries=1,
-                                  backoff_s=0.1, commit_timeout_s=3, say=said.append)
+    ckpt = sc.ShardedCheckpointer(
+        open_store(root),
+        RUN,
+        f"{tmp}/staging-{rank}",
+        max_pending=1,
+        retries=1,
+        backoff_s=0.1,
+        commit_timeout_s=3,
+        say=said.append,
+    )
     ckpt.save(model, opt, _state(6), [])
     if rank == 0:
         with pytest.raises(checkpoint.StoreOutage, match="ranks \\[1\\] did not upload their shards within 3 s"):
@@ -184,8 +208,8 @@ def _one_rank_cannot_upload(rank, tmp):
 def _llama_with_activation_checkpointing(rank, world, tmp):
     """lmyard's Llama as `train.parallel=fsdp` wraps it (checkpoint_wrapper per block, FSDP2 units)."""
     from lmyard.config import ModelConfig
-    from lmyard.models import build_model
-    from lmyard.parallel import apply_activation_checkpointing, apply_fsdp, fsdp_mesh
+    from lmyard.models.parallel import apply_activation_checkpointing, apply_fsdp, fsdp_mesh
+    from lmyard.models.registry import build_model
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(preset="llama-tiny"), 300)
@@ -235,6 +259,7 @@ def _spawn(task: str, world: int, *args) -> None:
 
 # ---------------------------------------------------------------- helpers of the test side
 
+
 def _assert_equal(a, b):
     if isinstance(a, dict):
         assert a.keys() == b.keys()
@@ -248,8 +273,6 @@ def _assert_equal(a, b):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     else:
         assert a == b
-
-
 
 
 @pytest.fixture(scope="module")
@@ -278,6 +301,7 @@ def _load(path):
 
 # ---------------------------------------------------------------- tests
 
+
 def test_sharded_checkpoint_layout_every_file_in_the_manifest_written_last(ranks):
     tmp, _ = ranks
     store = open_store(str(tmp / "store"))
@@ -285,8 +309,7 @@ def test_sharded_checkpoint_layout_every_file_in_the_manifest_written_last(ranks
     prefix = store.local_path(checkpoint.step_prefix(RUN, 4))
     manifest = checkpoint.read_manifest(store, RUN, 4)
     assert manifest["format"] == "dcp" and manifest["world_size"] == 2 and manifest["val_loss"] == 0.25
-    assert set(manifest["files"]) == {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "rng.pt",
-                                      "state.json"}
+    assert set(manifest["files"]) == {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "rng.pt", "state.json"}
     for name, meta in manifest["files"].items():
         path = os.path.join(prefix, name)
         assert os.path.getsize(path) == meta["bytes"] and checkpoint.sha256_file(path) == meta["sha256"]
@@ -369,7 +392,7 @@ def test_sharded_checkpoint_round_trips_through_s3(ranks, tmp_path):
 
 def test_llama_sharded_under_activation_checkpointing_loads_into_a_plain_llama(ranks, tmp_path):
     from lmyard.config import ModelConfig
-    from lmyard.models import build_model
+    from lmyard.models.registry import build_model
 
     tmp, _ = ranks
     ckpt = checkpoint.load_step(open_store(str(tmp / "store")), "llama", 1, str(tmp_path))
@@ -390,8 +413,9 @@ def test_retention_deletes_sharded_checkpoints_like_others(tmp_path):
     model = _model()
     for step in range(1, 6):  # without a process group: one rank's sharded checkpoint
         sc.save(store, RUN, model, _optimizer(model), _state(step, val_loss=5.0 - step), str(tmp_path / "s"))
-    checkpoint.save(store, RUN, 6, model.state_dict(), {"state": {}, "param_groups": []}, [], _state(6),
-                    str(tmp_path / "s"))
+    checkpoint.save(
+        store, RUN, 6, model.state_dict(), {"state": {}, "param_groups": []}, [], _state(6), str(tmp_path / "s")
+    )
     deleted = retention.apply(store, RUN, CheckpointConfig(keep_last=2, keep_every=4, keep_best=False))
     assert deleted == [1, 2, 3] and checkpoint.complete_steps(store, RUN) == [4, 5, 6]
     for step in deleted:

@@ -9,12 +9,11 @@ import os
 import numpy as np
 import pytest
 
-from lmyard import sharding
-from lmyard import shards as fmt
-from lmyard import sources
 from lmyard.config import load_recipe
+from lmyard.data import sharding, sources
+from lmyard.data import shards as fmt
+from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import UserError
-from lmyard.sharding import tokenize_and_shard
 from lmyard.store import open_store
 
 
@@ -39,8 +38,9 @@ def test_parallel_shards_are_byte_identical_to_serial(tmp_path, monkeypatch):
     results = {}
     for n in (1, 2):
         store = str(tmp_path / f"store{n}")
-        cfg = load_recipe("smoke", [f"store={store}", f"data.source={src}", "data.shard_tokens=1000",
-                                    f"data.num_proc={n}"])
+        cfg = load_recipe(
+            "smoke", [f"store={store}", f"data.source={src}", "data.shard_tokens=1000", f"data.num_proc={n}"]
+        )
         shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
         results[n] = (shards.address, _shard_bytes(shards, store))
     assert results[1][0] == results[2][0], "the process count is not part of the address"
@@ -52,7 +52,7 @@ def test_shards_equal_tiktoken_r50k_encoding_of_pydoc_topics(tmp_path):
     tiktoken = pytest.importorskip("tiktoken")
     try:
         enc = tiktoken.get_encoding("r50k_base")
-    except Exception:  # noqa: BLE001 - offline without TIKTOKEN_CACHE_DIR
+    except Exception:
         pytest.skip("r50k_base is not loadable here (set TIKTOKEN_CACHE_DIR to a cache holding it)")
     from pydoc_data.topics import topics
 
@@ -61,8 +61,9 @@ def test_shards_equal_tiktoken_r50k_encoding_of_pydoc_topics(tmp_path):
     store = open_store(cfg.store)
     docs = [topics[k] for k in sorted(topics)]
     for split in ("train", "val"):
-        got = np.concatenate([fmt.read_shard(store.local_path(f"shards/{shards.address}/{f['name']}"))
-                              for f in shards.files(split)]).tolist()
+        got = np.concatenate(
+            [fmt.read_shard(store.local_path(f"shards/{shards.address}/{f['name']}")) for f in shards.files(split)]
+        ).tolist()
         want = []
         for i, d in enumerate(docs):
             if (i % cfg.data.val_every == 0) == (split == "val"):
@@ -84,13 +85,21 @@ def _wide_ranks_file(path) -> str:
 
 def test_ranks_file_with_ids_above_65535_writes_uint32_shards(tmp_path):
     from lmyard.config import TokenizerConfig
-    from lmyard.tokenizer import get_tokenizer
+    from lmyard.data.tokenizer import get_tokenizer
 
     ranks = _wide_ranks_file(tmp_path / "wide.tiktoken")
     docs = ["the theory then thinned", "another doc in the set", "the end"] * 5
     src = _jsonl(tmp_path / "c.jsonl", docs)
-    cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"data.source={src}", "tokenizer.name=cl100k_base",
-                                f"tokenizer.ranks_file={ranks}", "data.val_every=3"])
+    cfg = load_recipe(
+        "smoke",
+        [
+            f"store={tmp_path / 'store'}",
+            f"data.source={src}",
+            "tokenizer.name=cl100k_base",
+            f"tokenizer.ranks_file={ranks}",
+            "data.val_every=3",
+        ],
+    )
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     enc = get_tokenizer(TokenizerConfig(name="cl100k_base", ranks_file=ranks))
     assert shards.manifest["format"] == {"name": "llm.c-bin", "magic": 20240520, "version": 2, "dtype": "uint32"}
@@ -104,7 +113,7 @@ def test_ranks_file_with_ids_above_65535_writes_uint32_shards(tmp_path):
 
 def test_token_ids_too_large_for_the_format_are_refused():
     from lmyard.config import TokenizerConfig
-    from lmyard.tokenizer import get_tokenizer
+    from lmyard.data.tokenizer import get_tokenizer
 
     enc = get_tokenizer(TokenizerConfig(name="bytes"))
     sharding._init_worker(enc, 256, None, np.dtype("<u1"))  # a format narrower than the vocabulary (257 ids)
@@ -122,9 +131,12 @@ def test_unknown_tokenizer_is_a_user_error(tmp_path):
 @pytest.mark.parametrize("kind", ["txt", "jsonl"])
 def test_non_utf8_byte_names_the_file_and_offset(tmp_path, kind):
     (tmp_path / "data").mkdir()
-    good = "Plain text.\n".encode()
-    bad = (good + b"caf\xe9\n") if kind == "txt" else (json.dumps({"text": "ok"}).encode() + b"\n"
-                                                        + b'{"text": "caf\xe9"}\n')
+    good = b"Plain text.\n"
+    bad = (
+        (good + b"caf\xe9\n")
+        if kind == "txt"
+        else (json.dumps({"text": "ok"}).encode() + b"\n" + b'{"text": "caf\xe9"}\n')
+    )
     (tmp_path / "data" / f"a.{kind}").write_bytes(good if kind == "txt" else json.dumps({"text": "a"}).encode() + b"\n")
     (tmp_path / "data" / f"b.{kind}").write_bytes(bad)
     offset = bad.index(b"\xe9")
@@ -140,15 +152,18 @@ def test_skip_mode_drops_only_the_bad_documents_and_counts_them(tmp_path):
     lines[9] = b'{"text": "\xc3 half a character"}'
     src = tmp_path / "c.jsonl"
     src.write_bytes(b"\n".join(lines) + b"\n")
-    cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"data.source={src}", "data.on_decode_error=skip",
-                                "data.val_every=2"])
+    cfg = load_recipe(
+        "smoke", [f"store={tmp_path / 'store'}", f"data.source={src}", "data.on_decode_error=skip", "data.val_every=2"]
+    )
     logs: list[str] = []
     shards, _ = tokenize_and_shard(cfg, log=logs.append, cache_dir=str(tmp_path / "cache"))
     assert shards.manifest["documents"] == 10 and shards.manifest["skipped_documents"] == 2
     assert any(line.startswith("warning: skipped 2 documents holding non-UTF-8 bytes") for line in logs)
     store = open_store(cfg.store)
-    text = b"".join(bytes(t for t in fmt.read_shard(store.local_path(f"shards/{shards.address}/{f['name']}"))
-                          if t < 256) for f in shards.manifest["shards"]).decode()
+    text = b"".join(
+        bytes(t for t in fmt.read_shard(store.local_path(f"shards/{shards.address}/{f['name']}")) if t < 256)
+        for f in shards.manifest["shards"]
+    ).decode()
     kept = {i for i in range(12) if f"document {i}" in text}
     assert kept == set(range(12)) - {4, 9}
 

@@ -10,21 +10,22 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import REPO, free_port
-from lmyard import sharding
-from lmyard import shards as fmt
+
 from lmyard.config import load_recipe
+from lmyard.data import sharding
+from lmyard.data import shards as fmt
+from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import UserError
-from lmyard.sharding import tokenize_and_shard
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
 
 
 def _corpus(n: int = 60, words: int = 12) -> bytes:
-    return "".join(json.dumps({"text": f"Document {i}. " + "a rose is a rose " * (words + i % 7)}) + "\n"
-                   for i in range(n)).encode()
+    return "".join(
+        json.dumps({"text": f"Document {i}. " + "a rose is a rose " * (words + i % 7)}) + "\n" for i in range(n)
+    ).encode()
 
 
 def _objects(s3, bucket: str, prefix: str) -> dict[str, bytes]:
@@ -93,7 +94,7 @@ def test_changed_input_file_changes_the_address(s3_server, s3_bucket, tmp_path):
 
 _KILLABLE = textwrap.dedent("""
     import sys, time
-    from lmyard import sharding
+    from lmyard.data import sharding
     from lmyard.config import load_recipe
 
     sharding.REPORT_EVERY_S = 0.0  # report after every batch
@@ -114,11 +115,16 @@ _KILLABLE = textwrap.dedent("""
 def test_killed_run_then_rerun_gives_byte_identical_shards(s3_server, s3_bucket, tmp_path):
     s3 = s3_server.client()
     s3.put_object(Bucket=s3_bucket, Key="in/a.jsonl", Body=_corpus(400, words=20))
-    args = [f"data.source=s3://{s3_bucket}/in/a.jsonl", "data.shard_tokens=1500", "data.num_proc=2",
-            "data.val_every=5"]
+    args = [f"data.source=s3://{s3_bucket}/in/a.jsonl", "data.shard_tokens=1500", "data.num_proc=2", "data.val_every=5"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", _KILLABLE, f"store=s3://{s3_bucket}/killed", *args],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLABLE, f"store=s3://{s3_bucket}/killed", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         line = proc.stdout.readline()
         assert line.strip() == "KILL-ME-NOW", f"the run ended before it could be interrupted: {line!r}"
@@ -134,8 +140,9 @@ def test_killed_run_then_rerun_gives_byte_identical_shards(s3_server, s3_bucket,
 
     logs: list[str] = []
     seen: list[sharding.Progress] = []
-    resumed, reused = tokenize_and_shard(killed, log=logs.append, progress=seen.append,
-                                         cache_dir=str(tmp_path / "cache"))
+    resumed, reused = tokenize_and_shard(
+        killed, log=logs.append, progress=seen.append, cache_dir=str(tmp_path / "cache")
+    )
     assert not reused
     kept = next(line for line in logs if line.startswith("resuming shard set"))
     assert int(kept.split(": ")[1].split(" train")[0]) >= 3, kept
@@ -172,12 +179,12 @@ def test_unreachable_endpoint_is_a_user_error(s3_server, tmp_path, monkeypatch):
 
 
 def test_access_denied_is_a_user_error_and_leaves_no_manifest(s3_server, s3_bucket, tmp_path, monkeypatch):
-    reader = s3_server.user_env(f"reader-{s3_bucket}", [
-        {"Effect": "Allow", "Action": ["s3:ListBucket", "s3:GetObject"], "Resource": "*"}])
+    reader = s3_server.user_env(
+        f"reader-{s3_bucket}", [{"Effect": "Allow", "Action": ["s3:ListBucket", "s3:GetObject"], "Resource": "*"}]
+    )
     for k, v in reader.items():
         monkeypatch.setenv(k, v)
-    cfg = load_recipe("smoke", [f"store=s3://{s3_bucket}/lmyard", "data.max_documents=40",
-                                "data.shard_tokens=2000"])
+    cfg = load_recipe("smoke", [f"store=s3://{s3_bucket}/lmyard", "data.max_documents=40", "data.shard_tokens=2000"])
     with pytest.raises(UserError, match=rf"store s3://{s3_bucket}/lmyard.*access denied.*AWS_PROFILE"):
         tokenize_and_shard(cfg, log=lambda s: None, cache_dir=str(tmp_path / "cache"))
     monkeypatch.undo()

@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from lmyard import shards as fmt
 from lmyard.config import load_recipe
+from lmyard.data import shards as fmt
+from lmyard.data.sharding import tokenize_and_shard
+from lmyard.data.tokenizer import byte_encoding
 from lmyard.errors import UserError
-from lmyard.sharding import tokenize_and_shard
 from lmyard.store import open_store
-from lmyard.tokenizer import byte_encoding
 
 
 def test_shard_round_trip_keeps_header_fields_and_tokens(tmp_path):
@@ -52,8 +52,15 @@ def _corpus(tmp_path, docs):
 
 def test_shards_hold_each_document_after_one_eot(tmp_path):
     docs = [f"Document number {i}: the quick brown fox, café ☕ {i * 7}." for i in range(25)]
-    cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"data.source={_corpus(tmp_path, docs)}",
-                                "data.shard_tokens=300", "data.val_every=5"])
+    cfg = load_recipe(
+        "smoke",
+        [
+            f"store={tmp_path / 'store'}",
+            f"data.source={_corpus(tmp_path, docs)}",
+            "data.shard_tokens=300",
+            "data.val_every=5",
+        ],
+    )
     shards, reused = tokenize_and_shard(cfg, log=lambda s: None)
     assert not reused
     enc = byte_encoding()

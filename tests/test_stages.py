@@ -1,4 +1,4 @@
-"""`python -m lmyard.stages` and `python -m lmyard.evals`: results and failures come back as files."""
+"""`python -m lmyard.stages` and `python -m lmyard.evaluate`: results and failures come back as files."""
 
 from __future__ import annotations
 
@@ -7,20 +7,21 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, tiny_overrides
+
 from lmyard.config import load_recipe
 from lmyard.contracts import EvalResult, ShardResult, StageError, read_model
+from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import StageFailed, UserError
-from lmyard.launch import run_local
-from lmyard.sharding import tokenize_and_shard
+from lmyard.launch.follower import run_local
 
 pytestmark = pytest.mark.slow
 
 
 def _stage(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "lmyard.stages", *args], capture_output=True, text=True, cwd=REPO,
-                          env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "lmyard.stages", *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=300
+    )
 
 
 def _sets(overrides):
@@ -30,8 +31,9 @@ def _sets(overrides):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stages")
-    overrides = tiny_overrides(tmp, steps=4, **{"run_name": "staged", "checkpoint.interval": 2,
-                                                "launch.nproc_per_node": 1})
+    overrides = tiny_overrides(
+        tmp, steps=4, **{"run_name": "staged", "checkpoint.interval": 2, "launch.nproc_per_node": 1}
+    )
     cfg = load_recipe("smoke", overrides)
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     run_local(cfg, {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict()}, on_line=lambda s: None)
@@ -59,8 +61,9 @@ def test_evaluate_stage_scores_the_newest_checkpoint_or_a_given_step(trained):
 
 def test_a_failing_stage_writes_its_error_and_exits_with_its_code(trained):
     tmp, overrides = trained
-    done = _stage("evaluate", "smoke", *_sets(overrides), "--set", "run_name=never-trained",
-                  "--out", str(tmp / "failed.json"))
+    done = _stage(
+        "evaluate", "smoke", *_sets(overrides), "--set", "run_name=never-trained", "--out", str(tmp / "failed.json")
+    )
     assert done.returncode == 2
     failure = read_model(str(tmp / "failed.json"), StageError)
     assert failure.status == "user_error" and "has no complete checkpoint" in failure.message

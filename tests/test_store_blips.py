@@ -7,12 +7,12 @@ import time
 from urllib.parse import urlparse
 
 import pytest
-
 from conftest import tiny_overrides
-from lmyard import tracking
+from tcp_proxy import TcpProxy
+
 from lmyard.config import load_recipe
 from lmyard.store import open_store
-from tcp_proxy import TcpProxy
+from lmyard.tracking import lineage as tracking
 
 pytestmark = pytest.mark.slow
 
@@ -37,15 +37,18 @@ def _commit(store, run_name: str, step: int) -> None:
     store.write_bytes(RunLayout(run_name).manifest(step), b'{"files": {}}')
 
 
-def test_a_store_blip_while_looking_for_checkpoints_does_not_end_the_flow(s3_server, s3_bucket, tmp_path,
-                                                                          monkeypatch):
+def test_a_store_blip_while_looking_for_checkpoints_does_not_end_the_flow(s3_server, s3_bucket, tmp_path, monkeypatch):
     from tasks.evaluate import new_checkpoints
 
     proxy = TcpProxy(urlparse(s3_server.endpoint).port)
     proxy.start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    cfg = load_recipe("smoke", tiny_overrides(tmp_path, **{"store": f"s3://{s3_bucket}/s", "run_name": "blip",
-                                                           "eval.poll_s": 0.5, "train.max_steps": 100}))
+    cfg = load_recipe(
+        "smoke",
+        tiny_overrides(
+            tmp_path, **{"store": f"s3://{s3_bucket}/s", "run_name": "blip", "eval.poll_s": 0.5, "train.max_steps": 100}
+        ),
+    )
     store = open_store(cfg.store)
     lineage = tracking.open_lineage(cfg, store, shard_address="a", code_version="test")
     training, said = _Training(), []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mlflow.tracking import MlflowClient
 
-from lmyard.tracking import MLflowSink
+from lmyard.tracking.lineage import MLflowSink
 
 
 def test_resumed_sink_does_not_log_a_step_twice(tmp_path):
@@ -32,18 +32,27 @@ def test_resumed_sink_does_not_log_a_step_twice(tmp_path):
 
 
 def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_model(tmp_path):
-    from lmyard import tracking
     from lmyard.config import load_recipe
     from lmyard.store import open_store
+    from lmyard.tracking import lineage as tracking
     from tasks.evaluate import _log_to_mlflow
 
     cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"])
     lineage = tracking.open_lineage(cfg, open_store(cfg.store), shard_address="a" * 64, code_version="test")
     ckpt = f"{cfg.store}/runs/smoke/checkpoints/step_00000003"
-    _log_to_mlflow(lineage, {
-        "step": 3, "checkpoint": ckpt, "tokens_seen": 12288, "val_loss": 2.5, "trainer_val_loss": 2.5, "eval_s": 1.0,
-        "samples": [{"prompt": "A class is", "completion": " a"}],
-        "harness": {"metrics": {"hellaswag_local/acc": 0.5, "hellaswag_local/acc_norm": 0.75}}})
+    _log_to_mlflow(
+        lineage,
+        {
+            "step": 3,
+            "checkpoint": ckpt,
+            "tokens_seen": 12288,
+            "val_loss": 2.5,
+            "trainer_val_loss": 2.5,
+            "eval_s": 1.0,
+            "samples": [{"prompt": "A class is", "completion": " a"}],
+            "harness": {"metrics": {"hellaswag_local/acc": 0.5, "hellaswag_local/acc_norm": 0.75}},
+        },
+    )
 
     client = MlflowClient(cfg.tracking.uri)
     history = client.get_metric_history(lineage.mlflow_run_id, "harness/hellaswag_local/acc_norm")
@@ -51,6 +60,9 @@ def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_m
     [model] = client.search_logged_models([lineage.experiment_id])
     assert model.name == "smoke-step-00000003" and model.params == {"checkpoint_uri": ckpt, "step": "3"}
     assert {m.key: (m.step, m.value) for m in model.metrics} == {
-        "eval/val_loss": (3, 2.5), "eval/seconds": (3, 1.0), "harness/hellaswag_local/acc": (3, 0.5),
-        "harness/hellaswag_local/acc_norm": (3, 0.75)}
+        "eval/val_loss": (3, 2.5),
+        "eval/seconds": (3, 1.0),
+        "harness/hellaswag_local/acc": (3, 0.5),
+        "harness/hellaswag_local/acc_norm": (3, 0.75),
+    }
     assert [o.model_id for o in client.get_run(lineage.mlflow_run_id).outputs.model_outputs] == [model.model_id]

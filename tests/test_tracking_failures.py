@@ -11,14 +11,14 @@ import time
 from urllib.parse import urlparse
 
 import pytest
-from mlflow.tracking import MlflowClient
-
 from conftest import free_port, lmyard_cmd, tiny_overrides
-from lmyard import tracking
+from mlflow.tracking import MlflowClient
+from tcp_proxy import TcpProxy
+
 from lmyard.config import load_recipe
 from lmyard.store import open_store
-from lmyard.tracking import MLflowSink
-from tcp_proxy import TcpProxy
+from lmyard.tracking import lineage as tracking
+from lmyard.tracking.lineage import MLflowSink
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +50,9 @@ def quick_mlflow_retries(monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
 
 
-def test_metrics_logged_while_the_server_is_down_are_sent_after_it_returns(mlflow_server, mlflow_proxy,
-                                                                         quick_mlflow_retries, capsys):
+def test_metrics_logged_while_the_server_is_down_are_sent_after_it_returns(
+    mlflow_server, mlflow_proxy, quick_mlflow_retries, capsys
+):
     client = MlflowClient(mlflow_server.uri)
     run_id = client.create_run(client.create_experiment(f"sink-{time.time_ns()}")).info.run_id
     sink = MLflowSink(mlflow_proxy.url, run_id)
@@ -84,8 +85,10 @@ def test_sink_that_cannot_send_at_close_warns_with_a_count_instead_of_failing(qu
 
 def test_credentials_in_the_tracking_uri_reach_no_param_tag_or_lineage_file(mlflow_server, tmp_path):
     secret_uri = mlflow_server.uri.replace("http://", "http://alice:s3cret@")
-    cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"tracking.uri={secret_uri}",
-                                f"tracking.experiment=creds-{time.time_ns()}"])
+    cfg = load_recipe(
+        "smoke",
+        [f"store={tmp_path / 'store'}", f"tracking.uri={secret_uri}", f"tracking.experiment=creds-{time.time_ns()}"],
+    )
     store = open_store(cfg.store)
     lineage = tracking.open_lineage(cfg, store, shard_address="abc", code_version="test")
     run = MlflowClient(mlflow_server.uri).get_run(lineage.mlflow_run_id)
@@ -100,12 +103,17 @@ def test_unreachable_tracking_server_fails_the_run_in_seconds_with_one_line(cli_
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens here
     overrides = tiny_overrides(tmp_path, **{"tracking.uri": uri})
     t0 = time.monotonic()
-    proc = subprocess.run(lmyard_cmd("run", "smoke", *[a for o in overrides for a in ("--set", o)]), cwd=tmp_path,
-                          env=cli_env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        lmyard_cmd("run", "smoke", *[a for o in overrides for a in ("--set", o)]),
+        cwd=tmp_path,
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     elapsed = time.monotonic() - t0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("lmyard: error:")]
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert len(errors) == 1 and uri in errors[0] and "tracking.uri" in errors[0]
     assert "Traceback" not in proc.stdout + proc.stderr
     assert elapsed < 60, f"took {elapsed:.0f} s"
-

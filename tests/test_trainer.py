@@ -7,16 +7,16 @@ import os
 
 import pytest
 import torch
-
 from conftest import tiny_overrides
+
+from lmyard.checkpoint.catalog import complete_steps
 from lmyard.config import load_recipe
-from lmyard.catalog import complete_steps
+from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import Diverged, Preempted, UserError
-from lmyard.launch import run_local
-from lmyard.model import GPT, GPTConfig
-from lmyard.sharding import tokenize_and_shard
+from lmyard.launch.follower import run_local
+from lmyard.models.gpt2 import GPT, GPTConfig
 from lmyard.store import open_store
-from lmyard.train import grad_accum_steps, train_step
+from lmyard.train.trainer import grad_accum_steps, train_step
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,14 @@ def shard_env(tmp_path_factory):
 
 def _run(shard_env, run_name, *, nproc=2, steps=12, faults="", expect_fail=False, on_line=None, **extra):
     tmp, shards = shard_env
-    values = {"run_name": run_name, "launch.nproc_per_node": nproc, "train.batch_tokens": 1024,
-              "checkpoint.interval": 4, "eval.interval": 100, **extra}
+    values = {
+        "run_name": run_name,
+        "launch.nproc_per_node": nproc,
+        "train.batch_tokens": 1024,
+        "checkpoint.interval": 4,
+        "eval.interval": 100,
+        **extra,
+    }
     cfg = load_recipe("smoke", tiny_overrides(tmp, steps=steps, **values))
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
     env_before = os.environ.get("LMYARD_FAULTS")
@@ -50,7 +56,7 @@ def _run(shard_env, run_name, *, nproc=2, steps=12, faults="", expect_fail=False
 def _state(shard_env, run_name, step):
     tmp, _ = shard_env
     d = tmp / "store" / "runs" / run_name / "checkpoints" / f"step_{step:08d}"
-    load = lambda name: torch.load(d / name, weights_only=True)  # noqa: E731
+    load = lambda name: torch.load(d / name, weights_only=True)
     return load("model.pt"), load("optim.pt")
 
 
@@ -89,7 +95,9 @@ def straight(shard_env):
 def test_two_fresh_runs_of_one_config_write_identical_checkpoints_every_rng_state_included(shard_env, straight):
     _run(shard_env, "straight-again")
     for step in (4, 12):
-        _assert_identical(_whole_checkpoint(shard_env, "straight", step), _whole_checkpoint(shard_env, "straight-again", step))
+        _assert_identical(
+            _whole_checkpoint(shard_env, "straight", step), _whole_checkpoint(shard_env, "straight-again", step)
+        )
 
 
 def test_resume_after_a_crash_reproduces_the_uninterrupted_run_bit_for_bit(shard_env, straight):
@@ -102,8 +110,9 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run_bit_for_bit(shard
 
 
 def test_sigterm_mid_training_checkpoints_that_step_and_the_resumed_run_equals_the_uninterrupted_one(
-        shard_env, straight):
-    from lmyard.launch import stop_all
+    shard_env, straight
+):
+    from lmyard.launch.follower import stop_all
 
     def on_line(line):
         if line.startswith("step 5/12"):  # the ranks pause after step 5 (an injected fault): a known step
@@ -153,12 +162,30 @@ def test_k_micro_steps_equal_one_step_on_a_k_times_larger_batch():
     torch.manual_seed(1)
     x = torch.randint(0, 64, (8, 17))
     big_model, big_opt = fresh()
-    train_step(big_model, list(big_model.parameters()), big_opt, iter([(x[:, :-1], x[:, 1:])]).__next__, 1, 1e-2,
-               1.0, torch.autocast("cpu", enabled=False), False)
+    train_step(
+        big_model,
+        list(big_model.parameters()),
+        big_opt,
+        iter([(x[:, :-1], x[:, 1:])]).__next__,
+        1,
+        1e-2,
+        1.0,
+        torch.autocast("cpu", enabled=False),
+        False,
+    )
     acc_model, acc_opt = fresh()
-    micro = iter([(x[i:i + 2, :-1], x[i:i + 2, 1:]) for i in range(0, 8, 2)])
-    train_step(acc_model, list(acc_model.parameters()), acc_opt, micro.__next__, 4, 1e-2, 1.0,
-               torch.autocast("cpu", enabled=False), False)
+    micro = iter([(x[i : i + 2, :-1], x[i : i + 2, 1:]) for i in range(0, 8, 2)])
+    train_step(
+        acc_model,
+        list(acc_model.parameters()),
+        acc_opt,
+        micro.__next__,
+        4,
+        1e-2,
+        1.0,
+        torch.autocast("cpu", enabled=False),
+        False,
+    )
     for p, q in zip(big_model.parameters(), acc_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
@@ -175,13 +202,17 @@ def test_shard_vocabulary_larger_than_the_model_is_refused(shard_env):
 
 
 def test_model_init_from_a_hugging_face_folder_continues_from_its_weights(shard_env, straight):
-    from lmyard.export import export
+    from lmyard.export.hf import export
 
     tmp, _ = shard_env
     folder = tmp / "hf-straight"
     export(str(tmp / "store" / "runs" / "straight"), str(folder), 12)
-    result, lines = _run(shard_env, "from-hf", steps=1, **{"model.init_from": str(folder), "train.lr": 1e-12,
-                                                            "train.warmup_steps": 1, "checkpoint.interval": 1})
+    result, lines = _run(
+        shard_env,
+        "from-hf",
+        steps=1,
+        **{"model.init_from": str(folder), "train.lr": 1e-12, "train.warmup_steps": 1, "checkpoint.interval": 1},
+    )
     assert result.step == 1 and any(ln.startswith("initialised from") for ln in lines)
     (start, _), (continued, _) = _state(shard_env, "straight", 12), _state(shard_env, "from-hf", 1)
     for name in start:  # one step at lr 1e-12 from the exported weights: the same weights

@@ -7,12 +7,12 @@ import os
 
 import pytest
 import torch
-
 from conftest import tiny_overrides
-from lmyard import checkpoint
+
+from lmyard.checkpoint import full as checkpoint
 from lmyard.config import load_recipe
-from lmyard.launch import run_local
-from lmyard.sharding import tokenize_and_shard
+from lmyard.data.sharding import tokenize_and_shard
+from lmyard.launch.follower import run_local
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -28,15 +28,22 @@ def env(tmp_path_factory):
 
 def _run(env, run_name, parallel, *, nproc=2, faults="", **extra):
     tmp, shards = env
-    values = {"run_name": run_name, "model.preset": "llama-tiny", "train.parallel": parallel,
-              "launch.nproc_per_node": nproc, "checkpoint.interval": 4, "eval.interval": 4, **extra}
+    values = {
+        "run_name": run_name,
+        "model.preset": "llama-tiny",
+        "train.parallel": parallel,
+        "launch.nproc_per_node": nproc,
+        "checkpoint.interval": 4,
+        "eval.interval": 4,
+        **extra,
+    }
     cfg = load_recipe("smoke", tiny_overrides(tmp, steps=8, **values))
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict()}
     os.environ["LMYARD_CACHE"] = str(tmp / "cache")
     os.environ["LMYARD_FAULTS"] = faults
     try:
         return run_local(cfg, spec, on_line=lambda s: None)
-    except Exception as e:  # noqa: BLE001 - the caller checks what it expects
+    except Exception as e:
         return e
     finally:
         os.environ.pop("LMYARD_FAULTS")
@@ -78,7 +85,9 @@ def test_a_two_rank_fsdp_checkpoint_reshards_onto_one_rank_with_the_same_token_o
     assert result.start_step == 4 and result.step == 8
     tmp, _ = env
     store = open_store(str(tmp / "store"))
-    assert checkpoint.read_state(store, "fsdp-to-one", 8).cursor == checkpoint.read_state(store, "fsdp-straight", 8).cursor
+    assert (
+        checkpoint.read_state(store, "fsdp-to-one", 8).cursor == checkpoint.read_state(store, "fsdp-straight", 8).cursor
+    )
     one = _weights(env, "fsdp-to-one")
     for name in fsdp_straight:  # one rank reads both ranks' sequences: the same updates up to summation order
         torch.testing.assert_close(one[name], fsdp_straight[name], rtol=2e-4, atol=2e-5, msg=name)
@@ -103,16 +112,29 @@ def test_the_guard_rolls_back_a_sharded_run(env):
 
 
 def test_the_pretrain_flow_trains_a_sharded_llama_and_evaluates_every_sharded_checkpoint(
-        env, prefect_api_url, monkeypatch):
+    env, prefect_api_url, monkeypatch
+):
     from mlflow.tracking import MlflowClient
 
     from flows.pretrain import pretrain
 
     tmp, _ = env
     monkeypatch.setenv("LMYARD_CACHE", str(tmp / "cache"))
-    cfg = load_recipe("smoke", tiny_overrides(tmp, steps=8, **{
-        "run_name": "fsdp-flow", "model.preset": "llama-tiny", "train.parallel": "fsdp", "checkpoint.interval": 4,
-        "eval.interval": 4, "tracking.uri": f"sqlite:///{tmp / 'fsdp-mlflow.db'}"}))
+    cfg = load_recipe(
+        "smoke",
+        tiny_overrides(
+            tmp,
+            steps=8,
+            **{
+                "run_name": "fsdp-flow",
+                "model.preset": "llama-tiny",
+                "train.parallel": "fsdp",
+                "checkpoint.interval": 4,
+                "eval.interval": 4,
+                "tracking.uri": f"sqlite:///{tmp / 'fsdp-mlflow.db'}",
+            },
+        ),
+    )
     summary = pretrain(config=cfg)
     assert summary["steps"] == 8
     store = open_store(cfg.store)

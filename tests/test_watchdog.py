@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from conftest import tiny_overrides
-from lmyard.checkpoint import complete_steps
+
+from lmyard.checkpoint.full import complete_steps
 from lmyard.config import load_recipe
-from lmyard.launch import TrainingFailed, run_local
-from lmyard.sharding import tokenize_and_shard
+from lmyard.data.sharding import tokenize_and_shard
+from lmyard.launch.follower import TrainingFailed, run_local
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -30,8 +30,12 @@ def _ranks_of(tmp) -> list[int]:
 
 
 def _cfg(tmp, **extra):
-    return load_recipe("smoke", tiny_overrides(tmp, steps=12, **{"checkpoint.interval": 4, "eval.interval": 100,
-                                                                  "launch.watchdog_s": 6, **extra}))
+    return load_recipe(
+        "smoke",
+        tiny_overrides(
+            tmp, steps=12, **{"checkpoint.interval": 4, "eval.interval": 100, "launch.watchdog_s": 6, **extra}
+        ),
+    )
 
 
 def test_hung_rank_is_detected_within_the_configured_time_and_the_job_killed(tmp_path, monkeypatch):
@@ -70,6 +74,8 @@ def test_flow_retries_the_killed_training_task_and_finishes(prefect_api_url, tmp
     state = pretrain(config=_cfg(tmp_path), return_state=True)
     assert state.is_completed() and state.result()["steps"] == 12
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        )
     train = [r for r in runs if r.name.startswith("train")]
     assert len(train) == 1 and train[0].run_count == 2 and train[0].state.is_completed()

@@ -31,9 +31,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from lmyard import checkpoint  # noqa: E402
+from lmyard.checkpoint import full as checkpoint  # noqa: E402
 from lmyard.config import ModelConfig  # noqa: E402
-from lmyard.model import GPT, GPTConfig  # noqa: E402
+from lmyard.models.gpt2 import GPT, GPTConfig  # noqa: E402
 from lmyard.store import open_store  # noqa: E402
 
 
@@ -62,8 +62,12 @@ def bench(preset: str, batch: int, store_dir: str, interval: int) -> dict:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             if i == save_at:
-                blocked = ckpt.save(model.state_dict(), opt.state_dict(), [checkpoint.rng_state()],
-                                    {"step": 1000 + len(ckpt.blocked_s), "cursor": 0})
+                blocked = ckpt.save(
+                    model.state_dict(),
+                    opt.state_dict(),
+                    [checkpoint.rng_state()],
+                    {"step": 1000 + len(ckpt.blocked_s), "cursor": 0},
+                )
             step(ckpt.before_update)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
@@ -77,21 +81,38 @@ def bench(preset: str, batch: int, store_dir: str, interval: int) -> dict:
         time.sleep(0.05)
     prepare_s = time.perf_counter() - t0
     base = statistics.median(timed_steps(10)[0])
-    out = {"preset": preset, "params": model.num_params(), "batch": batch, "step_s": round(base, 4),
-           "gpu": torch.cuda.get_device_name(0), "pinned_buffers_s": round(prepare_s, 2)}
+    out = {
+        "preset": preset,
+        "params": model.num_params(),
+        "batch": batch,
+        "step_s": round(base, 4),
+        "gpu": torch.cuda.get_device_name(0),
+        "pinned_buffers_s": round(prepare_s, 2),
+    }
     for label in ("first_async", "async"):
         times, blocked = timed_steps(10, save_at=2)
         t0 = time.perf_counter()
         ckpt.flush()
-        out[label] = {"blocked_s": round(blocked, 4), "extra_wall_s": round(sum(times) - 10 * base, 4),
-                      "until_committed_s": round(time.perf_counter() - t0, 2)}
+        out[label] = {
+            "blocked_s": round(blocked, 4),
+            "extra_wall_s": round(sum(times) - 10 * base, 4),
+            "until_committed_s": round(time.perf_counter() - t0, 2),
+        }
     ckpt.close()
     print(json.dumps({**out, "sync": "pending"}), flush=True)
     store.delete(f"runs/bench-{preset}")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    checkpoint.save(store, f"bench-{preset}-sync", 1, model.state_dict(), opt.state_dict(), [checkpoint.rng_state()],
-                    {"step": 1, "cursor": 0}, f"{store_dir}/staging")
+    checkpoint.save(
+        store,
+        f"bench-{preset}-sync",
+        1,
+        model.state_dict(),
+        opt.state_dict(),
+        [checkpoint.rng_state()],
+        {"step": 1, "cursor": 0},
+        f"{store_dir}/staging",
+    )
     out["sync_s"] = round(time.perf_counter() - t0, 2)
     manifest = checkpoint.read_manifest(store, f"bench-{preset}-sync", 1)
     out["checkpoint_gb"] = round(sum(f["bytes"] for f in manifest["files"].values()) / 1e9, 2)
@@ -99,7 +120,7 @@ def bench(preset: str, batch: int, store_dir: str, interval: int) -> dict:
     out["async_vs_sync"] = round(cost / out["sync_s"], 4)
     out[f"overhead_at_interval_{interval}"] = round(cost / (interval * base), 5)
     store.delete(f"runs/bench-{preset}-sync")
-    del model, opt, cmodel
+    model = opt = cmodel = None  # the next preset gets the GPU memory back
     torch.cuda.empty_cache()
     print(json.dumps(out), flush=True)
     return out

@@ -20,9 +20,10 @@ def main() -> None:
     p.add_argument("--dir", default="/tmp/bench-export")
     args = p.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
-    from lmyard import checkpoint, export
+    from lmyard.checkpoint import full as checkpoint
     from lmyard.config import load_recipe
-    from lmyard.model import GPT, GPTConfig
+    from lmyard.export import hf as export
+    from lmyard.models.gpt2 import GPT, GPTConfig
     from lmyard.store import open_store
 
     cfg = load_recipe("smoke", ["tokenizer.name=gpt2", "model.preset=gpt2-124m"])
@@ -30,8 +31,9 @@ def main() -> None:
     model = GPT(gcfg)
     state = {"step": 1, "tokens_seen": 0, "config": cfg.model_dump(mode="json"), "model": gcfg.__dict__}
     t0 = time.perf_counter()
-    uri = checkpoint.save(open_store(f"{args.dir}/store"), "bench", 1, model.state_dict(), {}, [], state,
-                          f"{args.dir}/staging")
+    uri = checkpoint.save(
+        open_store(f"{args.dir}/store"), "bench", 1, model.state_dict(), {}, [], state, f"{args.dir}/staging"
+    )
     t1 = time.perf_counter()
     export.export(uri, f"{args.dir}/hf", cache_dir=f"{args.dir}/cache")
     t2 = time.perf_counter()
@@ -43,8 +45,10 @@ def main() -> None:
     with torch.no_grad():
         diff = (hf(ids).logits - model.eval()(ids)).abs().max().item()
     size = os.path.getsize(f"{args.dir}/hf/model.safetensors") / 1e6
-    print(f"GPT-2 124M: checkpoint save {t1 - t0:.1f} s; export {t2 - t1:.1f} s ({size:.0f} MB safetensors); "
-          f"transformers load {t3 - t2:.1f} s; max |logit diff| {diff:.2e} on 256 tokens")
+    print(
+        f"GPT-2 124M: checkpoint save {t1 - t0:.1f} s; export {t2 - t1:.1f} s ({size:.0f} MB safetensors); "
+        f"transformers load {t3 - t2:.1f} s; max |logit diff| {diff:.2e} on 256 tokens"
+    )
     shutil.rmtree(args.dir, ignore_errors=True)
 
 

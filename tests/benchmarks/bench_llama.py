@@ -37,7 +37,7 @@ def timed_steps(model, params, opt, batch, warmup: int, steps: int, device) -> t
     """`warmup` untimed then `steps` timed optimizer steps; (seconds of the timed ones, losses)."""
     import torch
 
-    from lmyard.parallel import clip_grad_norm
+    from lmyard.models.parallel import clip_grad_norm
 
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -64,10 +64,10 @@ def worker(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from lmyard.config import load_recipe
-    from lmyard.models import build_model
-    from lmyard.parallel import parallelize
-    from lmyard.shards import read_shard
-    from lmyard.components import PEAK_FLOPS
+    from lmyard.data.shards import read_shard
+    from lmyard.models.parallel import parallelize
+    from lmyard.models.registry import build_model
+    from lmyard.train.components import PEAK_FLOPS
 
     rank, local, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     cuda = a.device == "cuda"
@@ -76,10 +76,19 @@ def worker(a: argparse.Namespace) -> None:
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-    cfg = load_recipe("smoke", [f"model.preset={a.preset}", f"model.block_size={a.seq}", "train.parallel=fsdp",
-                                f"train.activation_checkpointing={a.ac}", f"train.compile={a.compile}",
-                                f"train.float8={a.float8}", f"train.fsdp_reshard_after_forward={not a.no_reshard}",
-                                f"train.device={a.device}"])
+    cfg = load_recipe(
+        "smoke",
+        [
+            f"model.preset={a.preset}",
+            f"model.block_size={a.seq}",
+            "train.parallel=fsdp",
+            f"train.activation_checkpointing={a.ac}",
+            f"train.compile={a.compile}",
+            f"train.float8={a.float8}",
+            f"train.fsdp_reshard_after_forward={not a.no_reshard}",
+            f"train.device={a.device}",
+        ],
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = build_model(cfg.model, 50257)
@@ -91,28 +100,53 @@ def worker(a: argparse.Namespace) -> None:
 
     def batch(step: int):
         first = (step * world + rank) * B * (T + 1)
-        rows = torch.from_numpy(tokens[first:first + B * (T + 1)].astype("int64")).view(B, T + 1)
+        rows = torch.from_numpy(tokens[first : first + B * (T + 1)].astype("int64")).view(B, T + 1)
         rows = rows.pin_memory().to(device, non_blocking=True) if cuda else rows
         return rows[:, :-1], rows[:, 1:]
 
     if a.attention != "auto":  # cudnn: torchtitan's order, cuDNN first, then flash, then math
-        from torch.nn.attention import SDPBackend as K, sdpa_kernel
+        from torch.nn.attention import SDPBackend as K
+        from torch.nn.attention import sdpa_kernel
 
-        sdpa_kernel({"flash": [K.FLASH_ATTENTION], "cudnn": [K.CUDNN_ATTENTION, K.FLASH_ATTENTION, K.MATH],
-                     "efficient": [K.EFFICIENT_ATTENTION], "math": [K.MATH]}[a.attention], set_priority=True).__enter__()
+        sdpa_kernel(
+            {
+                "flash": [K.FLASH_ATTENTION],
+                "cudnn": [K.CUDNN_ATTENTION, K.FLASH_ATTENTION, K.MATH],
+                "efficient": [K.EFFICIENT_ATTENTION],
+                "math": [K.MATH],
+            }[a.attention],
+            set_priority=True,
+        ).__enter__()
     dt, losses = timed_steps(model, params, opt, batch, a.warmup, a.steps, device)
     tok_s = a.steps * B * T * world / dt
     peak = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None) if cuda else None
-    out = {"impl": "lmyard", "preset": a.preset, "params": n_params, "world": world, "B": B, "T": T, "ac": a.ac,
-           "compile": a.compile, "float8": a.float8, "tok_s": round(tok_s), "tok_s_per_gpu": round(tok_s / world),
-           "step_ms": round(dt / a.steps * 1000, 1), "flops_per_token": flops_tok,
-           "mfu": round(tok_s * flops_tok / (peak * world), 4) if peak else None,
-           "loss_first": round(float(losses[0]), 4), "loss_last": round(float(losses[-1]), 4)}
+    out = {
+        "impl": "lmyard",
+        "preset": a.preset,
+        "params": n_params,
+        "world": world,
+        "B": B,
+        "T": T,
+        "ac": a.ac,
+        "compile": a.compile,
+        "float8": a.float8,
+        "tok_s": round(tok_s),
+        "tok_s_per_gpu": round(tok_s / world),
+        "step_ms": round(dt / a.steps * 1000, 1),
+        "flops_per_token": flops_tok,
+        "mfu": round(tok_s * flops_tok / (peak * world), 4) if peak else None,
+        "loss_first": round(float(losses[0]), 4),
+        "loss_last": round(float(losses[-1]), 4),
+    }
     if cuda:
-        from lmyard.memory import estimate
+        from lmyard.models.memory import estimate
 
-        plan = estimate(cfg.model, cfg.train.model_copy(update={"micro_batch": B}), world,
-                        torch.cuda.get_device_properties(device).total_memory)
+        plan = estimate(
+            cfg.model,
+            cfg.train.model_copy(update={"micro_batch": B}),
+            world,
+            torch.cuda.get_device_properties(device).total_memory,
+        )
         out["planned_gib"] = round(plan.total / 2**30, 2)  # lmyard.memory's estimate, beside the measured peak
         out["device"] = torch.cuda.get_device_name(device)
         out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
@@ -124,17 +158,30 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def run_lmyard(a: argparse.Namespace, gpus: int, shard: Path) -> dict:
-    args = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-            if k in ("preset", "seq", "batch", "ac", "steps", "warmup", "device", "attention")]
-    args += [f"--shard={shard}"] + [f"--{f.replace('_', '-')}" for f in ("compile", "float8", "no_reshard") if getattr(a, f)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-           str(Path(__file__).resolve()), "--worker", *args]
+    args = [
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in vars(a).items()
+        if k in ("preset", "seq", "batch", "ac", "steps", "warmup", "device", "attention")
+    ]
+    args += [f"--shard={shard}"] + [
+        f"--{f.replace('_', '-')}" for f in ("compile", "float8", "no_reshard") if getattr(a, f)
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={gpus}",
+        str(Path(__file__).resolve()),
+        "--worker",
+        *args,
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode or line is None:
         raise SystemExit(f"lmyard run failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
@@ -146,13 +193,21 @@ def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
     store = a.data / "trainer"
     steps = a.warmup + a.steps
     shards = make_shards(store, (steps + 2) * a.batch * a.seq * gpus + a.seq + 1)
-    overrides = [f"model.preset={a.preset}", f"model.block_size={a.seq}", "train.parallel=fsdp",
-                 f"train.batch_tokens={a.batch * a.seq * gpus}", f"train.activation_checkpointing={a.ac}",
-                 f"train.compile={str(a.compile).lower()}", f"model.attention={a.attention}",
-                 f"train.fsdp_reshard_after_forward={str(not a.no_reshard).lower()}", "eval.val_tokens=16384",
-                 "checkpoint.interval=100000"]
-    out = run_lmyard(store, shards, gpus, a.batch, steps, overrides, {}, log_interval=5,
-                     warmup_logs=max(1, a.warmup // 5))
+    overrides = [
+        f"model.preset={a.preset}",
+        f"model.block_size={a.seq}",
+        "train.parallel=fsdp",
+        f"train.batch_tokens={a.batch * a.seq * gpus}",
+        f"train.activation_checkpointing={a.ac}",
+        f"train.compile={str(a.compile).lower()}",
+        f"model.attention={a.attention}",
+        f"train.fsdp_reshard_after_forward={str(not a.no_reshard).lower()}",
+        "eval.val_tokens=16384",
+        "checkpoint.interval=100000",
+    ]
+    out = run_lmyard(
+        store, shards, gpus, a.batch, steps, overrides, {}, log_interval=5, warmup_logs=max(1, a.warmup // 5)
+    )
     return {"impl": "lmyard-trainer", **out}
 
 
@@ -166,24 +221,32 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (and torchtitan's loss)")
     ap.add_argument("--float8", action="store_true", help="lmyard only (torchao)")
     ap.add_argument("--no-reshard", action="store_true", help="fsdp_reshard_after_forward=false (lmyard only)")
-    ap.add_argument("--attention", default="auto", choices=["auto", "flash", "cudnn", "efficient", "math"],
-                    help="SDPA kernels for lmyard: auto (PyTorch's choice), cudnn (cuDNN, then flash, then math: "
-                    "torchtitan's order), or one kernel")
+    ap.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "flash", "cudnn", "efficient", "math"],
+        help="SDPA kernels for lmyard: auto (PyTorch's choice), cudnn (cuDNN, then flash, then math: "
+        "torchtitan's order), or one kernel",
+    )
     ap.add_argument("--steps", type=int, default=30, help="timed steps")
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--titan", action="store_true", help="also run torchtitan 0.3.0 (run_torchtitan.py)")
     ap.add_argument("--trainer", action="store_true", help="also run lmyard's trainer (torchrun -m lmyard.train)")
     ap.add_argument("--titan-attn", default="sdpa", help="torchtitan's attention: sdpa (as lmyard) or flex")
-    ap.add_argument("--titan-no-cuda-graphs", action="store_true",
-                    help="torchtitan without its default CUDA graph of forward + backward")
+    ap.add_argument(
+        "--titan-no-cuda-graphs",
+        action="store_true",
+        help="torchtitan without its default CUDA graph of forward + backward",
+    )
     ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "lmyard-bench-llama")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shard", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return worker(a)
-    from run_torchtitan import ensure_shards, run as run_titan
+    from run_torchtitan import ensure_shards
+    from run_torchtitan import run as run_titan
 
     rows = []
     for gpus in a.gpus:
@@ -199,8 +262,19 @@ def main() -> None:
             rows.append(trainer)
         if a.titan:
             # torchtitan logs every 5 steps; its first two intervals (compilation, warm-up) are left out
-            peer = run_titan(gpus, a.preset, a.seq, a.batch, a.ac, a.compile, max(steps, 25), 2, a.data, a.titan_attn,
-                             cuda_graphs=not a.titan_no_cuda_graphs)
+            peer = run_titan(
+                gpus,
+                a.preset,
+                a.seq,
+                a.batch,
+                a.ac,
+                a.compile,
+                max(steps, 25),
+                2,
+                a.data,
+                a.titan_attn,
+                cuda_graphs=not a.titan_no_cuda_graphs,
+            )
             peer["mfu"] = round(ours["mfu"] * peer["tok_s"] / ours["tok_s"], 4) if ours["mfu"] else None  # same F
             print(json.dumps(peer), flush=True)
             rows.append({**peer, "lmyard_over_titan": round(ours["tok_s"] / peer["tok_s"], 3)})
@@ -211,8 +285,10 @@ def main() -> None:
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
         ratio = f"{r['lmyard_over_titan']:.3f}x" if "lmyard_over_titan" in r else ""
         ratio += f" (trainer {r['trainer_over_titan']:.3f}x)" if "trainer_over_titan" in r else ""
-        print(f"{r['impl']:<16} {r['world']:>5} {r['tok_s']:>10,} {r['tok_s_per_gpu']:>10,} {mfu:>7}  "
-              f"{r.get('peak_reserved_gib', '-')!s:>21}  {ratio}")
+        print(
+            f"{r['impl']:<16} {r['world']:>5} {r['tok_s']:>10,} {r['tok_s_per_gpu']:>10,} {mfu:>7}  "
+            f"{r.get('peak_reserved_gib', '-')!s:>21}  {ratio}"
+        )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lmyard import losses  # noqa: E402
+from lmyard.models import losses
 
 
 def median_ms(fn, n: int = 20, warmup: int = 5) -> float:
@@ -63,6 +63,7 @@ def main() -> None:
     paths = {"plain": torch.compile(plain), "fused": torch.compile(losses.linear_cross_entropy)}
     results = {}
     for name, fn in paths.items():
+
         def step(fn=fn):
             x.grad = w.grad = None
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -78,14 +79,28 @@ def main() -> None:
         results[name]["ms"] = median_ms(step)
         results[name]["peak_gb"] = (torch.cuda.max_memory_allocated() - base) / 2**30
     p, f = results["plain"], results["fused"]
-    check = {"loss_diff": abs(p["loss"].item() - f["loss"].item()), "grad_x_rel": rel(f["gx"], p["gx"]),
-             "grad_w_rel": rel(f["gw"], p["gw"])}
+    check = {
+        "loss_diff": abs(p["loss"].item() - f["loss"].item()),
+        "grad_x_rel": rel(f["gx"], p["gx"]),
+        "grad_w_rel": rel(f["gw"], p["gw"]),
+    }
     ok = check["loss_diff"] < 1e-3 and check["grad_x_rel"] < 2e-2 and check["grad_w_rel"] < 2e-2
-    print(json.dumps({"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "tokens": args.tokens,
-                      "vocab": args.vocab, "agree": ok, **{k: float(f"{v:.3g}") for k, v in check.items()},
-                      **{f"{k}_ms": round(r["ms"], 3) for k, r in results.items()},
-                      **{f"{k}_peak_gb": round(r["peak_gb"], 2) for k, r in results.items()},
-                      "speedup": round(p["ms"] / f["ms"], 3)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "gpu": torch.cuda.get_device_name(0),
+                "torch": torch.__version__,
+                "tokens": args.tokens,
+                "vocab": args.vocab,
+                "agree": ok,
+                **{k: float(f"{v:.3g}") for k, v in check.items()},
+                **{f"{k}_ms": round(r["ms"], 3) for k, r in results.items()},
+                **{f"{k}_peak_gb": round(r["peak_gb"], 2) for k, r in results.items()},
+                "speedup": round(p["ms"] / f["ms"], 3),
+            }
+        ),
+        flush=True,
+    )
     if not ok:
         sys.exit(1)
     if args.sweep:
@@ -95,9 +110,19 @@ def main() -> None:
             for warps in (4, 8, 16):
                 losses.BLOCK, losses.NUM_WARPS = block, warps
                 buf = logits.clone()
-                ms = median_ms(lambda: losses._loss_and_grad_triton(buf, y, True))
-                print(json.dumps({"kernel": "ce_grad", "BLOCK": block, "num_warps": warps, "ms": round(ms, 3),
-                                  "GB_per_s": round(gb / ms * 1e3)}), flush=True)
+                ms = median_ms(lambda buf=buf: losses._loss_and_grad_triton(buf, y, True))
+                print(
+                    json.dumps(
+                        {
+                            "kernel": "ce_grad",
+                            "BLOCK": block,
+                            "num_warps": warps,
+                            "ms": round(ms, 3),
+                            "GB_per_s": round(gb / ms * 1e3),
+                        }
+                    ),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

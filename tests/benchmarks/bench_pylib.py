@@ -36,10 +36,22 @@ sys.path.insert(0, str(REPO))
 from lmyard.config import load_recipe  # noqa: E402
 
 VAL_LINE = re.compile(r"step (\d+) \| val loss ([\d.]+)")
-TRAIN = {"model.preset": "gpt2-124m", "tokenizer.name": "gpt2", "train.max_steps": 400,
-         "train.batch_tokens": 65536, "train.micro_batch": 16, "train.lr": 6e-4, "train.warmup_steps": 40,
-         "train.log_interval": 10, "train.device": "cuda", "launch.nproc_per_node": 1, "eval.interval": 100,
-         "eval.val_tokens": 131072, "checkpoint.interval": 100000, "data.val_every": 50}
+TRAIN = {
+    "model.preset": "gpt2-124m",
+    "tokenizer.name": "gpt2",
+    "train.max_steps": 400,
+    "train.batch_tokens": 65536,
+    "train.micro_batch": 16,
+    "train.lr": 6e-4,
+    "train.warmup_steps": 40,
+    "train.log_interval": 10,
+    "train.device": "cuda",
+    "launch.nproc_per_node": 1,
+    "eval.interval": 100,
+    "eval.val_tokens": 131072,
+    "checkpoint.interval": 100000,
+    "data.val_every": 50,
+}
 
 
 def lib_folders() -> list[Path]:
@@ -61,20 +73,35 @@ def write_corpus(path: Path) -> dict:
             line = json.dumps({"text": text, "path": str(p)}) + "\n"
             out.write(line)
             docs, size = docs + 1, size + len(line)
-    return {"roots": [str(r) for r in lib_folders()], "documents": docs, "not_utf8": skipped,
-            "mb": round(size / 1e6, 1)}
+    return {
+        "roots": [str(r) for r in lib_folders()],
+        "documents": docs,
+        "not_utf8": skipped,
+        "mb": round(size / 1e6, 1),
+    }
 
 
 def train(cfg, shards: dict, work: Path) -> list[tuple[int, float]]:
     spec = work / "spec.json"
     spec.write_text(json.dumps({"config": cfg.model_dump(mode="json"), "shards": shards, "lineage": None}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           "-m", "lmyard.train", "--spec", str(spec)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "LMYARD_CACHE": str(work / "cache")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        "-m",
+        "lmyard.train",
+        "--spec",
+        str(spec),
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "LMYARD_CACHE": str(work / "cache"),
+    }
     evals = []
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          cwd=REPO) as proc:
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO) as proc:
         for line in proc.stdout:
             print(line, end="", file=sys.stderr, flush=True)
             if m := VAL_LINE.search(line):
@@ -96,24 +123,39 @@ def main() -> None:
     corpus = work / "pylib.jsonl"
     report: dict = {"corpus": write_corpus(corpus)}
     shuffle = "false" if a.no_shuffle else "true"
-    cfg = load_recipe("smoke", [f"store={work / 'store'}", f"run_name=pylib-{'plain' if a.no_shuffle else 'shuffled'}",
-                                f"data.source={corpus}", *(f"{k}={v}" for k, v in TRAIN.items()),
-                                f"data.shuffle_documents={shuffle}", f"data.shuffle_sequences={shuffle}",
-                                *a.overrides])
-    from lmyard.sharding import tokenize_and_shard
+    cfg = load_recipe(
+        "smoke",
+        [
+            f"store={work / 'store'}",
+            f"run_name=pylib-{'plain' if a.no_shuffle else 'shuffled'}",
+            f"data.source={corpus}",
+            *(f"{k}={v}" for k, v in TRAIN.items()),
+            f"data.shuffle_documents={shuffle}",
+            f"data.shuffle_sequences={shuffle}",
+            *a.overrides,
+        ],
+    )
+    from lmyard.data.sharding import tokenize_and_shard
 
     t0 = time.perf_counter()
-    shards, _ = tokenize_and_shard(cfg, log=lambda s: print(s, file=sys.stderr, flush=True),
-                                   cache_dir=str(work / "cache"))
-    report["shards"] = {"address": shards.address, "tokens": shards.manifest["tokens"],
-                        "seconds": round(time.perf_counter() - t0, 1)}
+    shards, _ = tokenize_and_shard(
+        cfg, log=lambda s: print(s, file=sys.stderr, flush=True), cache_dir=str(work / "cache")
+    )
+    report["shards"] = {
+        "address": shards.address,
+        "tokens": shards.manifest["tokens"],
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
     report["epochs_planned"] = round(cfg.train.max_steps * cfg.train.batch_tokens / shards.tokens("train"), 2)
     if not a.shard_only:
         evals = train(cfg, shards.to_dict(), work)
-        report["val_loss"] = {step: loss for step, loss in evals}
+        report["val_loss"] = dict(evals)
         report["falls_at_every_evaluation"] = all(b < a for (_, a), (_, b) in zip(evals, evals[1:]))
-    report["config"] = {"shuffle_documents": cfg.data.shuffle_documents,
-                        "shuffle_sequences": cfg.data.shuffle_sequences, **TRAIN}
+    report["config"] = {
+        "shuffle_documents": cfg.data.shuffle_documents,
+        "shuffle_sequences": cfg.data.shuffle_sequences,
+        **TRAIN,
+    }
     print(json.dumps(report, indent=1))
 
 

@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[2]
 _STAGE = textwrap.dedent("""
     import json, sys, time
     from lmyard.config import load_recipe
-    from lmyard.sharding import tokenize_and_shard
+    from lmyard.data.sharding import tokenize_and_shard
 
     cfg = load_recipe("smoke", sys.argv[2:])
     t0 = time.perf_counter()
@@ -95,11 +95,18 @@ def tree_rss(proc: psutil.Process) -> tuple[int, int]:
 
 def run_stage(corpus: Path, work: Path, num_proc: int, overrides: list[str]) -> dict:
     store, cache = work / "store", work / "cache"
-    args = [f"store={store}", f"data.source={corpus}/*.jsonl", "tokenizer.name=gpt2", f"data.num_proc={num_proc}", *overrides]
+    args = [
+        f"store={store}",
+        f"data.source={corpus}/*.jsonl",
+        "tokenizer.name=gpt2",
+        f"data.num_proc={num_proc}",
+        *overrides,
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)  # the stage and its tokenizer processes, once reaped
-    proc = subprocess.Popen([sys.executable, "-c", _STAGE, str(cache), *args], env=env, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STAGE, str(cache), *args], env=env, stdout=subprocess.PIPE, text=True
+    )
     ps = psutil.Process(proc.pid)
     peak = {"tree": 0, "main": 0}
     stop = threading.Event()
@@ -148,18 +155,30 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-proc", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--sizes-mb", type=int, nargs="+", default=[1000, 4000])
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override for the stage, e.g. data.shuffle_documents=true (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for the stage, e.g. data.shuffle_documents=true (repeatable)",
+    )
     p.add_argument("--no-raw", action="store_true", help="skip the raw tiktoken baseline")
     p.add_argument("--files", type=int, default=8, help="JSONL files the corpus is written as (default 8)")
     p.add_argument("--tmp", default=None, help="folder for the corpus and the store (default: the system's)")
     a = p.parse_args()
 
-    report: dict = {"num_proc": a.num_proc, "cpus": os.cpu_count(), "tokenizer": "r50k_base (gpt2)",
-                    "overrides": a.overrides, "python": sys.version.split()[0], "sizes": []}
+    report: dict = {
+        "num_proc": a.num_proc,
+        "cpus": os.cpu_count(),
+        "tokenizer": "r50k_base (gpt2)",
+        "overrides": a.overrides,
+        "python": sys.version.split()[0],
+        "sizes": [],
+    }
     with tempfile.TemporaryDirectory(prefix="lmyard-bench-", dir=a.tmp) as tmp:
         work = Path(tmp)
-        for i, mb in enumerate(a.sizes_mb):
+        for mb in a.sizes_mb:
             corpus = work / f"corpus-{mb}mb"
             size = write_corpus(corpus, mb * 10**6, a.files)
             entry: dict = {"corpus_mb": round(size / 1e6, 1), "files": a.files}

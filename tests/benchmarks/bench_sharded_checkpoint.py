@@ -43,7 +43,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lmyard import sharded_checkpoint as sc  # noqa: E402
+from lmyard.checkpoint import dcp as sc  # noqa: E402
 from lmyard.store import LocalStore  # noqa: E402
 
 RUN = "bench-dcp"
@@ -58,8 +58,8 @@ class CopyStore(LocalStore):
 
 def build_llama(preset: str, device: torch.device, seq: int):
     from lmyard.config import ModelConfig
-    from lmyard.llama import Llama, LlamaConfig
-    from lmyard.parallel import apply_fsdp, fsdp_mesh
+    from lmyard.models.llama import Llama, LlamaConfig
+    from lmyard.models.parallel import apply_fsdp, fsdp_mesh
 
     cfg = LlamaConfig.from_config(ModelConfig(preset=preset), 128256)
     with torch.device("meta"):
@@ -76,8 +76,12 @@ def build_stack(params: float, device: torch.device, seq: int, d: int = 4096, la
 
     ff = max(1, int(params / (layers * 2 * d)))
     with torch.device("meta"):
-        model = nn.Sequential(*(nn.Sequential(nn.Linear(d, ff, bias=False), nn.GELU(), nn.Linear(ff, d, bias=False))
-                                for _ in range(layers)))
+        model = nn.Sequential(
+            *(
+                nn.Sequential(nn.Linear(d, ff, bias=False), nn.GELU(), nn.Linear(ff, d, bias=False))
+                for _ in range(layers)
+            )
+        )
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model:
         fully_shard(block, mp_policy=policy)
@@ -126,6 +130,7 @@ def say(rank: int, line: dict) -> None:
 def sync_save(model, opt, folder: str, group) -> float:
     def save():
         dcp.save(sc.state_dict(model, opt), storage_writer=dcp.FileSystemWriter(folder), process_group=group)
+
     try:
         return timed(save)
     finally:
@@ -133,8 +138,9 @@ def sync_save(model, opt, folder: str, group) -> float:
 
 
 def async_saves(model, opt, loss_fn, store, staging: str, stream: bool, a, rank: int, base_s: float) -> list[dict]:
-    ckpt = sc.ShardedCheckpointer(store, RUN, staging, async_staging=stream, write_threads=a.write_threads,
-                                  say=lambda s: print(s, flush=True))
+    ckpt = sc.ShardedCheckpointer(
+        store, RUN, staging, async_staging=stream, write_threads=a.write_threads, say=lambda s: print(s, flush=True)
+    )
     t0 = time.perf_counter()
     ckpt.prepare(model, opt)  # as a trainer does after its first step: the pinned buffers, in the background
     if ckpt.prepared is not None:  # torch before 2.12: the writer makes its buffers at the first save
@@ -145,8 +151,20 @@ def async_saves(model, opt, loss_fn, store, staging: str, stream: bool, a, rank:
         synchronize()
         dist.barrier()
         t0 = time.perf_counter()
-        blocked = ckpt.save(model, opt, {"step": step, "cursor": 0, "tokens_seen": 0, "world_size": dist.get_world_size(),
-                                         "shard_address": "random", "config": {}, "model": {}}, [])
+        blocked = ckpt.save(
+            model,
+            opt,
+            {
+                "step": step,
+                "cursor": 0,
+                "tokens_seen": 0,
+                "world_size": dist.get_world_size(),
+                "shard_address": "random",
+                "config": {},
+                "model": {},
+            },
+            [],
+        )
         train_step(model, opt, loss_fn, ckpt.before_update)
         synchronize()
         step_s = time.perf_counter() - t0
@@ -156,10 +174,20 @@ def async_saves(model, opt, loss_fn, store, staging: str, stream: bool, a, rank:
         extra_s = time.perf_counter() - t0 - (a.after + 1) * base_s
         ckpt.flush()
         timing = next(t for t in ckpt.timings if t["step"] == step)
-        rows.append(worst({"blocked_s": ckpt.blocked_s[-1], "save_call_s": blocked, "step_with_save_s": step_s,
-                           f"extra_wall_s_over_{a.after + 1}_steps": extra_s, "written_s": timing["written_s"],
-                           "uploaded_s": timing["uploaded_s"], "committed_s": timing.get("committed_s", 0.0),
-                           "bytes_per_rank": timing["bytes"]}))
+        rows.append(
+            worst(
+                {
+                    "blocked_s": ckpt.blocked_s[-1],
+                    "save_call_s": blocked,
+                    "step_with_save_s": step_s,
+                    f"extra_wall_s_over_{a.after + 1}_steps": extra_s,
+                    "written_s": timing["written_s"],
+                    "uploaded_s": timing["uploaded_s"],
+                    "committed_s": timing.get("committed_s", 0.0),
+                    "bytes_per_rank": timing["bytes"],
+                }
+            )
+        )
         dist.barrier()
         if i + 1 < a.saves and rank == 0:  # keep the disk to one checkpoint in the store
             store.delete(sc.step_prefix(RUN, step))
@@ -171,8 +199,10 @@ def check_disk(root: Path, need: int) -> None:
     root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(root).free
     if free < 1.1 * need:
-        raise SystemExit(f"{root}: {free / 2**30:.0f} GiB free, this run writes up to {need / 2**30:.0f} GiB on this "
-                         "node; pass --dir on a larger disk, --upload rename, or a smaller --preset/--params")
+        raise SystemExit(
+            f"{root}: {free / 2**30:.0f} GiB free, this run writes up to {need / 2**30:.0f} GiB on this "
+            "node; pass --dir on a larger disk, --upload rename, or a smaller --preset/--params"
+        )
 
 
 def parse_args() -> argparse.Namespace:
@@ -184,8 +214,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--saves", type=int, default=2, help="saves per async mode")
     p.add_argument("--after", type=int, default=9, help="steps timed after each save's step (background work)")
     p.add_argument("--dir", default="/tmp/lmyard-bench-dcp", help="node-local folder for staging and store")
-    p.add_argument("--upload", choices=["copy", "rename"], default="rename",
-                   help="copy: files are copied into the store (needs 2x the state on disk); rename: moved")
+    p.add_argument(
+        "--upload",
+        choices=["copy", "rename"],
+        default="rename",
+        help="copy: files are copied into the store (needs 2x the state on disk); rename: moved",
+    )
     p.add_argument("--write-threads", type=int, default=1, help="DCP writer threads per rank (a file each)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--width", type=int, default=4096, help="d of the Linear stack")
@@ -215,8 +249,18 @@ def main() -> None:
     step_s = worst(timed(lambda: [train_step(model, opt, loss_fn) for _ in range(5)]) / 5)  # back to back
     n = sum(p.numel() for p in model.parameters())
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    say(rank, {"model": what, "params": n, "ranks": world, "device": card,
-               "torch": torch.__version__, "state_bytes_per_rank": n * 12 // world, "step_s": round(step_s, 3)})
+    say(
+        rank,
+        {
+            "model": what,
+            "params": n,
+            "ranks": world,
+            "device": card,
+            "torch": torch.__version__,
+            "state_bytes_per_rank": n * 12 // world,
+            "step_s": round(step_s, 3),
+        },
+    )
 
     root = Path(a.dir) / "bench-sharded-checkpoint"  # its own subfolder: emptied at the start and the end
     if rank == 0:
@@ -238,11 +282,18 @@ def main() -> None:
             say(rank, {"phase": mode, **({"save": i} if i else {}), **{k: round(v, 3) for k, v in row.items()}})
         results[mode] = rows[-1]["blocked_s"]
     last = 1000 * (2 if modes[-1] else 1) + a.saves - 1
-    load_s = worst(timed(lambda: sc.load_sharded(LocalStore(str(root / "store")), RUN, last, model, opt,
-                                                 str(root / "cache"))))
+    load_s = worst(
+        timed(lambda: sc.load_sharded(LocalStore(str(root / "store")), RUN, last, model, opt, str(root / "cache")))
+    )
     say(rank, {"phase": "load_sharded (resume), files read in place", "seconds": round(load_s, 3)})
-    say(rank, {"summary": "loop blocked per checkpoint, s (max over ranks, last save)",
-               **{k: round(v, 3) for k, v in results.items()}, "load_s": round(load_s, 3)})
+    say(
+        rank,
+        {
+            "summary": "loop blocked per checkpoint, s (max over ranks, last save)",
+            **{k: round(v, 3) for k, v in results.items()},
+            "load_s": round(load_s, 3),
+        },
+    )
     dist.barrier()
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)

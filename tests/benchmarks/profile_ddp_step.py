@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lmyard.config import load_recipe  # noqa: E402
-from lmyard.model import GPT, GPTConfig  # noqa: E402
-from lmyard.train import prepare_model, setup_distributed, train_step  # noqa: E402
+from lmyard.config import load_recipe
+from lmyard.models.gpt2 import GPT, GPTConfig
+from lmyard.train.trainer import prepare_model, setup_distributed, train_step
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -54,9 +54,14 @@ def covered(intervals: list[tuple[float, float]], cover: list[tuple[float, float
     return total
 
 
-KINDS = (("allreduce", ("nccl",)), ("loss", ("ce_grad",)), ("attention", ("flash", "fmha", "attention", "cudnn")),
-         ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_")), ("optimizer", ("adam", "multi_tensor", "foreach")),
-         ("fused elementwise", ("triton",)))
+KINDS = (
+    ("allreduce", ("nccl",)),
+    ("loss", ("ce_grad",)),
+    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("fused elementwise", ("triton",)),
+)
 
 
 def kind_of(kernel: str) -> str:
@@ -110,9 +115,13 @@ def main() -> None:
             step()
         torch.cuda.synchronize()
     if rank == 0:
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                   and e.time_range.end > e.time_range.start
-                   and not getattr(e, "is_user_annotation", False)]  # GPU-side record_function ranges are no kernels
+        kernels = [
+            e
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+            and e.time_range.end > e.time_range.start
+            and not getattr(e, "is_user_annotation", False)
+        ]  # GPU-side record_function ranges are no kernels
         nccl = union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()])
         comp = union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()])
         span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
@@ -121,12 +130,20 @@ def main() -> None:
         nccl_us = sum(e - s for s, e in nccl)
         hidden = covered(nccl, comp)
         n = args.steps
-        out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "world": world,
-               "overrides": args.overrides, "step_ms": round(step_ms, 2),
-               "per_step_ms": {"span": round(span / n / 1e3, 2), "compute": round(comp_us / n / 1e3, 2),
-                               "allreduce": round(nccl_us / n / 1e3, 2),
-                               "allreduce_exposed": round((nccl_us - hidden) / n / 1e3, 2),
-                               "idle": round((span - sum(e - s for s, e in busy)) / n / 1e3, 2)}}
+        out = {
+            "gpu": torch.cuda.get_device_name(0),
+            "torch": torch.__version__,
+            "world": world,
+            "overrides": args.overrides,
+            "step_ms": round(step_ms, 2),
+            "per_step_ms": {
+                "span": round(span / n / 1e3, 2),
+                "compute": round(comp_us / n / 1e3, 2),
+                "allreduce": round(nccl_us / n / 1e3, 2),
+                "allreduce_exposed": round((nccl_us - hidden) / n / 1e3, 2),
+                "idle": round((span - sum(e - s for s, e in busy)) / n / 1e3, 2),
+            },
+        }
         kinds: dict[str, float] = {}
         for e in kernels:
             k = kind_of(e.name)

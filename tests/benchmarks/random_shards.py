@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmyard import shards as fmt
+from lmyard.data import shards as fmt
 
 
 def make_shards(store: Path, tokens: int) -> dict:
@@ -20,8 +20,15 @@ def make_shards(store: Path, tokens: int) -> dict:
     for split, n in (("train", tokens), ("val", 1 << 20)):
         path = prefix / f"{split}_000000.bin"
         fmt.write_shard(path, rng.integers(0, 50257, n, dtype=np.int64), fmt.VERSION_U16)
-        files.append({"name": path.name, "split": split, "tokens": n, "bytes": path.stat().st_size,
-                      "sha256": fmt.sha256_file(path)})
+        files.append(
+            {
+                "name": path.name,
+                "split": split,
+                "tokens": n,
+                "bytes": path.stat().st_size,
+                "sha256": fmt.sha256_file(path),
+            }
+        )
     manifest = {"address": address, "tokenizer": {"name": "r50k_base", "n_vocab": 50257}, "shards": files}
     (prefix / "manifest.json").write_text(json.dumps(manifest))
     return {"address": address, "uri": str(prefix), "manifest": manifest}

@@ -48,15 +48,18 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*memory:\s*([\d.]+)GiB.*tps:\s*([\d,]+)\s+tflops:\s*([\d,.]+)\s+mfu:\s*([\d.]+)%")
+STEP = re.compile(
+    r"step:\s*(\d+)\s+loss:\s*([\d.]+).*memory:\s*([\d.]+)GiB.*tps:\s*([\d,]+)\s+tflops:\s*([\d,.]+)\s+mfu:\s*([\d.]+)%"
+)
 
 
 def tokenizer_folder(path: Path) -> Path:
     """A loadable HF tokenizer folder, made offline: WordLevel vocab.json + tokenizer_config.json."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "vocab.json").write_text(json.dumps({"[UNK]": 0, "<|begin_of_text|>": 1, "<|end_of_text|>": 2}))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "add_bos_token": False}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "add_bos_token": False})
+    )
     return path
 
 
@@ -75,12 +78,14 @@ def ensure_shards(data_dir: Path, tokens: int) -> Path:
         target = data_dir / "shards" / "bench-random-r50k"
         if target.exists():
             import shutil
+
             shutil.rmtree(target)
         (tmp / "shards" / "bench-random-r50k").rename(target)
     return train
 
 
 # ------------------------------------------------------------------ inside torchrun: torchtitan itself
+
 
 def _shim_torch() -> None:
     """Placeholders for the FSDP2 names torchtitan 0.3.0 imports that torch 2.11 lacks, and for the packages it
@@ -95,23 +100,32 @@ def _shim_torch() -> None:
         dist.set_timeout = lambda timeout, group=None: None
 
     if not hasattr(fsdp, "DataParallelMeshDims"):
+
         @dataclasses.dataclass
         class DataParallelMeshDims:  # only constructed on torchtitan's full_dtensor path
             shard: object = None
             replicate: object = None
+
         fsdp.DataParallelMeshDims = DataParallelMeshDims
     if not hasattr(_fsdp_common, "ShardPlacementResult"):
+
         @dataclasses.dataclass
         class ShardPlacementResult:  # only used for expert parallelism
             placement: object = None
             mesh_info: object = None
+
         _fsdp_common.ShardPlacementResult = ShardPlacementResult
+
     def unavailable(*a, **k):
         raise RuntimeError("not installed: this benchmark reads lmyard's shard file, without tensorboard")
 
-    stubs = {"tensorboard": {"torch.utils.tensorboard": ["SummaryWriter"]},
-             "datasets": {"datasets": ["Dataset", "load_dataset", "IterableDataset"],
-                          "datasets.distributed": ["split_dataset_by_node"]}}
+    stubs = {
+        "tensorboard": {"torch.utils.tensorboard": ["SummaryWriter"]},
+        "datasets": {
+            "datasets": ["Dataset", "load_dataset", "IterableDataset"],
+            "datasets.distributed": ["split_dataset_by_node"],
+        },
+    }
     for package, modules in stubs.items():
         try:
             __import__(package)
@@ -140,7 +154,7 @@ def _shard_loader_class():
 
         def __init__(self, config, *, dp_world_size, dp_rank, seq_len, local_batch_size, **_):
             sys.path.insert(0, str(REPO))
-            from lmyard.shards import read_shard
+            from lmyard.data.shards import read_shard
 
             self.tokens, self.T, self.B = read_shard(config.dataset_path), seq_len, local_batch_size
             self.rank, self.world, self.step = dp_rank, dp_world_size, 0
@@ -148,7 +162,7 @@ def _shard_loader_class():
         def __iter__(self):
             while True:
                 first = (self.step * self.world + self.rank) * self.B * (self.T + 1)
-                rows = np.asarray(self.tokens[first:first + self.B * (self.T + 1)], dtype=np.int64)
+                rows = np.asarray(self.tokens[first : first + self.B * (self.T + 1)], dtype=np.int64)
                 rows = torch.from_numpy(rows).view(self.B, self.T + 1)
                 self.step += 1
                 yield {"input": rows[:, :-1]}, rows[:, 1:]
@@ -173,14 +187,26 @@ def _layers(m: dict, attn: str):
     hidden = compute_ffn_hidden_dim(dim, multiple_of=m["multiple_of"], ffn_dim_multiplier=m["ffn_dim_multiplier"])
     rope = ComplexRoPE.Config(dim=dim // heads, max_seq_len=m["block_size"], theta=m["rope_theta"], scaling="llama")
     inner = ScaledDotProductAttention.Config() if attn == "sdpa" else get_attention_config(attn)
-    return [Llama3TransformerBlock.Config(
-        attention_norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
-        ffn_norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
-        attention=make_gqa_config(dim=dim, n_heads=heads, n_kv_heads=m["n_kv_head"], wqkv_param_init=_LINEAR_INIT,
-                                  wo_param_init=_depth_init(i), inner_attention=inner, fuse_qkv=True, rope=rope),
-        feed_forward=make_ffn_config(dim=dim, hidden_dim=hidden, w1_param_init=_LINEAR_INIT,
-                                     w2w3_param_init=_depth_init(i)),
-    ) for i in range(m["n_layer"])]
+    return [
+        Llama3TransformerBlock.Config(
+            attention_norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+            ffn_norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+            attention=make_gqa_config(
+                dim=dim,
+                n_heads=heads,
+                n_kv_heads=m["n_kv_head"],
+                wqkv_param_init=_LINEAR_INIT,
+                wo_param_init=_depth_init(i),
+                inner_attention=inner,
+                fuse_qkv=True,
+                rope=rope,
+            ),
+            feed_forward=make_ffn_config(
+                dim=dim, hidden_dim=hidden, w1_param_init=_LINEAR_INIT, w2w3_param_init=_depth_init(i)
+            ),
+        )
+        for i in range(m["n_layer"])
+    ]
 
 
 def lmyard_bench():
@@ -202,21 +228,34 @@ def lmyard_bench():
     a = json.loads(os.environ["LMYARD_TITAN"])
     m, dim, V = a["model"], a["model"]["n_embd"], a["model"]["vocab_size"]
     model = Llama3Model.Config(
-        dim=dim, vocab_size=V, enable_weight_tying=False,
+        dim=dim,
+        vocab_size=V,
+        enable_weight_tying=False,
         tok_embeddings=Embedding.Config(num_embeddings=V, embedding_dim=dim, param_init=_EMBEDDING_INIT),
         norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=V, param_init=_output_linear_init(dim)),
-        layers=_layers(m, a["attn"]))
-    spec = ModelSpec(name="llama3", flavor="lmyard", model=model, parallelize_fn=parallelize_llama,
-                     pipelining_fn=pipeline_llm, post_optimizer_build_fn=None, state_dict_adapter=None)
+        layers=_layers(m, a["attn"]),
+    )
+    spec = ModelSpec(
+        name="llama3",
+        flavor="lmyard",
+        model=model,
+        parallelize_fn=parallelize_llama,
+        pipelining_fn=pipeline_llm,
+        post_optimizer_build_fn=None,
+        state_dict_adapter=None,
+    )
     ac = {"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}[a["ac"]]
     return Trainer.Config(
         loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=V)),
-        hf_assets_path=a["tokenizer"], dump_folder=a["dump"], model_spec=spec,
+        hf_assets_path=a["tokenizer"],
+        dump_folder=a["dump"],
+        model_spec=spec,
         optimizer=default_adamw(lr=3e-4),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2),
-        training=TrainingConfig(local_batch_size=a["batch"], seq_len=a["seq"], steps=a["steps"],
-                                disable_cuda_graphs=not a["cuda_graphs"]),
+        training=TrainingConfig(
+            local_batch_size=a["batch"], seq_len=a["seq"], steps=a["steps"], disable_cuda_graphs=not a["cuda_graphs"]
+        ),
         dataloader=_shard_loader_class().Config(dataset_path=a["shard"]),
         metrics=MetricsProcessor.Config(log_freq=a["log_freq"]),
         parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
@@ -238,6 +277,7 @@ def worker() -> None:
 
 # ------------------------------------------------------------------ the launcher
 
+
 def titan_settings(preset: str, seq: int, n_vocab: int = 50257) -> dict:
     sys.path.insert(0, str(REPO))
     from lmyard.config import ModelConfig
@@ -248,35 +288,80 @@ def titan_settings(preset: str, seq: int, n_vocab: int = 50257) -> dict:
     return d
 
 
-def run(gpus: int, preset: str, seq: int, batch: int, ac: str, compile: bool, steps: int, warmup_logs: int,
-        data_dir: Path, attn: str = "sdpa", log_freq: int = 5, cuda_graphs: bool = True) -> dict:
+def run(
+    gpus: int,
+    preset: str,
+    seq: int,
+    batch: int,
+    ac: str,
+    compile: bool,
+    steps: int,
+    warmup_logs: int,
+    data_dir: Path,
+    attn: str = "sdpa",
+    log_freq: int = 5,
+    cuda_graphs: bool = True,
+) -> dict:
     """One torchtitan run on `gpus` GPUs; its parsed figures. With `cuda_graphs` (torchtitan's default: the
     forward + backward captured in a CUDA graph) a failed run is tried once more without them."""
     m = titan_settings(preset, seq)
     shard = ensure_shards(data_dir, (steps + 1) * batch * (seq + 1) * gpus)
     work = Path(tempfile.mkdtemp(prefix="titan-"))
-    settings = {"model": m, "attn": attn, "ac": ac, "compile": compile, "batch": batch, "seq": seq, "steps": steps,
-                "log_freq": log_freq, "shard": str(shard), "tokenizer": str(tokenizer_folder(work / "tokenizer")),
-                "dump": str(work / "outputs"), "cuda_graphs": cuda_graphs}
+    settings = {
+        "model": m,
+        "attn": attn,
+        "ac": ac,
+        "compile": compile,
+        "batch": batch,
+        "seq": seq,
+        "steps": steps,
+        "log_freq": log_freq,
+        "shard": str(shard),
+        "tokenizer": str(tokenizer_folder(work / "tokenizer")),
+        "dump": str(work / "outputs"),
+        "cuda_graphs": cuda_graphs,
+    }
     env = {**os.environ, "LMYARD_TITAN": json.dumps(settings), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-           str(Path(__file__).resolve()), "--worker"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={gpus}",
+        str(Path(__file__).resolve()),
+        "--worker",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     out = ANSI.sub("", proc.stdout + proc.stderr)
     logs = [m_.groups() for m_ in map(STEP.search, out.splitlines()) if m_]
     if proc.returncode or len(logs) <= warmup_logs:
         if cuda_graphs:
-            print(f"torchtitan with CUDA graphs failed (rc {proc.returncode}); again without them. Its last lines:\n"
-                  + "\n".join(out.splitlines()[-15:]), file=sys.stderr, flush=True)
+            print(
+                f"torchtitan with CUDA graphs failed (rc {proc.returncode}); again without them. Its last lines:\n"
+                + "\n".join(out.splitlines()[-15:]),
+                file=sys.stderr,
+                flush=True,
+            )
             return run(gpus, preset, seq, batch, ac, compile, steps, warmup_logs, data_dir, attn, log_freq, False)
         raise SystemExit(f"torchtitan run failed (rc {proc.returncode}):\n{out[-6000:]}")
     timed = logs[warmup_logs:]
     tps = statistics.median(float(t[3].replace(",", "")) for t in timed)
-    return {"impl": "torchtitan-0.3.0", "world": gpus, "B": batch, "T": seq, "ac": ac, "compile": compile,
-            "attn": attn, "cuda_graphs": cuda_graphs, "tok_s": round(tps * gpus), "tok_s_per_gpu": round(tps),
-            "mfu_titan": statistics.median(float(t[5]) for t in timed) / 100,
-            "peak_reserved_gib": max(float(t[2]) for t in timed), "loss_last": float(timed[-1][1]),
-            "intervals": len(timed)}
+    return {
+        "impl": "torchtitan-0.3.0",
+        "world": gpus,
+        "B": batch,
+        "T": seq,
+        "ac": ac,
+        "compile": compile,
+        "attn": attn,
+        "cuda_graphs": cuda_graphs,
+        "tok_s": round(tps * gpus),
+        "tok_s_per_gpu": round(tps),
+        "mfu_titan": statistics.median(float(t[5]) for t in timed) / 100,
+        "peak_reserved_gib": max(float(t[2]) for t in timed),
+        "loss_last": float(timed[-1][1]),
+        "intervals": len(timed),
+    }
 
 
 def main() -> None:
@@ -296,8 +381,24 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "lmyard-bench-llama")
     a = ap.parse_args()
     for g in a.gpus:
-        print(json.dumps(run(g, a.preset, a.seq, a.batch, a.ac, a.compile, a.steps, a.warmup_logs, a.data, a.attn,
-                             cuda_graphs=not a.no_cuda_graphs)), flush=True)
+        print(
+            json.dumps(
+                run(
+                    g,
+                    a.preset,
+                    a.seq,
+                    a.batch,
+                    a.ac,
+                    a.compile,
+                    a.steps,
+                    a.warmup_logs,
+                    a.data,
+                    a.attn,
+                    cuda_graphs=not a.no_cuda_graphs,
+                )
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

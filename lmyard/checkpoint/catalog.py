@@ -1,0 +1,76 @@
+"""What checkpoints a run has, read without torch (the flow's process never imports it).
+
+A checkpoint exists once its manifest does (lmyard.checkpoint writes it last);
+`state.json` is a lmyard.contracts.CheckpointState.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from lmyard.contracts import CheckpointState
+from lmyard.layout import MANIFEST, RunLayout
+from lmyard.store import Store
+
+
+def checkpoints_prefix(run_name: str) -> str:
+    return RunLayout(run_name).checkpoints
+
+
+def step_prefix(run_name: str, step: int) -> str:
+    return RunLayout(run_name).step(step)
+
+
+def complete_steps(store: Store, run_name: str, keys: list[str] | None = None) -> list[int]:
+    """Steps that have a manifest, oldest first (`keys`: a listing of the checkpoints prefix already made)."""
+    steps = set()
+    for key in store.list(checkpoints_prefix(run_name)) if keys is None else keys:
+        step = RunLayout.step_of(key)
+        if key.endswith(f"/{MANIFEST}") and step is not None and key == RunLayout(run_name).manifest(step):
+            steps.add(step)
+    return sorted(steps)
+
+
+def read_manifest(store: Store, run_name: str, step: int) -> dict:
+    return json.loads(store.read_bytes(RunLayout(run_name).manifest(step)))
+
+
+def read_state(store: Store, run_name: str, step: int) -> CheckpointState:
+    return CheckpointState.model_validate_json(store.read_bytes(RunLayout(run_name).step_file(step, "state.json")))
+
+
+def verify(store: Store, run_name: str, step: int) -> dict:
+    """Check that every file of checkpoint `step` is in the store with the size its manifest records;
+    where it landed, its bytes, and how long serializing and uploading took. ValueError names a mismatch."""
+    layout = RunLayout(run_name)
+    manifest = read_manifest(store, run_name, step)
+    for name, meta in manifest["files"].items():
+        found = store.size(layout.step_file(step, name))
+        if found != meta["bytes"]:
+            raise ValueError(
+                f"{store.uri(layout.step_file(step, name))} holds {found} bytes; its manifest says {meta['bytes']}"
+            )
+    return {
+        "step": step,
+        "uri": store.uri(layout.step(step)),
+        "files": len(manifest["files"]),
+        "bytes": sum(m["bytes"] for m in manifest["files"].values()),
+        "serialize_s": manifest.get("serialize_s"),
+        "upload_s": manifest.get("upload_s"),
+        "committed": manifest.get("committed"),
+    }
+
+
+def quarantine(store: Store, run_name: str, step: int) -> str:
+    """Move a damaged checkpoint aside (runs/<run>/damaged/step_N-<time>/), so its step can be written again
+    and nothing is ever rewritten in place; returns where it went."""
+    layout = RunLayout(run_name)
+    dest = layout.damaged(step, time.strftime("%Y%m%dT%H%M%S", time.gmtime()))
+    src = layout.step(step)
+    for key in store.list(src):
+        store.copy(key, dest + key.removeprefix(src))
+    store.delete(layout.manifest(step))  # first: a half-moved checkpoint never looks complete
+    store.delete(src)
+    print(f"moved the damaged checkpoint step {step} to {store.uri(dest)}", flush=True)
+    return store.uri(dest)

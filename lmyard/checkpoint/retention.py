@@ -1,0 +1,80 @@
+"""Checkpoint retention: one policy, applied to the store (local or S3).
+
+Kept: the last `keep_last` complete checkpoints (at least 2: the newest may
+still be in use by a reader while the next is written), every step that is a
+multiple of `keep_every`, the one with the lowest validation loss
+(`keep_best`), and every step listed in `runs/<run>/protected.json`
+(`{"steps": [...]}`, written when a registered model points at a checkpoint),
+and, while the pretrain flow evaluates checkpoints (`hold_for_eval`), every
+checkpoint it has not released yet: the flow writes `evaluated.json` into a
+checkpoint's folder once its evaluation ended (passed or failed) and then
+applies retention itself (the trainer does not, so there is one deleter), so an
+evaluator that falls behind still finds each checkpoint it has to score.
+Everything else is deleted: its manifest first, so a half-deleted checkpoint
+never looks complete, then its files. Folders without a manifest (an upload
+cut short) older than the newest complete checkpoint are deleted too.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from lmyard.checkpoint.catalog import complete_steps, read_manifest
+from lmyard.config import CheckpointConfig
+from lmyard.layout import EVALUATED, RunLayout
+from lmyard.store import Store
+
+
+def protected_steps(store: Store, run_name: str) -> set[int]:
+    key = RunLayout(run_name).protected
+    return set(json.loads(store.read_bytes(key)).get("steps", [])) if store.exists(key) else set()
+
+
+def mark_evaluated(store: Store, run_name: str, step: int, ok: bool) -> None:
+    """Release checkpoint `step` for retention: its evaluation has ended (`ok`: it succeeded)."""
+    store.write_bytes(RunLayout(run_name).evaluated(step), json.dumps({"ok": ok, "time": time.time()}).encode())
+
+
+def plan(
+    steps: list[int],
+    val_loss: dict[int, float | None],
+    policy: CheckpointConfig,
+    protected: set[int] = frozenset(),
+    held: set[int] = frozenset(),
+) -> tuple[list[int], list[int]]:
+    """(kept, deleted) steps of `steps` under the policy; `protected` and `held` steps are always kept."""
+    steps = sorted(steps)
+    keep = set(steps[-policy.keep_last :]) | (set(steps) & (set(protected) | set(held)))
+    if policy.keep_every:
+        keep |= {s for s in steps if s % policy.keep_every == 0}
+    scored = {s: v for s, v in val_loss.items() if s in steps and v is not None}
+    if policy.keep_best and scored:
+        keep.add(min(scored, key=lambda s: (scored[s], -s)))
+    return sorted(keep), [s for s in steps if s not in keep]
+
+
+def apply(store: Store, run_name: str, policy: CheckpointConfig, hold_for_eval: bool = False) -> list[int]:
+    """Delete what the policy does not keep; returns the deleted steps.
+
+    With `hold_for_eval`, checkpoints without an `evaluated.json` are kept (an evaluator still needs them).
+    """
+    layout = RunLayout(run_name)
+    keys = store.list(layout.checkpoints)
+    steps = complete_steps(store, run_name, keys)
+    val = {s: read_manifest(store, run_name, s).get("val_loss") for s in steps}
+    held = set()
+    if hold_for_eval:
+        released = {RunLayout.step_of(k) for k in keys if k.endswith(f"/{EVALUATED}")}
+        held = set(steps) - released
+    _, delete = plan(steps, val, policy, protected_steps(store, run_name), held)
+    for s in delete:
+        store.delete(layout.manifest(s))
+        store.delete(layout.step(s))
+    if steps:  # leftovers of uploads cut short, older than the newest complete checkpoint
+        partial = {s for k in keys if (s := RunLayout.step_of(k)) is not None}
+        for s in sorted(partial - set(steps)):
+            if s < steps[-1]:
+                store.delete(layout.step(s))
+                delete.append(s)
+    return sorted(delete)

@@ -1,0 +1,1 @@
+"""Evaluation of checkpoints: validation loss, multiple choice, samples, lm-eval's harness."""

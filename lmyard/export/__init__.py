@@ -1,0 +1,1 @@
+"""Models out of lmyard: Hugging Face folders and the MLflow pyfunc model."""

@@ -1,0 +1,1 @@
+"""Launching stages: the follower and its jobs (local torchrun, Docker containers), the stage image."""

@@ -1,0 +1,372 @@
+"""Launchers: start torchrun on every node, follow the job, and turn its end into a result or an error.
+
+One interface, two backends. A `Job` starts the nodes and reports what they
+print and how they exit; `LocalJob` runs torchrun as a process group here,
+`lmyard.launch_docker.DockerJob` one container per node. Everything else is
+shared, in `follow()`:
+
+- output: every line reaches `on_line`, prefixed `[node i]` when there are several nodes;
+- progress and resume: `started.json` and `progress.json` from the job's exchange folder
+  (lmyard.contracts), never parsed from the log;
+- the heartbeat watchdog (`launch.watchdog_s`): stalled ranks get the job killed;
+- cancellation and cleanup: an interrupt (Ctrl-C, Prefect's cancellation) or `stop_all()` sends
+  SIGTERM to every node, waits `launch.grace_s` for the checkpoint, then kills; the job's
+  processes, containers and networks are removed whatever happens;
+- the result: `result.json` of rank 0 (or a failing rank's own file) and the exit codes become a
+  `TrainResult`, or the exception of lmyard.errors that its exit code names.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from lmyard.config import RunConfig
+from lmyard.contracts import EXCHANGE_ENV, Exchange, Progress, Started, TrainResult, TrainSpec, write_json
+from lmyard.errors import ExitCode, TrainingFailed, UserError, error_for
+from lmyard.paths import cache_root
+from lmyard.train import watchdog
+
+RDZV_TIMEOUT_S = 600  # how long node 0 waits for the others to join
+POLL_S = 1.0  # how often the exchange folder is read (heartbeats, progress)
+_ACTIVE: set[Follower] = set()
+_ACTIVE_LOCK = threading.Lock()
+
+
+class Job(Protocol):
+    """One launch of the trainer on `nodes` nodes."""
+
+    nodes: int
+
+    def start(self, events: queue.Queue) -> None:
+        """Start every node; then put ("line", node, text), ("exit", node, code), ("error", node, exc) on `events`."""
+
+    def read(self, name: str) -> bytes | None:
+        """A file of node 0's exchange folder, or None."""
+
+    def read_all(self, folder: str) -> dict[str, bytes]:
+        """The files of a subfolder of every node's exchange folder, by name."""
+
+    def terminate(self) -> None:
+        """SIGTERM to every node (the trainer checkpoints and exits as preempted)."""
+
+    def kill(self) -> None: ...
+
+    def why(self, node: int, code: int) -> str:
+        """Words on an exit code: ` (out of memory)`, ` (killed)`, or ''."""
+
+    def close(self) -> None:
+        """Remove everything the job made; tolerates what is already gone."""
+
+
+def torchrun_command(
+    cfg: RunConfig,
+    *,
+    python: str = sys.executable,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str | None = None,
+    node: int | None = None,
+    local_addr: str | None = None,
+    spec_path: str | None = None,
+) -> list[str]:
+    """torchrun running the trainer on one node: standalone for one node, else c10d rendezvous.
+
+    `node` (when the caller knows it) tells torchrun whether this node hosts the rendezvous."""
+    n = cfg.launch.nnodes
+    cmd = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(n),
+        "--nproc_per_node",
+        str(cfg.launch.nproc_per_node),
+        "--max_restarts",
+        "0",
+    ]
+    if n == 1:
+        cmd.append("--standalone")
+    else:
+        endpoint = rdzv_endpoint or cfg.launch.rdzv_endpoint
+        if not endpoint:
+            raise UserError("launch.nnodes > 1 needs launch.rdzv_endpoint (host:port of node 0)")
+        cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", rdzv_id or cfg.run_name]
+        if node is not None:
+            cmd += ["--rdzv_conf", f"is_host={int(node == 0)},join_timeout={RDZV_TIMEOUT_S}"]
+        if local_addr:
+            cmd += ["--local_addr", local_addr]
+    return [*cmd, "-m", "lmyard.train", *(["--spec", spec_path] if spec_path else [])]
+
+
+def stage_env(cfg: RunConfig) -> dict[str, str]:
+    """Environment every launch gives torchrun: unbuffered output, and torchrun's own grace after SIGTERM
+    a little longer than the trainer's, so the checkpoint is written before anything is killed."""
+    return {"PYTHONUNBUFFERED": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(cfg.launch.grace_s) + 10)}
+
+
+# ---------------------------------------------------------------- following (every backend)
+
+
+class Follower:
+    """Follows one job to its end (see the module docstring); `stop()` may be called from any thread."""
+
+    def __init__(
+        self,
+        job: Job,
+        cfg: RunConfig,
+        on_line: Callable[[str], None],
+        on_progress: Callable[[Progress], None] | None = None,
+        on_started: Callable[[Started], None] | None = None,
+        tail_lines: int = 40,
+    ):
+        self.job, self.cfg, self.on_line = job, cfg, on_line
+        self.on_progress, self.on_started = on_progress, on_started
+        self.tails = [collections.deque(maxlen=tail_lines) for _ in range(job.nodes)]
+        self.dog = watchdog.Watchdog(cfg.launch.watchdog_s)
+        self.stop_requested = threading.Event()
+        self.exits: dict[int, int] = {}
+        self.started_seen, self.progress_seen = False, b""
+
+    def run(self) -> TrainResult:
+        events: queue.Queue = queue.Queue()
+        with _ACTIVE_LOCK:
+            _ACTIVE.add(self)
+        try:
+            try:
+                self.job.start(events)
+                stalled = self._follow(events)
+                self._poll()
+            except BaseException:  # interrupted while the job runs: SIGTERM, grace, kill
+                self._stop(events)
+                raise
+            return self._result(stalled)
+        finally:
+            with _ACTIVE_LOCK:
+                _ACTIVE.discard(self)
+            self.job.close()
+
+    def stop(self) -> None:
+        self.stop_requested.set()
+
+    def _line(self, node: int, text: str) -> None:
+        line = f"[node {node}] {text}" if self.job.nodes > 1 else text
+        self.tails[node].append(line)
+        self.on_line(line)
+
+    def _drain(self, events: queue.Queue, timeout: float) -> None:
+        try:
+            kind, node, value = events.get(timeout=timeout)
+        except queue.Empty:
+            return
+        if kind == "line":
+            self._line(node, value)
+        elif kind == "exit":
+            self.exits[node] = value
+        else:
+            raise TrainingFailed(f"lost node {node}: {value}")
+
+    def _follow(self, events: queue.Queue) -> str | None:
+        """Until every node has exited; a failed node gives the others `grace_s`; returns a stall message."""
+        last_poll, failed_at, terminated = 0.0, None, False
+        while len(self.exits) < self.job.nodes:
+            self._drain(events, 0.2)
+            now = time.monotonic()
+            if self.stop_requested.is_set() and not terminated:
+                self.on_line(f"stopping the job: SIGTERM, {self.cfg.launch.grace_s:g} s to checkpoint")
+                self.job.terminate()
+                terminated, failed_at = True, now
+            if failed_at is None and any(code != 0 for code in self.exits.values()):
+                failed_at = now  # the others get a moment to end on their own (their peer is gone)
+            if failed_at is not None and now - failed_at > (self.cfg.launch.grace_s if terminated else 10):
+                self.job.kill()
+                failed_at = float("inf")
+            if now - last_poll >= POLL_S:
+                last_poll = now
+                stall = self._poll()
+                if stall:
+                    self.on_line(stall + "; stopping the job")
+                    self.job.kill()
+                    return stall
+        while not events.empty():  # lines printed just before the exits
+            self._drain(events, 0)
+        return None
+
+    def _poll(self) -> str | None:
+        """Read started/progress/heartbeats; a watchdog message when the job stalled."""
+        if not self.started_seen and (raw := self.job.read("started.json")):
+            self.started_seen = True
+            if self.on_started:
+                self.on_started(Started.model_validate_json(raw))
+        raw = self.job.read("progress.json")
+        if raw and raw != self.progress_seen:
+            self.progress_seen = raw
+            if self.on_progress:
+                self.on_progress(Progress.model_validate_json(raw))
+        beats = {name: data.decode().strip() for name, data in self.job.read_all("heartbeat").items()}
+        return self.dog.check(beats)
+
+    def _stop(self, events: queue.Queue) -> None:
+        """Interrupted: SIGTERM, wait up to grace_s for the nodes (forwarding their last lines), then kill."""
+        try:
+            self.on_line(f"interrupted: stopping the job (SIGTERM, up to {self.cfg.launch.grace_s:g} s to checkpoint)")
+            self.job.terminate()
+            deadline = time.monotonic() + self.cfg.launch.grace_s
+            while len(self.exits) < self.job.nodes and time.monotonic() < deadline:
+                self._drain(events, 0.2)
+        except BaseException:
+            pass
+        finally:
+            self.job.kill()
+
+    def _result(self, stalled: str | None) -> TrainResult:
+        if stalled:
+            raise TrainingFailed(stalled + "; a retry resumes from the last checkpoint")
+        raw = self.job.read("result.json")
+        result = TrainResult.model_validate_json(raw) if raw else None
+        if result is None or result.exit_code == ExitCode.DONE and any(self.exits.values()):
+            failures = [TrainResult.model_validate_json(b) for _, b in sorted(self.job.read_all("failures").items())]
+            result = failures[0] if failures else result
+        if result is not None and result.exit_code == ExitCode.DONE:
+            return result
+        if result is not None and result.exit_code != ExitCode.CRASHED:
+            raise error_for(result.exit_code, result.message or result.status)
+        return self._crashed(result)
+
+    def _crashed(self, result: TrainResult | None) -> TrainResult:
+        failed = {i: c for i, c in self.exits.items() if c != 0}
+        if not failed and result is None:
+            raise TrainingFailed("training exited without a result; last lines:\n" + "\n".join(self.tails[0]))
+        i, code = next(iter(failed.items())) if failed else (0, 1)
+        others = [ln for j, t in enumerate(self.tails) if j != i for ln in list(t)[-5:]]
+        what = (
+            f"node {i} exited with code {code}{self.job.why(i, code)}"
+            if self.job.nodes > 1
+            else f"training exited with code {code}{self.job.why(i, code)}"
+        )
+        if result is not None and result.message:
+            what += f": {result.message}"
+        raise TrainingFailed(
+            what
+            + (" ; stopped the others" if self.job.nodes > 1 else "")
+            + ". Last lines:\n"
+            + "\n".join([*self.tails[i], *others])
+        )
+
+
+def stop_all() -> int:
+    """Ask every job this process is following to stop (SIGTERM, checkpoint, preempted); how many."""
+    with _ACTIVE_LOCK:
+        active = list(_ACTIVE)
+    for f in active:
+        f.stop()
+    return len(active)
+
+
+# ---------------------------------------------------------------- here: torchrun as a process group
+
+
+def _die_with_parent() -> None:
+    # PR_SET_PDEATHSIG = 1: the kernel sends SIGTERM to torchrun if the launching process dies,
+    # and torchrun then stops its workers.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class LocalJob:
+    """torchrun as a child process group of this process (one node, or one of several with rdzv_endpoint)."""
+
+    nodes = 1
+
+    def __init__(self, cfg: RunConfig, spec: TrainSpec):
+        os.makedirs(cache_root(), exist_ok=True)
+        self.folder = tempfile.mkdtemp(prefix="lmyard-launch-", dir=cache_root())
+        self.exchange = Exchange(self.folder)
+        write_json(self.exchange.path("spec.json"), spec)
+        self.cmd = torchrun_command(cfg, spec_path=self.exchange.path("spec.json"))
+        self.env = {**os.environ, **stage_env(cfg), EXCHANGE_ENV: self.folder}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, events: queue.Queue) -> None:
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env=self.env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+
+        def pump() -> None:
+            assert self.proc and self.proc.stdout
+            for raw in self.proc.stdout:
+                events.put(("line", 0, raw.rstrip("\n")))
+            events.put(("exit", 0, self.proc.wait()))
+
+        threading.Thread(target=pump, daemon=True, name="torchrun-output").start()
+
+    def read(self, name: str) -> bytes | None:
+        try:
+            with open(self.exchange.path(name), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def read_all(self, folder: str) -> dict[str, bytes]:
+        return {k: v.encode() for k, v in watchdog.read_beats(self.exchange.path(folder)).items()}
+
+    def _signal(self, sig: int) -> None:
+        """`sig` to torchrun's process group and to every process under torchrun: torch's elastic agent starts
+        each rank in a session of its own, which a signal to torchrun's group alone does not reach (a SIGKILLed
+        torchrun would leave its ranks running)."""
+        import psutil
+
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            tree = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            tree = []
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(sig)
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+
+    def why(self, node: int, code: int) -> str:
+        return " (killed)" if code in (-9, 137) else ""
+
+    def close(self) -> None:
+        self.kill()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def run_local(
+    cfg: RunConfig, spec: TrainSpec | dict, on_line: Callable[[str], None] = print, **callbacks
+) -> TrainResult:
+    """Run the trainer with torchrun here and follow it; its TrainResult, or the error its exit code names."""
+    spec = TrainSpec.model_validate(spec)
+    return Follower(LocalJob(cfg, spec), cfg, on_line, **callbacks).run()

@@ -1,0 +1,347 @@
+"""Build the stage image offline: a local Debian base, a local wheelhouse, `docker build`.
+
+    python -m lmyard.launch.images build                       # base + wheelhouse + image, cached
+    python -m lmyard.launch.images build --base pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime --no-torch
+    python -m lmyard.launch.images tag                         # the tag this checkout builds
+    python -m lmyard.launch.images prune --keep 3              # drop older stage images (~1.1 GB each)
+
+No image registry is needed. Three steps, each cached under LMYARD_IMAGE_CACHE
+(default `images` in the cache root, LMYARD_CACHE or ~/.cache/lmyard) or in the engine:
+
+1. Base `lmyard-base:bookworm`: debootstrap Debian bookworm (minbase + python3,
+   whose 3.11 matches the cp311 torch wheel) from the Debian mirror apt uses,
+   trimmed of docs, locales and apt caches, then `docker import`.
+2. Wheelhouse: `pip download` of images/requirements.txt pinned to the versions
+   installed here (pip's find-links supplies the torch CPU wheel), plus
+   lmyard's own wheel built from this checkout.
+3. `docker build` of images/Dockerfile with BASE_IMAGE and CODE_VERSION; the
+   wheels reach only the build stage, and its image is removed afterwards.
+
+The tag is `lmyard-stage:<code version>` (`+` becomes `-`); a checkout with
+uncommitted changes adds a digest of the sources, so an edit never reuses a
+stale image. Needs root for debootstrap and a running Docker engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from lmyard.errors import UserError
+from lmyard.paths import cache_root
+from lmyard.version import code_version
+
+REPO = Path(__file__).resolve().parents[1]
+IMAGES = REPO / "images"
+BASE_IMAGE = "lmyard-base:bookworm"
+STAGE_REPO = "lmyard-stage"
+BUILD_STAGE_LABEL = "lmyard.build-stage"
+SOURCE_LABEL = "lmyard.source-digest"  # on the stage image: source_digest() of what it was built from
+# Trimmed from the debootstrapped tree: nothing the stages run needs them (~140 MB of 275 MB).
+TRIM = (
+    "var/cache/apt/archives",
+    "var/lib/apt/lists",
+    "usr/share/doc",
+    "usr/share/man",
+    "usr/share/info",
+    "usr/share/locale",
+)
+
+
+def cache_dir() -> Path:
+    """LMYARD_IMAGE_CACHE, default `images` under the one cache root (LMYARD_CACHE, ~/.cache/lmyard)."""
+    return Path(os.environ.get("LMYARD_IMAGE_CACHE") or cache_root("images"))
+
+
+def source_digest() -> str:
+    """A digest of what goes into the image: the packages' sources, pyproject and images/."""
+    h = hashlib.sha256()
+    files = [REPO / "pyproject.toml", *sorted(IMAGES.glob("*"))]
+    for pkg in ("lmyard", "flows", "tasks"):
+        files += sorted((REPO / pkg).rglob("*.py"))
+    for f in files:
+        if f.is_file():
+            h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def _sources_changed() -> bool:
+    """Uncommitted or untracked changes in what goes into the image (True outside a git checkout)."""
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--", "lmyard", "flows", "tasks", "images", "pyproject.toml"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return out.returncode != 0 or bool(out.stdout.strip())
+
+
+def image_tag() -> str:
+    """`lmyard-stage:<code version>`; changed sources add `.src<digest>`, so an edit never reuses a stale image."""
+    version = code_version().removesuffix(".dirty")
+    if _sources_changed():
+        version += f".src{source_digest()}"
+    return f"{STAGE_REPO}:{re.sub(r'[^A-Za-z0-9_.-]', '-', version)}"
+
+
+def _client():
+    import docker
+
+    return docker.from_env(timeout=600)
+
+
+def _image_exists(client, ref: str) -> bool:
+    import docker
+
+    try:
+        client.images.get(ref)
+        return True
+    except docker.errors.ImageNotFound:
+        return False
+
+
+def _debian_mirror() -> str:
+    """The Debian mirror apt is configured with (deb822 or one-line sources), else deb.debian.org."""
+    for path in [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]:
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        m = re.search(r"^(?:URIs:\s*|deb\s+(?:\[[^]]*\]\s+)?)(https?://\S+/debian)/?\s", text, re.M)
+        if m:
+            return m.group(1)
+    return "http://deb.debian.org/debian"
+
+
+def build_base(client, log: Callable[[str], None] = print, suite: str = "bookworm") -> str:
+    """`lmyard-base:<suite>`: debootstrap + `docker import`; the root tarball is cached."""
+    tag = f"lmyard-base:{suite}"
+    if _image_exists(client, tag):
+        return tag
+    tarball = cache_dir() / f"base-{suite}.tar"
+    if not tarball.exists():
+        if shutil.which("debootstrap") is None:
+            raise RuntimeError("debootstrap is not installed: apt-get install -y debootstrap")
+        tarball.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="lmyard-rootfs-", dir=tarball.parent) as root:
+            mirror = _debian_mirror()
+            log(f"debootstrap {suite} from {mirror}")
+            subprocess.run(
+                ["debootstrap", "--variant=minbase", "--include=python3,python3-venv", suite, root, mirror],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
+            for rel in TRIM:
+                shutil.rmtree(Path(root, rel), ignore_errors=True)
+            tmp = tarball.with_suffix(".tar.part")
+            with tarfile.open(tmp, "w") as tar:
+                tar.add(root, arcname=".")
+            tmp.replace(tarball)
+    log(f"docker import {tarball} as {tag}")
+    client.api.import_image_from_file(
+        str(tarball),
+        repository=tag.split(":")[0],
+        tag=suite,
+        changes=[
+            "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "ENV LANG=C.UTF-8",
+            'CMD ["python3"]',
+        ],
+    )
+    return tag
+
+
+def pinned_requirements(include_torch: bool = True) -> list[str]:
+    """images/requirements.txt with each package pinned to the version installed here, when it fits."""
+    from packaging.requirements import Requirement
+
+    out = []
+    for line in (IMAGES / "requirements.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        req = Requirement(line)
+        if req.name == "torch" and not include_torch:
+            continue
+        try:
+            have = importlib.metadata.version(req.name)
+        except importlib.metadata.PackageNotFoundError:
+            out.append(line)
+            continue
+        out.append(f"{req.name}=={have}" if req.specifier.contains(have, prereleases=True) else line)
+    return out
+
+
+def build_wheelhouse(dest: Path, include_torch: bool = True, log: Callable[[str], None] = print) -> None:
+    """Every wheel the image installs into `dest` (a build context's wheels/): deps, then lmyard's own."""
+    shared = cache_dir() / "wheels"  # downloads kept across builds
+    shared.mkdir(parents=True, exist_ok=True)
+    dest.mkdir(parents=True, exist_ok=True)
+    reqs = pinned_requirements(include_torch)
+    (dest / "requirements.txt").write_text("\n".join(reqs) + "\n")
+    log(f"pip download {len(reqs)} requirements (and their dependencies) into {shared}")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--only-binary=:all:",
+            "--dest",
+            str(shared),
+            "-r",
+            str(dest / "requirements.txt"),
+        ],
+        check=True,
+    )
+    with tempfile.TemporaryDirectory() as tmp:  # lmyard's wheel from a clean copy of this checkout's sources
+        src = Path(tmp, "src")
+        src.mkdir()
+        for name in ("pyproject.toml", "README.md"):
+            shutil.copy2(REPO / name, src / name)
+        for pkg in ("lmyard", "flows", "tasks"):
+            shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", tmp, str(src)], check=True
+        )
+        for whl in Path(tmp).glob("*.whl"):
+            shutil.move(str(whl), dest / whl.name)
+    for whl in shared.glob("*.whl"):
+        try:
+            os.link(whl, dest / whl.name)
+        except OSError:
+            shutil.copy2(whl, dest / whl.name)
+
+
+def build_image(
+    tag: str | None = None,
+    base: str | None = None,
+    include_torch: bool = True,
+    log: Callable[[str], None] = print,
+    force: bool = False,
+) -> str:
+    """Build (or reuse) the stage image; returns its tag."""
+    import docker
+
+    client = _client()
+    tag = tag or image_tag()
+    if not force and _image_exists(client, tag):
+        log(f"{tag} exists; not rebuilding")
+        return tag
+    digest = source_digest()
+    if not force and base is None and include_torch:
+        # Same sources under another code version (a commit that touched only docs or tests): retag.
+        for img in client.images.list(name=STAGE_REPO, filters={"label": f"{SOURCE_LABEL}={digest}"}):
+            img.tag(*tag.split(":", 1))
+            log(f"{tag}: same sources as {img.tags[0] if img.tags else img.short_id}; tagged, not rebuilt")
+            return tag
+    base = base or build_base(client, log)
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="lmyard-build-", dir=cache_dir()) as ctx:
+        shutil.copy2(IMAGES / "Dockerfile", Path(ctx, "Dockerfile"))
+        build_wheelhouse(Path(ctx, "wheels"), include_torch, log)
+        log(f"docker build {tag} FROM {base}")
+        try:
+            for chunk in client.api.build(
+                path=ctx,
+                tag=tag,
+                rm=True,
+                forcerm=True,
+                decode=True,
+                pull=False,
+                buildargs={"BASE_IMAGE": base, "CODE_VERSION": code_version(), "SOURCE_DIGEST": digest},
+            ):
+                if "error" in chunk:
+                    raise RuntimeError(f"docker build failed: {chunk['error'].strip()}")
+                text = chunk.get("stream", "").rstrip()
+                if text.startswith("Step "):
+                    log(text)
+        finally:
+            # The build stage (venv + wheels) is left as an untagged image carrying our label; drop it.
+            for img in client.images.list(filters={"dangling": True, "label": BUILD_STAGE_LABEL}):
+                try:
+                    client.images.remove(img.id, force=True)
+                except docker.errors.APIError:
+                    pass
+    if ".src" in tag:  # a build of uncommitted sources replaces the earlier ones (~1.1 GB each)
+        for img in client.images.list(name=STAGE_REPO):
+            if img.tags and all(".src" in t and t != tag for t in img.tags):
+                client.images.remove(img.id, force=True)
+    return tag
+
+
+def _created(img) -> tuple[str, str]:
+    """Sort key of an image's creation time (RFC 3339 in UTC with 0-9 fraction digits)."""
+    whole, _, frac = img.attrs["Created"].rstrip("Z").partition(".")
+    return whole, frac.ljust(9, "0")
+
+
+def prune(keep: int = 3, repo: str = STAGE_REPO, log: Callable[[str], None] = print) -> list[str]:
+    """Remove all but the `keep` newest images of `repo`; returns the removed images' tags.
+
+    Kept as well: the image this checkout runs (its tag may sit on an older image whose sources
+    are unchanged) and any image a container, running or stopped, was made from.
+    """
+    if keep < 1:
+        raise UserError(f"prune --keep {keep}: keep at least 1 image (the newest)")
+    client = _client()
+    in_use = {c.attrs["Image"] for c in client.containers.list(all=True)}
+    current = image_tag() if repo == STAGE_REPO else None
+    removed: list[str] = []
+    for img in sorted(client.images.list(name=repo), key=_created, reverse=True)[keep:]:
+        name = ", ".join(img.tags) or img.short_id
+        if img.id in in_use or current in img.tags:
+            log(f"keeping {name}: {'a container was made from it' if img.id in in_use else 'this checkout runs it'}")
+            continue
+        client.images.remove(img.id, force=True)  # force: every tag of this image goes with it
+        removed.extend(img.tags or [img.short_id])
+        log(f"removed {name} ({img.attrs['Size'] / 1e6:,.0f} MB)")
+    return removed
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lmyard.launch.images", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="build the stage image (base and wheelhouse cached)")
+    b.add_argument("--base", help=f"BASE_IMAGE (default: {BASE_IMAGE}, made here with debootstrap)")
+    b.add_argument("--no-torch", action="store_true", help="keep the base image's torch (CUDA bases)")
+    b.add_argument("--tag", help="image tag (default: from the code version)")
+    b.add_argument("--force", action="store_true", help="rebuild even if the tag exists")
+    sub.add_parser("tag", help="print the tag this checkout builds")
+    pr = sub.add_parser("prune", help=f"remove all but the newest {STAGE_REPO} images (and those in use)")
+    pr.add_argument("--keep", type=int, default=3, help="how many of the newest images to keep (default 3)")
+    args = p.parse_args(argv)
+    if args.command == "tag":
+        print(image_tag())
+        return 0
+    if args.command == "prune":
+        try:
+            print(f"removed {len(prune(args.keep))} images")
+        except UserError as e:
+            p.error(str(e))
+        return 0
+    t0 = time.perf_counter()
+    tag = build_image(args.tag, args.base, include_torch=not args.no_torch, force=args.force)
+    size = _client().images.get(tag).attrs["Size"]
+    print(f"{tag}: {size / 1e6:,.0f} MB, {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""GPT-2 style decoder: pre-LayerNorm blocks, SDPA (flash) attention, tied embeddings.
+
+Initialisation follows GPT-2: N(0, 0.02) weights, zero biases, and the
+residual projections scaled by 1/sqrt(2 * n_layer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lmyard.config import ModelConfig
+from lmyard.models.losses import linear_cross_entropy
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    dropout: float = 0.0
+    bias: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, n_vocab: int) -> GPTConfig:
+        dims = cfg.dims()
+        vocab = cfg.vocab_size or 64 * math.ceil(n_vocab / 64)  # pad to a multiple of 64 for fast matmuls
+        return cls(vocab_size=vocab, dropout=cfg.dropout, bias=cfg.bias, **dims)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.n_head, self.dropout = c.n_head, c.dropout
+        self.c_attn = nn.Linear(c.n_embd, 3 * c.n_embd, bias=c.bias)
+        self.c_proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
+        self.c_proj.RESIDUAL = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(c.n_embd, 4 * c.n_embd, bias=c.bias)
+        self.c_proj = nn.Linear(4 * c.n_embd, c.n_embd, bias=c.bias)
+        self.c_proj.RESIDUAL = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(c.n_embd, bias=c.bias), nn.LayerNorm(c.n_embd, bias=c.bias)
+        self.attn, self.mlp = CausalSelfAttention(c), MLP(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class LanguageModel(nn.Module):
+    """What GPT-2 and Llama share: AdamW groups and sampling. A subclass has `config.block_size` and a
+    `forward(idx)` that gives logits (B, T, V)."""
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW groups: decay on matrices (weights, embeddings, head); none on biases and norm gains."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        return [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        vocab_limit: int | None = None,
+    ) -> torch.Tensor:
+        """Sample continuations; `vocab_limit` masks the padding rows above the tokenizer's vocabulary."""
+        for _ in range(max_new_tokens):
+            cond = idx[:, -self.config.block_size :]
+            logits = self(cond)
+            logits = logits[:, -1, :].float() / temperature
+            if vocab_limit is not None:
+                logits[:, vocab_limit:] = -float("inf")
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            probs = F.softmax(logits, dim=-1)
+            idx = torch.cat((idx, torch.multinomial(probs, 1, generator=generator)), dim=1)
+        return idx
+
+
+class GPT(LanguageModel):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.config = c
+        self.wte = nn.Embedding(c.vocab_size, c.n_embd)
+        self.wpe = nn.Embedding(c.block_size, c.n_embd)
+        self.drop = nn.Dropout(c.dropout)
+        self.h = nn.ModuleList(Block(c) for _ in range(c.n_layer))
+        self.ln_f = nn.LayerNorm(c.n_embd, bias=c.bias)
+        self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying (GPT-2)
+        self.apply(self._init)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The blocks, under the name lmyard.parallel wraps them by (FSDP2 units, checkpointing, compile)."""
+        return self.h
+
+    def _init(self, m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            std = 0.02 / math.sqrt(2 * self.config.n_layer) if getattr(m, "RESIDUAL", False) else 0.02
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V); with targets, only the mean cross-entropy, computed with the head in one op
+        (lmyard.losses: the logits' gradient is made in the forward pass, in the logits' buffer)."""
+        T = idx.size(1)
+        assert T <= self.config.block_size, f"sequence of {T} exceeds block_size {self.config.block_size}"
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        x = self.ln_f(x)
+        if targets is None:
+            return self.lm_head(x)
+        return linear_cross_entropy(x, self.lm_head.weight, targets)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6N for the weights + 12*L*d*T for attention (PaLM appendix B)."""
+        c = self.config
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size

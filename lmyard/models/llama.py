@@ -1,0 +1,201 @@
+"""Llama-family decoder (Llama 3 shapes): RoPE, RMSNorm, SwiGLU, grouped-query attention, untied
+embeddings, no biases.
+
+The interface is GPT's (lmyard.model): `forward(idx, targets=None)` gives the mean loss through
+lmyard.losses.linear_cross_entropy (the logits without targets), `num_params()`, `flops_per_token()`,
+`param_groups()`, `generate()`, `config.block_size`, and `layers`, the ModuleList of blocks that
+lmyard.parallel wraps one by one (FSDP2 units, activation checkpointing, torch.compile).
+
+Weight names follow Hugging Face's LlamaForCausalLM without its `model.` prefix
+(`embed_tokens`, `layers.i.self_attn.o_proj`, `layers.i.mlp.gate_proj`, `norm`, `lm_head`), except
+that q, k and v are one matmul, `self_attn.qkv_proj` (HF's q_proj, k_proj and v_proj stacked by rows,
+as torchtitan fuses them: one larger GEMM); RoPE rotates halves of each head as HF does, so an export
+only splits qkv_proj's rows, with no permutation of q and k.
+
+Initialisation as torchtitan's Llama 3: embeddings N(0, 1); qkv and the gate projection
+truncated N(0, 0.02); the output projections of attention and MLP (o_proj, down_proj) and the up
+projection truncated N(0, 0.02 / sqrt(2 * (layer + 1))) (depth-scaled); the LM head truncated
+N(0, d^-1/2) cut at 3 sigma; RMSNorm gains 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lmyard.config import ModelConfig
+from lmyard.models.gpt2 import LanguageModel
+from lmyard.models.losses import linear_cross_entropy
+
+
+def ffn_hidden_size(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """Llama 3's SwiGLU width: 2/3 of 4d, times the multiplier, rounded up to a multiple of `multiple_of`
+    (d=2048, x1.5, 1024 -> 8192; d=4096, x1.3, 1024 -> 14336)."""
+    hidden = int(2 * 4 * dim / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    n_kv_head: int
+    ffn_hidden: int
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, n_vocab: int) -> LlamaConfig:
+        d = cfg.llama_dims()
+        vocab = d.pop("vocab_size") or 64 * math.ceil(n_vocab / 64)
+        ffn = ffn_hidden_size(d["n_embd"], d.pop("multiple_of"), d.pop("ffn_dim_multiplier"))
+        return cls(vocab_size=vocab, ffn_hidden=ffn, **d)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (length, head_dim) of RoPE in HF's layout: frequency i at columns i and i + head_dim/2."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, Dh) by the position's angles: x*cos + rotate_half(x)*sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
+        self.sizes = [c.n_head * c.head_dim, c.n_kv_head * c.head_dim, c.n_kv_head * c.head_dim]
+        self.qkv_proj = nn.Linear(c.n_embd, sum(self.sizes), bias=False)  # HF's q_proj, k_proj, v_proj stacked
+        self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.n_embd, c.ffn_hidden, bias=False)
+        self.up_proj = nn.Linear(c.n_embd, c.ffn_hidden, bias=False)
+        self.down_proj = nn.Linear(c.ffn_hidden, c.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(c.n_embd, eps=c.norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = nn.RMSNorm(c.n_embd, eps=c.norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LMHead(nn.Linear):
+    """The output projection; with targets, the projection and its cross-entropy in one op (lmyard.losses).
+    Called as a module, so FSDP2 gathers its weight through its own unit's hooks."""
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(x)
+        return linear_cross_entropy(x, self.weight, targets)
+
+
+class Llama(LanguageModel):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        if c.n_embd % c.n_head or c.n_head % c.n_kv_head or c.head_dim % 2:
+            raise ValueError(
+                f"n_embd ({c.n_embd}) must split into n_head ({c.n_head}) heads of even size, "
+                f"and n_head into groups of n_kv_head ({c.n_kv_head})"
+            )
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.n_embd)
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layer))
+        self.norm = nn.RMSNorm(c.n_embd, eps=c.norm_eps)
+        self.lm_head = LMHead(c.n_embd, c.vocab_size, bias=False)
+        cos, sin = rope_tables(c.head_dim, c.block_size, c.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """torchtitan's Llama 3 initialisation (see the module docstring); also remakes the RoPE tables."""
+        c = self.config
+        nn.init.normal_(self.embed_tokens.weight, std=1.0)
+        for i, block in enumerate(self.layers):
+            deep = 0.02 / math.sqrt(2 * (i + 1))
+            a, m = block.self_attn, block.mlp
+            for lin, std in (
+                (a.qkv_proj, 0.02),
+                (a.o_proj, deep),
+                (m.gate_proj, 0.02),
+                (m.up_proj, deep),
+                (m.down_proj, deep),
+            ):
+                nn.init.trunc_normal_(lin.weight, std=std)
+            block.input_layernorm.reset_parameters()
+            block.post_attention_layernorm.reset_parameters()
+        self.norm.reset_parameters()
+        s = c.n_embd**-0.5
+        nn.init.trunc_normal_(self.lm_head.weight, std=s, a=-3 * s, b=3 * s)
+        cos, sin = rope_tables(c.head_dim, c.block_size, c.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V); with targets, only the mean cross-entropy (the head and its loss in one op)."""
+        T = idx.size(1)
+        assert T <= self.config.block_size, f"sequence of {T} exceeds block_size {self.config.block_size}"
+        x = self.embed_tokens(idx)
+        cos, sin = self.rope_cos[:T].to(x.dtype), self.rope_sin[:T].to(x.dtype)
+        for block in self.layers:
+            x = block(x, cos, sin)
+        return self.lm_head(self.norm(x), targets)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token, torchtitan's formula (get_dense_model_nparams_and_flops, untied):
+        6 * (N - the input embedding table) + 12 * L * d * T, with d = n_head * head_dim and T = block_size.
+
+        6N': each weight of a matmul (the LM head included) costs 2 FLOPs forward and 4 backward; the
+        embedding table is a lookup. 12*L*d*T: the two attention matmuls (scores, weighted values), 2
+        FLOPs per multiply-add, x3 for forward + backward, causal masking not discounted."""
+        c = self.config
+        return 6 * (self.num_params() - self.embed_tokens.weight.numel()) + 12 * c.n_layer * c.n_embd * c.block_size

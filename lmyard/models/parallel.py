@@ -1,0 +1,203 @@
+"""Sharded data parallelism and its companions, for models with a `layers` ModuleList of blocks.
+
+`parallelize(raw_model, cfg, world, device)` gives the model to train under `train.parallel=fsdp`,
+applying, in torchtitan's order: float8 linears -> activation checkpointing -> torch.compile per block
+-> FSDP2 (`fully_shard` per block, the embeddings, the final norm with the head, then the root).
+
+The parameters stay fp32 and sharded (the optimizer updates fp32 shards); on CUDA each block's
+parameters are gathered in bf16 for its forward and backward, and gradients are reduce-scattered in
+fp32 (MixedPrecisionPolicy). On CPU everything stays fp32.
+
+Activation checkpointing: `full` recomputes each whole block in backward; `selective` is torchtitan's
+op-level policy: inside each block the outputs of matmuls and attention are kept, except every second
+matmul's, and everything else (norms, RoPE, SwiGLU's pointwise ops) is recomputed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lmyard.config import RunConfig
+
+
+def _blocks(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__} has no `layers` ModuleList of blocks to wrap one by one")
+    return layers
+
+
+def apply_float8(model: nn.Module, device: torch.device) -> bool:
+    """Swap the blocks' linears for torchao's float8 training linears (tensorwise scaling); False, with a
+    warning, where torchao is missing or the device has no float8 matmuls (CUDA compute capability < 8.9)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        warnings.warn(
+            "train.float8 skipped: float8 matmuls need a CUDA GPU of compute capability 8.9+ (H100, L40S)", stacklevel=2
+        )
+        return False
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        warnings.warn("train.float8 skipped: torchao is not installed (pip install torchao)", stacklevel=2)
+        return False
+
+    def dims_ok(module: nn.Module, fqn: str) -> bool:  # float8 GEMMs need both sizes divisible by 16
+        return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    convert_to_float8_training(_blocks(model), config=Float8LinearConfig(), module_filter_fn=dims_ok)
+    return True
+
+
+def _selective_policy():
+    """torchtitan's op-level SAC policy: keep matmul/attention outputs, except every second matmul's."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    mm_ops = {aten.mm.default, aten.linear.default}
+    keep = mm_ops | {
+        getattr(aten, name).default
+        for name in (
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+        )
+        if hasattr(aten, name)
+    }
+    keep.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        if func in mm_ops:
+            mode = "recompute" if ctx.is_recompute else "forward"
+            counts[mode] += 1
+            if counts[mode] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Wrap each block for recomputation in backward: `none`, `full` or `selective` (see the module docstring).
+    The wrapper keeps the blocks' state_dict keys (checkpoint_wrapper strips its own prefix)."""
+    if mode == "none":
+        return
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation checkpointing mode {mode!r}: choose none, selective or full")
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    layers = _blocks(model)
+    for i, block in enumerate(layers):
+        if mode == "full":
+            layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            layers[i] = checkpoint_wrapper(
+                block,
+                preserve_rng_state=False,
+                context_fn=lambda: create_selective_checkpoint_contexts(_selective_policy()),
+            )
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """torch.compile each block in place (fullgraph): one compiled graph reused by every block of one shape,
+    and the parameter names stay as they are."""
+    for block in _blocks(model):
+        block.compile(fullgraph=True)
+
+
+def mixed_precision(device: torch.device):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if device.type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def apply_fsdp(model: nn.Module, mesh, device: torch.device, reshard_after_forward: bool = True) -> nn.Module:
+    """FSDP2: `fully_shard` each block, then the root. `mesh` is a 1-D DeviceMesh of the data-parallel ranks
+    (fsdp_mesh). A model with untied `embed_tokens` and `lm_head` (Llama) gets two more units, as torchtitan
+    makes them: the embeddings, and the final norm with the head, kept gathered from forward to backward
+    (backward needs them at once) so that the head's gradients are reduced while the blocks' backward runs;
+    GPT-2's tied table and head stay in the root unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    shard = partial(fully_shard, mesh=mesh, mp_policy=mixed_precision(device))
+    embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    if embed is not None and head is not None and head.weight is not embed.weight:
+        shard(embed, reshard_after_forward=reshard_after_forward)
+        shard([model.norm, head], reshard_after_forward=False)
+    for block in _blocks(model):
+        shard(block, reshard_after_forward=reshard_after_forward)
+    shard(model, reshard_after_forward=reshard_after_forward)  # FSDP2 keeps the root gathered for backward
+    return model
+
+
+def fsdp_mesh(world: int, device: torch.device):
+    """The 1-D mesh of all ranks; a 1-rank process group is made in process when none exists (one GPU)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        if world != 1:
+            raise RuntimeError("fsdp on several ranks needs torch.distributed initialised first (torchrun)")
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            device_id=device if device.type == "cuda" else None,
+        )
+    return init_device_mesh(device.type, (world,))
+
+
+def parallelize(raw_model: nn.Module, cfg: RunConfig, world: int, device: torch.device) -> nn.Module:
+    """The model to train under train.parallel=fsdp: float8 (train.float8) -> activation checkpointing
+    (train.activation_checkpointing) -> torch.compile per block (train.compile; default on CUDA) -> FSDP2
+    (train.fsdp_reshard_after_forward). Modifies and returns raw_model; its parameters become DTensor shards
+    on `device`, so build the optimizer after this call."""
+    t = cfg.train
+    if t.float8:
+        apply_float8(raw_model, device)
+    apply_activation_checkpointing(raw_model, t.activation_checkpointing)
+    if t.compile if t.compile is not None else device.type == "cuda":
+        compile_blocks(raw_model)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return apply_fsdp(raw_model, fsdp_mesh(world, device), device, t.fsdp_reshard_after_forward)
+
+
+def no_sync(model: nn.Module):
+    """Skip the gradient reduction of this backward (an accumulation micro-step): FSDP2's
+    set_requires_gradient_sync, or DDP's no_sync."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+
+        @contextlib.contextmanager
+        def paused():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+
+        return paused()
+    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm and return it as a plain tensor, for DTensor (FSDP2) or plain grads."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if hasattr(norm, "full_tensor"):  # a DTensor: the sum of the shards' squares is reduced over the ranks here
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm

@@ -1,0 +1,1 @@
+"""MLflow tracking: the lineage (one MLflow run across attempts), the trainer's metric sink, the lineage lease."""

@@ -1,0 +1,1 @@
+"""Training: the Trainer (`torchrun -m lmyard.train`), its components, heartbeats, the retraining decision."""

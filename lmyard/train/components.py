@@ -1,0 +1,216 @@
+"""The Trainer's components. Each decides when it is due; the loop in lmyard.train only asks.
+
+- `MetricsLogger`: train loss, lr, grad norm, tokens/s, MFU, data wait, memory, every `log_interval`
+  steps; writes `progress.json` for the launcher (rank 0).
+- `Validator`: the validation loss every `eval.interval` steps and at the last step.
+- `Checkpointing`: saves every `checkpoint.interval` steps, at the last step and when preempted
+  (asynchronously on rank 0; every rank hands in its RNG state).
+- `DivergenceGuard`: checks the loss on log and checkpoint steps; non-finite or spiking means
+  rollback or stop, by `train.guard.policy`.
+- `Preemption`: SIGTERM sets a flag; the ranks agree on it after every step (one tiny all-reduce
+  on a gloo group), so they all checkpoint the same step and exit as preempted.
+- `FaultHook`: the injected failures of lmyard.faults, in one place.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from lmyard import faults
+from lmyard.config import RunConfig
+from lmyard.contracts import Exchange, Progress
+from lmyard.errors import Diverged
+
+# Dense bf16 peak FLOP/s per GPU for MFU (vendor datasheets, SXM parts, no sparsity).
+# MFU = tokens/s * flops_per_token / (peak * GPUs), flops_per_token = 6N + 12*L*d*T.
+PEAK_FLOPS = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "H800": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10": 125e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def all_mean(value: torch.Tensor, world: int) -> float:
+    if world > 1:
+        value = value.detach().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= world
+    return float(value)
+
+
+class MetricsLogger:
+    """Logs a window of steps: rates over the window, values of its last step."""
+
+    def __init__(self, cfg: RunConfig, device: torch.device, world: int, flops_per_token: int, sink, is_main: bool):
+        self.t, self.device, self.world, self.sink, self.is_main = cfg.train, device, world, sink, is_main
+        self.flops_tok, self.peak = flops_per_token, peak_flops(device)
+        self.exchange = Exchange.from_env() if is_main else None
+        self.restart(0.0)
+
+    def restart(self, waited_s: float) -> None:
+        """Start a new window (after a pause: an evaluation, a checkpoint, a rollback)."""
+        self.t0, self.steps, self.waited_at = time.perf_counter(), 0, waited_s
+
+    def due(self, step: int) -> bool:
+        return step % self.t.log_interval == 0
+
+    def log(
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        tokens_seen: int,
+        waited_s: float,
+        epoch: float | None = None,
+    ) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = (time.perf_counter() - self.t0) / max(1, self.steps)
+        tok_s = self.t.batch_tokens / dt
+        m = {
+            "train/loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tok_s,
+            "step_time_s": dt,
+            "data_wait_frac": (waited_s - self.waited_at) / (dt * max(1, self.steps)),
+            "tokens_seen": tokens_seen,
+        }
+        if epoch is not None:
+            m["epoch"] = epoch
+        if self.peak:
+            m["mfu"] = tok_s * self.flops_tok / (self.peak * self.world)
+        if self.device.type == "cuda":
+            m["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        if self.is_main:
+            self.sink.log(m, step)
+            print(
+                f"step {step}/{self.t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} | "
+                f"{tok_s:,.0f} tok/s | {dt * 1000:.1f} ms/step | data wait {m['data_wait_frac']:.2%}"
+                + (f" | mfu {m['mfu']:.1%}" if self.peak else ""),
+                flush=True,
+            )
+            if self.exchange:
+                self.exchange.write(
+                    "progress.json",
+                    Progress(step=step, max_steps=self.t.max_steps, loss=loss, tokens_per_s=tok_s, mfu=m.get("mfu")),
+                )
+        self.restart(waited_s)
+
+
+class Validator:
+    def __init__(self, cfg: RunConfig):
+        self.interval, self.max_steps = cfg.eval.interval, cfg.train.max_steps
+        self.last: tuple[int, float] | None = None  # (step, val loss)
+
+    def due(self, step: int) -> bool:
+        return step % self.interval == 0 or step == self.max_steps
+
+    def at(self, step: int) -> float | None:
+        """The val loss measured at exactly `step`, else None (a checkpoint never records a stale one)."""
+        return self.last[1] if self.last and self.last[0] == step else None
+
+
+class Checkpointing:
+    def __init__(self, cfg: RunConfig):
+        self.interval, self.max_steps = cfg.checkpoint.interval, cfg.train.max_steps
+
+    def due(self, step: int) -> bool:
+        return step % self.interval == 0 or step == self.max_steps
+
+
+class DivergenceGuard:
+    """Decides whether a checked loss means divergence (non-finite, or a spike over the running mean)."""
+
+    def __init__(self, cfg: RunConfig):
+        g = cfg.train.guard
+        self.policy, self.max_rollbacks, self.spike_factor = g.policy, g.max_rollbacks, g.spike_factor
+        self.mean, self.seen = None, 0
+
+    def problem(self, loss: float) -> str | None:
+        if not math.isfinite(loss):
+            return f"loss is {loss}"
+        if self.spike_factor and self.mean is not None and self.seen >= 3 and loss > self.spike_factor * self.mean:
+            return f"loss {loss:.4f} is over {self.spike_factor} x its running mean {self.mean:.4f}"
+        self.mean = loss if self.mean is None else 0.9 * self.mean + 0.1 * loss
+        self.seen += 1
+        return None
+
+    def check_rollback_allowed(self, step: int, problem: str, rollbacks: int) -> None:
+        """Diverged when the policy or the cap says stop."""
+        if self.policy == "stop":
+            raise Diverged(
+                f"training diverged at step {step}: {problem}. Resume from the last checkpoint with a "
+                "lower train.lr, or set train.guard.policy=rollback"
+            )
+        if rollbacks >= self.max_rollbacks:
+            raise Diverged(
+                f"training diverged at step {step}: {problem}, after {rollbacks} rollbacks "
+                f"(train.guard.max_rollbacks); lower train.lr"
+            )
+
+
+class Preemption:
+    """SIGTERM -> checkpoint now and exit as preempted. Ranks agree on the step through a gloo group."""
+
+    def __init__(self, world: int, cuda: bool):
+        self.requested_at: float | None = None
+        self.world = world
+        # a CPU group for the flag: reading an NCCL result would make the CPU wait for the GPU every step
+        self.group = dist.new_group(backend="gloo") if world > 1 and cuda else None
+        self.previous = signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.requested_at is None:
+            self.requested_at = time.monotonic()
+            print(f"rank {os.environ.get('RANK', 0)}: SIGTERM received; checkpointing after this step", flush=True)
+
+    def due(self) -> bool:
+        """True on every rank once any rank was asked to stop (collective: call on every rank each step)."""
+        flag = torch.tensor([1 if self.requested_at is not None else 0], dtype=torch.int32)
+        if self.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        signal.signal(signal.SIGTERM, self.previous)
+
+
+class FaultHook:
+    """LMYARD_FAULTS drills after a step: `hang` stops the last rank, `crash` exits once checkpoints are in."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+
+    def poison(self, step: int) -> bool:
+        return faults.fires("nan_loss", step)
+
+    def after_step(self, step: int, flush) -> None:
+        if faults.fires("pause", step):  # every rank: a window in which a drill can act at a known step
+            time.sleep(float(os.environ.get("LMYARD_FAULT_PAUSE_S", "5")))
+        if self.rank == self.world - 1 and faults.fires("hang", step):
+            print(f"injected hang of rank {self.rank} after step {step}", flush=True)
+            time.sleep(1e6)
+        if faults.fires("crash", step):
+            flush()  # crash at a reproducible point: earlier checkpoints committed
+            print(f"injected crash after step {step}", flush=True)
+            os._exit(1)

@@ -1,0 +1,739 @@
+"""The training loop: the torchrun entrypoint run on every node.
+
+    torchrun --nproc_per_node=8 -m lmyard.train --spec spec.json
+
+The spec (lmyard.contracts.TrainSpec: a JSON file, or the LMYARD_SPEC
+environment variable) holds the run config, the shard set, the lineage and
+`hold_for_eval` (the flow evaluates every checkpoint and applies retention
+itself). `Trainer.train()` reads top to bottom: resume -> loop { step ->
+guard -> log -> validate -> checkpoint -> faults -> preemption }, each
+component deciding when it is due (lmyard.components). It resumes from the
+newest complete checkpoint of `runs/<run_name>` exactly: weights, AdamW state,
+step, data cursor and every rank's RNG state (Python's, numpy's and torch's,
+all seeded at the start). How the job ended goes to `<exchange>/result.json`
+and the exit code (lmyard.errors.ExitCode), never only to the log. Imports
+stay light (no mlflow or boto3 until used) so the entrypoint starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import random
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lmyard.checkpoint import full as checkpoint
+from lmyard.checkpoint import retention
+from lmyard.checkpoint.full import AsyncCheckpointer
+from lmyard.config import RunConfig, TrainConfig
+from lmyard.contracts import CheckpointState, Exchange, Started, TrainResult, TrainSpec
+from lmyard.data.loader import Prefetcher, TrainBatches, default_cache_dir, split_stream, val_sequences
+from lmyard.data.shards import ShardSet
+from lmyard.errors import Diverged, ExitCode, Preempted, StoreOutage, UserError, exit_code_of  # noqa: F401
+from lmyard.models.parallel import clip_grad_norm, no_sync
+from lmyard.models.registry import build_model, model_from_spec, model_spec
+from lmyard.store import open_store
+from lmyard.tracking.lineage import Lineage, MetricsSink, MLflowSink, NullSink, system_metrics
+from lmyard.train.components import (
+    Checkpointing,
+    DivergenceGuard,
+    FaultHook,
+    MetricsLogger,
+    Preemption,
+    Validator,
+    all_mean,
+)
+from lmyard.train.watchdog import Heartbeat
+
+# How long a rollback waits for the last good checkpoint to reach the store before it gives up with
+# StoreOutage (the other ranks wait at a barrier meanwhile; NCCL's default collective timeout is 10 min).
+FLUSH_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    local_rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def lr_at(step: int, t: TrainConfig) -> float:
+    """Linear warmup to t.lr over warmup_steps, then cosine decay to lr * min_lr_ratio at max_steps."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * coeff)
+
+
+def setup_distributed(cfg: RunConfig) -> Dist:
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise UserError("train.device is `cuda` but no GPU is visible; set train.device=cpu")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(cfg.train.threads_per_rank or max(1, (os.cpu_count() or 1) // local_world))
+    if world > 1:
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+    return Dist(rank, local_rank, world, device)
+
+
+def grad_accum_steps(cfg: RunConfig, world: int, seq_len: int) -> int:
+    per_micro = cfg.train.micro_batch * seq_len * world
+    if cfg.train.batch_tokens % per_micro:
+        raise UserError(
+            f"train.batch_tokens ({cfg.train.batch_tokens}) must be a multiple of micro_batch * block_size * "
+            f"world size ({cfg.train.micro_batch} * {seq_len} * {world} = {per_micro}); "
+            f"e.g. --set train.batch_tokens={per_micro * max(1, round(cfg.train.batch_tokens / per_micro))}"
+        )
+    return cfg.train.batch_tokens // per_micro
+
+
+def plan_memory(cfg: RunConfig, n_vocab: int, d: Dist) -> None:
+    """Before the first step on a GPU: each GPU's parameters, gradients, optimizer state and activations
+    (lmyard.memory); a UserError naming what would fit (fsdp, activation checkpointing, a smaller
+    micro-batch, more GPUs) when they will not."""
+    if d.device.type != "cuda":
+        return
+    from lmyard.models import memory
+
+    total = torch.cuda.get_device_properties(d.device).total_memory
+    plan = memory.check(memory.estimate(cfg.model, cfg.train, d.world, total, n_vocab))
+    if d.is_main:
+        print(f"memory plan per GPU: {plan.summary()}", flush=True)
+
+
+@torch.no_grad()
+def evaluate_loss(model: torch.nn.Module, val: torch.Tensor, d: Dist, micro_batch: int, autocast) -> float:
+    """Mean token loss over the fixed val sequences; each rank scores every world-th one. Every rank makes the
+    same number of forward calls (a rank out of rows scores a throwaway one): FSDP gathers in each."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=d.device)  # (loss sum, sequences)
+    mine = val[d.rank :: d.world]
+    calls = math.ceil(val[0 :: d.world].size(0) / micro_batch)  # rank 0 has the most rows
+    for i in range(0, calls * micro_batch, micro_batch):
+        rows = mine[i : i + micro_batch]
+        scored = rows.size(0)
+        rows = (rows if scored else val[:1]).to(d.device)
+        with autocast:
+            loss = model(rows[:, :-1], rows[:, 1:])
+        if scored:
+            total[0] += loss.double() * scored
+            total[1] += scored
+    if d.world > 1:
+        dist.all_reduce(total)
+    model.train()
+    return float(total[0] / total[1])
+
+
+class ComputeContext:
+    """bf16 autocast on CUDA, and the configured SDPA kernel; reusable across steps."""
+
+    def __init__(self, cuda: bool, attention: str):
+        self.cuda, self.attention = cuda, attention
+
+    def __enter__(self):
+        self.stack = contextlib.ExitStack()
+        if self.cuda:
+            self.stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+        if self.attention != "auto":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            backend = {
+                "flash": SDPBackend.FLASH_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "math": SDPBackend.MATH,
+            }[self.attention]
+            self.stack.enter_context(sdpa_kernel(backend))
+        return self
+
+    def __exit__(self, *exc):
+        return self.stack.__exit__(*exc)
+
+
+def prepare_model(raw_model: torch.nn.Module, cfg: RunConfig, d: Dist) -> tuple[torch.nn.Module, ComputeContext]:
+    """The model as the training step runs it: DDP (more than one rank), then torch.compile (default on
+    CUDA); and the autocast context for its forward, with TF32 matmuls on CUDA.
+
+    DDP first, then compile: dynamo splits the compiled graph at DDP's bucket boundaries, so each bucket's
+    all-reduce overlaps the rest of backward (compiling the bare model makes backward one opaque graph whose
+    gradients all arrive at its end).
+    """
+    t, cuda = cfg.train, d.device.type == "cuda"
+    model = raw_model
+    if d.world > 1:
+        model = DDP(
+            model,
+            device_ids=[d.local_rank] if cuda else None,
+            gradient_as_bucket_view=True,
+            bucket_cap_mb=t.ddp_bucket_mb,
+        )
+    if t.compile if t.compile is not None else cuda:
+        model = torch.compile(model)
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return model, ComputeContext(cuda, cfg.model.attention)
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    """Seed every generator a run touches: the same init on every rank (torch), per-rank streams for Python's
+    and numpy's global generators, so two runs of one config save identical RNG states."""
+    torch.manual_seed(seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+
+
+def out_of_memory(e: BaseException, cfg: RunConfig, step: int) -> UserError | None:
+    """A UserError naming the settings to change when `e` is an allocation failure, else None."""
+    text = str(e)
+    if not (
+        isinstance(e, (torch.OutOfMemoryError, MemoryError))
+        or "can't allocate memory" in text
+        or "out of memory" in text.lower()
+    ):
+        return None
+    t = cfg.train
+    return UserError(
+        f"out of memory at step {step} with train.micro_batch={t.micro_batch} x model.block_size: "
+        f"lower train.micro_batch (train.batch_tokens={t.batch_tokens} stays; gradient accumulation "
+        "grows), or choose a smaller model"
+    )
+
+
+class Trainer:
+    """One run of the loop on this rank. `train()` only delegates; the components decide what is due."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        shards: ShardSet,
+        lineage: Lineage | None,
+        d: Dist,
+        sink: MetricsSink,
+        hold_for_eval: bool = False,
+    ):
+        self.cfg, self.t, self.shards, self.lineage, self.d, self.sink = cfg, cfg.train, shards, lineage, d, sink
+        self.hold_for_eval = hold_for_eval
+        self.store, self.cache = open_store(cfg.store), default_cache_dir()
+        self.exchange = Exchange.from_env() if d.is_main else None
+        seed_everything(self.t.seed, d.rank)
+        self._build_model()
+        self._build_data()
+        self.state = CheckpointState(
+            step=0,
+            cursor=0,
+            tokens_seen=0,
+            world_size=d.world,
+            shard_address=shards.address,
+            train_tokens=self.data.stream.total,
+            config=cfg.model_dump(mode="json"),
+            lineage=lineage.to_dict() if lineage else None,
+            model=model_spec(self.raw_model),
+        )
+        self.started = Started(start_step=0, world_size=d.world)
+        self.logger = MetricsLogger(cfg, d.device, d.world, self.raw_model.flops_per_token(), sink, d.is_main)
+        self.validator, self.checkpointing = Validator(cfg), Checkpointing(cfg)
+        self.guard, self.faults = DivergenceGuard(cfg), FaultHook(d.rank, d.world)
+        self.checkpointer = self._checkpointer()
+        self.last_checkpoint: str | None = None
+
+    # ---- set up ---------------------------------------------------------------------
+    def _build_model(self) -> None:
+        plan_memory(self.cfg, self.shards.n_vocab, self.d)
+        with torch.device(self.d.device):
+            if self.cfg.model.init_from:  # a Hugging Face folder: its sizes and weights (a checkpoint wins at resume)
+                self.raw_model = self._from_hf(self.cfg.model.init_from)
+            else:
+                self.raw_model = build_model(self.cfg.model, self.shards.n_vocab)
+        self.gcfg = self.raw_model.config
+        if self.gcfg.vocab_size < self.shards.n_vocab:
+            raise UserError(
+                f"model.vocab_size ({self.gcfg.vocab_size}) is smaller than the shard set's vocabulary "
+                f"({self.shards.n_vocab}, {self.shards.manifest['tokenizer']['name']}); unset it or raise it"
+            )
+        self.fsdp = self.t.parallel == "fsdp"
+        if self.fsdp:  # sharded before the optimizer is made: it holds the shards (DTensors) of this rank
+            from lmyard.models.parallel import parallelize
+
+            parallelize(self.raw_model, self.cfg, self.d.world, self.d.device)
+        self.optimizer = torch.optim.AdamW(
+            self.raw_model.param_groups(self.t.weight_decay),
+            lr=self.t.lr,
+            betas=(self.t.beta1, self.t.beta2),
+            fused=self.d.device.type == "cuda",
+        )
+
+    def _from_hf(self, path: str) -> torch.nn.Module:
+        from lmyard.export.hf import init_from_hf
+
+        state, spec = init_from_hf(path, os.path.join(self.cache, "init-from"))
+        model = model_from_spec(spec)
+        model.load_state_dict(state)
+        if self.d.is_main:
+            print(f"initialised from {path}: {spec}", flush=True)
+        return model
+
+    def _build_data(self) -> None:
+        T = self.gcfg.block_size
+        self.accum = grad_accum_steps(self.cfg, self.d.world, T)
+        self.data = TrainBatches(
+            split_stream(self.shards, self.cfg.store, "train", self.cache),
+            T,
+            self.t.micro_batch,
+            self.accum,
+            self.d.rank,
+            self.d.world,
+            shuffle_seed=self.t.seed if self.cfg.data.shuffle_sequences else None,
+        )
+        self.val = val_sequences(
+            split_stream(self.shards, self.cfg.store, "val", self.cache), T, self.cfg.eval.val_tokens
+        )
+
+    def _checkpointer(self):
+        """fsdp: every rank saves its shards (lmyard.sharded_checkpoint); ddp: rank 0 saves the whole state."""
+        c, staging = self.cfg.checkpoint, os.path.join(self.cache, "staging")
+        if self.fsdp:
+            from lmyard.checkpoint.dcp import ShardedCheckpointer
+
+            return ShardedCheckpointer(
+                self.store,
+                self.cfg.run_name,
+                staging,
+                max_pending=c.max_pending,
+                retries=c.upload_retries,
+                on_commit=self._committed,
+            )
+        if not self.d.is_main:
+            return None
+        return AsyncCheckpointer(
+            self.store,
+            self.cfg.run_name,
+            staging,
+            max_pending=c.max_pending,
+            retries=c.upload_retries,
+            on_commit=self._committed,
+        )
+
+    # ---- the run --------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        self.resume()
+        if self.fsdp:  # FSDP2 keeps bf16 weights itself (its mixed-precision policy): no autocast
+            self.model, self.autocast = self.raw_model, ComputeContext(False, self.cfg.model.attention)
+        else:
+            self.model, self.autocast = prepare_model(self.raw_model, self.cfg, self.d)
+        self.params = list(self.raw_model.parameters())
+        self._describe()
+        self.batches = Prefetcher(self.data, self.state.cursor, self.d.device)
+        self.preemption, heartbeat = Preemption(self.d.world, self.d.device.type == "cuda"), Heartbeat(self.d.rank)
+        steps_run = 0
+        try:
+            while self.state.step < self.t.max_steps:
+                loss, grad_norm, lr = self.step()
+                if steps_run == 0 and self.checkpointer is not None:  # optimizer state exists now: copy buffers
+                    self._prepare_checkpoint_buffers()
+                steps_run += 1
+                heartbeat.beat(self.state.step)
+                if self.guard_or_log(loss, grad_norm, lr):
+                    continue  # rolled back
+                self.maybe_validate()
+                if self.checkpointing.due(self.state.step):
+                    self.save()
+                self.faults.after_step(self.state.step, self.flush)
+                if self.preemption.due():
+                    self.preempt()
+        except BaseException:
+            if self.checkpointer is not None:  # let committed-so-far uploads finish, but do not hang on a dead store
+                with contextlib.suppress(Exception):
+                    self.checkpointer.close(timeout_s=60)
+            raise
+        finally:
+            self.batches.close()
+            self.preemption.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # wait for the last upload
+        if self.d.world > 1:
+            dist.barrier()
+        return self.result(ExitCode.DONE)
+
+    def _prepare_checkpoint_buffers(self) -> None:
+        if self.fsdp:
+            self.checkpointer.prepare(self.raw_model, self.optimizer)
+        else:
+            self.checkpointer.prepare(self.raw_model.state_dict(), self.optimizer.state_dict())
+
+    def step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step; advances step, cursor and tokens seen."""
+        lr = lr_at(self.state.step, self.t)
+        loss, grad_norm = train_step(
+            self.model,
+            self.params,
+            self.optimizer,
+            self.batches.get,
+            self.accum,
+            lr,
+            self.t.grad_clip,
+            self.autocast,
+            self.d.world > 1,
+            poison=self.faults.poison(self.state.step + 1),
+            before_update=self.checkpointer.before_update if self.checkpointer else None,
+            fsdp=self.fsdp,
+        )
+        s = self.state
+        s.step, s.cursor, s.tokens_seen = s.step + 1, s.cursor + self.data.per_step, s.tokens_seen + self.t.batch_tokens
+        self.logger.steps += 1
+        return loss, grad_norm, lr
+
+    def guard_or_log(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> bool:
+        """Check the loss on log steps and before every checkpoint; roll back (True) or log it."""
+        step = self.state.step
+        if not (self.logger.due(step) or self.checkpointing.due(step)):
+            return False
+        self.state.train_loss = all_mean(loss, self.d.world)
+        problem = self.guard.problem(self.state.train_loss)
+        if problem:
+            self.rollback(problem)
+            return True
+        self.logger.log(
+            step,
+            self.state.train_loss,
+            lr,
+            float(grad_norm),
+            self.state.tokens_seen,
+            self.batches.waited_s,
+            epoch=self.data.epoch(self.state.cursor),
+        )
+        return False
+
+    def maybe_validate(self) -> None:
+        step = self.state.step
+        if not self.validator.due(step):
+            return
+        val_loss = evaluate_loss(self.model, self.val, self.d, self.t.micro_batch, self.autocast)
+        self.validator.last = (step, val_loss)
+        if self.d.is_main:
+            self.sink.log({"val/loss": val_loss}, step)
+            print(f"step {step} | val loss {val_loss:.4f}", flush=True)
+        self.logger.restart(self.batches.waited_s)
+
+    # ---- checkpoints ----------------------------------------------------------------
+    def save(self) -> None:
+        """Every rank hands in its RNG state; rank 0 snapshots the state and returns (upload in background)."""
+        rng = [None] * self.d.world
+        if self.d.world > 1:
+            dist.all_gather_object(rng, checkpoint.rng_state())
+        else:
+            rng = [checkpoint.rng_state()]
+        if self.checkpointer is not None:
+            if self.d.is_main:
+                self.sink.flush(timeout=30)  # metrics up to this step reach MLflow before the checkpoint exists
+            self.state.val_loss = self.validator.at(self.state.step)
+            state = self.state.model_dump(mode="json")
+            if self.fsdp:
+                blocked = self.checkpointer.save(self.raw_model, self.optimizer, state, rng)
+            else:
+                blocked = self.checkpointer.save(self.raw_model.state_dict(), self.optimizer.state_dict(), rng, state)
+            if self.d.is_main:
+                print(
+                    f"checkpoint step {self.state.step} saving in the background (loop blocked "
+                    f"{blocked * 1000:.1f} ms)",
+                    flush=True,
+                )
+                self.sink.log({"checkpoint/blocked_s": blocked}, self.state.step)
+        self.logger.restart(self.batches.waited_s)
+
+    def _committed(self, step: int, uri: str) -> None:
+        self.last_checkpoint = uri
+        print(f"checkpoint step {step} committed -> {uri}", flush=True)
+        if not self.hold_for_eval:  # else the flow applies retention as it finishes evaluating each checkpoint
+            retention.apply(self.store, self.cfg.run_name, self.cfg.checkpoint)
+
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.flush(timeout_s)
+
+    def resume(self) -> None:
+        """Load the newest complete checkpoint (damaged ones are moved aside), exactly; report what was loaded."""
+        ckpt, damaged = self._find_latest()
+        if self.d.world > 1:
+            found = [None] * self.d.world
+            dist.all_gather_object(found, ckpt.step if ckpt else None)
+            assert len(set(found)) == 1, f"ranks found different checkpoints: {found}"
+            dist.barrier()  # every rank has read before a damaged one is moved
+        if self.d.is_main:
+            for step in damaged:
+                checkpoint.quarantine(self.store, self.cfg.run_name, step)
+        if ckpt is not None:
+            self.restore(ckpt)
+            if self.d.is_main:
+                print(
+                    f"resuming from {ckpt.uri} at step {ckpt.step} ({self.state.tokens_seen:,} tokens seen)", flush=True
+                )
+            if ckpt.state.shard_address != self.shards.address:
+                self.state.cursor = new_data_cursor(ckpt.state, self.data, self.d)
+            self.state.shard_address = self.shards.address
+        self.started = Started(
+            start_step=self.state.step,
+            resumed_from=ckpt.uri if ckpt else None,
+            skipped_damaged=[self.store.uri(checkpoint.step_prefix(self.cfg.run_name, s)) for s in damaged],
+            world_size=self.d.world,
+        )
+        if self.exchange:
+            self.exchange.write("started.json", self.started)
+
+    def _find_latest(self):
+        """(the newest good checkpoint, the damaged steps); under fsdp already loaded into the sharded model."""
+        if self.fsdp:
+            from lmyard.checkpoint.dcp import find_latest_sharded
+
+            return find_latest_sharded(
+                self.store,
+                self.cfg.run_name,
+                self.raw_model,
+                self.optimizer,
+                self.cache,
+                process_group=self.checkpointer.group,
+            )
+        return checkpoint.find_latest(self.store, self.cfg.run_name, self.cache)
+
+    def restore(self, ckpt) -> None:
+        if not self.fsdp:  # a sharded load has put the weights and the optimizer state in place already
+            self.raw_model.load_state_dict(ckpt.model)
+            self.optimizer.load_state_dict(ckpt.optim)
+        old = ckpt.state
+        self.state = self.state.model_copy(
+            update={"step": old.step, "cursor": old.cursor, "tokens_seen": old.tokens_seen, "rollbacks": old.rollbacks}
+        )
+        if old.world_size == self.d.world:
+            checkpoint.set_rng_state(ckpt.rng[self.d.rank])
+        elif self.d.is_main:
+            print(
+                f"resuming on {self.d.world} ranks from a checkpoint of {old.world_size}: "
+                "the token stream continues, per-rank RNG states restart",
+                flush=True,
+            )
+
+    def rollback(self, problem: str) -> None:
+        """Back to the last checkpoint, skipping the batches since (the data cursor stays), or Diverged."""
+        bad_step, rollbacks = self.state.step, self.state.rollbacks
+        self.guard.check_rollback_allowed(bad_step, problem, rollbacks)
+        self.flush()  # the last good checkpoint may still be uploading
+        if self.d.world > 1:
+            dist.barrier()
+        ckpt, _ = self._find_latest()
+        if ckpt is None:
+            raise Diverged(
+                f"training diverged at step {bad_step}: {problem}, and there is no checkpoint to roll "
+                "back to; lower train.lr or checkpoint.interval"
+            )
+        cursor, skipped = self.state.cursor, self.state.cursor - ckpt.state.cursor
+        self.restore(ckpt)
+        self.state.cursor, self.state.rollbacks = cursor, rollbacks + 1
+        self.batches.reset(cursor)
+        if self.d.is_main:
+            self.sink.log({"guard/rollbacks": rollbacks + 1, "guard/skipped_sequences": skipped}, bad_step)
+            print(
+                f"divergence at step {bad_step}: {problem}; rolled back to {ckpt.uri} (step {ckpt.step}), "
+                f"skipping {skipped} sequences; rollback {rollbacks + 1} of {self.t.guard.max_rollbacks}",
+                flush=True,
+            )
+        self.logger.restart(self.batches.waited_s)
+
+    def preempt(self) -> None:
+        """Asked to stop: checkpoint this step (unless just saved), wait for it to commit, end as preempted."""
+        step = self.state.step
+        if not self.checkpointing.due(step):
+            self.save()
+        grace = self.cfg.launch.grace_s
+        waited = time.monotonic() - (self.preemption.requested_at or time.monotonic())
+        self.flush(max(1.0, grace - waited))
+        raise Preempted(
+            f"stopped by SIGTERM after step {step}; checkpoint step {step} is in the store, and a rerun resumes from it"
+        )
+
+    # ---- reporting ------------------------------------------------------------------
+    def _describe(self) -> None:
+        if self.d.is_main:
+            g, d, t = self.gcfg, self.d, self.t
+            print(
+                f"model: {self.raw_model.num_params():,} params, {g.n_layer} layers, d={g.n_embd}, "
+                f"T={g.block_size}, vocab {g.vocab_size} | {d.world} ranks on {d.device.type} | "
+                f"{t.batch_tokens:,} tokens/step = {t.micro_batch} seq * {g.block_size} tokens * {d.world} "
+                f"ranks * {self.accum} micro-steps" + (f" | {self.t.parallel}" if self.fsdp else ""),
+                flush=True,
+            )
+            if warning := self.data.repeat_warning(self.t.max_steps):
+                print(f"warning: {warning}", flush=True)
+
+    def result(self, code: ExitCode, message: str | None = None) -> TrainResult:
+        s = self.state
+        return TrainResult.ended(
+            code,
+            message,
+            step=s.step,
+            tokens_seen=s.tokens_seen,
+            val_loss=self.validator.last[1] if self.validator.last else None,
+            train_loss=s.train_loss,
+            rollbacks=s.rollbacks,
+            start_step=self.started.start_step,
+            resumed_from=self.started.resumed_from,
+            last_checkpoint=self.last_checkpoint,
+        )
+
+
+def new_data_cursor(state: CheckpointState, data: TrainBatches, d: Dist) -> int:
+    """Where a lineage continues when its shard set changed (retraining on new data).
+
+    An append-only source keeps the old train stream as a prefix of the new one:
+    continue at the first sequence past the old tokens. Otherwise start the new stream.
+    """
+    old_tokens = state.train_tokens
+    first_new = old_tokens // data.T
+    if data.shuffle_seed is not None:  # a shuffled order has no "past the old tokens": the new stream, from its start
+        where, cursor = "from the start of the new shard set (sequences are shuffled)", 0
+    elif 0 < old_tokens < data.stream.total and first_new < data.n_seq:
+        where, cursor = f"at the first sequence past its {old_tokens:,} tokens (the data that is new)", first_new
+    else:
+        where, cursor = "from the start of the new shard set", 0
+    if d.is_main:
+        print(f"the shard set changed from {state.shard_address} to this run's: continuing {where}", flush=True)
+    return cursor
+
+
+def train_step(
+    model: torch.nn.Module,
+    params: list[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    next_batch,
+    accum: int,
+    lr: float,
+    grad_clip: float,
+    autocast,
+    distributed: bool,
+    poison: bool = False,
+    before_update=None,
+    fsdp: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over `accum` micro-batches; returns (mean loss, grad norm) as device tensors."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = None
+    for micro in range(accum):
+        x, y = next_batch()
+        sync = micro == accum - 1 or not distributed  # DDP all-reduces gradients on the last micro-step only
+        with contextlib.nullcontext() if sync else no_sync(model), autocast:
+            loss = model(x, y)
+        if poison:
+            loss = loss * float("nan")
+        (loss / accum).backward()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+    clip = clip_grad_norm if fsdp else torch.nn.utils.clip_grad_norm_  # the FSDP one reduces the shards' norms
+    grad_norm = clip(params, grad_clip if grad_clip > 0 else float("inf"))
+    if before_update is not None:
+        before_update()  # a checkpoint copy of the weights in flight must finish before they change
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum / accum, grad_norm
+
+
+def read_spec(argv: list[str] | None) -> TrainSpec:
+    parser = argparse.ArgumentParser(prog="python -m lmyard.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", help="run spec JSON file (default: the LMYARD_SPEC environment variable)")
+    args = parser.parse_args(argv)
+    if args.spec:
+        with open(args.spec) as f:
+            return TrainSpec.model_validate_json(f.read())
+    if "LMYARD_SPEC" in os.environ:
+        return TrainSpec.model_validate_json(os.environ["LMYARD_SPEC"])
+    parser.error("give --spec PATH or set LMYARD_SPEC")
+
+
+def node_system_metrics(cfg: RunConfig, lineage: Lineage | None, d: Dist):
+    """On each node's local rank 0: CPU, memory, disk, network and GPU metrics of this node, as
+    `system/node<N>/...` in the lineage's run (N: torchrun's node rank, stable across attempts)."""
+    if lineage is None or d.local_rank != 0 or not cfg.tracking.system_metrics:
+        return contextlib.nullcontext()
+    return system_metrics(
+        lineage, node_id=f"node{os.environ.get('GROUP_RANK', '0')}", interval_s=cfg.tracking.system_metrics_interval_s
+    )
+
+
+def _report(result: TrainResult, d: Dist | None) -> None:
+    """Rank 0 writes result.json; any other rank that fails writes failures/rank-R.json."""
+    exchange = Exchange.from_env()
+    rank = d.rank if d else int(os.environ.get("RANK", 0))
+    if exchange is None:
+        return
+    if rank == 0:
+        exchange.write("result.json", result)
+    elif result.exit_code:
+        exchange.write(f"failures/rank-{rank}.json", result)
+
+
+def main(argv: list[str] | None = None) -> int:
+    spec = read_spec(argv)
+    d, trainer, sink = None, None, NullSink()
+    try:
+        cfg = RunConfig.model_validate(spec.config)
+        shards = ShardSet.from_dict(spec.shards)
+        lineage = Lineage.from_dict(spec.lineage) if spec.lineage else None
+        d = setup_distributed(cfg)
+        if d.world > 1 and d.local_rank == 0:  # one line per node: which ranks run where
+            import socket
+
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            print(f"{socket.gethostname()}: ranks {d.rank}-{d.rank + local - 1} of {d.world} joined", flush=True)
+        if d.is_main and lineage is not None:
+            sink = MLflowSink(lineage.tracking_uri, lineage.mlflow_run_id)
+        with node_system_metrics(cfg, lineage, d):
+            trainer = Trainer(cfg, shards, lineage, d, sink, hold_for_eval=spec.hold_for_eval)
+            try:
+                result = trainer.train()
+            except Exception as e:
+                oom = out_of_memory(e, cfg, trainer.state.step)
+                if oom is None:
+                    raise
+                raise oom from None
+        _report(result, d)
+        print(f"training finished at step {result.step}", flush=True)
+        return 0
+    except BaseException as e:
+        code = exit_code_of(e) if not isinstance(e, KeyboardInterrupt) else ExitCode.PREEMPTED
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if code == ExitCode.CRASHED:
+            traceback.print_exc()
+        elif d is None or d.is_main or code != ExitCode.USER_ERROR:
+            print(f"lmyard: error: {message}", file=sys.stderr, flush=True)
+        _report(trainer.result(code, message) if trainer else TrainResult.ended(code, message), d)
+        return int(code)
+    finally:
+        with contextlib.suppress(Exception):
+            sink.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
