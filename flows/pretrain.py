@@ -6,6 +6,7 @@ from __future__ import annotations
 from prefect import flow
 
 from lmyard.config import RunConfig, with_recipe
+from lmyard.evaluate.harness import check_tasks
 from tasks.checkpoint import record_checkpoint
 from tasks.evaluate import evaluate_checkpoint, new_checkpoints
 from tasks.finish import finish
@@ -22,6 +23,7 @@ def pretrain(config: RunConfig = RunConfig(), recipe: str | None = None) -> dict
 
     `recipe` (a name under deploy/recipes): its config, with `config`'s explicitly set fields on top."""
     config = with_recipe(config, recipe)
+    check_tasks(config.eval)  # an lm-eval task that cannot load would fail every evaluation, after all the training
     with lineage_lease(config):  # one run writes a lineage at a time; others wait, then refuse
         shards = tokenize_and_shard(config)
         lineage = open_lineage(config, shards)

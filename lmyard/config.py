@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from lmyard.errors import UserError
+from lmyard.models import registry  # torch-free: presets and checks of each model family
 
 
 def _numeric(annotation: Any) -> bool:
@@ -215,57 +216,9 @@ class TokenizerConfig(_Section):
         return self
 
 
-PRESETS: dict[str, dict] = {
-    # name: layers, heads, width, context (GPT-2 unless `arch` says otherwise)
-    "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
-    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
-    "gpt2-350m": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),
-    "gpt2-774m": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),
-    "gpt2-1.5b": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024),
-    # Llama 3 shapes: + kv heads, SwiGLU width rule (multiple_of, ffn_dim_multiplier), RoPE theta
-    "llama-tiny": dict(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=64, multiple_of=32),
-    "llama-150m": dict(arch="llama", n_layer=12, n_head=12, n_kv_head=4, n_embd=768, block_size=2048),
-    "llama-1b": dict(
-        arch="llama",
-        n_layer=16,
-        n_head=32,
-        n_kv_head=8,
-        n_embd=2048,
-        block_size=2048,  # Llama-3.2-1B
-        multiple_of=1024,
-        ffn_dim_multiplier=1.5,
-        vocab_size=128256,
-    ),
-    "llama-3b": dict(
-        arch="llama",
-        n_layer=28,
-        n_head=24,
-        n_kv_head=8,
-        n_embd=3072,
-        block_size=2048,  # Llama-3.2-3B
-        multiple_of=1024,
-        ffn_dim_multiplier=1.0,
-        vocab_size=128256,
-    ),
-    "llama-8b": dict(
-        arch="llama",
-        n_layer=32,
-        n_head=32,
-        n_kv_head=8,
-        n_embd=4096,
-        block_size=8192,  # Llama-3-8B
-        multiple_of=1024,
-        ffn_dim_multiplier=1.3,
-        vocab_size=128256,
-    ),
-}
-
-LLAMA_DEFAULTS = dict(n_kv_head=None, multiple_of=256, ffn_dim_multiplier=None, rope_theta=500000.0, norm_eps=1e-5)
-
-
 class ModelConfig(_Section):
-    preset: str | None = Field("tiny", description=f"One of {sorted(PRESETS)}, or null for free-form sizes.")
-    arch: Literal["gpt2", "llama"] | None = Field(
+    preset: str | None = Field("tiny", description=f"One of {sorted(registry.presets())}, or null for free-form sizes.")
+    arch: str | None = Field(
         None,
         description="`gpt2` (LayerNorm, GELU, learned positions, tied embeddings) or `llama` (RMSNorm, "
         "SwiGLU, RoPE, grouped-query attention, untied, no biases); default: the preset's, gpt2 for free sizes.",
@@ -308,8 +261,15 @@ class ModelConfig(_Section):
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, v: str | None) -> str | None:
-        if v is not None and v not in PRESETS:
-            raise ValueError(f"unknown preset {v!r}; choose one of {sorted(PRESETS)} or set it to null")
+        if v is not None and v not in registry.presets():
+            raise ValueError(f"unknown preset {v!r}; choose one of {sorted(registry.presets())} or set it to null")
+        return v
+
+    @field_validator("arch")
+    @classmethod
+    def _known_arch(cls, v: str | None) -> str | None:
+        if v is not None and v not in registry.FAMILIES:
+            raise ValueError(f"unknown model family {v!r}; choose one of {sorted(registry.FAMILIES)}")
         return v
 
     @model_validator(mode="after")
@@ -320,47 +280,25 @@ class ModelConfig(_Section):
             raise ValueError(f"model.preset is null, so model.{', model.'.join(missing)} must be set")
         if dims["n_embd"] % dims["n_head"]:
             raise ValueError(f"model.n_embd ({dims['n_embd']}) must be a multiple of model.n_head ({dims['n_head']})")
-        preset_arch = PRESETS.get(self.preset or "", {}).get("arch", "gpt2")
+        preset_arch = registry.presets().get(self.preset or "", {}).get("arch", registry.DEFAULT)
         if self.preset is not None and self.arch is not None and self.arch != preset_arch:
             raise ValueError(
                 f"model.arch is {self.arch} but model.preset {self.preset} is a {preset_arch} model; "
                 "unset model.arch or choose a preset of that architecture"
             )
-        if self.architecture() == "gpt2":
-            given = [k for k in LLAMA_DEFAULTS if getattr(self, k) is not None]
-            if given:
-                raise ValueError(f"model.{', model.'.join(given)} apply to llama models only; set model.arch=llama")
-            return self
-        d = self.llama_dims()
-        if d["n_head"] % d["n_kv_head"]:
-            raise ValueError(f"model.n_head ({d['n_head']}) must be a multiple of model.n_kv_head ({d['n_kv_head']})")
-        if (d["n_embd"] // d["n_head"]) % 2:
-            raise ValueError(f"llama's head size n_embd / n_head ({d['n_embd']} / {d['n_head']}) must be even (RoPE)")
-        if self.dropout:
-            raise ValueError("model.dropout is GPT-2 only; llama models train without dropout")
+        registry.check(self)  # the family's own fields and shapes
         return self
 
     def architecture(self) -> str:
-        """`gpt2` or `llama`: model.arch, else the preset's."""
-        return self.arch or PRESETS.get(self.preset or "", {}).get("arch", "gpt2")
+        """The model family (lmyard.models.registry): model.arch, else the preset's."""
+        return self.arch or registry.presets().get(self.preset or "", {}).get("arch", registry.DEFAULT)
 
     def dims(self) -> dict[str, int | None]:
-        base = PRESETS.get(self.preset or "", {})
+        base = registry.presets().get(self.preset or "", {})
         return {
             k: getattr(self, k) if getattr(self, k) is not None else base.get(k)
             for k in ("n_layer", "n_head", "n_embd", "block_size")
         }
-
-    def llama_dims(self) -> dict:
-        """The llama fields resolved: set value, else the preset's, else Llama 3's default."""
-        base = {**LLAMA_DEFAULTS, **PRESETS.get(self.preset or "", {})}
-        d = {
-            k: getattr(self, k) if getattr(self, k) is not None else base.get(k)
-            for k in ("vocab_size", *LLAMA_DEFAULTS)
-        }
-        d = {**self.dims(), **d}
-        d["n_kv_head"] = d["n_kv_head"] or d["n_head"]
-        return d
 
 
 class GuardConfig(_Section):

@@ -98,7 +98,9 @@ class CheckpointState(_Contract):
     train_tokens: int = Field(0, description="Tokens of the train split this run read.")
     config: dict[str, Any]
     lineage: dict[str, Any] | None = None
-    model: dict[str, Any] = Field(description="The model's dimensions (GPTConfig fields).")
+    model: dict[str, Any] = Field(
+        description="The model family (`arch`) and its config fields (lmyard.models.registry.model_spec)."
+    )
     rollbacks: int = 0
 
 

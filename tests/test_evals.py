@@ -12,7 +12,7 @@ from lmyard.config import EvalGates, TokenizerConfig
 from lmyard.data.tokenizer import get_tokenizer
 from lmyard.errors import UserError
 from lmyard.evaluate import evals
-from lmyard.models.gpt2 import GPT, GPTConfig
+from lmyard.models.gpt2.model import GPT, GPTConfig
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hellaswag_tiny.jsonl"
 V = 320  # the byte tokenizer's 257 tokens, rounded up to 64

@@ -13,6 +13,7 @@ from lmyard.checkpoint import full as checkpoint
 from lmyard.config import TokenizerConfig, load_recipe
 from lmyard.data.tokenizer import get_tokenizer
 from lmyard.evaluate import evals, harness
+from lmyard.models.registry import model_from_checkpoint
 from lmyard.store import open_store
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed: pip install -e '.[harness]'")
@@ -42,7 +43,7 @@ def test_lm_eval_hellaswag_gives_lmyards_acc_and_acc_norm(tmp_path):
     ckpt = checkpoint.load_step(open_store(str(tmp_path / "store")), "r", 5, str(tmp_path / "cache"))
 
     ours = evals.hellaswag(
-        evals.load_model(ckpt), get_tokenizer(TokenizerConfig(name="bytes")), evals.read_hellaswag(str(data))
+        model_from_checkpoint(ckpt), get_tokenizer(TokenizerConfig(name="bytes")), evals.read_hellaswag(str(data))
     )
     theirs = harness.evaluate(ckpt, cfg)["metrics"]
     assert ours["acc"] != ours["acc_norm"]  # the two rules pick different endings here: both are tested

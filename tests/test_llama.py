@@ -10,11 +10,12 @@ import torch.nn.functional as F
 
 from lmyard.config import ModelConfig, TrainConfig, load_recipe
 from lmyard.errors import UserError
-from lmyard.models.gpt2 import GPT
-from lmyard.models.llama import Llama, LlamaConfig, ffn_hidden_size
+from lmyard.models.gpt2.model import GPT
+from lmyard.models.llama import ffn_hidden_size
+from lmyard.models.llama.model import Llama, LlamaConfig
 from lmyard.models.memory import check, estimate
 from lmyard.models.parallel import apply_activation_checkpointing, compile_blocks
-from lmyard.models.registry import build_model, model_from_spec, model_spec
+from lmyard.models.registry import build_model, flops_per_token, model_config, model_from_spec, model_spec
 
 GB80 = 80 * 10**9
 
@@ -99,7 +100,7 @@ def test_flops_per_token_is_torchtitans_formula():
     model = _tiny()
     c = model.config
     n_matmul = model.num_params() - c.vocab_size * c.n_embd  # all but the input embedding table
-    assert model.flops_per_token() == 6 * n_matmul + 12 * c.n_layer * c.n_embd * c.block_size
+    assert flops_per_token(model_spec(model)) == 6 * n_matmul + 12 * c.n_layer * c.n_embd * c.block_size
 
 
 def test_build_model_picks_the_architecture_and_the_spec_rebuilds_it():
@@ -134,7 +135,7 @@ def test_config_rejects_llama_fields_on_gpt2_and_mismatched_arch():
             "model.block_size=32",
         ],
     )
-    assert cfg.model.architecture() == "llama" and cfg.model.llama_dims()["n_kv_head"] == 4
+    assert cfg.model.architecture() == "llama" and model_config(cfg.model, 257).n_kv_head == 4
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])

@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmyard.models.gpt2 import GPT, GPTConfig
+from lmyard.models.gpt2.model import GPT
 from lmyard.models.losses import linear_cross_entropy
+from lmyard.models.registry import model_config
 
 
 def _inputs(n=48, d=24, v=333, dtype=torch.float32, seed=0):
@@ -67,7 +68,7 @@ def test_model_loss_is_the_mean_cross_entropy_of_its_logits_and_compiles():
     torch.manual_seed(0)
     from lmyard.config import ModelConfig
 
-    model = GPT(GPTConfig.from_config(ModelConfig(preset=None, n_layer=2, n_head=2, n_embd=32, block_size=16), 257))
+    model = GPT(model_config(ModelConfig(preset=None, n_layer=2, n_head=2, n_embd=32, block_size=16), 257))
     x = torch.randint(0, 257, (2, 16))
     y = torch.roll(x, -1, 1)
     plain = F.cross_entropy(model(x).reshape(-1, 320), y.reshape(-1))

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from lmyard.config import ModelConfig, TrainConfig
-from lmyard.models.gpt2 import GPT, GPTConfig
+from lmyard.models.gpt2.model import GPT
+from lmyard.models.registry import model_config
 from lmyard.train.trainer import lr_at
 
 
 def _tiny(vocab=257):
-    return GPT(GPTConfig.from_config(ModelConfig(preset=None, n_layer=2, n_head=2, n_embd=32, block_size=16), vocab))
+    return GPT(model_config(ModelConfig(preset=None, n_layer=2, n_head=2, n_embd=32, block_size=16), vocab))
 
 
 def test_vocab_is_padded_to_a_multiple_of_64():

@@ -6,9 +6,9 @@ Runs in its own process on its own device (`eval.device`: cpu, or a spare
 GPU), independent of the trainer: it reads the checkpoint and the shards
 from the store, so training keeps its devices to itself.
 
-- val loss: the mean token loss over the fixed val sequences, computed as the
-  trainer computes it (float64 sums per sequence, bf16 autocast on CUDA), so
-  it equals the trainer's own `val/loss` at that step.
+- val loss: the mean token loss over the fixed val sequences, by the trainer's
+  own routine (lmyard.evaluate.validation: float64 sums per sequence, bf16
+  autocast on CUDA), so it equals the trainer's `val/loss` at that step.
 - HellaSwag, scored as nanoGPT does: for each of the 4 endings, the loss of
   the ending's tokens given the context. `acc`: the ending with the lowest
   summed loss is right; `acc_norm`: the lowest mean loss per token.
@@ -18,12 +18,10 @@ from the store, so training keeps its devices to itself.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -35,81 +33,13 @@ from lmyard.data.loader import default_cache_dir, split_stream, val_sequences
 from lmyard.data.shards import ShardSet
 from lmyard.data.tokenizer import get_tokenizer
 from lmyard.errors import UserError
-from lmyard.models.gpt2 import GPT
-from lmyard.models.registry import model_from_spec
+from lmyard.evaluate.hellaswag import read_hellaswag
+from lmyard.evaluate.validation import autocast, val_loss
+from lmyard.models.base import LanguageModel
+from lmyard.models.registry import model_from_checkpoint
 from lmyard.store import open_store
 
-
-def load_model(ckpt: checkpoint.Checkpoint, device: str = "cpu") -> GPT:
-    model = model_from_spec(ckpt.state.model)
-    model.load_state_dict(ckpt.model)
-    return model.to(device).eval()
-
-
-def _autocast(device: str):
-    if device.startswith("cuda"):
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-@torch.no_grad()
-def val_loss(model: GPT, val: torch.Tensor, batch: int = 16, device: str = "cpu") -> float:
-    """Mean token loss over the val sequences (n, T+1), summed per sequence in float64 like the trainer."""
-    total, n = 0.0, 0
-    for i in range(0, val.size(0), batch):
-        rows = val[i : i + batch].to(device)
-        with _autocast(device):
-            loss = model(rows[:, :-1], rows[:, 1:])
-        total += loss.double().item() * rows.size(0)
-        n += rows.size(0)
-    return total / n
-
-
 # ---------------------------------------------------------------- HellaSwag
-
-
-def read_hellaswag(source: str, split: str = "validation", limit: int | None = None) -> list[dict]:
-    """Examples {ctx, endings, label} from a JSONL file (path or s3:// URI) or a hub dataset."""
-    if source.startswith("s3://") or source.endswith((".jsonl", ".json")) or os.path.exists(source):
-        rows = _jsonl_rows(source)
-    else:
-        rows = _hub_rows(source, split)
-    out = []
-    for i, row in enumerate(rows):
-        if limit is not None and i >= limit:
-            break
-        try:
-            ex = {"ctx": row["ctx"], "endings": list(row["endings"]), "label": int(row["label"])}
-        except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"eval.hellaswag {source}: example {i} lacks ctx/endings/label ({e})") from None
-        if not 0 <= ex["label"] < len(ex["endings"]):
-            raise UserError(
-                f"eval.hellaswag {source}: example {i} has label {ex['label']} for {len(ex['endings'])} endings"
-            )
-        out.append(ex)
-    if not out:
-        raise UserError(f"eval.hellaswag {source} holds no examples")
-    return out
-
-
-def _jsonl_rows(source: str) -> Iterator[dict]:
-    if source.startswith("s3://"):
-        root, _, name = source.rpartition("/")
-        data = open_store(root).read_bytes(name).decode()
-    else:
-        if not os.path.exists(source):
-            raise UserError(f"eval.hellaswag {source} does not exist")
-        with open(source, encoding="utf-8") as f:
-            data = f.read()
-    for line in data.splitlines():
-        if line.strip():
-            yield json.loads(line)
-
-
-def _hub_rows(name: str, split: str) -> Iterator[dict]:
-    import datasets  # e.g. Rowan/hellaswag: ctx, endings, label (a string)
-
-    yield from datasets.load_dataset(name, split=split, streaming=True)
 
 
 def render_example(enc, ex: dict, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,11 +65,11 @@ def render_example(enc, ex: dict, block_size: int) -> tuple[torch.Tensor, torch.
 
 @torch.no_grad()
 def ending_losses(
-    model: GPT, tokens: torch.Tensor, mask: torch.Tensor, device: str = "cpu"
+    model: LanguageModel, tokens: torch.Tensor, mask: torch.Tensor, device: str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed, mean) cross-entropy of each row's masked tokens, each token predicted from those before it."""
     tokens, mask = tokens.to(device), mask.to(device)
-    with _autocast(device):
+    with autocast(device):
         logits = model(tokens)
     logits = logits[:, :-1, :].float()
     targets, m = tokens[:, 1:], mask[:, 1:].float()
@@ -148,7 +78,7 @@ def ending_losses(
     return summed.cpu(), (summed / m.sum(dim=1)).cpu()
 
 
-def hellaswag(model: GPT, enc, examples: list[dict], device: str = "cpu") -> dict:
+def hellaswag(model: LanguageModel, enc, examples: list[dict], device: str = "cpu") -> dict:
     """acc (lowest summed ending loss) and acc_norm (lowest mean ending loss), with per-example rows."""
     correct = correct_norm = 0
     rows = []
@@ -175,7 +105,7 @@ def hellaswag(model: GPT, enc, examples: list[dict], device: str = "cpu") -> dic
 # ---------------------------------------------------------------- samples
 
 
-def samples(model: GPT, cfg: RunConfig, seed: int = 0, device: str = "cpu") -> list[dict]:
+def samples(model: LanguageModel, cfg: RunConfig, seed: int = 0, device: str = "cpu") -> list[dict]:
     enc = get_tokenizer(cfg.tokenizer)
     gen = torch.Generator(device=device).manual_seed(seed)
     out = []
@@ -217,7 +147,7 @@ def evaluate_checkpoint(cfg: RunConfig, shards: ShardSet, step: int) -> dict:
     store, cache = open_store(cfg.store), default_cache_dir()
     # a private checkpoint cache: the trainer may be downloading the same checkpoint to resume
     ckpt = checkpoint.load_step(store, cfg.run_name, step, os.path.join(cache, "eval"))
-    model = load_model(ckpt, device)
+    model = model_from_checkpoint(ckpt, device)
     val = val_sequences(split_stream(shards, cfg.store, "val", cache), model.config.block_size, cfg.eval.val_tokens)
     result = {
         "step": ckpt.step,
@@ -225,7 +155,7 @@ def evaluate_checkpoint(cfg: RunConfig, shards: ShardSet, step: int) -> dict:
         "tokens_seen": ckpt.state.tokens_seen,
         "trainer_val_loss": ckpt.state.val_loss,
         "device": device,
-        "val_loss": val_loss(model, val, batch=cfg.train.micro_batch, device=device),
+        "val_loss": val_loss(model, val, cfg.train.micro_batch, device),
     }
     if cfg.eval.hellaswag:
         examples = read_hellaswag(cfg.eval.hellaswag, cfg.eval.hellaswag_split, cfg.eval.hellaswag_limit)

@@ -4,14 +4,16 @@
 
 The folder holds config.json, model.safetensors, generation_config.json, the
 run's tokenizer (tokenizer.json built offline from its ranks, see
-lmyard.hf_tokenizer) and lmyard_export.json (where it came from). Exporters
-are registered by lmyard architecture (`EXPORTERS`, keyed by `model.arch`):
-GPT-2 becomes `GPT2LMHeadModel`, Llama `LlamaForCausalLM`; another family adds
-an `Exporter` under its name.
+lmyard.data.hf_tokenizer) and lmyard_export.json (where it came from). The
+mapping to Hugging Face is the model family's (its spec's `hf`, found by
+`model.arch` in lmyard.models.registry): GPT-2 becomes `GPT2LMHeadModel`,
+Llama `LlamaForCausalLM`; nothing here names a family.
 
 The folder is written to a temporary folder first and moved (local) or
 uploaded (S3, config.json last) at the end, so a destination never holds half
-an export; `init_from_hf` reads such a folder back into lmyard's GPT.
+an export; `init_from_hf` reads such a folder back into an lmyard model. The
+folder and its files are readable by every user (0755 and 0644 under the
+umask): a model is served or evaluated by other users than the one who exported it.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from lmyard.checkpoint import full as checkpoint
 from lmyard.config import TokenizerConfig
 from lmyard.errors import UserError
+from lmyard.models import registry
+from lmyard.models.spec import HFAdapter
 from lmyard.store import open_store
 
 WEIGHTS = "model.safetensors"
@@ -41,7 +44,7 @@ _URI = re.compile(
 class CheckpointFacts:
     """What an export needs to know about a checkpoint besides its weights."""
 
-    architecture: str  # lmyard's architecture (model.arch): a key of EXPORTERS
+    architecture: str  # the model family (model.arch): a key of lmyard.models.registry.FAMILIES
     dims: dict  # the model config's fields (GPTConfig, LlamaConfig)
     tokenizer: TokenizerConfig
     generation: dict  # sampling defaults (temperature, top_k) from the run's eval config
@@ -54,7 +57,7 @@ def checkpoint_facts(ckpt: checkpoint.Checkpoint) -> CheckpointFacts:
     config, spec = state.config, dict(state.model)
     eval_cfg = config.get("eval") or {}
     return CheckpointFacts(
-        architecture=spec.pop("arch", "gpt2"),  # lmyard.models.model_spec; checkpoints before Llama: GPT-2
+        architecture=spec.pop("arch", registry.DEFAULT),  # registry.model_spec; checkpoints before Llama: GPT-2
         dims=spec,
         tokenizer=TokenizerConfig.model_validate(config.get("tokenizer") or {}),
         generation={"temperature": eval_cfg.get("temperature", 0.8), "top_k": eval_cfg.get("top_k", 40)},
@@ -68,193 +71,14 @@ def checkpoint_facts(ckpt: checkpoint.Checkpoint) -> CheckpointFacts:
     )
 
 
-# ---------------------------------------------------------------- architectures
-
-
-@dataclass(frozen=True)
-class Exporter:
-    """One model family's mapping to and from a Hugging Face architecture."""
-
-    hf_architecture: str  # e.g. GPT2LMHeadModel
-    hf_config: Callable[[dict, int], dict]  # (dims, eot id) -> config.json
-    to_hf: Callable[[dict, dict], dict]  # (lmyard state_dict, dims) -> HF tensors
-    from_hf: Callable[[dict, dict], tuple[dict, dict]]  # (HF tensors, config.json) -> (state_dict, dims)
-
-
-def _gpt2_config(dims: dict, eot: int) -> dict:
-    p = dims.get("dropout", 0.0)
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": dims["vocab_size"],
-        "n_positions": dims["block_size"],
-        "n_ctx": dims["block_size"],
-        "n_embd": dims["n_embd"],
-        "n_layer": dims["n_layer"],
-        "n_head": dims["n_head"],
-        "n_inner": None,
-        "activation_function": "gelu_new",  # tanh-approximated GELU, as lmyard.model.MLP
-        "resid_pdrop": p,
-        "embd_pdrop": p,
-        "attn_pdrop": p,
-        "layer_norm_epsilon": 1e-5,
-        "initializer_range": 0.02,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": True,
-        "use_cache": True,
-        "bos_token_id": eot,
-        "eos_token_id": eot,
-        "torch_dtype": "float32",
-    }
-
-
-# Conv1D in HF GPT-2 stores (in, out): the transpose of nn.Linear's (out, in)
-_GPT2_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-_GPT2_BIASED = ("ln_1", "ln_2", *_GPT2_CONV1D)
-
-
-def _gpt2_to_hf(sd: dict, dims: dict) -> dict:
-    import torch
-
-    out = {
-        "transformer.wte.weight": sd["wte.weight"],
-        "transformer.wpe.weight": sd["wpe.weight"],
-        "transformer.ln_f.weight": sd["ln_f.weight"],
-    }
-    out["transformer.ln_f.bias"] = sd.get("ln_f.bias", torch.zeros_like(sd["ln_f.weight"]))
-    for i in range(dims["n_layer"]):
-        for name in _GPT2_BIASED:
-            w = sd[f"h.{i}.{name}.weight"]
-            out[f"transformer.h.{i}.{name}.weight"] = w.t() if name in _GPT2_CONV1D else w
-            # a model without biases (model.bias=false) exports zero biases: the same function
-            out[f"transformer.h.{i}.{name}.bias"] = sd.get(f"h.{i}.{name}.bias", torch.zeros(w.shape[0], dtype=w.dtype))
-    return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}  # lm_head is tied to wte: not saved
-
-
-def _gpt2_from_hf(tensors: dict, config: dict) -> tuple[dict, dict]:
-    if config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise UserError(
-            f"GPT-2 folder uses activation {config['activation_function']!r}; lmyard's GPT uses "
-            "the tanh GELU (gelu_new)"
-        )
-    if config.get("n_inner") not in (None, 4 * config["n_embd"]) or not config.get("tie_word_embeddings", True):
-        raise UserError("GPT-2 folder has a non-standard MLP width or untied head; lmyard's GPT cannot hold it")
-    prefix = "transformer." if "transformer.wte.weight" in tensors else ""  # the original gpt2 files have none
-    dims = {
-        "arch": "gpt2",
-        "vocab_size": config["vocab_size"],
-        "block_size": config["n_positions"],
-        "n_layer": config["n_layer"],
-        "n_head": config["n_head"],
-        "n_embd": config["n_embd"],
-        "dropout": 0.0,
-        "bias": True,
-    }
-    sd = {
-        "wte.weight": tensors[f"{prefix}wte.weight"],
-        "wpe.weight": tensors[f"{prefix}wpe.weight"],
-        "ln_f.weight": tensors[f"{prefix}ln_f.weight"],
-        "ln_f.bias": tensors[f"{prefix}ln_f.bias"],
-    }
-    for i in range(config["n_layer"]):
-        for name in _GPT2_BIASED:
-            w = tensors[f"{prefix}h.{i}.{name}.weight"]
-            sd[f"h.{i}.{name}.weight"] = w.t().contiguous() if name in _GPT2_CONV1D else w
-            sd[f"h.{i}.{name}.bias"] = tensors[f"{prefix}h.{i}.{name}.bias"]
-    sd["lm_head.weight"] = sd["wte.weight"]
-    return sd, dims
-
-
-def _llama_config(dims: dict, eot: int) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": dims["vocab_size"],
-        "hidden_size": dims["n_embd"],
-        "intermediate_size": dims["ffn_hidden"],
-        "num_hidden_layers": dims["n_layer"],
-        "num_attention_heads": dims["n_head"],
-        "num_key_value_heads": dims["n_kv_head"],
-        "head_dim": dims["n_embd"] // dims["n_head"],
-        "max_position_embeddings": dims["block_size"],
-        "rms_norm_eps": dims["norm_eps"],
-        "rope_theta": dims["rope_theta"],  # transformers 4; 5 reads rope_parameters
-        "rope_parameters": {"rope_type": "default", "rope_theta": dims["rope_theta"]},
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "bos_token_id": eot,
-        "eos_token_id": eot,
-        "torch_dtype": "float32",
-    }
-
-
-def _llama_sizes(dims: dict) -> list[int]:
-    head = dims["n_embd"] // dims["n_head"]
-    return [dims["n_head"] * head, dims["n_kv_head"] * head, dims["n_kv_head"] * head]
-
-
-def _llama_to_hf(sd: dict, dims: dict) -> dict:
-    """lmyard's Llama names are HF's without `model.`, but for q, k and v fused in qkv_proj (stacked by rows)."""
-    out = {}
-    for k, v in sd.items():
-        if k.endswith("self_attn.qkv_proj.weight"):
-            base = "model." + k.removesuffix("qkv_proj.weight")
-            for name, part in zip(("q_proj", "k_proj", "v_proj"), v.split(_llama_sizes(dims), dim=0)):
-                out[f"{base}{name}.weight"] = part
-        else:
-            out[k if k.startswith("lm_head.") else f"model.{k}"] = v
-    return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
-
-
-def _llama_from_hf(tensors: dict, config: dict) -> tuple[dict, dict]:
-    import torch
-
-    if config.get("tie_word_embeddings") or config.get("attention_bias") or config.get("mlp_bias"):
-        raise UserError("Llama folder has tied embeddings or biases; lmyard's Llama has neither")
-    dims = {
-        "arch": "llama",
-        "vocab_size": config["vocab_size"],
-        "block_size": config["max_position_embeddings"],
-        "n_layer": config["num_hidden_layers"],
-        "n_head": config["num_attention_heads"],
-        "n_embd": config["hidden_size"],
-        "n_kv_head": config.get("num_key_value_heads") or config["num_attention_heads"],
-        "ffn_hidden": config["intermediate_size"],
-        "norm_eps": config.get("rms_norm_eps", 1e-5),
-        "rope_theta": (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta", 10000.0),
-    }
-    sd = {}
-    for k, v in tensors.items():
-        name = k.removeprefix("model.")
-        if name.endswith("self_attn.q_proj.weight"):
-            base = name.removesuffix("q_proj.weight")
-            sd[f"{base}qkv_proj.weight"] = torch.cat(
-                [v, tensors[f"model.{base}k_proj.weight"], tensors[f"model.{base}v_proj.weight"]]
-            )
-        elif not name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
-            sd[name] = v
-    return sd, dims
-
-
-EXPORTERS: dict[str, Exporter] = {
-    "gpt2": Exporter("GPT2LMHeadModel", _gpt2_config, _gpt2_to_hf, _gpt2_from_hf),
-    "llama": Exporter("LlamaForCausalLM", _llama_config, _llama_to_hf, _llama_from_hf),
-}
-
-
-def exporter_for(architecture: str, where: str) -> Exporter:
+def adapter_for(architecture: str, where: str) -> HFAdapter:
+    """The Hugging Face mapping of the family `architecture` (lmyard.models.registry); UserError if none."""
     try:
-        return EXPORTERS[architecture]
+        return registry.spec(architecture).hf
     except KeyError:
         raise UserError(
             f"{where} has architecture {architecture!r}, which lmyard cannot export: "
-            f"known architectures are {', '.join(sorted(EXPORTERS))}"
+            f"known architectures are {', '.join(sorted(registry.FAMILIES))}"
         ) from None
 
 
@@ -310,15 +134,14 @@ def write_folder(ckpt: checkpoint.Checkpoint, folder: str) -> dict:
 
     from lmyard.data.hf_tokenizer import write_tokenizer
     from lmyard.data.tokenizer import get_tokenizer
-    from lmyard.evaluate.evals import load_model
 
     facts = checkpoint_facts(ckpt)
-    exporter = exporter_for(facts.architecture, f"checkpoint {ckpt.uri}")
+    adapter = adapter_for(facts.architecture, f"checkpoint {ckpt.uri}")
     enc = get_tokenizer(facts.tokenizer)
-    model = load_model(ckpt, "cpu")
+    model = registry.model_from_checkpoint(ckpt, "cpu")
     dims = {**facts.dims, **dataclasses.asdict(model.config)}
-    config = exporter.hf_config(dims, enc.eot_token)
-    save_file(exporter.to_hf(model.state_dict(), dims), os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
+    config = adapter.config(dims, enc.eot_token)
+    save_file(adapter.to_hf(model.state_dict(), dims), os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
     # sampling never picks the embedding's padding rows (ids past the tokenizer's vocabulary)
     generation = {
         "bos_token_id": enc.eot_token,
@@ -332,7 +155,7 @@ def write_folder(ckpt: checkpoint.Checkpoint, folder: str) -> dict:
     info = {
         "format": "lmyard-hf-export/1",
         "architecture": facts.architecture,
-        "hf_architecture": exporter.hf_architecture,
+        "hf_architecture": adapter.architecture,
         "tokenizer": facts.tokenizer.model_dump(),
         **facts.provenance,
     }
@@ -340,6 +163,23 @@ def write_folder(ckpt: checkpoint.Checkpoint, folder: str) -> dict:
         with open(os.path.join(folder, name), "w") as f:
             json.dump(data, f, indent=1)
     return info
+
+
+def _umask() -> int:
+    umask = os.umask(0o022)  # read it by setting it (the process's only interface), then put it back
+    os.umask(umask)
+    return umask
+
+
+def readable_by_all(folder: str) -> None:
+    """The modes a folder made by `lmyard export` should have had: 0755 for folders, 0644 for files, under the
+    umask. mkdtemp makes its folder 0700 (and safetensors its file 0600), which no serving or evaluating user
+    but the exporter could read."""
+    umask = _umask()
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~umask)
 
 
 def check_destination(dest: str) -> None:
@@ -389,6 +229,7 @@ def export(source: str, dest: str, step: int | None = None, cache_dir: str | Non
     tmp = tempfile.mkdtemp(prefix=".lmyard-export-", dir=parent)  # beside dest: the final move is a rename
     try:
         info = write_folder(ckpt, tmp)
+        readable_by_all(tmp)
         return {**info, "uri": publish(tmp, dest)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -414,7 +255,7 @@ def _local_folder(path: str, cache_dir: str | None) -> str:
 
 def init_from_hf(path: str, cache_dir: str | None = None) -> tuple[dict, dict]:
     """(state_dict, model spec) from a Hugging Face model folder (local or s3://): build the model with
-    `lmyard.models.model_from_spec(spec)` and load the state_dict into it."""
+    `lmyard.models.registry.model_from_spec(spec)` and load the state_dict into it."""
     from safetensors.torch import load_file
 
     folder = _local_folder(path, cache_dir)
@@ -424,9 +265,9 @@ def init_from_hf(path: str, cache_dir: str | None = None) -> tuple[dict, dict]:
     except (OSError, ValueError):
         raise UserError(f"model.init_from {path}: no readable config.json; give a Hugging Face model folder") from None
     archs = config.get("architectures") or []
-    by_hf = {e.hf_architecture: e for e in EXPORTERS.values()}
-    exporter = next((by_hf[a] for a in archs if a in by_hf), None)
-    if exporter is None:
+    by_hf = {s.hf.architecture: s.hf for s in registry.FAMILIES.values()}
+    adapter = next((by_hf[a] for a in archs if a in by_hf), None)
+    if adapter is None:
         raise UserError(
             f"model.init_from {path}: architecture {archs or config.get('model_type')} is not one "
             f"lmyard can load; known: {', '.join(sorted(by_hf))}"
@@ -438,7 +279,7 @@ def init_from_hf(path: str, cache_dir: str | None = None) -> tuple[dict, dict]:
             "save it with save_pretrained(safe_serialization=True, max_shard_size='100GB')"
         )
     try:
-        return exporter.from_hf(load_file(weights), config)
+        return adapter.from_hf(load_file(weights), config)
     except KeyError as e:
         raise UserError(f"model.init_from {path}: {WEIGHTS} lacks tensor {e} for its config") from None
 

@@ -9,11 +9,11 @@
   under fsdp the gathered bf16 blocks (two at a time with reshard-after-forward, every block without),
   a block's fp32 unsharded gradients on their way to reduce-scatter, and the root unit (embeddings,
   head) gathered with its unsharded gradients.
-- activations: what backward keeps, bf16, for micro_batch x block_size tokens: per block and token
-  Llama keeps 14d + 4kv + 8f bytes (eager; d width, kv key/value width, f SwiGLU width), GPT-2 34d
-  (Korthikanti et al. 2022, flash attention); `selective` keeps matmul and attention outputs but every
-  second matmul's (Llama 8d + 4kv + 2f, GPT-2 16d); `full` keeps each block's input (2d) plus one block's
-  worth during its recomputation. Plus the logits (bf16, their gradient is written in place).
+- activations: what backward keeps, bf16, for micro_batch x block_size tokens: per block and token the
+  family's figure (its spec's `terms`, e.g. GPT-2 34d eager, Korthikanti et al. 2022 with flash attention);
+  `selective` keeps matmul and attention outputs but every second matmul's; `full` keeps each block's input
+  (2d) plus one block's worth during its recomputation. Plus the logits (bf16, their gradient is written
+  in place).
 - reserve: 10% of the device for the CUDA context, NCCL buffers and allocator fragmentation.
 
 The figures are estimates (an upper end for eager, torch.compile saves a little); `check(plan)` raises a
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from lmyard.config import ModelConfig, TrainConfig
 from lmyard.errors import UserError
+from lmyard.models import registry
 
 GIB = 2**30
 RESERVE = 0.10
@@ -67,21 +68,21 @@ class Plan:
 
 
 def _shape(model_cfg: ModelConfig, n_vocab: int) -> dict:
-    """Parameter counts (total, one block, root) and per-token activation bytes per block by AC mode."""
-    from lmyard.models.registry import model_config
-
-    c = model_config(model_cfg, n_vocab)
-    d, L, V, T = c.n_embd, c.n_layer, c.vocab_size, c.block_size
-    if model_cfg.architecture() == "llama":
-        kv, f = c.n_kv_head * c.head_dim, c.ffn_hidden
-        block = d * (d + 2 * kv) + d * d + 3 * d * f + 2 * d
-        root = 2 * V * d + d
-        act = {"none": 14 * d + 4 * kv + 8 * f, "selective": 8 * d + 4 * kv + 2 * f, "full": 2 * d}
-    else:
-        block = 12 * d * d + 13 * d
-        root = V * d + T * d + 2 * d  # tied embeddings: one table
-        act = {"none": 34 * d, "selective": 16 * d, "full": 2 * d}
-    return {"n": L * block + root, "block": block, "root": root, "L": L, "V": V, "T": T, "act": act}
+    """Parameter counts (total, one block, root) and per-token activation bytes per block by AC mode, from the
+    family's terms (lmyard.models.spec.Terms)."""
+    c = registry.resolve(model_cfg, n_vocab)
+    t = registry.spec(model_cfg.architecture()).terms(c)
+    L = c["n_layer"]
+    n = L * t.block + t.root
+    return {
+        "n": n,
+        "block": t.block,
+        "root": t.root,
+        "L": L,
+        "V": c["vocab_size"],
+        "T": c["block_size"],
+        "act": t.activations,
+    }
 
 
 def estimate(

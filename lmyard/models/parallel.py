@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lmyard.config import RunConfig
+from lmyard.models import registry
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList:
@@ -122,18 +123,14 @@ def mixed_precision(device: torch.device):
 
 
 def apply_fsdp(model: nn.Module, mesh, device: torch.device, reshard_after_forward: bool = True) -> nn.Module:
-    """FSDP2: `fully_shard` each block, then the root. `mesh` is a 1-D DeviceMesh of the data-parallel ranks
-    (fsdp_mesh). A model with untied `embed_tokens` and `lm_head` (Llama) gets two more units, as torchtitan
-    makes them: the embeddings, and the final norm with the head, kept gathered from forward to backward
-    (backward needs them at once) so that the head's gradients are reduced while the blocks' backward runs;
-    GPT-2's tied table and head stay in the root unit."""
+    """FSDP2: `fully_shard` the family's own units (its spec's `fsdp_units`: Llama's embeddings, and its final
+    norm with the head), then each block, then the root with what is left (GPT-2's tied table and head).
+    `mesh` is a 1-D DeviceMesh of the data-parallel ranks (fsdp_mesh)."""
     from torch.distributed.fsdp import fully_shard
 
     shard = partial(fully_shard, mesh=mesh, mp_policy=mixed_precision(device))
-    embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
-    if embed is not None and head is not None and head.weight is not embed.weight:
-        shard(embed, reshard_after_forward=reshard_after_forward)
-        shard([model.norm, head], reshard_after_forward=False)
+    for modules, reshard in registry.spec_of(model).fsdp_units(model):
+        shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard and reshard_after_forward)
     for block in _blocks(model):
         shard(block, reshard_after_forward=reshard_after_forward)
     shard(model, reshard_after_forward=reshard_after_forward)  # FSDP2 keeps the root gathered for backward

@@ -40,8 +40,9 @@ from lmyard.contracts import CheckpointState, Exchange, Started, TrainResult, Tr
 from lmyard.data.loader import Prefetcher, TrainBatches, default_cache_dir, split_stream, val_sequences
 from lmyard.data.shards import ShardSet
 from lmyard.errors import Diverged, ExitCode, Preempted, StoreOutage, UserError, exit_code_of  # noqa: F401
+from lmyard.evaluate.validation import autocast, val_loss
 from lmyard.models.parallel import clip_grad_norm, no_sync
-from lmyard.models.registry import build_model, model_from_spec, model_spec
+from lmyard.models.registry import build_model, flops_per_token, model_from_spec, model_spec
 from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage, MetricsSink, MLflowSink, NullSink, system_metrics
 from lmyard.train.components import (
@@ -112,7 +113,7 @@ def grad_accum_steps(cfg: RunConfig, world: int, seq_len: int) -> int:
 
 def plan_memory(cfg: RunConfig, n_vocab: int, d: Dist) -> None:
     """Before the first step on a GPU: each GPU's parameters, gradients, optimizer state and activations
-    (lmyard.memory); a UserError naming what would fit (fsdp, activation checkpointing, a smaller
+    (lmyard.models.memory); a UserError naming what would fit (fsdp, activation checkpointing, a smaller
     micro-batch, more GPUs) when they will not."""
     if d.device.type != "cuda":
         return
@@ -124,29 +125,6 @@ def plan_memory(cfg: RunConfig, n_vocab: int, d: Dist) -> None:
         print(f"memory plan per GPU: {plan.summary()}", flush=True)
 
 
-@torch.no_grad()
-def evaluate_loss(model: torch.nn.Module, val: torch.Tensor, d: Dist, micro_batch: int, autocast) -> float:
-    """Mean token loss over the fixed val sequences; each rank scores every world-th one. Every rank makes the
-    same number of forward calls (a rank out of rows scores a throwaway one): FSDP gathers in each."""
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=d.device)  # (loss sum, sequences)
-    mine = val[d.rank :: d.world]
-    calls = math.ceil(val[0 :: d.world].size(0) / micro_batch)  # rank 0 has the most rows
-    for i in range(0, calls * micro_batch, micro_batch):
-        rows = mine[i : i + micro_batch]
-        scored = rows.size(0)
-        rows = (rows if scored else val[:1]).to(d.device)
-        with autocast:
-            loss = model(rows[:, :-1], rows[:, 1:])
-        if scored:
-            total[0] += loss.double() * scored
-            total[1] += scored
-    if d.world > 1:
-        dist.all_reduce(total)
-    model.train()
-    return float(total[0] / total[1])
-
-
 class ComputeContext:
     """bf16 autocast on CUDA, and the configured SDPA kernel; reusable across steps."""
 
@@ -156,7 +134,7 @@ class ComputeContext:
     def __enter__(self):
         self.stack = contextlib.ExitStack()
         if self.cuda:
-            self.stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+            self.stack.enter_context(autocast("cuda"))
         if self.attention != "auto":
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -254,7 +232,7 @@ class Trainer:
             model=model_spec(self.raw_model),
         )
         self.started = Started(start_step=0, world_size=d.world)
-        self.logger = MetricsLogger(cfg, d.device, d.world, self.raw_model.flops_per_token(), sink, d.is_main)
+        self.logger = MetricsLogger(cfg, d.device, d.world, flops_per_token(self.state.model), sink, d.is_main)
         self.validator, self.checkpointing = Validator(cfg), Checkpointing(cfg)
         self.guard, self.faults = DivergenceGuard(cfg), FaultHook(d.rank, d.world)
         self.checkpointer = self._checkpointer()
@@ -313,7 +291,7 @@ class Trainer:
         )
 
     def _checkpointer(self):
-        """fsdp: every rank saves its shards (lmyard.sharded_checkpoint); ddp: rank 0 saves the whole state."""
+        """fsdp: every rank saves its shards (lmyard.checkpoint.dcp); ddp: rank 0 saves the whole state."""
         c, staging = self.cfg.checkpoint, os.path.join(self.cache, "staging")
         if self.fsdp:
             from lmyard.checkpoint.dcp import ShardedCheckpointer
@@ -431,11 +409,13 @@ class Trainer:
         step = self.state.step
         if not self.validator.due(step):
             return
-        val_loss = evaluate_loss(self.model, self.val, self.d, self.t.micro_batch, self.autocast)
-        self.validator.last = (step, val_loss)
+        loss = val_loss(
+            self.model, self.val, self.t.micro_batch, self.d.device, self.autocast, self.d.rank, self.d.world
+        )
+        self.validator.last = (step, loss)
         if self.d.is_main:
-            self.sink.log({"val/loss": val_loss}, step)
-            print(f"step {step} | val loss {val_loss:.4f}", flush=True)
+            self.sink.log({"val/loss": loss}, step)
+            print(f"step {step} | val loss {loss:.4f}", flush=True)
         self.logger.restart(self.batches.waited_s)
 
     # ---- checkpoints ----------------------------------------------------------------

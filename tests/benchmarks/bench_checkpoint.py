@@ -33,13 +33,14 @@ import torch  # noqa: E402
 
 from lmyard.checkpoint import full as checkpoint  # noqa: E402
 from lmyard.config import ModelConfig  # noqa: E402
-from lmyard.models.gpt2 import GPT, GPTConfig  # noqa: E402
+from lmyard.models.gpt2.model import GPT  # noqa: E402
+from lmyard.models.registry import model_config  # noqa: E402
 from lmyard.store import open_store  # noqa: E402
 
 
 def bench(preset: str, batch: int, store_dir: str, interval: int) -> dict:
     torch.manual_seed(0)
-    model = GPT(GPTConfig.from_config(ModelConfig(preset=preset), 50257)).cuda()
+    model = GPT(model_config(ModelConfig(preset=preset), 50257)).cuda()
     opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, fused=True)
     cmodel = torch.compile(model)
     x = torch.randint(0, 50257, (batch, 1025), device="cuda")

@@ -23,7 +23,7 @@ def main() -> None:
     from lmyard.checkpoint import full as checkpoint
     from lmyard.config import load_recipe
     from lmyard.export import hf as export
-    from lmyard.models.gpt2 import GPT, GPTConfig
+    from lmyard.models.gpt2.model import GPT, GPTConfig
     from lmyard.store import open_store
 
     cfg = load_recipe("smoke", ["tokenizer.name=gpt2", "model.preset=gpt2-124m"])

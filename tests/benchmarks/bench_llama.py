@@ -12,7 +12,7 @@ file (tests/benchmarks/random_shards.py): rank r, step s takes sequences (s * wo
 seq + 1 tokens. With `--titan` it then runs torchtitan on the same shard (run_torchtitan.py).
 
 Prints one JSON line per run and a summary: tokens/s, tokens/s per GPU, MFU = tokens/s * F / (peak * GPUs)
-with F = model.flops_per_token() = 6 * (parameters - input embedding) + 12 * layers * width * seq
+with F = lmyard.models.registry.flops_per_token = 6 * (parameters - input embedding) + 12 * layers * width * seq
 (torchtitan's formula; peak dense bf16 989 TFLOP/s on H100/H200, lmyard.components.PEAK_FLOPS), peak memory per
 GPU (max allocated and max reserved, GiB) beside lmyard.memory's estimate, and lmyard / torchtitan.
 """
@@ -66,7 +66,7 @@ def worker(a: argparse.Namespace) -> None:
     from lmyard.config import load_recipe
     from lmyard.data.shards import read_shard
     from lmyard.models.parallel import parallelize
-    from lmyard.models.registry import build_model
+    from lmyard.models.registry import build_model, flops_per_token, model_spec
     from lmyard.train.components import PEAK_FLOPS
 
     rank, local, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
@@ -92,7 +92,7 @@ def worker(a: argparse.Namespace) -> None:
     torch.manual_seed(0)
     with torch.device(device):
         model = build_model(cfg.model, 50257)
-    n_params, flops_tok = model.num_params(), model.flops_per_token()
+    n_params, flops_tok = model.num_params(), flops_per_token(model_spec(model))
     model = parallelize(model, cfg, world, device)
     params = list(model.parameters())
     opt = torch.optim.AdamW(model.param_groups(0.1), lr=3e-4, betas=(0.9, 0.95), fused=cuda)

@@ -58,10 +58,11 @@ class CopyStore(LocalStore):
 
 def build_llama(preset: str, device: torch.device, seq: int):
     from lmyard.config import ModelConfig
-    from lmyard.models.llama import Llama, LlamaConfig
+    from lmyard.models.llama.model import Llama
     from lmyard.models.parallel import apply_fsdp, fsdp_mesh
+    from lmyard.models.registry import model_config
 
-    cfg = LlamaConfig.from_config(ModelConfig(preset=preset), 128256)
+    cfg = model_config(ModelConfig(preset=preset), 128256)
     with torch.device("meta"):
         model = Llama(cfg)
     apply_fsdp(model, fsdp_mesh(dist.get_world_size(), device), device)

@@ -27,7 +27,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lmyard.config import load_recipe
-from lmyard.models.gpt2 import GPT, GPTConfig
+from lmyard.models.gpt2.model import GPT
+from lmyard.models.registry import model_config
 from lmyard.train.trainer import prepare_model, setup_distributed, train_step
 
 
@@ -86,7 +87,7 @@ def main() -> None:
     rank, world = d.rank, d.world
     t = cfg.train
     torch.manual_seed(t.seed)
-    gcfg = GPTConfig.from_config(cfg.model, 50257)
+    gcfg = model_config(cfg.model, 50257)
     raw = GPT(gcfg).to(d.device)
     model, autocast = prepare_model(raw, cfg, d)  # exactly as the trainer: DDP with more than one rank, compile
     optimizer = torch.optim.AdamW(raw.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), fused=True)

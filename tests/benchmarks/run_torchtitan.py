@@ -281,9 +281,9 @@ def worker() -> None:
 def titan_settings(preset: str, seq: int, n_vocab: int = 50257) -> dict:
     sys.path.insert(0, str(REPO))
     from lmyard.config import ModelConfig
+    from lmyard.models import llama
 
-    cfg = ModelConfig(preset=preset, block_size=seq)
-    d = cfg.llama_dims()
+    d = llama.settings(ModelConfig(preset=preset, block_size=seq))
     d["vocab_size"] = d["vocab_size"] or 64 * -(-n_vocab // 64)
     return d
 

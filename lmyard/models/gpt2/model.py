@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lmyard.config import ModelConfig
+from lmyard.models.base import LanguageModel
 from lmyard.models.losses import linear_cross_entropy
 
 
@@ -26,12 +26,6 @@ class GPTConfig:
     n_embd: int
     dropout: float = 0.0
     bias: bool = True
-
-    @classmethod
-    def from_config(cls, cfg: ModelConfig, n_vocab: int) -> GPTConfig:
-        dims = cfg.dims()
-        vocab = cfg.vocab_size or 64 * math.ceil(n_vocab / 64)  # pad to a multiple of 64 for fast matmuls
-        return cls(vocab_size=vocab, dropout=cfg.dropout, bias=cfg.bias, **dims)
 
 
 class CausalSelfAttention(nn.Module):
@@ -72,44 +66,9 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class LanguageModel(nn.Module):
-    """What GPT-2 and Llama share: AdamW groups and sampling. A subclass has `config.block_size` and a
-    `forward(idx)` that gives logits (B, T, V)."""
-
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        """AdamW groups: decay on matrices (weights, embeddings, head); none on biases and norm gains."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        return [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-        vocab_limit: int | None = None,
-    ) -> torch.Tensor:
-        """Sample continuations; `vocab_limit` masks the padding rows above the tokenizer's vocabulary."""
-        for _ in range(max_new_tokens):
-            cond = idx[:, -self.config.block_size :]
-            logits = self(cond)
-            logits = logits[:, -1, :].float() / temperature
-            if vocab_limit is not None:
-                logits[:, vocab_limit:] = -float("inf")
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            probs = F.softmax(logits, dim=-1)
-            idx = torch.cat((idx, torch.multinomial(probs, 1, generator=generator)), dim=1)
-        return idx
-
-
 class GPT(LanguageModel):
+    family = "gpt2"
+
     def __init__(self, c: GPTConfig):
         super().__init__()
         self.config = c
@@ -124,7 +83,7 @@ class GPT(LanguageModel):
 
     @property
     def layers(self) -> nn.ModuleList:
-        """The blocks, under the name lmyard.parallel wraps them by (FSDP2 units, checkpointing, compile)."""
+        """The blocks, under the name lmyard.models.parallel wraps them by (FSDP2 units, checkpointing, compile)."""
         return self.h
 
     def _init(self, m: nn.Module) -> None:
@@ -138,7 +97,7 @@ class GPT(LanguageModel):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V); with targets, only the mean cross-entropy, computed with the head in one op
-        (lmyard.losses: the logits' gradient is made in the forward pass, in the logits' buffer)."""
+        (lmyard.models.losses: the logits' gradient is made in the forward pass, in the logits' buffer)."""
         T = idx.size(1)
         assert T <= self.config.block_size, f"sequence of {T} exceeds block_size {self.config.block_size}"
         pos = torch.arange(T, device=idx.device)
@@ -149,11 +108,3 @@ class GPT(LanguageModel):
         if targets is None:
             return self.lm_head(x)
         return linear_cross_entropy(x, self.lm_head.weight, targets)
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6N for the weights + 12*L*d*T for attention (PaLM appendix B)."""
-        c = self.config
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size

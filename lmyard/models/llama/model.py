@@ -1,10 +1,10 @@
 """Llama-family decoder (Llama 3 shapes): RoPE, RMSNorm, SwiGLU, grouped-query attention, untied
 embeddings, no biases.
 
-The interface is GPT's (lmyard.model): `forward(idx, targets=None)` gives the mean loss through
-lmyard.losses.linear_cross_entropy (the logits without targets), `num_params()`, `flops_per_token()`,
+The interface is lmyard.models.base.LanguageModel's: `forward(idx, targets=None)` gives the mean loss
+through lmyard.models.losses.linear_cross_entropy (the logits without targets), `num_params()`,
 `param_groups()`, `generate()`, `config.block_size`, and `layers`, the ModuleList of blocks that
-lmyard.parallel wraps one by one (FSDP2 units, activation checkpointing, torch.compile).
+lmyard.models.parallel wraps one by one (FSDP2 units, activation checkpointing, torch.compile).
 
 Weight names follow Hugging Face's LlamaForCausalLM without its `model.` prefix
 (`embed_tokens`, `layers.i.self_attn.o_proj`, `layers.i.mlp.gate_proj`, `norm`, `lm_head`), except
@@ -27,18 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lmyard.config import ModelConfig
-from lmyard.models.gpt2 import LanguageModel
+from lmyard.models.base import LanguageModel
 from lmyard.models.losses import linear_cross_entropy
-
-
-def ffn_hidden_size(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
-    """Llama 3's SwiGLU width: 2/3 of 4d, times the multiplier, rounded up to a multiple of `multiple_of`
-    (d=2048, x1.5, 1024 -> 8192; d=4096, x1.3, 1024 -> 14336)."""
-    hidden = int(2 * 4 * dim / 3)
-    if ffn_dim_multiplier is not None:
-        hidden = int(ffn_dim_multiplier * hidden)
-    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
 @dataclass(frozen=True)
@@ -52,13 +42,6 @@ class LlamaConfig:
     ffn_hidden: int
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
-
-    @classmethod
-    def from_config(cls, cfg: ModelConfig, n_vocab: int) -> LlamaConfig:
-        d = cfg.llama_dims()
-        vocab = d.pop("vocab_size") or 64 * math.ceil(n_vocab / 64)
-        ffn = ffn_hidden_size(d["n_embd"], d.pop("multiple_of"), d.pop("ffn_dim_multiplier"))
-        return cls(vocab_size=vocab, ffn_hidden=ffn, **d)
 
     @property
     def head_dim(self) -> int:
@@ -125,7 +108,7 @@ class Block(nn.Module):
 
 
 class LMHead(nn.Linear):
-    """The output projection; with targets, the projection and its cross-entropy in one op (lmyard.losses).
+    """The output projection; with targets, the projection and its cross-entropy in one op (lmyard.models.losses).
     Called as a module, so FSDP2 gathers its weight through its own unit's hooks."""
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,6 +118,8 @@ class LMHead(nn.Linear):
 
 
 class Llama(LanguageModel):
+    family = "llama"
+
     def __init__(self, c: LlamaConfig):
         super().__init__()
         if c.n_embd % c.n_head or c.n_head % c.n_kv_head or c.head_dim % 2:
@@ -186,16 +171,3 @@ class Llama(LanguageModel):
         for block in self.layers:
             x = block(x, cos, sin)
         return self.lm_head(self.norm(x), targets)
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token, torchtitan's formula (get_dense_model_nparams_and_flops, untied):
-        6 * (N - the input embedding table) + 12 * L * d * T, with d = n_head * head_dim and T = block_size.
-
-        6N': each weight of a matmul (the LM head included) costs 2 FLOPs forward and 4 backward; the
-        embedding table is a lookup. 12*L*d*T: the two attention matmuls (scores, weighted values), 2
-        FLOPs per multiply-add, x3 for forward + backward, causal masking not discounted."""
-        c = self.config
-        return 6 * (self.num_params() - self.embed_tokens.weight.numel()) + 12 * c.n_layer * c.n_embd * c.block_size
