@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 
 import pytest
@@ -95,6 +96,22 @@ def test_import_then_export_is_the_identity(tmp_path, arch):
     assert all(torch.equal(first[k], second[k]) for k in first)  # HF -> lmyard -> HF too
     for name in ("config.json", "tokenizer.json"):
         assert (tmp_path / "first" / name).read_text() == (tmp_path / "second" / name).read_text()
+
+
+def test_exported_folder_is_readable_by_other_users(tmp_path):
+    """0755 for the folder and 0644 for its files under a 022 umask (mkdtemp alone gives 0700, safetensors 0600);
+    a stricter umask still applies."""
+    uri, _ = write_checkpoint(tmp_path / "store")
+    for umask, folder_mode, file_mode in ((0o022, 0o755, 0o644), (0o027, 0o750, 0o640)):
+        old = os.umask(umask)
+        try:
+            dest = tmp_path / f"hf-{umask:o}"
+            export.export(uri, str(dest), cache_dir=str(tmp_path / "cache"))
+        finally:
+            os.umask(old)
+        assert stat.S_IMODE(dest.stat().st_mode) == folder_mode
+        files = {p.name: stat.S_IMODE(p.stat().st_mode) for p in dest.iterdir()}
+        assert "model.safetensors" in files and set(files.values()) == {file_mode}, files
 
 
 def test_export_to_s3_uploads_the_whole_folder(tmp_path, s3_bucket):

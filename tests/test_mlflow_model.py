@@ -73,6 +73,33 @@ def test_registered_model_loads_as_pyfunc_and_generates_text(served_run, mlflow_
     assert again == out[:1]  # seeded
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_every_familys_export_loads_as_pyfunc_and_generates_text(tmp_path, arch):
+    """The pyfunc as the registry stores it (models from code, the exported folder as its artifact), on each
+    family's export; a prompt longer than the context keeps its end."""
+    import mlflow.pyfunc
+    from conftest import write_random_checkpoint
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+
+    from lmyard.export.hf import export
+    from lmyard.tracking.lineage import PYFUNC
+
+    uri, model = write_random_checkpoint(tmp_path / "store", arch=arch)  # llama: the llama-tiny preset
+    export(uri, str(tmp_path / "hf"), cache_dir=str(tmp_path / "cache"))
+    params = ParamSchema([ParamSpec("max_new_tokens", "long", 64), ParamSpec("seed", "long", 0)])
+    signature = ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]), params=params)
+    mlflow.pyfunc.save_model(
+        str(tmp_path / "pyfunc"), python_model=PYFUNC, artifacts={"hf_model": str(tmp_path / "hf")}, signature=signature
+    )
+    served = mlflow.pyfunc.load_model(str(tmp_path / "pyfunc"))
+    long_prompt = "x" * (2 * model.config.block_size)
+    out = served.predict(["The for statement", long_prompt], params={"max_new_tokens": 8, "seed": 1})
+    assert out[0].startswith("The for statement") and len(out[0]) > len("The for statement")
+    assert out[1].startswith(long_prompt)
+    assert served.predict(["The for statement"], params={"max_new_tokens": 8, "seed": 1}) == out[:1]  # seeded
+
+
 def test_run_has_its_dataset_input_and_logged_models(served_run):
     cfg, summary, client = served_run
     run = client.get_run(summary["mlflow_run_id"])

@@ -1,8 +1,9 @@
 """MLflow pyfunc model (models from code) around an exported Hugging Face folder: text in, text out.
 
-Logged by lmyard.tracking.log_hf_model with the folder as the artifact
-`hf_model`. It imports only MLflow and `transformers` (with torch), never
-lmyard, so anything with those can load it:
+Logged by lmyard.tracking.lineage.log_hf_model with the folder as the
+artifact `hf_model`. It imports only MLflow and `transformers` (with torch),
+never lmyard, so anything with those can load it, whatever the model family
+(GPT2LMHeadModel, LlamaForCausalLM: it reads only what every causal LM has):
 
     model = mlflow.pyfunc.load_model("models:/NAME@ALIAS")
     model.predict(["Exceptions are"], params={"max_new_tokens": 40})  # -> ["Exceptions are ..."]
@@ -47,7 +48,7 @@ class HFTextGeneration(PythonModel):
         out = []
         for prompt in _prompts(model_input):
             torch.manual_seed(int(p["seed"]))
-            n_ctx = self.model.config.n_positions
+            n_ctx = self.model.config.max_position_embeddings  # every family's name for it (GPT-2: n_positions)
             ids = torch.tensor([[eos, *self.tokenizer.encode(prompt)][-(n_ctx - 1) :]])  # a long prompt keeps its end
             room = max(0, min(int(p["max_new_tokens"]), n_ctx - ids.size(1)))
             with torch.no_grad():

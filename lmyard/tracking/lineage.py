@@ -504,10 +504,14 @@ def link_metrics(lineage: Lineage, model_id: str, step: int, prefixes: tuple[str
         client.log_batch(lineage.mlflow_run_id, metrics=points)
 
 
+# the pyfunc's code, logged with the model (models from code): a path, not an import (it imports no lmyard)
+PYFUNC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "export", "pyfunc.py")
+
+
 def log_hf_model(
     lineage: Lineage, name: str, folder: str, step: int, params: dict[str, str], tags: dict[str, str]
 ) -> str:
-    """Log an exported Hugging Face folder as an MLflow pyfunc model (lmyard/hf_pyfunc.py, text in, text out)
+    """Log an exported Hugging Face folder as an MLflow pyfunc model (lmyard/export/pyfunc.py, text in, text out)
     whose artifacts, the weights among them, go to the artifact store; linked to the run's metrics at
     `step`. Returns the logged model's id."""
     import tempfile
@@ -543,7 +547,7 @@ def log_hf_model(
         path = os.path.join(tmp, "model")
         mlflow.pyfunc.save_model(
             path,
-            python_model=os.path.join(os.path.dirname(__file__), "hf_pyfunc.py"),
+            python_model=PYFUNC,
             artifacts={"hf_model": folder},
             signature=signature,
             pip_requirements=_pyfunc_requirements(),
