@@ -7,7 +7,7 @@ import json
 import random
 
 import pytest
-from conftest import write_random_checkpoint
+from conftest import lmyard_cmd, tiny_overrides, write_random_checkpoint
 
 from lmyard.checkpoint import full as checkpoint
 from lmyard.config import TokenizerConfig, load_recipe
@@ -60,3 +60,57 @@ def test_harness_names_what_is_missing(tmp_path):
         harness.evaluate(ckpt, load_recipe("smoke", ["eval.harness_tasks=[hellaswag_local]"]))
     with pytest.raises(UserError, match="knows no task no_such_task"):
         harness.evaluate(ckpt, load_recipe("smoke", ["eval.harness_tasks=[no_such_task]"]))
+
+
+def _task_yaml(folder, name: str, data_file) -> None:
+    """A multiple-choice lm-eval task over a local JSONL of {ctx, endings, label} (JSON is YAML)."""
+    task = {
+        "task": name,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"validation": str(data_file)}},
+        "output_type": "multiple_choice",
+        "validation_split": "validation",
+        "doc_to_text": "{{ctx}}",
+        "doc_to_target": "{{label}}",
+        "doc_to_choice": "{{endings}}",
+        "metric_list": [{"metric": "acc"}],
+    }
+    (folder / f"{name}.yaml").write_text(json.dumps(task))
+
+
+def test_harness_check_passes_a_local_task_and_names_one_whose_data_cannot_load(tmp_path):
+    from lmyard.errors import UserError
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps(ex) + "\n" for ex in _examples(4)))
+    _task_yaml(tasks, "local_qa", data)
+    _task_yaml(tasks, "lost_qa", tmp_path / "missing.jsonl")
+    include = f"eval.harness_include={tasks}"
+    harness.check_tasks(load_recipe("smoke", ["eval.harness_tasks=[local_qa]", include]).eval)
+    with pytest.raises(
+        UserError, match=r"task lost_qa cannot be loaded offline here .*drop it from eval.harness_tasks"
+    ):
+        harness.check_tasks(load_recipe("smoke", ["eval.harness_tasks=[local_qa,lost_qa]", include]).eval)
+
+
+@pytest.mark.slow
+def test_a_harness_task_that_cannot_load_offline_stops_the_run_before_sharding_or_training(cli_env, tmp_path):
+    """lm-eval's arc_easy needs its hub dataset: offline, with no local copy, the run ends at once with exit 2
+    and one line naming the task and how to supply it, not after all its training."""
+    import subprocess
+
+    overrides = tiny_overrides(tmp_path, **{"eval.harness_tasks": "[arc_easy]"})
+    done = subprocess.run(
+        lmyard_cmd("run", "smoke", *[x for o in overrides for x in ("--set", o)]),
+        env={**cli_env, "HF_DATASETS_CACHE": str(tmp_path / "hf-datasets")},  # no local copy of ai2_arc
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("lmyard: error:")]
+    assert len(errors) == 1 and "task arc_easy cannot be loaded offline" in errors[0], done.stderr[-3000:]
+    assert "eval.harness_include" in errors[0] and "drop it from eval.harness_tasks" in errors[0]
+    assert not (tmp_path / "store" / "shards").exists() and not (tmp_path / "store" / "runs").exists()
