@@ -50,6 +50,8 @@ class Terms:
 class ModelSpec:
     name: str
     """`model.arch`, and the `arch` a checkpoint records."""
+    summary: str
+    """What sets it apart, for `model.arch`'s description."""
     presets: dict[str, dict]
     """Preset name -> `model.*` fields it sets (a preset set by the user implies this family)."""
     fields: tuple[str, ...]

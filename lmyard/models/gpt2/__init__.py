@@ -141,6 +141,7 @@ def from_hf(tensors: dict, config: dict) -> tuple[dict, dict]:
 
 SPEC = ModelSpec(
     name="gpt2",
+    summary="LayerNorm, GELU, learned positions, tied embeddings",
     presets=PRESETS,
     fields=(),
     resolve=resolve,

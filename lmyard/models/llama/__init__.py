@@ -204,6 +204,7 @@ def from_hf(tensors: dict, config: dict) -> tuple[dict, dict]:
 
 SPEC = ModelSpec(
     name="llama",
+    summary="RMSNorm, SwiGLU, RoPE, grouped-query attention, untied, no biases",
     presets=PRESETS,
     fields=tuple(DEFAULTS),
     resolve=resolve,
