@@ -3,6 +3,7 @@
     lmyard run RECIPE [--set dotted.key=value ...]     the pretrain flow
     lmyard shard RECIPE [--set dotted.key=value ...]   tokenize-and-shard only
     lmyard config [RECIPE] [--set ...]                 print the resolved config (YAML)
+    lmyard --version                                   the package version
     lmyard export RUN_OR_CHECKPOINT_URI [--step N] --to DIR_OR_S3_URI
                                                        a checkpoint as a Hugging Face model folder
 
@@ -38,7 +39,10 @@ def _quiet_user_errors() -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from lmyard import __version__
+
     p = argparse.ArgumentParser(prog="lmyard", description="Pretrain GPT-style language models.")
+    p.add_argument("--version", action="version", version=f"lmyard {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (
         ("run", "run the pretrain flow"),
@@ -89,14 +93,14 @@ def _export(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from lmyard.config import load_recipe
     from lmyard.errors import Diverged, Preempted, StoreOutage, UserError
+    from lmyard.recipes import load_recipe
 
     try:
         if args.command == "export":
             return _export(args)
         if args.command == "config" and args.reference:
-            from lmyard.config import reference_markdown
+            from lmyard.config_reference import reference_markdown
 
             print(reference_markdown())
             return 0
@@ -106,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
 
             print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
             return 0
+        from lmyard.store import open_store
+
+        open_store(config.store).check_writable()  # a read-only store fails here, before Prefect starts
         # Offline-friendly Prefect defaults; an operator's own settings win.
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
         if args.command == "run":

@@ -19,8 +19,8 @@ import argparse
 import os
 import sys
 
-from lmyard.config import load_recipe
 from lmyard.contracts import EXCHANGE_ENV, ShardResult, run_stage
+from lmyard.recipes import load_recipe
 
 
 def _shard(cfg, log) -> tuple[ShardResult, object]:

@@ -8,8 +8,9 @@ from contextlib import contextmanager
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from lmyard.config import RunConfig, with_recipe
+from lmyard.config import RunConfig
 from lmyard.data.shards import ShardSet
+from lmyard.recipes import with_recipe
 from lmyard.store import open_store
 from lmyard.tracking import lease
 from lmyard.tracking import lineage as tracking

@@ -10,9 +10,10 @@ import pytest
 from conftest import write_random_checkpoint
 
 from lmyard.checkpoint import full as checkpoint
-from lmyard.config import TokenizerConfig, load_recipe
+from lmyard.config import TokenizerConfig
 from lmyard.data.tokenizer import get_tokenizer
 from lmyard.evaluate import evals, harness
+from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed: pip install -e '.[harness]'")

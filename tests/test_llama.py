@@ -8,13 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmyard.config import ModelConfig, TrainConfig, load_recipe
+from lmyard.config import ModelConfig, TrainConfig
 from lmyard.errors import UserError
 from lmyard.models.gpt2 import GPT
 from lmyard.models.llama import Llama, LlamaConfig, ffn_hidden_size
 from lmyard.models.memory import check, estimate
 from lmyard.models.parallel import apply_activation_checkpointing, compile_blocks
 from lmyard.models.registry import build_model, model_from_spec, model_spec
+from lmyard.recipes import load_recipe
 
 GB80 = 80 * 10**9
 

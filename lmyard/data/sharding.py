@@ -517,6 +517,7 @@ def tokenize_and_shard(
     """
     cache_dir = cache_dir or cache_root()
     store = open_store(cfg.store)
+    store.check_writable()  # before any tokenizing: the shards and every checkpoint go there
     enc = get_tokenizer(cfg.tokenizer)
     version, dtype = fmt.token_dtype(enc.n_vocab)
     num_proc = cfg.data.num_proc or default_num_proc()

@@ -63,10 +63,10 @@ def worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from lmyard.config import load_recipe
     from lmyard.data.shards import read_shard
     from lmyard.models.parallel import parallelize
     from lmyard.models.registry import build_model
+    from lmyard.recipes import load_recipe
     from lmyard.train.components import PEAK_FLOPS
 
     rank, local, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))

@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lmyard.config import load_recipe
 from lmyard.models.gpt2 import GPT, GPTConfig
+from lmyard.recipes import load_recipe
 from lmyard.train.trainer import prepare_model, setup_distributed, train_step
 
 
