@@ -10,6 +10,7 @@ Strings, not Paths: a Path mangles `s3://`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import secrets
@@ -66,10 +67,14 @@ class LocalStore:
         return Path(confined(self.root, key, "store key"))
 
     def check_writable(self) -> None:
-        """A UserError now, before hours of work, when this process cannot create files in the folder."""
-        probe = Path(self.root) / f".lmyard-write-probe.{os.getpid()}.{secrets.token_hex(4)}"
+        """A UserError now, before hours of work, when this process cannot create files in the folder (or in
+        its nearest existing parent, where the folder would be made). Leaves nothing behind."""
+        path = Path(self.root)
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        probe = existing / f".lmyard-write-probe.{os.getpid()}.{secrets.token_hex(4)}"
         try:
-            Path(self.root).mkdir(parents=True, exist_ok=True)
+            if not existing.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, f"{existing} is a file")
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as e:

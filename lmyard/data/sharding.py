@@ -91,6 +91,7 @@ from lmyard.data import sources as sources_mod
 from lmyard.data.sources import Source, Unit, open_source, read_unit
 from lmyard.data.tokenizer import get_tokenizer, identity, separators
 from lmyard.errors import UserError
+from lmyard.layout import ShardLayout
 from lmyard.paths import cache_root
 from lmyard.store import Store, open_store
 
@@ -326,15 +327,11 @@ def _shuffled(docs: Iterator[np.ndarray], seed: int, buffer_tokens: int) -> Iter
 # ---------------------------------------------------------------- writing shards
 
 
-def _sidecar_key(prefix: str, name: str) -> str:
-    return f"{prefix}/{name.removesuffix('.bin')}.json"
-
-
 class _Uploader:
     """One background thread: hash a finished shard, upload it, write its sidecar, delete the local copy."""
 
-    def __init__(self, store: Store, prefix: str):
-        self.store, self.prefix = store, prefix
+    def __init__(self, store: Store, layout: ShardLayout):
+        self.store, self.layout = store, layout
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="lmyard-upload")
         self.pending: deque[Future] = deque()
 
@@ -347,9 +344,9 @@ class _Uploader:
 
     def _put(self, local: str, entry: dict, cursor: dict, address: str) -> dict:
         entry = {**entry, "bytes": os.path.getsize(local), "sha256": fmt.sha256_file(local)}
-        self.store.upload(local, f"{self.prefix}/{entry['name']}")
+        self.store.upload(local, self.layout.file(entry["name"]))
         sidecar = {"address": address, "shard": entry, "cursor": cursor}
-        self.store.write_bytes(_sidecar_key(self.prefix, entry["name"]), json.dumps(sidecar).encode())
+        self.store.write_bytes(self.layout.sidecar(entry["name"]), json.dumps(sidecar).encode())
         os.unlink(local)
         return entry
 
@@ -369,7 +366,6 @@ class _ShardWriter:
         split: str,
         shard_tokens: int,
         version: int,
-        store_prefix: str,
         tmp: str,
         uploader: _Uploader,
         address: str,
@@ -397,7 +393,7 @@ class _ShardWriter:
         pos = self.skip if i == self.doc else 0
         while pos < tokens.size:
             if self.f is None:
-                self.path = os.path.join(self.tmp, f"{self.split}_{self.shards:06d}.bin")
+                self.path = os.path.join(self.tmp, ShardLayout.shard_name(self.split, self.shards))
                 self.f = open(self.path, "wb", buffering=1 << 20)
                 self.f.write(b"\0" * fmt.HEADER_BYTES)  # the header is written when the count is known
             n = min(self.size - self.fill, tokens.size - pos)
@@ -428,21 +424,21 @@ class _ShardWriter:
 
 
 def _kept_shards(
-    store: Store, prefix: str, split: str, address: str, log: Callable[[str], None]
+    store: Store, layout: ShardLayout, split: str, address: str, log: Callable[[str], None]
 ) -> tuple[list[dict], dict]:
     """(entries, cursor) of the shards 0, 1, ... of a split that a previous attempt completed and that verify."""
     kept: list[dict] = []
     cursor = {"doc": -1, "doc_tokens": 0}  # -1: from the first document on
     while True:
-        name = f"{split}_{len(kept):06d}.bin"
-        key = _sidecar_key(prefix, name)
+        name = ShardLayout.shard_name(split, len(kept))
+        key = layout.sidecar(name)
         if not store.exists(key):
             break
         side = json.loads(store.read_bytes(key))
         if side.get("address") != address or side["shard"]["name"] != name:
             log(f"sidecar {key} belongs to another shard set: writing {name} again")
             break
-        if store.sha256(f"{prefix}/{name}") != side["shard"]["sha256"]:
+        if store.sha256(layout.file(name)) != side["shard"]["sha256"]:
             log(f"shard {name} is missing or does not match its checksum: writing it again")
             break
         kept.append(side["shard"])
@@ -560,24 +556,24 @@ def _build(
     progress,
 ) -> fmt.ShardSet:
     d = cfg.data
-    prefix = fmt.shard_prefix(address)
+    layout = ShardLayout(address)
     version, dtype = fmt.token_dtype(enc.n_vocab)
-    kept = {s: _kept_shards(store, prefix, s, address, log) for s in SPLITS}
+    kept = {s: _kept_shards(store, layout, s, address, log) for s in SPLITS}
     if any(entries for entries, _ in kept.values()):
         log(
             f"resuming shard set {address}: {len(kept['train'][0])} train + {len(kept['val'][0])} val shards "
             "from a previous attempt verified and kept"
         )
-    log(f"tokenizing {_describe(cfg)} with {enc.name} into {store.uri(prefix)} ({num_proc} processes)")
+    log(f"tokenizing {_describe(cfg)} with {enc.name} into {store.uri(layout.root)} ({num_proc} processes)")
     counts = [[0, 0] for _ in sources]
     stats = {"docs": 0, "tokens": 0, "t0": time.perf_counter()}
     os.makedirs(cache_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="lmyard-shard-", dir=cache_dir) as tmp:
-        uploader = _Uploader(store, prefix)
+        uploader = _Uploader(store, layout)
         readers = _readers(cfg, sources, pool, num_proc, kept)
         try:
             writers = {
-                s: _ShardWriter(s, d.shard_tokens, version, prefix, tmp, uploader, address, kept[s][0], kept[s][1])
+                s: _ShardWriter(s, d.shard_tokens, version, tmp, uploader, address, kept[s][0], kept[s][1])
                 for s in SPLITS
             }
             report = _reporter(sources, readers, writers, stats, log, progress)
@@ -591,7 +587,7 @@ def _build(
                 r.close()
             uploader.pool.shutdown(wait=True, cancel_futures=True)
         entries = {s: w.entries() for s, w in writers.items()}
-    return _finish(cfg, store, prefix, sources, address, key, version, dtype, entries, counts, stats, log, report)
+    return _finish(cfg, store, layout, sources, address, key, version, dtype, entries, counts, stats, log, report)
 
 
 def _readers(cfg: RunConfig, sources: list[Source], pool, num_proc: int, kept: dict) -> list[_Reader]:
@@ -663,7 +659,7 @@ def _reporter(sources, readers, writers, stats, log, progress):
     return report
 
 
-def _finish(cfg, store, prefix, sources, address, key, version, dtype, entries, counts, stats, log, report):
+def _finish(cfg, store, layout, sources, address, key, version, dtype, entries, counts, stats, log, report):
     docs = stats["docs"]
     if docs == 0:
         raise UserError(f"{_describe(cfg)} holds no documents: check the path, split and filters")
@@ -704,10 +700,10 @@ def _finish(cfg, store, prefix, sources, address, key, version, dtype, entries, 
                 for m in manifest["mixture"]
             )
         )
-    store.write_bytes(f"{prefix}/{fmt.MANIFEST}", json.dumps(manifest, indent=1).encode())
+    store.write_bytes(layout.manifest, json.dumps(manifest, indent=1).encode())
     report(done=True)
     log(
         f"wrote shard set {address}: {docs:,} documents, {tokens['train']:,} train + {tokens['val']:,} val tokens "
         f"in {elapsed:.1f}s ({stats['tokens'] / max(elapsed, 1e-9):,.0f} tokens/s tokenized in this attempt)"
     )
-    return fmt.ShardSet(address=address, uri=store.uri(prefix), manifest=manifest)
+    return fmt.ShardSet(address=address, uri=store.uri(layout.root), manifest=manifest)
