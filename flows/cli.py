@@ -26,7 +26,8 @@ class _NoTracebackForUserErrors(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         from lmyard.errors import ExitCode, exit_code_of
 
-        if record.exc_info and exit_code_of(record.exc_info[1]) != ExitCode.CRASHED:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and exit_code_of(error) != ExitCode.CRASHED:
             record.exc_info, record.exc_text = None, None
         return True
 
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             from flows.pretrain import pretrain as flow_fn
         else:
-            from flows.shard import shard as flow_fn
+            from flows.shard import shard as flow_fn  # type: ignore[assignment]  # both take config=, return a dict
         _quiet_user_errors()
         result = flow_fn(config=config)
     except (UserError, Diverged, StoreOutage, Preempted) as e:  # one line each, with its exit code

@@ -48,6 +48,7 @@ class _Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        assert info.field_name is not None  # a validator of fields ("*") always has its field
         if isinstance(v, bool) and _numeric(cls.model_fields[info.field_name].annotation):
             raise ValueError(f"expected a number, not the boolean {str(v).lower()}")
         return v
@@ -177,7 +178,7 @@ class DataConfig(_Section):
         if self.sources is None:
             return [1.0], None
         if self.sources[0].tokens is not None:
-            budgets = [s.tokens for s in self.sources]
+            budgets = [s.tokens for s in self.sources if s.tokens is not None]  # all or none (_one_kind_of_share)
             return [float(b) for b in budgets], budgets
         return [s.weight if s.weight is not None else 1.0 for s in self.sources], None
 
@@ -322,7 +323,9 @@ class ModelConfig(_Section):
         missing = [k for k, v in dims.items() if v is None]
         if missing:
             raise ValueError(f"model.preset is null, so model.{', model.'.join(missing)} must be set")
-        if dims["n_embd"] % dims["n_head"]:
+        n_embd, n_head = dims["n_embd"], dims["n_head"]
+        assert n_embd is not None and n_head is not None  # none is missing
+        if n_embd % n_head:
             raise ValueError(f"model.n_embd ({dims['n_embd']}) must be a multiple of model.n_head ({dims['n_head']})")
         preset_arch = PRESETS.get(self.preset or "", {}).get("arch", "gpt2")
         if self.preset is not None and self.arch is not None and self.arch != preset_arch:

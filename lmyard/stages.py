@@ -20,10 +20,11 @@ import os
 import sys
 
 from lmyard.contracts import EXCHANGE_ENV, ShardResult, run_stage
+from lmyard.data.shards import ShardSet
 from lmyard.recipes import load_recipe
 
 
-def _shard(cfg, log) -> tuple[ShardResult, object]:
+def _shard(cfg, log) -> tuple[ShardResult, ShardSet]:
     from lmyard.data import sharding
 
     shards, reused = sharding.tokenize_and_shard(cfg, log=log)

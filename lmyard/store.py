@@ -282,7 +282,7 @@ class S3Store:
     def list(self, prefix: str) -> list[str]:
         self._check_bucket()
         strip = f"{self.prefix}/" if self.prefix else ""
-        keys = []
+        keys: list[str] = []
         with self._errors(prefix):
             for page in self.client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=self._key(prefix)

@@ -135,3 +135,15 @@ def test_config_reference_in_docs_is_generated_from_the_model():
     assert (REPO / "docs" / "config.md").read_text().strip() == reference_markdown().strip(), (
         "docs/config.md is stale: run `lmyard config --reference > docs/config.md`"
     )
+
+
+def test_deployment_recipe_sits_over_the_environment_and_under_explicit_fields(monkeypatch):
+    from lmyard.recipes import with_recipe
+
+    monkeypatch.setenv("LMYARD_TRACKING__EXPERIMENT", "site")
+    monkeypatch.setenv("LMYARD_RUN_NAME", "from-env")
+    monkeypatch.setenv("LMYARD_TRAIN__MAX_STEPS", "9")
+    cfg = with_recipe(RunConfig.model_validate({"train": {"max_steps": 5}}), "smoke-deployment")
+    assert cfg.tracking.experiment == "site"  # the environment fills what the recipe leaves out
+    assert cfg.run_name == "smoke-deployment"  # the recipe wins over the environment
+    assert cfg.train.max_steps == 5  # the deployment's explicit field wins over both

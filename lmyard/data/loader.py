@@ -94,7 +94,7 @@ class TokenStream:
             sizes, self._path = files.sizes, files.path
         else:
             paths = list(files)
-            sizes, self._path = [read_header(p)[1] for p in paths], paths.__getitem__
+            sizes, self._path = [read_header(p)[1] for p in paths], lambda i: paths[i]
         self.arrays: dict[int, np.ndarray] = {}
         self.starts = np.cumsum([0, *sizes])
         self.total = int(self.starts[-1])

@@ -79,9 +79,10 @@ import os
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -118,7 +119,7 @@ class Progress:
 
 # ---------------------------------------------------------------- tokenizer processes
 
-_WORKER: tuple | None = None  # (encoding, bos id, eos id, dtype) of this process
+_WORKER: tuple[Any, int | None, int | None, np.dtype] | None = None  # (encoding, bos id, eos id, dtype) here
 
 
 def _init_worker(enc, bos, eos, dtype) -> None:
@@ -126,11 +127,12 @@ def _init_worker(enc, bos, eos, dtype) -> None:
     _WORKER = (enc, bos, eos, np.dtype(dtype))
 
 
-def _encode_batch(texts: list[str | None]) -> tuple[np.ndarray, np.ndarray]:
+def _encode_batch(texts: Sequence[str | None]) -> tuple[np.ndarray, np.ndarray]:
     """[bos, *tokens, eos] of every text, concatenated in the shard dtype; and each one's length.
 
     A None text (a document a previous attempt already wrote) gets length 0 and is not tokenized.
     """
+    assert _WORKER is not None, "_init_worker sets it in every tokenizer process"
     enc, bos, eos, dtype = _WORKER
     head = np.array([bos] if bos is not None else [], dtype=np.uint32)
     tail = np.array([eos] if eos is not None else [], dtype=np.uint32)
@@ -162,13 +164,13 @@ def _encode_unit(unit: Unit, skip: tuple | None = None) -> tuple[np.ndarray, np.
     a previous attempt's kept shards hold are not tokenized (length 0).
     """
     texts, skipped = read_unit(unit)
-    if skip is not None:
-        base, val_every, train_doc, val_doc = skip
-        texts = [
-            None if base + k < (val_doc if (base + k) % val_every == 0 else train_doc) else t
-            for k, t in enumerate(texts)
-        ]
-    return (*_encode_batch(texts), skipped)
+    if skip is None:
+        return (*_encode_batch(texts), skipped)
+    base, val_every, train_doc, val_doc = skip
+    todo = [
+        None if base + k < (val_doc if (base + k) % val_every == 0 else train_doc) else t for k, t in enumerate(texts)
+    ]
+    return (*_encode_batch(todo), skipped)
 
 
 class _Inline:
@@ -211,7 +213,7 @@ class _Reader:
         source: Source,
         pool,
         depth: int,
-        order_seed: int | None = None,
+        order_seed: list[int] | None = None,
         skip: tuple | None = None,
         last_skipped: int = -1,
         limit: int | None = None,
@@ -228,6 +230,7 @@ class _Reader:
         self.pending: deque[tuple[Future, int]] = deque()
 
     def _unit_tasks(self) -> Iterator[tuple[Future, int]]:
+        assert self.source.units is not None, "restart() picks unit tasks only for sources of files"
         units = self.source.units()
         if self.order_seed is not None:
             units = [units[k] for k in np.random.default_rng(self.order_seed).permutation(len(units))]
@@ -377,7 +380,7 @@ class _ShardWriter:
         self.kept = kept  # manifest entries of shards a previous attempt completed
         self.futures: list[Future] = []
         self.doc, self.skip = cursor["doc"], cursor["doc_tokens"]
-        self.f = None
+        self.f: BinaryIO | None = None
         self.fill = 0
         self.last: tuple[int, int] | None = None
 
@@ -405,6 +408,7 @@ class _ShardWriter:
         self.last = (i, int(tokens.size))
 
     def _close(self, doc: int, doc_tokens: int) -> None:
+        assert self.f is not None, "called for the open shard only"
         self.f.seek(0)
         header = np.zeros(fmt.HEADER_INTS, dtype="<i4")
         header[:3] = (fmt.MAGIC, self.version, self.fill)
@@ -417,6 +421,7 @@ class _ShardWriter:
 
     def finish(self) -> None:
         if self.f is not None:
+            assert self.last is not None, "an open shard has had a document"
             self._close(*self.last)
 
     def entries(self) -> list[dict]:

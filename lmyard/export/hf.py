@@ -281,7 +281,7 @@ def load_checkpoint(uri: str, step: int | None, cache_dir: str) -> checkpoint.Ch
     steps = checkpoint.complete_steps(store, run)
     if step is None and not steps:
         raise UserError(
-            f"{store.uri(checkpoint.checkpoints_prefix(run))} holds no complete checkpoint (one with its manifest.json)"
+            f"{store.uri(RunLayout(run).checkpoints)} holds no complete checkpoint (one with its manifest.json)"
         )
     step = steps[-1] if step is None else step
     where = store.uri(checkpoint.step_prefix(run, step))
