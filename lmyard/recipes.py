@@ -171,13 +171,18 @@ def _unset_by(data: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _over_environment(data: dict[str, Any]) -> RunConfig:
+    """`data` (recipe and overrides) over the LMYARD_* environment, validated once."""
+    env = env_values()
+    return validate(_merge(env, data), _unset_by(env, data))
+
+
 def load_recipe(recipe: str = "smoke", overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """A recipe by built-in name or YAML path over the LMYARD_* environment, with `dotted.key=value` overrides."""
     data = _recipe_dict(recipe)
     for assignment in overrides:
         apply_override(data, assignment)
-    env = env_values()
-    return validate(_merge(env, data), _unset_by(env, data))
+    return _over_environment(data)
 
 
 def with_recipe(config: RunConfig, recipe: str | None) -> RunConfig:
@@ -189,6 +194,4 @@ def with_recipe(config: RunConfig, recipe: str | None) -> RunConfig:
     """
     if not recipe:
         return config
-    data = _merge(_recipe_dict(recipe), config.model_dump(mode="json", exclude_unset=True))
-    env = env_values()
-    return validate(_merge(env, data), _unset_by(env, data))
+    return _over_environment(_merge(_recipe_dict(recipe), config.model_dump(mode="json", exclude_unset=True)))
