@@ -3,6 +3,7 @@
     lmyard run RECIPE [--set dotted.key=value ...]     the pretrain flow
     lmyard shard RECIPE [--set dotted.key=value ...]   tokenize-and-shard only
     lmyard config [RECIPE] [--set ...]                 print the resolved config (YAML)
+    lmyard --version                                   the package version
     lmyard export RUN_OR_CHECKPOINT_URI [--step N] --to DIR_OR_S3_URI
                                                        a checkpoint as a Hugging Face model folder
 
@@ -25,7 +26,8 @@ class _NoTracebackForUserErrors(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         from lmyard.errors import ExitCode, exit_code_of
 
-        if record.exc_info and exit_code_of(record.exc_info[1]) != ExitCode.CRASHED:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and exit_code_of(error) != ExitCode.CRASHED:
             record.exc_info, record.exc_text = None, None
         return True
 
@@ -38,7 +40,10 @@ def _quiet_user_errors() -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from lmyard import __version__
+
     p = argparse.ArgumentParser(prog="lmyard", description="Pretrain GPT-style language models.")
+    p.add_argument("--version", action="version", version=f"lmyard {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (
         ("run", "run the pretrain flow"),
@@ -89,14 +94,14 @@ def _export(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from lmyard.config import load_recipe
     from lmyard.errors import Diverged, Preempted, StoreOutage, UserError
+    from lmyard.recipes import load_recipe
 
     try:
         if args.command == "export":
             return _export(args)
         if args.command == "config" and args.reference:
-            from lmyard.config import reference_markdown
+            from lmyard.config_reference import reference_markdown
 
             print(reference_markdown())
             return 0
@@ -106,12 +111,15 @@ def main(argv: list[str] | None = None) -> int:
 
             print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
             return 0
+        from lmyard.store import open_store
+
+        open_store(config.store).check_writable()  # a read-only store fails here, before Prefect starts
         # Offline-friendly Prefect defaults; an operator's own settings win.
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
         if args.command == "run":
             from flows.pretrain import pretrain as flow_fn
         else:
-            from flows.shard import shard as flow_fn
+            from flows.shard import shard as flow_fn  # type: ignore[assignment]  # both take config=, return a dict
         _quiet_user_errors()
         result = flow_fn(config=config)
     except (UserError, Diverged, StoreOutage, Preempted) as e:  # one line each, with its exit code

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from prefect import flow
 
-from lmyard.config import RunConfig, with_recipe
+from lmyard.config import RunConfig
 from lmyard.evaluate.harness import check_tasks
+from lmyard.recipes import with_recipe
 from tasks.checkpoint import record_checkpoint
 from tasks.evaluate import evaluate_checkpoint, new_checkpoints
 from tasks.finish import finish

@@ -5,7 +5,8 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.pretrain import pretrain
-from lmyard.config import RunConfig, with_recipe
+from lmyard.config import RunConfig
+from lmyard.recipes import with_recipe
 from lmyard.train.retraining import with_max_steps
 from tasks.retraining import plan_retraining
 from tasks.shard import tokenize_and_shard

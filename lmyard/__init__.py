@@ -3,12 +3,12 @@
 The library half; it never imports Prefect. The tree reads as the pipeline:
 
     data/        sources, tokenizers, tokenize-and-shard, the token-shard format, the loader
-    models/      model families (GPT-2, Llama) as specs, losses, memory planning, FSDP2
+    models/      model families (GPT-2, Llama) as specs, their modules, losses
     checkpoint/  one checkpoint API: formats, manifest, commit, catalog, retention
     tracking/    MLflow: the lineage, the trainer's metric sink, the lease
     export/      Hugging Face folders and the MLflow pyfunc model
     evaluate/    validation loss, multiple choice, samples, lm-eval
-    train/       the trainer, its components, heartbeats, the retraining decision
+    train/       the trainer, its components, memory planning, FSDP2, heartbeats, retraining
     launch/      the follower and its jobs (local, Docker), the stage image
     stages.py    the stage entrypoints a stage image runs besides the trainer
 

@@ -22,14 +22,13 @@ import json
 import os
 import tempfile
 import time
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lmyard.errors import STATUS, ExitCode
+from lmyard.errors import STATUS, ExitCode, Status
 
 EXCHANGE_ENV = "LMYARD_EXCHANGE_DIR"
-Status = Literal["done", "crashed", "user_error", "diverged", "store_outage", "preempted"]
 M = TypeVar("M", bound=BaseModel)
 
 

@@ -19,6 +19,7 @@ line prints it alone, without a traceback.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Literal
 
 
 class ExitCode(IntEnum):
@@ -64,8 +65,11 @@ class Preempted(StageFailed):
     exit_code = ExitCode.PREEMPTED
 
 
-_BY_CODE = {e.exit_code: e for e in (UserError, Diverged, StoreOutage, Preempted, TrainingFailed)}
-STATUS = {
+Status = Literal["done", "crashed", "user_error", "diverged", "store_outage", "preempted"]
+_BY_CODE: dict[int, type[Exception]] = {
+    e.exit_code: e for e in (UserError, Diverged, StoreOutage, Preempted, TrainingFailed)
+}
+STATUS: dict[ExitCode, Status] = {
     ExitCode.DONE: "done",
     ExitCode.CRASHED: "crashed",
     ExitCode.USER_ERROR: "user_error",

@@ -5,7 +5,8 @@
     runs/<run>/protected.json                       steps retention must keep (registered models)
     runs/<run>/checkpoints/step_NNNNNNNN/<file>     one checkpoint; manifest.json written last
     runs/<run>/damaged/step_NNNNNNNN-<time>/        a checkpoint that failed its checksums, moved aside
-    shards/<address>/manifest.json                  a shard set; its .bin shards and .json sidecars beside it
+    shards/<address>/manifest.json                  a shard set, written last
+    shards/<address>/{train,val}_NNNNNN.{bin,json}  its shards and their resume sidecars
 
 Keys are POSIX paths relative to the store's root (see lmyard.store). No other
 module formats these paths: they ask a `RunLayout` or a `ShardLayout`.
@@ -19,6 +20,9 @@ from dataclasses import dataclass
 MANIFEST = "manifest.json"
 EVALUATED = "evaluated.json"
 _STEP_DIR = re.compile(r"(?:^|/)step_(\d{8})(?:/|$)")
+_RUN_URI = re.compile(
+    r"^(?P<root>.+?)/runs/(?P<run>[A-Za-z0-9][A-Za-z0-9._-]*)(?:/checkpoints(?:/step_(?P<step>\d{8}))?)?/?$"
+)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,12 @@ class RunLayout:
         return f"{self.root}/damaged/step_{step:08d}-{stamp}"
 
     @staticmethod
+    def locate(uri: str) -> tuple[str, str, int | None] | None:
+        """(store root, run name, step or None) of `STORE/runs/RUN[/checkpoints[/step_NNNNNNNN]]`, else None."""
+        m = _RUN_URI.match(uri.rstrip("/"))
+        return (m["root"], m["run"], int(m["step"]) if m["step"] else None) if m else None
+
+    @staticmethod
     def step_of(key: str) -> int | None:
         """The step of a key inside a checkpoint folder (`.../step_00000100/...`), else None."""
         m = _STEP_DIR.search(key)
@@ -84,4 +94,14 @@ class ShardLayout:
         return f"{self.root}/{MANIFEST}"
 
     def file(self, name: str) -> str:
+        """A shard by its manifest name (`train_000000.bin`)."""
         return f"{self.root}/{name}"
+
+    def sidecar(self, name: str) -> str:
+        """The resume sidecar of shard `name`: its manifest entry and the cursor after it."""
+        return f"{self.root}/{name.removesuffix('.bin')}.json"
+
+    @staticmethod
+    def shard_name(split: str, index: int) -> str:
+        """The name of a split's index-th shard (`val_000003.bin`): its file name here and in a local cache."""
+        return f"{split}_{index:06d}.bin"

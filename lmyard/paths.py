@@ -1,4 +1,4 @@
-"""Where lmyard keeps local files, and keys that must stay inside their folder.
+"""Where lmyard keeps local files, keys that must stay inside their folder, and what a store URI may be.
 
 Every node-local cache (shards read by the trainer, source files fetched from
 S3, checkpoints being loaded, checkpoints staged for upload, image builds)
@@ -17,6 +17,20 @@ def cache_root(*parts: str) -> str:
     """`LMYARD_CACHE` (default ~/.cache/lmyard), joined with `parts`."""
     root = os.environ.get("LMYARD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lmyard")
     return os.path.join(root, *parts)
+
+
+def store_uri_problem(uri: str) -> str | None:
+    """What is wrong with a store URI (`store`), as a sentence that starts with it and names the fix; None when
+    it is usable. The config refuses such a store when it is read; open_store when it is opened."""
+    if uri.startswith("s3://"):
+        if not uri.removeprefix("s3://").partition("/")[0]:
+            return f"{uri!r} names no bucket: give s3://BUCKET/prefix, e.g. s3://my-bucket/lmyard"
+        return None
+    if "://" in uri and not uri.startswith("file://"):
+        return f"{uri!r} is not a store URI: use a local path, file://..., or s3://bucket/prefix"
+    if not uri.removeprefix("file://").strip():
+        return f"{uri!r} names no folder: give a local path, file://..., or s3://bucket/prefix"
+    return None
 
 
 def confined(base: str, key: str, what: str = "key") -> str:

@@ -19,11 +19,12 @@ import argparse
 import os
 import sys
 
-from lmyard.config import load_recipe
 from lmyard.contracts import EXCHANGE_ENV, ShardResult, run_stage
+from lmyard.data.shards import ShardSet
+from lmyard.recipes import load_recipe
 
 
-def _shard(cfg, log) -> tuple[ShardResult, object]:
+def _shard(cfg, log) -> tuple[ShardResult, ShardSet]:
     from lmyard.data import sharding
 
     shards, reused = sharding.tokenize_and_shard(cfg, log=log)

@@ -10,6 +10,7 @@ Strings, not Paths: a Path mangles `s3://`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import secrets
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 from lmyard.errors import UserError
-from lmyard.paths import confined
+from lmyard.paths import confined, store_uri_problem
 
 
 class Store(Protocol):
@@ -37,6 +38,7 @@ class Store(Protocol):
     def size(self, key: str) -> int | None: ...
     def local_path(self, key: str) -> str | None: ...
     def sha256(self, key: str) -> str | None: ...
+    def check_writable(self) -> None: ...
 
 
 @contextlib.contextmanager
@@ -63,6 +65,23 @@ class LocalStore:
 
     def _path(self, key: str) -> Path:
         return Path(confined(self.root, key, "store key"))
+
+    def check_writable(self) -> None:
+        """A UserError now, before hours of work, when this process cannot create files in the folder (or in
+        its nearest existing parent, where the folder would be made). Leaves nothing behind."""
+        path = Path(self.root)
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        probe = existing / f".lmyard-write-probe.{os.getpid()}.{secrets.token_hex(4)}"
+        try:
+            if not existing.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, f"{existing} is a file")
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise UserError(
+                f"store {self.root} is not writable ({e.strerror or type(e).__name__}): choose a folder this user "
+                "can write with --set store=PATH, or fix its permissions"
+            ) from None
 
     def uri(self, key: str) -> str:
         return str(self._path(key))
@@ -186,7 +205,7 @@ class S3Store:
         bucket_prefix = self.root.removeprefix("s3://")
         self.bucket, _, self.prefix = bucket_prefix.partition("/")
         if not self.bucket:
-            raise UserError(f"store {root!r}: an S3 store needs a bucket, e.g. s3://my-bucket/lmyard")
+            raise UserError(f"store {store_uri_problem(root)}")
         self.client = s3_client()
         self._bucket_checked = False
 
@@ -198,6 +217,10 @@ class S3Store:
 
     def _errors(self, key: str = ""):
         return s3_errors(f"store {self.uri(key) if key else self.root}")
+
+    def check_writable(self) -> None:
+        """The bucket exists (a denied write names its fix when it happens: s3_errors)."""
+        self._check_bucket()
 
     def _check_bucket(self) -> None:
         """HEAD on a missing key and on a missing bucket both say 404: tell them apart once."""
@@ -259,7 +282,7 @@ class S3Store:
     def list(self, prefix: str) -> list[str]:
         self._check_bucket()
         strip = f"{self.prefix}/" if self.prefix else ""
-        keys = []
+        keys: list[str] = []
         with self._errors(prefix):
             for page in self.client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=self._key(prefix)
@@ -316,8 +339,7 @@ class S3Store:
 
 
 def open_store(uri: str) -> Store:
-    if uri.startswith("s3://"):
-        return S3Store(uri)
-    if "://" in uri and not uri.startswith("file://"):
-        raise UserError(f"store {uri!r}: use a local path, file://..., or s3://bucket/prefix")
-    return LocalStore(uri)
+    problem = store_uri_problem(uri)
+    if problem:
+        raise UserError(f"store {problem}")
+    return S3Store(uri) if uri.startswith("s3://") else LocalStore(uri)

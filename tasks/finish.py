@@ -35,7 +35,7 @@ def finish(
         "alias": model["alias"],
     }
     tracking.log_artifact_text(lineage, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), "config.yaml")
-    tracking.log_artifact_dict(lineage, shards.manifest, "shards/manifest.json")
+    tracking.log_artifact_dict(lineage, shards.manifest, "shards/manifest.json")  # not a store key
     tracking.log_artifact_dict(lineage, attempts, "attempts.json")
     tracking.log_loss_curve(lineage)
     tracking.log_artifact_dict(lineage, summary, "summary.json")

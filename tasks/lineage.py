@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from uuid import UUID
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from lmyard.config import RunConfig, with_recipe
+from lmyard.config import RunConfig
 from lmyard.data.shards import ShardSet
+from lmyard.recipes import with_recipe
 from lmyard.store import open_store
 from lmyard.tracking import lease
 from lmyard.tracking import lineage as tracking
@@ -62,7 +64,7 @@ def close_crashed_lineage(flow_run_id: str) -> str | None:
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        crashed = client.read_flow_run(flow_run_id.removeprefix("prefect.flow-run."))
+        crashed = client.read_flow_run(UUID(flow_run_id.removeprefix("prefect.flow-run.")))
     if "config" not in (crashed.parameters or {}) and "recipe" not in (crashed.parameters or {}):
         get_run_logger().info(f"flow run {crashed.name} trains no lineage; nothing to close")
         return None

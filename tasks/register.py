@@ -11,9 +11,10 @@ import tempfile
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from lmyard.config import RunConfig, gate_results
+from lmyard.config import RunConfig
 from lmyard.contracts import ExportResult, read_stage_result
 from lmyard.data.shards import ShardSet
+from lmyard.evaluate.gates import gate_results
 from lmyard.store import open_store
 from lmyard.tracking import lineage as tracking
 

@@ -79,8 +79,8 @@ def save_model_checkpoint(
 ) -> str:
     """`model` (lmyard's GPT or Llama) as the checkpoint of `step` of run `run` in the store `root`; its URI."""
     from lmyard.checkpoint import full as checkpoint
-    from lmyard.config import load_recipe
     from lmyard.models.registry import model_spec
+    from lmyard.recipes import load_recipe
     from lmyard.store import open_store
 
     spec = model_spec(model)

@@ -16,9 +16,10 @@ from tcp_proxy import TcpProxy
 
 from lmyard.checkpoint import full as checkpoint
 from lmyard.checkpoint import retention
-from lmyard.config import CheckpointConfig, load_recipe
+from lmyard.config import CheckpointConfig
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.launch.follower import run_local
+from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow

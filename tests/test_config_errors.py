@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 
 import pytest
+import yaml
 from conftest import REPO, lmyard_cmd
 
-from lmyard.config import RunConfig, load_recipe
+from lmyard.config import RunConfig
 from lmyard.errors import UserError
+from lmyard.recipes import load_recipe
 
 
 def test_smoke_is_the_embedded_default():
@@ -36,14 +40,86 @@ def test_recipe_file_is_read_and_overridden(tmp_path):
         (["config", "--set", "train.lr=-1"], "train.lr: Input should be greater than 0"),
         (["config", "--set", "noequals"], "expected dotted.key=value"),
         (["config", "--set", "model.n_embd=100", "--set", "model.n_head=3"], "multiple of model.n_head"),
+        (["config", "--set", "train.lr=.inf"], "train.lr: Input should be a finite number"),
+        (["config", "--set", "eval.poll_s=.nan"], "eval.poll_s: Input should be a finite number"),
+        (["config", "--set", f"run_name={'r' * 300}"], "run_name: 300 characters, at most 100"),
+        (["config", "--set", "store=s3://"], "store: 's3://' names no bucket"),
+        (["shard", "smoke", "--set", "store=s3:///prefix"], "store: 's3:///prefix' names no bucket"),
+        (["config", "--set", "store=gs://bucket/x"], "is not a store URI"),
     ],
 )
 def test_bad_config_prints_one_line_and_exits_2(args, message):
-    proc = subprocess.run(lmyard_cmd(*args), cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
+    _assert_one_line_exit_2(
+        subprocess.run(lmyard_cmd(*args), cwd=REPO, capture_output=True, text=True, timeout=60), message
+    )
+
+
+def _assert_one_line_exit_2(proc: subprocess.CompletedProcess, message: str) -> None:
+    assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lmyard: error:") and message in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_version_prints_the_package_version():
+    from lmyard import __version__
+
+    proc = subprocess.run(lmyard_cmd("--version"), cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"lmyard {__version__}", proc.stdout + proc.stderr
+
+
+def test_recipe_that_is_not_utf8_is_named_with_its_byte(tmp_path):
+    recipe = tmp_path / "latin1.yaml"
+    recipe.write_bytes("run_name: caf\u00e9\n".encode("latin-1"))
+    proc = subprocess.run(lmyard_cmd("run", str(recipe)), cwd=REPO, capture_output=True, text=True, timeout=60)
+    _assert_one_line_exit_2(proc, "is not UTF-8 text (byte 0xe9 at offset 13)")
+
+
+def test_store_without_write_permission_fails_before_sharding(tmp_path):
+    store = tmp_path / "locked"
+    store.mkdir(mode=0o555)
+    cmd = lmyard_cmd("shard", "smoke", "--set", f"store={store}")
+    if os.geteuid() == 0:  # root writes anywhere: drop the capabilities that bypass file permissions
+        if not shutil.which("setpriv"):
+            pytest.skip("running as root without setpriv (util-linux) to drop CAP_DAC_OVERRIDE")
+        cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", *cmd]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    _assert_one_line_exit_2(proc, f"store {store} is not writable (Permission denied)")
+    assert not list(store.iterdir())
+
+
+def test_environment_sets_fields_under_recipe_and_overrides(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  max_steps: 7\n")
+    env = {
+        **os.environ,
+        "LMYARD_STORE": str(tmp_path / "site-store"),
+        "LMYARD_TRAIN__MAX_STEPS": "99",
+        "lmyard_train__lr": "0.01",
+        "LMYARD_EVAL__PROMPTS": '["Once upon"]',
+    }
+    args = ["config", str(recipe), "--set", "train.lr=0.5"]
+    proc = subprocess.run(lmyard_cmd(*args), cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    cfg = yaml.safe_load(proc.stdout)
+    assert cfg["store"] == str(tmp_path / "site-store")  # the environment over the default
+    assert cfg["train"]["max_steps"] == 7  # the recipe over the environment
+    assert cfg["train"]["lr"] == 0.5  # --set over both
+    assert cfg["eval"]["prompts"] == ["Once upon"]
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("LMYARD_TRAIN__MAX_STEPZ", "5", "unknown config key 'train.max_stepz' (from LMYARD_TRAIN__MAX_STEPZ)"),
+        ("LMYARD_TRAIN__LR", "inf", "train.lr (from LMYARD_TRAIN__LR): Input should be a finite number"),
+        ("LMYARD_EVAL__PROMPTS", "[a", "LMYARD_EVAL__... is not valid: lists and mappings are given as JSON"),
+    ],
+)
+def test_bad_environment_value_names_its_variable(name, value, message):
+    env = {**os.environ, name: value}
+    proc = subprocess.run(lmyard_cmd("config"), cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    _assert_one_line_exit_2(proc, message)
 
 
 def test_unknown_tokenizer_is_a_user_error():
@@ -54,8 +130,20 @@ def test_unknown_tokenizer_is_a_user_error():
 
 
 def test_config_reference_in_docs_is_generated_from_the_model():
-    from lmyard.config import reference_markdown
+    from lmyard.config_reference import reference_markdown
 
     assert (REPO / "docs" / "config.md").read_text().strip() == reference_markdown().strip(), (
         "docs/config.md is stale: run `lmyard config --reference > docs/config.md`"
     )
+
+
+def test_deployment_recipe_sits_over_the_environment_and_under_explicit_fields(monkeypatch):
+    from lmyard.recipes import with_recipe
+
+    monkeypatch.setenv("LMYARD_TRACKING__EXPERIMENT", "site")
+    monkeypatch.setenv("LMYARD_RUN_NAME", "from-env")
+    monkeypatch.setenv("LMYARD_TRAIN__MAX_STEPS", "9")
+    cfg = with_recipe(RunConfig.model_validate({"train": {"max_steps": 5}}), "smoke-deployment")
+    assert cfg.tracking.experiment == "site"  # the environment fills what the recipe leaves out
+    assert cfg.run_name == "smoke-deployment"  # the recipe wins over the environment
+    assert cfg.train.max_steps == 5  # the deployment's explicit field wins over both

@@ -87,7 +87,8 @@ def prefect_stack(tmp_path_factory):
 def test_every_deployment_names_a_recipe_that_loads_and_sets_nothing_that_disagrees_with_it():
     import yaml
 
-    from lmyard.config import RunConfig, load_recipe, with_recipe
+    from lmyard.config import RunConfig
+    from lmyard.recipes import load_recipe, with_recipe
 
     spec = yaml.safe_load((REPO / "deploy" / "prefect.yaml").read_text())
     for d in spec["deployments"]:
@@ -103,7 +104,8 @@ def test_every_deployment_names_a_recipe_that_loads_and_sets_nothing_that_disagr
 
 
 def test_a_runs_config_overrides_only_the_fields_it_sets_on_top_of_the_recipe():
-    from lmyard.config import RunConfig, load_recipe, with_recipe
+    from lmyard.config import RunConfig
+    from lmyard.recipes import load_recipe, with_recipe
 
     given = RunConfig.model_validate({"run_name": "mine", "train": {"max_steps": 7}})
     cfg = with_recipe(given, "gpt2-124m")

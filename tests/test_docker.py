@@ -17,9 +17,9 @@ import pytest
 from conftest import free_port, tiny_overrides
 
 from lmyard.checkpoint.full import complete_steps
-from lmyard.config import load_recipe
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.launch.containers import remove_leftovers, run_docker
+from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 from lmyard.tracking import lineage as tracking
 

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from lmyard.config import load_recipe
 from lmyard.errors import UserError
 from lmyard.launch.containers import connect, describe, plan
+from lmyard.recipes import load_recipe
 
 SPEC = {"config": None, "shards": {"address": "a"}, "lineage": None}
 ENV = {

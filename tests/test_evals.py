@@ -12,6 +12,7 @@ from lmyard.config import EvalGates, TokenizerConfig
 from lmyard.data.tokenizer import get_tokenizer
 from lmyard.errors import UserError
 from lmyard.evaluate import evals
+from lmyard.evaluate.gates import gate_results
 from lmyard.models.gpt2.model import GPT, GPTConfig
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hellaswag_tiny.jsonl"
@@ -86,10 +87,10 @@ def test_hellaswag_limit_and_bad_examples(tmp_path):
 
 def test_gates_pass_only_when_every_configured_gate_holds():
     result = {"val_loss": 2.0, "hellaswag": {"acc_norm": 0.3}}
-    assert evals.gate_results(EvalGates(), result) == {}
-    ok = evals.gate_results(EvalGates(val_loss_max=2.5, hellaswag_acc_norm_min=0.25), result)
+    assert gate_results(EvalGates(), result) == {}
+    ok = gate_results(EvalGates(val_loss_max=2.5, hellaswag_acc_norm_min=0.25), result)
     assert all(g["passed"] for g in ok.values())
-    failed = evals.gate_results(EvalGates(val_loss_max=1.5), result)
+    failed = gate_results(EvalGates(val_loss_max=1.5), result)
     assert failed["val_loss_max"] == {"value": 2.0, "limit": 1.5, "passed": False}
-    unmeasured = evals.gate_results(EvalGates(hellaswag_acc_norm_min=0.1), {"val_loss": 2.0})
+    unmeasured = gate_results(EvalGates(hellaswag_acc_norm_min=0.1), {"val_loss": 2.0})
     assert not unmeasured["hellaswag_acc_norm_min"]["passed"]

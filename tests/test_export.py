@@ -201,3 +201,9 @@ def test_export_command_writes_the_folder_and_names_a_bad_destination(tmp_path, 
     assert again.stderr.strip() == (
         f"lmyard: error: destination {tmp_path / 'hf'} exists and is not empty: choose a new folder or delete it"
     )
+
+
+def test_export_of_a_run_without_checkpoints_names_its_checkpoints_folder(tmp_path):
+    (tmp_path / "store" / "runs" / "empty").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"runs/empty/checkpoints holds no complete checkpoint"):
+        export.export(f"{tmp_path / 'store'}/runs/empty", str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"))

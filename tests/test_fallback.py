@@ -7,8 +7,8 @@ import pytest
 from conftest import tiny_overrides
 
 from lmyard.checkpoint.catalog import complete_steps, step_prefix
-from lmyard.config import load_recipe
 from lmyard.data.sharding import tokenize_and_shard
+from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 from lmyard.tracking import lineage as tracking
 

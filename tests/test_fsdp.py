@@ -9,9 +9,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import free_port
 
-from lmyard.config import ModelConfig, load_recipe
-from lmyard.models.parallel import clip_grad_norm, no_sync, parallelize
+from lmyard.config import ModelConfig
 from lmyard.models.registry import build_model
+from lmyard.recipes import load_recipe
+from lmyard.train.parallel import clip_grad_norm, no_sync, parallelize
 
 STEPS, ACCUM, MICRO, WORLD = 4, 2, 2, 2
 

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from lmyard.checkpoint import full as checkpoint
-from lmyard.config import RunConfig, load_recipe, redact_uri
+from lmyard.config import RunConfig, redact_uri
 from lmyard.data.loader import default_cache_dir
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import UserError
 from lmyard.launch import images
+from lmyard.recipes import load_recipe
 from lmyard.store import LocalStore, open_store
 from lmyard.tracking import lineage as tracking
 

@@ -10,10 +10,11 @@ import pytest
 from conftest import lmyard_cmd, tiny_overrides, write_random_checkpoint
 
 from lmyard.checkpoint import full as checkpoint
-from lmyard.config import TokenizerConfig, load_recipe
+from lmyard.config import TokenizerConfig
 from lmyard.data.tokenizer import get_tokenizer
 from lmyard.evaluate import evals, harness
 from lmyard.models.registry import model_from_checkpoint
+from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed: pip install -e '.[harness]'")

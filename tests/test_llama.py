@@ -8,14 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmyard.config import ModelConfig, TrainConfig, load_recipe
+from lmyard.config import ModelConfig, TrainConfig
 from lmyard.errors import UserError
 from lmyard.models.gpt2.model import GPT
 from lmyard.models.llama import ffn_hidden_size
 from lmyard.models.llama.model import Llama, LlamaConfig
-from lmyard.models.memory import check, estimate
-from lmyard.models.parallel import apply_activation_checkpointing, compile_blocks
 from lmyard.models.registry import build_model, flops_per_token, model_config, model_from_spec, model_spec
+from lmyard.recipes import load_recipe
+from lmyard.train.memory import check, estimate
+from lmyard.train.parallel import apply_activation_checkpointing, compile_blocks
 
 GB80 = 80 * 10**9
 
@@ -200,7 +201,7 @@ def test_sharding_divides_the_static_memory_by_the_ranks():
 
 
 def test_float8_is_skipped_with_a_warning_where_the_device_has_no_float8_matmuls():
-    from lmyard.models.parallel import apply_float8
+    from lmyard.train.parallel import apply_float8
 
     model = _tiny()
     with pytest.warns(UserWarning, match="train.float8 skipped"):

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from lmyard.config import load_recipe
 from lmyard.data import sharding
 from lmyard.data import sources as sources_mod
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import UserError
+from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 
 EOT = 256  # the byte tokenizer's <|endoftext|>

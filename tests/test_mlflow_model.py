@@ -14,7 +14,7 @@ import pytest
 from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
-from lmyard.config import load_recipe
+from lmyard.recipes import load_recipe
 
 pytestmark = pytest.mark.slow
 NAME = "served-smoke"

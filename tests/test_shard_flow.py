@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from lmyard.config import load_recipe
 from lmyard.data import sharding
+from lmyard.recipes import load_recipe
 
 pytestmark = pytest.mark.slow
 

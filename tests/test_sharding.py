@@ -9,11 +9,11 @@ import os
 import numpy as np
 import pytest
 
-from lmyard.config import load_recipe
 from lmyard.data import sharding, sources
 from lmyard.data import shards as fmt
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import UserError
+from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 
 

@@ -12,11 +12,11 @@ import textwrap
 import pytest
 from conftest import REPO, free_port
 
-from lmyard.config import load_recipe
 from lmyard.data import sharding
 from lmyard.data import shards as fmt
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import UserError
+from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -95,7 +95,7 @@ def test_changed_input_file_changes_the_address(s3_server, s3_bucket, tmp_path):
 _KILLABLE = textwrap.dedent("""
     import sys, time
     from lmyard.data import sharding
-    from lmyard.config import load_recipe
+    from lmyard.recipes import load_recipe
 
     sharding.REPORT_EVERY_S = 0.0  # report after every batch
     sharding.BATCH_CHARS = 2000

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from lmyard.config import load_recipe
 from lmyard.data import shards as fmt
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.data.tokenizer import byte_encoding
 from lmyard.errors import UserError
+from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 
 

@@ -9,11 +9,11 @@ import sys
 import pytest
 from conftest import REPO, tiny_overrides
 
-from lmyard.config import load_recipe
 from lmyard.contracts import EvalResult, ShardResult, StageError, read_model
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import StageFailed, UserError
 from lmyard.launch.follower import run_local
+from lmyard.recipes import load_recipe
 
 pytestmark = pytest.mark.slow
 

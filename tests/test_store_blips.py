@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_overrides
 from tcp_proxy import TcpProxy
 
-from lmyard.config import load_recipe
+from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 from lmyard.tracking import lineage as tracking
 

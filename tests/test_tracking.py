@@ -32,7 +32,7 @@ def test_resumed_sink_does_not_log_a_step_twice(tmp_path):
 
 
 def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_model(tmp_path):
-    from lmyard.config import load_recipe
+    from lmyard.recipes import load_recipe
     from lmyard.store import open_store
     from lmyard.tracking import lineage as tracking
     from tasks.evaluate import _log_to_mlflow

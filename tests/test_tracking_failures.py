@@ -15,7 +15,7 @@ from conftest import free_port, lmyard_cmd, tiny_overrides
 from mlflow.tracking import MlflowClient
 from tcp_proxy import TcpProxy
 
-from lmyard.config import load_recipe
+from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 from lmyard.tracking import lineage as tracking
 from lmyard.tracking.lineage import MLflowSink

@@ -10,11 +10,11 @@ import torch
 from conftest import tiny_overrides
 
 from lmyard.checkpoint.catalog import complete_steps
-from lmyard.config import load_recipe
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import Diverged, Preempted, UserError
 from lmyard.launch.follower import run_local
 from lmyard.models.gpt2.model import GPT, GPTConfig
+from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 from lmyard.train.trainer import grad_accum_steps, train_step
 

@@ -10,9 +10,9 @@ import torch
 from conftest import tiny_overrides
 
 from lmyard.checkpoint import full as checkpoint
-from lmyard.config import load_recipe
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.launch.follower import run_local
+from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow

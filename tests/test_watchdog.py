@@ -8,9 +8,9 @@ import pytest
 from conftest import tiny_overrides
 
 from lmyard.checkpoint.full import complete_steps
-from lmyard.config import load_recipe
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.launch.follower import TrainingFailed, run_local
+from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow

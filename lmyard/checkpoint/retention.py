@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Set as AbstractSet
 
 from lmyard.checkpoint.catalog import complete_steps, read_manifest
 from lmyard.config import CheckpointConfig
@@ -40,8 +41,8 @@ def plan(
     steps: list[int],
     val_loss: dict[int, float | None],
     policy: CheckpointConfig,
-    protected: set[int] = frozenset(),
-    held: set[int] = frozenset(),
+    protected: AbstractSet[int] = frozenset(),
+    held: AbstractSet[int] = frozenset(),
 ) -> tuple[list[int], list[int]]:
     """(kept, deleted) steps of `steps` under the policy; `protected` and `held` steps are always kept."""
     steps = sorted(steps)
@@ -72,7 +73,7 @@ def apply(store: Store, run_name: str, policy: CheckpointConfig, hold_for_eval: 
         store.delete(layout.manifest(s))
         store.delete(layout.step(s))
     if steps:  # leftovers of uploads cut short, older than the newest complete checkpoint
-        partial = {s for k in keys if (s := RunLayout.step_of(k)) is not None}
+        partial = {found for k in keys if (found := RunLayout.step_of(k)) is not None}
         for s in sorted(partial - set(steps)):
             if s < steps[-1]:
                 store.delete(layout.step(s))

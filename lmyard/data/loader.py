@@ -37,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from lmyard.data.shards import ShardSet, read_header, read_shard, sha256_file, shard_prefix
+from lmyard.data.shards import ShardSet, read_header, read_shard, sha256_file
 from lmyard.errors import UserError
 from lmyard.paths import cache_root, confined
 from lmyard.store import open_store
@@ -49,7 +49,7 @@ class ShardFiles:
     def __init__(self, shards: ShardSet, store_uri: str, split: str, cache_dir: str):
         self.store = open_store(store_uri)
         self.files = shards.files(split)
-        self.prefix = shard_prefix(shards.address)
+        self.layout = shards.layout
         self.cache_dir = cache_dir
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-fetch")
         self.futures: dict[int, Future] = {}
@@ -61,7 +61,7 @@ class ShardFiles:
 
     def _fetch(self, i: int) -> str:
         meta = self.files[i]
-        key = f"{self.prefix}/{meta['name']}"
+        key = self.layout.file(meta["name"])
         direct = self.store.local_path(key)
         if direct is not None:
             return direct
@@ -94,7 +94,7 @@ class TokenStream:
             sizes, self._path = files.sizes, files.path
         else:
             paths = list(files)
-            sizes, self._path = [read_header(p)[1] for p in paths], paths.__getitem__
+            sizes, self._path = [read_header(p)[1] for p in paths], lambda i: paths[i]
         self.arrays: dict[int, np.ndarray] = {}
         self.starts = np.cumsum([0, *sizes])
         self.total = int(self.starts[-1])

@@ -79,9 +79,10 @@ import os
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -91,6 +92,7 @@ from lmyard.data import sources as sources_mod
 from lmyard.data.sources import Source, Unit, open_source, read_unit
 from lmyard.data.tokenizer import get_tokenizer, identity, separators
 from lmyard.errors import UserError
+from lmyard.layout import ShardLayout
 from lmyard.paths import cache_root
 from lmyard.store import Store, open_store
 
@@ -117,7 +119,7 @@ class Progress:
 
 # ---------------------------------------------------------------- tokenizer processes
 
-_WORKER: tuple | None = None  # (encoding, bos id, eos id, dtype) of this process
+_WORKER: tuple[Any, int | None, int | None, np.dtype] | None = None  # (encoding, bos id, eos id, dtype) here
 
 
 def _init_worker(enc, bos, eos, dtype) -> None:
@@ -125,11 +127,12 @@ def _init_worker(enc, bos, eos, dtype) -> None:
     _WORKER = (enc, bos, eos, np.dtype(dtype))
 
 
-def _encode_batch(texts: list[str | None]) -> tuple[np.ndarray, np.ndarray]:
+def _encode_batch(texts: Sequence[str | None]) -> tuple[np.ndarray, np.ndarray]:
     """[bos, *tokens, eos] of every text, concatenated in the shard dtype; and each one's length.
 
     A None text (a document a previous attempt already wrote) gets length 0 and is not tokenized.
     """
+    assert _WORKER is not None, "_init_worker sets it in every tokenizer process"
     enc, bos, eos, dtype = _WORKER
     head = np.array([bos] if bos is not None else [], dtype=np.uint32)
     tail = np.array([eos] if eos is not None else [], dtype=np.uint32)
@@ -161,13 +164,13 @@ def _encode_unit(unit: Unit, skip: tuple | None = None) -> tuple[np.ndarray, np.
     a previous attempt's kept shards hold are not tokenized (length 0).
     """
     texts, skipped = read_unit(unit)
-    if skip is not None:
-        base, val_every, train_doc, val_doc = skip
-        texts = [
-            None if base + k < (val_doc if (base + k) % val_every == 0 else train_doc) else t
-            for k, t in enumerate(texts)
-        ]
-    return (*_encode_batch(texts), skipped)
+    if skip is None:
+        return (*_encode_batch(texts), skipped)
+    base, val_every, train_doc, val_doc = skip
+    todo = [
+        None if base + k < (val_doc if (base + k) % val_every == 0 else train_doc) else t for k, t in enumerate(texts)
+    ]
+    return (*_encode_batch(todo), skipped)
 
 
 class _Inline:
@@ -210,7 +213,7 @@ class _Reader:
         source: Source,
         pool,
         depth: int,
-        order_seed: int | None = None,
+        order_seed: list[int] | None = None,
         skip: tuple | None = None,
         last_skipped: int = -1,
         limit: int | None = None,
@@ -227,6 +230,7 @@ class _Reader:
         self.pending: deque[tuple[Future, int]] = deque()
 
     def _unit_tasks(self) -> Iterator[tuple[Future, int]]:
+        assert self.source.units is not None, "restart() picks unit tasks only for sources of files"
         units = self.source.units()
         if self.order_seed is not None:
             units = [units[k] for k in np.random.default_rng(self.order_seed).permutation(len(units))]
@@ -326,15 +330,11 @@ def _shuffled(docs: Iterator[np.ndarray], seed: int, buffer_tokens: int) -> Iter
 # ---------------------------------------------------------------- writing shards
 
 
-def _sidecar_key(prefix: str, name: str) -> str:
-    return f"{prefix}/{name.removesuffix('.bin')}.json"
-
-
 class _Uploader:
     """One background thread: hash a finished shard, upload it, write its sidecar, delete the local copy."""
 
-    def __init__(self, store: Store, prefix: str):
-        self.store, self.prefix = store, prefix
+    def __init__(self, store: Store, layout: ShardLayout):
+        self.store, self.layout = store, layout
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="lmyard-upload")
         self.pending: deque[Future] = deque()
 
@@ -347,9 +347,9 @@ class _Uploader:
 
     def _put(self, local: str, entry: dict, cursor: dict, address: str) -> dict:
         entry = {**entry, "bytes": os.path.getsize(local), "sha256": fmt.sha256_file(local)}
-        self.store.upload(local, f"{self.prefix}/{entry['name']}")
+        self.store.upload(local, self.layout.file(entry["name"]))
         sidecar = {"address": address, "shard": entry, "cursor": cursor}
-        self.store.write_bytes(_sidecar_key(self.prefix, entry["name"]), json.dumps(sidecar).encode())
+        self.store.write_bytes(self.layout.sidecar(entry["name"]), json.dumps(sidecar).encode())
         os.unlink(local)
         return entry
 
@@ -369,7 +369,6 @@ class _ShardWriter:
         split: str,
         shard_tokens: int,
         version: int,
-        store_prefix: str,
         tmp: str,
         uploader: _Uploader,
         address: str,
@@ -381,7 +380,7 @@ class _ShardWriter:
         self.kept = kept  # manifest entries of shards a previous attempt completed
         self.futures: list[Future] = []
         self.doc, self.skip = cursor["doc"], cursor["doc_tokens"]
-        self.f = None
+        self.f: BinaryIO | None = None
         self.fill = 0
         self.last: tuple[int, int] | None = None
 
@@ -397,7 +396,7 @@ class _ShardWriter:
         pos = self.skip if i == self.doc else 0
         while pos < tokens.size:
             if self.f is None:
-                self.path = os.path.join(self.tmp, f"{self.split}_{self.shards:06d}.bin")
+                self.path = os.path.join(self.tmp, ShardLayout.shard_name(self.split, self.shards))
                 self.f = open(self.path, "wb", buffering=1 << 20)
                 self.f.write(b"\0" * fmt.HEADER_BYTES)  # the header is written when the count is known
             n = min(self.size - self.fill, tokens.size - pos)
@@ -409,6 +408,7 @@ class _ShardWriter:
         self.last = (i, int(tokens.size))
 
     def _close(self, doc: int, doc_tokens: int) -> None:
+        assert self.f is not None, "called for the open shard only"
         self.f.seek(0)
         header = np.zeros(fmt.HEADER_INTS, dtype="<i4")
         header[:3] = (fmt.MAGIC, self.version, self.fill)
@@ -421,6 +421,7 @@ class _ShardWriter:
 
     def finish(self) -> None:
         if self.f is not None:
+            assert self.last is not None, "an open shard has had a document"
             self._close(*self.last)
 
     def entries(self) -> list[dict]:
@@ -428,21 +429,21 @@ class _ShardWriter:
 
 
 def _kept_shards(
-    store: Store, prefix: str, split: str, address: str, log: Callable[[str], None]
+    store: Store, layout: ShardLayout, split: str, address: str, log: Callable[[str], None]
 ) -> tuple[list[dict], dict]:
     """(entries, cursor) of the shards 0, 1, ... of a split that a previous attempt completed and that verify."""
     kept: list[dict] = []
     cursor = {"doc": -1, "doc_tokens": 0}  # -1: from the first document on
     while True:
-        name = f"{split}_{len(kept):06d}.bin"
-        key = _sidecar_key(prefix, name)
+        name = ShardLayout.shard_name(split, len(kept))
+        key = layout.sidecar(name)
         if not store.exists(key):
             break
         side = json.loads(store.read_bytes(key))
         if side.get("address") != address or side["shard"]["name"] != name:
             log(f"sidecar {key} belongs to another shard set: writing {name} again")
             break
-        if store.sha256(f"{prefix}/{name}") != side["shard"]["sha256"]:
+        if store.sha256(layout.file(name)) != side["shard"]["sha256"]:
             log(f"shard {name} is missing or does not match its checksum: writing it again")
             break
         kept.append(side["shard"])
@@ -517,6 +518,7 @@ def tokenize_and_shard(
     """
     cache_dir = cache_dir or cache_root()
     store = open_store(cfg.store)
+    store.check_writable()  # before any tokenizing: the shards and every checkpoint go there
     enc = get_tokenizer(cfg.tokenizer)
     version, dtype = fmt.token_dtype(enc.n_vocab)
     num_proc = cfg.data.num_proc or default_num_proc()
@@ -559,24 +561,24 @@ def _build(
     progress,
 ) -> fmt.ShardSet:
     d = cfg.data
-    prefix = fmt.shard_prefix(address)
+    layout = ShardLayout(address)
     version, dtype = fmt.token_dtype(enc.n_vocab)
-    kept = {s: _kept_shards(store, prefix, s, address, log) for s in SPLITS}
+    kept = {s: _kept_shards(store, layout, s, address, log) for s in SPLITS}
     if any(entries for entries, _ in kept.values()):
         log(
             f"resuming shard set {address}: {len(kept['train'][0])} train + {len(kept['val'][0])} val shards "
             "from a previous attempt verified and kept"
         )
-    log(f"tokenizing {_describe(cfg)} with {enc.name} into {store.uri(prefix)} ({num_proc} processes)")
+    log(f"tokenizing {_describe(cfg)} with {enc.name} into {store.uri(layout.root)} ({num_proc} processes)")
     counts = [[0, 0] for _ in sources]
     stats = {"docs": 0, "tokens": 0, "t0": time.perf_counter()}
     os.makedirs(cache_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="lmyard-shard-", dir=cache_dir) as tmp:
-        uploader = _Uploader(store, prefix)
+        uploader = _Uploader(store, layout)
         readers = _readers(cfg, sources, pool, num_proc, kept)
         try:
             writers = {
-                s: _ShardWriter(s, d.shard_tokens, version, prefix, tmp, uploader, address, kept[s][0], kept[s][1])
+                s: _ShardWriter(s, d.shard_tokens, version, tmp, uploader, address, kept[s][0], kept[s][1])
                 for s in SPLITS
             }
             report = _reporter(sources, readers, writers, stats, log, progress)
@@ -590,7 +592,7 @@ def _build(
                 r.close()
             uploader.pool.shutdown(wait=True, cancel_futures=True)
         entries = {s: w.entries() for s, w in writers.items()}
-    return _finish(cfg, store, prefix, sources, address, key, version, dtype, entries, counts, stats, log, report)
+    return _finish(cfg, store, layout, sources, address, key, version, dtype, entries, counts, stats, log, report)
 
 
 def _readers(cfg: RunConfig, sources: list[Source], pool, num_proc: int, kept: dict) -> list[_Reader]:
@@ -662,7 +664,7 @@ def _reporter(sources, readers, writers, stats, log, progress):
     return report
 
 
-def _finish(cfg, store, prefix, sources, address, key, version, dtype, entries, counts, stats, log, report):
+def _finish(cfg, store, layout, sources, address, key, version, dtype, entries, counts, stats, log, report):
     docs = stats["docs"]
     if docs == 0:
         raise UserError(f"{_describe(cfg)} holds no documents: check the path, split and filters")
@@ -703,10 +705,10 @@ def _finish(cfg, store, prefix, sources, address, key, version, dtype, entries, 
                 for m in manifest["mixture"]
             )
         )
-    store.write_bytes(f"{prefix}/{fmt.MANIFEST}", json.dumps(manifest, indent=1).encode())
+    store.write_bytes(layout.manifest, json.dumps(manifest, indent=1).encode())
     report(done=True)
     log(
         f"wrote shard set {address}: {docs:,} documents, {tokens['train']:,} train + {tokens['val']:,} val tokens "
         f"in {elapsed:.1f}s ({stats['tokens'] / max(elapsed, 1e-9):,.0f} tokens/s tokenized in this attempt)"
     )
-    return fmt.ShardSet(address=address, uri=store.uri(prefix), manifest=manifest)
+    return fmt.ShardSet(address=address, uri=store.uri(layout.root), manifest=manifest)

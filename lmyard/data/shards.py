@@ -6,9 +6,9 @@ token count -- then the tokens. Version 1 stores uint16 tokens (ids up to
 unchanged. Version 2 is lmyard's extension for wider vocabularies
 (cl100k_base, o200k_base): the same header, then uint32 tokens.
 
-A shard set lives at `shards/<address>/` in the store: `{train,val}_NNNNNN.bin`
-and `manifest.json`, written last. Without its manifest a shard set does not
-exist.
+A shard set lives at `shards/<address>/` in the store (its keys come from
+lmyard.layout.ShardLayout): `{train,val}_NNNNNN.bin` and `manifest.json`,
+written last. Without its manifest a shard set does not exist.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 
 from lmyard.errors import UserError
+from lmyard.layout import ShardLayout
 
 MAGIC = 20240520
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 VERSION_U16 = 1
 VERSION_U32 = 2
-MANIFEST = "manifest.json"
 
 
 def token_dtype(n_vocab: int) -> tuple[int, np.dtype]:
@@ -107,6 +107,10 @@ class ShardSet:
         return sum(s["tokens"] for s in self.files(split))
 
     @property
+    def layout(self) -> ShardLayout:
+        return ShardLayout(self.address)
+
+    @property
     def n_vocab(self) -> int:
         return int(self.manifest["tokenizer"]["n_vocab"])
 
@@ -118,15 +122,9 @@ class ShardSet:
         return cls(address=d["address"], uri=d["uri"], manifest=d["manifest"])
 
 
-def shard_prefix(address: str) -> str:
-    from lmyard.layout import ShardLayout
-
-    return ShardLayout(address).root
-
-
 def load_manifest(store, address: str) -> ShardSet | None:
-    key = f"{shard_prefix(address)}/{MANIFEST}"
-    if not store.exists(key):
+    layout = ShardLayout(address)
+    if not store.exists(layout.manifest):
         return None
-    manifest = json.loads(store.read_bytes(key))
-    return ShardSet(address=address, uri=store.uri(shard_prefix(address)), manifest=manifest)
+    manifest = json.loads(store.read_bytes(layout.manifest))
+    return ShardSet(address=address, uri=store.uri(layout.root), manifest=manifest)

@@ -37,6 +37,7 @@ import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmyard.config import DataConfig
 from lmyard.errors import UserError
@@ -71,7 +72,7 @@ class Unit:
 class Source:
     kind: str
     fingerprint: dict
-    _documents: object = field(repr=False)
+    _documents: Callable[[], Iterator[str]] = field(repr=False)
     size_bytes: int | None = None  # bytes of input, when known: a base for progress estimates
     skipped: dict[str, int] = field(default_factory=dict)  # file -> documents dropped for non-UTF-8 bytes
     units: Callable[[], list[Unit]] | None = field(default=None, repr=False)  # files: the read tasks, in order
@@ -169,7 +170,7 @@ def _builder_for(paths: list[str]) -> str:
         raise UserError(
             f"data.source: cannot read files with extensions {sorted(exts)}; use one kind of {sorted(_BUILDERS)}"
         )
-    return builders.pop()
+    return next(b for b in builders if b is not None)
 
 
 def make_units(
@@ -378,7 +379,9 @@ def _local(cfg: DataConfig, cache_dir: str) -> Source:
     builder = _builder_for(files)
     with ThreadPoolExecutor(min(8, len(files))) as pool:  # hashlib releases the GIL: files hash side by side
         shas = list(pool.map(lambda p: _scan(p, check_utf8=False)[0], files))
-    entries = [{"name": os.path.abspath(p), "size": os.path.getsize(p), "sha256": sha} for p, sha in zip(files, shas)]
+    entries: list[dict[str, Any]] = [
+        {"name": os.path.abspath(p), "size": os.path.getsize(p), "sha256": sha} for p, sha in zip(files, shas)
+    ]
     fp = {"kind": "files", "builder": builder, "files": entries}
     skipped: dict[str, int] = {}
 
@@ -401,7 +404,7 @@ def _s3(cfg: DataConfig, cache_dir: str) -> Source:
     bucket, _, pattern = cfg.source.removeprefix("s3://").partition("/")
     client = s3_client()
     literal = pattern.split("*")[0].split("?")[0].split("[")[0]
-    objs = []
+    objs: list[dict[str, Any]] = []
     with s3_errors(f"data.source {cfg.source}"):
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=literal):
             objs.extend(

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from lmyard.checkpoint import full as checkpoint
-from lmyard.config import EvalConfig, RunConfig, gate_results  # noqa: F401 - re-exported
+from lmyard.config import EvalConfig, RunConfig
 from lmyard.contracts import EvalResult, run_stage
 from lmyard.data.loader import default_cache_dir, split_stream, val_sequences
 from lmyard.data.shards import ShardSet

@@ -29,15 +29,12 @@ from dataclasses import dataclass
 from lmyard.checkpoint import full as checkpoint
 from lmyard.config import TokenizerConfig
 from lmyard.errors import UserError
+from lmyard.layout import RunLayout
 from lmyard.models import registry
 from lmyard.models.spec import HFAdapter
 from lmyard.store import open_store
 
 WEIGHTS = "model.safetensors"
-_URI = re.compile(
-    r"^(?P<root>.+?)/runs/(?P<run>[A-Za-z0-9][A-Za-z0-9._-]*)"
-    r"(?:/checkpoints(?:/step_(?P<step>\d{8}))?)?/?$"
-)
 
 
 @dataclass(frozen=True)
@@ -87,16 +84,16 @@ def adapter_for(architecture: str, where: str) -> HFAdapter:
 
 def parse_source(uri: str, step: int | None) -> tuple[str, str, int | None]:
     """(store root, run name, step or None for the newest) of STORE/runs/RUN[/checkpoints/step_NNNNNNNN]."""
-    m = _URI.match(uri.rstrip("/"))
-    if not m:
+    located = RunLayout.locate(uri)
+    if located is None:
         raise UserError(
             f"{uri!r} is not a run or a checkpoint: give STORE/runs/RUN (the newest checkpoint, or "
             "--step N) or STORE/runs/RUN/checkpoints/step_NNNNNNNN"
         )
-    in_uri = int(m["step"]) if m["step"] else None
+    root, run, in_uri = located
     if in_uri is not None and step is not None and in_uri != step:
         raise UserError(f"{uri} is the checkpoint of step {in_uri} but --step says {step}: give one of them")
-    return m["root"], m["run"], in_uri if in_uri is not None else step
+    return root, run, in_uri if in_uri is not None else step
 
 
 def load_checkpoint(uri: str, step: int | None, cache_dir: str) -> checkpoint.Checkpoint:
@@ -108,7 +105,7 @@ def load_checkpoint(uri: str, step: int | None, cache_dir: str) -> checkpoint.Ch
     steps = checkpoint.complete_steps(store, run)
     if step is None and not steps:
         raise UserError(
-            f"{store.uri(checkpoint.checkpoints_prefix(run))} holds no complete checkpoint (one with its manifest.json)"
+            f"{store.uri(RunLayout(run).checkpoints)} holds no complete checkpoint (one with its manifest.json)"
         )
     step = steps[-1] if step is None else step
     where = store.uri(checkpoint.step_prefix(run, step))

@@ -28,7 +28,7 @@ def _prompts(model_input) -> list[str]:
         return [str(x) for x in model_input[column]]
     if isinstance(model_input, dict):
         value = model_input.get("prompt")
-        return [value] if isinstance(value, str) else list(value)
+        return [value] if isinstance(value, str) else [str(x) for x in value or []]
     return [str(x) for x in model_input]
 
 
@@ -62,7 +62,7 @@ class HFTextGeneration(PythonModel):
                     pad_token_id=eos,
                 )
             new = gen[0, ids.size(1) :].tolist()
-            out.append(prompt + self.tokenizer.decode(new[: new.index(eos)] if eos in new else new))
+            out.append(prompt + str(self.tokenizer.decode(new[: new.index(eos)] if eos in new else new)))
         return out
 
 

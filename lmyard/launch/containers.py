@@ -376,7 +376,7 @@ class DockerJob:
             stream, _ = self.containers[i].get_archive(path)
             with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
                 return {
-                    os.path.basename(m.name): tar.extractfile(m).read()
+                    os.path.basename(m.name): tar.extractfile(m).read()  # type: ignore[union-attr]  # isfile(): has one
                     for m in tar.getmembers()
                     if m.isfile() and not os.path.basename(m.name).startswith(".")
                 }

@@ -133,7 +133,7 @@ class Follower:
     ):
         self.job, self.cfg, self.on_line = job, cfg, on_line
         self.on_progress, self.on_started = on_progress, on_started
-        self.tails = [collections.deque(maxlen=tail_lines) for _ in range(job.nodes)]
+        self.tails: list[collections.deque[str]] = [collections.deque(maxlen=tail_lines) for _ in range(job.nodes)]
         self.dog = watchdog.Watchdog(cfg.launch.watchdog_s)
         self.stop_requested = threading.Event()
         self.exits: dict[int, int] = {}

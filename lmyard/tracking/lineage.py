@@ -107,6 +107,7 @@ class MLflowSink:
         self.unsent.extend(batch)
         try:
             self.unsent = self._fresh(self.unsent)
+            assert self.floor is not None  # _fresh read it
             while self.unsent:
                 chunk = self.unsent[:1000]
                 self.client.log_batch(self.run_id, metrics=chunk)

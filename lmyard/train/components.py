@@ -144,7 +144,8 @@ class DivergenceGuard:
     def __init__(self, cfg: RunConfig):
         g = cfg.train.guard
         self.policy, self.max_rollbacks, self.spike_factor = g.policy, g.max_rollbacks, g.spike_factor
-        self.mean, self.seen = None, 0
+        self.mean: float | None = None
+        self.seen = 0
 
     def problem(self, loss: float) -> str | None:
         if not math.isfinite(loss):

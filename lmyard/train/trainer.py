@@ -41,7 +41,6 @@ from lmyard.data.loader import Prefetcher, TrainBatches, default_cache_dir, spli
 from lmyard.data.shards import ShardSet
 from lmyard.errors import Diverged, ExitCode, Preempted, StoreOutage, UserError, exit_code_of  # noqa: F401
 from lmyard.evaluate.validation import autocast, val_loss
-from lmyard.models.parallel import clip_grad_norm, no_sync
 from lmyard.models.registry import build_model, flops_per_token, model_from_spec, model_spec
 from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage, MetricsSink, MLflowSink, NullSink, system_metrics
@@ -54,6 +53,7 @@ from lmyard.train.components import (
     Validator,
     all_mean,
 )
+from lmyard.train.parallel import clip_grad_norm, no_sync
 from lmyard.train.watchdog import Heartbeat
 
 # How long a rollback waits for the last good checkpoint to reach the store before it gives up with
@@ -113,11 +113,11 @@ def grad_accum_steps(cfg: RunConfig, world: int, seq_len: int) -> int:
 
 def plan_memory(cfg: RunConfig, n_vocab: int, d: Dist) -> None:
     """Before the first step on a GPU: each GPU's parameters, gradients, optimizer state and activations
-    (lmyard.models.memory); a UserError naming what would fit (fsdp, activation checkpointing, a smaller
+    (lmyard.train.memory); a UserError naming what would fit (fsdp, activation checkpointing, a smaller
     micro-batch, more GPUs) when they will not."""
     if d.device.type != "cuda":
         return
-    from lmyard.models import memory
+    from lmyard.train import memory
 
     total = torch.cuda.get_device_properties(d.device).total_memory
     plan = memory.check(memory.estimate(cfg.model, cfg.train, d.world, total, n_vocab))
@@ -254,7 +254,7 @@ class Trainer:
             )
         self.fsdp = self.t.parallel == "fsdp"
         if self.fsdp:  # sharded before the optimizer is made: it holds the shards (DTensors) of this rank
-            from lmyard.models.parallel import parallelize
+            from lmyard.train.parallel import parallelize
 
             parallelize(self.raw_model, self.cfg, self.d.world, self.d.device)
         self.optimizer = torch.optim.AdamW(

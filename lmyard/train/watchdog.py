@@ -41,7 +41,7 @@ class Heartbeat:
 
 def read_beats(folder: str) -> dict[str, str]:
     """rank name -> last step, from a local heartbeat folder."""
-    out = {}
+    out: dict[str, str] = {}
     try:
         names = os.listdir(folder)
     except FileNotFoundError:

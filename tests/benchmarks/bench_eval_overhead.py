@@ -38,9 +38,9 @@ sys.path.insert(0, str(REPO))
 from random_shards import make_shards  # noqa: E402
 
 from lmyard.checkpoint import full as checkpoint  # noqa: E402
-from lmyard.config import load_recipe  # noqa: E402
 from lmyard.data.shards import ShardSet  # noqa: E402
 from lmyard.launch.follower import run_local  # noqa: E402
+from lmyard.recipes import load_recipe  # noqa: E402
 from lmyard.store import open_store  # noqa: E402
 
 STEP_LINE = re.compile(r"^step (\d+)/\d+ \|.*\| ([\d,]+) tok/s")

@@ -21,9 +21,9 @@ def main() -> None:
     args = p.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     from lmyard.checkpoint import full as checkpoint
-    from lmyard.config import load_recipe
     from lmyard.export import hf as export
     from lmyard.models.gpt2.model import GPT, GPTConfig
+    from lmyard.recipes import load_recipe
     from lmyard.store import open_store
 
     cfg = load_recipe("smoke", ["tokenizer.name=gpt2", "model.preset=gpt2-124m"])

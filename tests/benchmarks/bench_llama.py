@@ -37,7 +37,7 @@ def timed_steps(model, params, opt, batch, warmup: int, steps: int, device) -> t
     """`warmup` untimed then `steps` timed optimizer steps; (seconds of the timed ones, losses)."""
     import torch
 
-    from lmyard.models.parallel import clip_grad_norm
+    from lmyard.train.parallel import clip_grad_norm
 
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -63,11 +63,11 @@ def worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from lmyard.config import load_recipe
     from lmyard.data.shards import read_shard
-    from lmyard.models.parallel import parallelize
     from lmyard.models.registry import build_model, flops_per_token, model_spec
+    from lmyard.recipes import load_recipe
     from lmyard.train.components import PEAK_FLOPS
+    from lmyard.train.parallel import parallelize
 
     rank, local, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     cuda = a.device == "cuda"
@@ -139,7 +139,7 @@ def worker(a: argparse.Namespace) -> None:
         "loss_last": round(float(losses[-1]), 4),
     }
     if cuda:
-        from lmyard.models.memory import estimate
+        from lmyard.train.memory import estimate
 
         plan = estimate(
             cfg.model,

@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from lmyard.config import load_recipe  # noqa: E402
+from lmyard.recipes import load_recipe  # noqa: E402
 
 VAL_LINE = re.compile(r"step (\d+) \| val loss ([\d.]+)")
 TRAIN = {

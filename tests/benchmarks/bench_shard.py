@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 _STAGE = textwrap.dedent("""
     import json, sys, time
-    from lmyard.config import load_recipe
+    from lmyard.recipes import load_recipe
     from lmyard.data.sharding import tokenize_and_shard
 
     cfg = load_recipe("smoke", sys.argv[2:])

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from random_shards import make_shards  # noqa: E402
 
-from lmyard.config import load_recipe  # noqa: E402
+from lmyard.recipes import load_recipe  # noqa: E402
 
 STEP_LINE = re.compile(
     r"step (\d+)/\d+ \| .* \| ([\d,]+) tok/s \| ([\d.]+) ms/step \| data wait ([\d.]+)%(?: \| mfu ([\d.]+)%)?"

@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lmyard.config import load_recipe
 from lmyard.models.gpt2.model import GPT
 from lmyard.models.registry import model_config
+from lmyard.recipes import load_recipe
 from lmyard.train.trainer import prepare_model, setup_distributed, train_step
 
 

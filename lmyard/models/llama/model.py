@@ -4,7 +4,7 @@ embeddings, no biases.
 The interface is lmyard.models.base.LanguageModel's: `forward(idx, targets=None)` gives the mean loss
 through lmyard.models.losses.linear_cross_entropy (the logits without targets), `num_params()`,
 `param_groups()`, `generate()`, `config.block_size`, and `layers`, the ModuleList of blocks that
-lmyard.models.parallel wraps one by one (FSDP2 units, activation checkpointing, torch.compile).
+lmyard.train.parallel wraps one by one (FSDP2 units, activation checkpointing, torch.compile).
 
 Weight names follow Hugging Face's LlamaForCausalLM without its `model.` prefix
 (`embed_tokens`, `layers.i.self_attn.o_proj`, `layers.i.mlp.gate_proj`, `norm`, `lm_head`), except
