@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mlflow.tracking import MlflowClient
 
-from lmyard.tracking.lineage import MLflowSink
+from lmyard.tracking.sink import MLflowSink
 
 
 def test_resumed_sink_does_not_log_a_step_twice(tmp_path):
@@ -34,11 +34,11 @@ def test_resumed_sink_does_not_log_a_step_twice(tmp_path):
 def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_model(tmp_path):
     from lmyard.config import load_recipe
     from lmyard.store import open_store
-    from lmyard.tracking import lineage as tracking
+    from lmyard.tracking.lineage import Lineage
     from tasks.evaluate import _log_to_mlflow
 
     cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"])
-    lineage = tracking.open_lineage(cfg, open_store(cfg.store), shard_address="a" * 64, code_version="test")
+    lineage = Lineage.open(cfg, open_store(cfg.store), shard_address="a" * 64, code_version="test")
     ckpt = f"{cfg.store}/runs/smoke/checkpoints/step_00000003"
     _log_to_mlflow(
         lineage,

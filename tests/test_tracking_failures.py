@@ -16,9 +16,10 @@ from mlflow.tracking import MlflowClient
 from tcp_proxy import TcpProxy
 
 from lmyard.config import load_recipe
+from lmyard.layout import RunLayout
 from lmyard.store import open_store
-from lmyard.tracking import lineage as tracking
-from lmyard.tracking.lineage import MLflowSink
+from lmyard.tracking.lineage import Lineage
+from lmyard.tracking.sink import MLflowSink
 
 pytestmark = pytest.mark.slow
 
@@ -90,10 +91,10 @@ def test_credentials_in_the_tracking_uri_reach_no_param_tag_or_lineage_file(mlfl
         [f"store={tmp_path / 'store'}", f"tracking.uri={secret_uri}", f"tracking.experiment=creds-{time.time_ns()}"],
     )
     store = open_store(cfg.store)
-    lineage = tracking.open_lineage(cfg, store, shard_address="abc", code_version="test")
+    lineage = Lineage.open(cfg, store, shard_address="abc", code_version="test")
     run = MlflowClient(mlflow_server.uri).get_run(lineage.mlflow_run_id)
     assert run.data.params["tracking.uri"] == mlflow_server.uri.replace("http://", "http://alice:***@")
-    saved = store.read_bytes(tracking.lineage_key(cfg.run_name)).decode()
+    saved = store.read_bytes(RunLayout(cfg.run_name).lineage).decode()
     assert json.loads(saved)["tracking_uri"] == run.data.params["tracking.uri"]
     everything = json.dumps([run.data.params, run.data.tags]) + saved
     assert "s3cret" not in everything
