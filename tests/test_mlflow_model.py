@@ -4,6 +4,7 @@ models, and the MLflow UI in a real headless Chromium shows them too."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -56,6 +57,8 @@ def test_local_store_with_mlflow_server_finishes_and_registers_a_version(served_
     assert version.tags["lmyard.checkpoint"] == summary["checkpoint"] == checkpoint_uri
     model_id = version.source.removeprefix("models:/")
     model = client.get_logged_model(model_id)
+    # registered as mlflow.register_model does it: the logged model's page lists its version
+    assert json.loads(model.tags["mlflow.modelVersions"]) == [{"name": NAME, "version": 1}]
     assert model.artifact_location.startswith("mlflow-artifacts:")  # the weights went to the artifact store (S3)
     files = {os.path.basename(a.path) for a in client.list_logged_model_artifacts(model_id, "artifacts/hf_model")}
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= files
