@@ -32,7 +32,7 @@ def finish(config: RunConfig, shards: ShardSet, lineage: Lineage, trained: dict,
         "registered_model": f"{model['name']}/{model['version']}",
         "alias": model["alias"],
     }
-    lineage.log_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), "config.yaml")
+    lineage.log_text(yaml.safe_dump(config.redacted_dump(), sort_keys=False), "config.yaml")
     lineage.log_dict(shards.manifest, "shards/manifest.json")
     lineage.log_dict(attempts, "attempts.json")
     lineage.log_loss_curve()

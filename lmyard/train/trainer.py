@@ -250,7 +250,7 @@ class Trainer:
             world_size=d.world,
             shard_address=shards.address,
             train_tokens=self.data.stream.total,
-            config=cfg.model_dump(mode="json"),
+            config=cfg.redacted_dump(),  # no password in a checkpoint
             lineage=lineage.to_dict() if lineage else None,
             model=model_spec(self.raw_model),
         )
