@@ -95,7 +95,7 @@ def test_registered_version_is_listed_on_its_logged_model_and_its_alias_resolves
     client = MlflowClient(cfg.tracking.uri)
     # what the MLflow UI reads on the logged model's page ("Model versions"), as mlflow.register_model writes it
     listed = json.loads(client.get_logged_model(model_id).tags["mlflow.modelVersions"])
-    assert listed == [{"name": "tiny", "version": int(version)}]
+    assert [(v["name"], str(v["version"])) for v in listed] == [("tiny", version)]
     [found] = client.search_logged_models([lineage.experiment_id], filter_string="name = 'smoke-step-00000004'")
     assert json.loads(found.tags["mlflow.modelVersions"]) == listed
     mv = client.get_model_version("tiny", version)

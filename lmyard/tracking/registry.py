@@ -3,13 +3,16 @@
 `log_hf_model` logs an exported Hugging Face folder as a pyfunc model
 (lmyard/export/pyfunc.py: text in, text out, through `transformers`) whose
 files, the weights among them, go to the artifact store, never into MLflow's
-database. `register_model` makes it a version of a registered model through
-`mlflow.register_model` itself: besides creating the version (source
+database. `register_model` makes it a version of a registered model (source
 `models:/<model id>`, which a tracking server accepts whatever the artifact
-store), it records the version on the logged model (its
-`mlflow.modelVersions` tag), which is what the model's page in the MLflow UI
-reads; a version made with `create_model_version` alone leaves that page
-saying "Not registered".
+store) and records the version on the logged model, as `mlflow.register_model`
+does: the logged model's `mlflow.modelVersions` tag, which is what the
+model's page in the MLflow UI reads. A tracking server writes that tag itself
+when it creates a version from a model id; MLflow's sqlite store does not, and
+a version made with `create_model_version` alone there leaves the page saying
+"Not registered". `mlflow.register_model` itself is not used: it appends the
+entry again after the server wrote it (the version listed twice), and works
+only through the process's global tracking URI.
 
 Aliases: a version gets `eval.alias` only when the eval gates pass (the flow
 decides, through `set_alias`); the newest version of a name is always
@@ -103,9 +106,8 @@ def _pyfunc_requirements() -> list[str]:
 def register_model(
     lineage: Lineage, name: str, model_id: str, step: int, description: str, tags: dict[str, str], checkpoint_uri: str
 ) -> str:
-    """Register logged model `model_id` as a new version of `name` with mlflow.register_model (see the module
-    docstring); its version number. The version's run is the logged model's source run."""
-    import mlflow
+    """Register logged model `model_id` as a new version of `name` and list that version on the logged model
+    (see the module docstring); its version number."""
     from mlflow.exceptions import MlflowException
 
     client = lineage.client
@@ -114,21 +116,39 @@ def register_model(
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    # mlflow.register_model works through the process's global tracking URI (so does MLflow's SQL registry
-    # store, looking the logged model up): point that at the lineage's for the call, and only for it
+    # MLflow's SQL registry store (a sqlite:// URI, no server) looks the logged model up through the process's
+    # global tracking URI rather than this client's: point that at ours for the call
     from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
     with _use_tracking_uri(lineage.tracking_uri):
-        version = mlflow.register_model(
-            f"models:/{model_id}",
+        version = client.create_model_version(
             name,
+            source=f"models:/{model_id}",
+            run_id=lineage.mlflow_run_id,
+            description=description,
             tags={"lmyard.step": str(step), "lmyard.checkpoint": checkpoint_uri, **tags},
+            model_id=model_id,
         )
-    client.update_model_version(name, version.version, description=description)
+    list_version_on_model(lineage, model_id, name, str(version.version))
     lineage.set_tags(
         {"lmyard.registered_model": f"{name}/{version.version}", "lmyard.final_checkpoint": checkpoint_uri}
     )
     return str(version.version)
+
+
+def list_version_on_model(lineage: Lineage, model_id: str, name: str, version: str) -> None:
+    """Add {name, version} to the logged model's `mlflow.modelVersions` tag, as mlflow.register_model does, unless
+    it is there already: a tracking server adds it itself when it creates the version, a sqlite store does not
+    (and mlflow.register_model, adding it again, would list the version twice on a server)."""
+    import json
+
+    from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
+
+    listed = json.loads(lineage.client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS) or "[]")
+    if any(v.get("name") == name and str(v.get("version")) == version for v in listed):
+        return
+    entry = {"name": name, "version": int(version)}  # a number, as the server writes it
+    lineage.client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps([*listed, entry])})
 
 
 def set_alias(lineage: Lineage, name: str, alias: str, version: str) -> None:
