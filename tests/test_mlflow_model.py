@@ -140,3 +140,7 @@ def test_mlflow_ui_shows_the_runs_dataset_logged_model_and_registered_version(se
     assert f'href="#/models/{NAME}/versions/1"' in page and re.search(rf"{NAME}\s*v1", text)  # Registered models
     models = re.sub(r"<[^>]+>", " ", _dom(f"{mlflow_server.uri}/#/experiments/{exp}/models?{view}"))
     assert all(name in models for name in ("smoke-step-00000003", "smoke-step-00000006", NAME)), models[-3000:]
+    # the final model's own page lists its registered version (not "Not registered")
+    page = _dom(f"{mlflow_server.uri}/#/experiments/{exp}/models/{model_id}?{view}")
+    text = re.sub(r"<[^>]+>", " ", page)
+    assert "Not registered" not in text and re.search(rf"{NAME}\s*v1", text), text[-3000:]
