@@ -41,7 +41,9 @@ class _LocalLease:
     """Compare-and-swap on a lease file; the tag is the SHA-256 of its bytes."""
 
     def __init__(self, store: LocalStore, key: str):
-        self.path = store.local_path(key)
+        path = store.local_path(key)
+        assert path is not None  # a local store maps every key to a file
+        self.path: str = path
         self.lock = os.path.join(os.path.dirname(self.path), ".lease.lock")
 
     @contextlib.contextmanager
@@ -147,7 +149,7 @@ def describe(record: dict) -> str:
 class Lease:
     """A lease held by this process; `release()` gives it back (only if it is still ours)."""
 
-    backend: object
+    backend: _LocalLease | _S3Lease
     uri: str
     record: dict
     tag: str

@@ -108,11 +108,13 @@ class MLflowSink:
         self.unsent.extend(batch)
         try:
             self.unsent = self._fresh(self.unsent)
+            floor = self.floor
+            assert floor is not None  # _fresh read it
             while self.unsent:
                 chunk = self.unsent[:1000]
                 self.client.log_batch(self.run_id, metrics=chunk)
                 for m in chunk:
-                    self.floor[m.key] = max(m.step, self.floor.get(m.key, -1))
+                    floor[m.key] = max(m.step, floor.get(m.key, -1))
                 del self.unsent[: len(chunk)]
         except Exception as e:
             kind = type(e).__name__
