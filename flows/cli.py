@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             import yaml
 
-            print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+            print(yaml.safe_dump(config.redacted_dump(), sort_keys=False), end="")
             return 0
         from lmyard.store import open_store
 
@@ -121,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from flows.shard import shard as flow_fn  # type: ignore[assignment]  # both take config=, return a dict
         _quiet_user_errors()
-        result = flow_fn(config=config)
+        from lmyard.tracking.credentials import credentials_to_env
+
+        # the tracking password goes to the environment before the config becomes the flow run's parameter
+        result = flow_fn(config=credentials_to_env(config))
     except (UserError, Diverged, StoreOutage, Preempted) as e:  # one line each, with its exit code
         print(f"lmyard: error: {e}", file=sys.stderr)
         return int(e.exit_code)

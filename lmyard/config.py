@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import types
 import typing
@@ -541,8 +542,20 @@ class LaunchConfig(_Section):
         return self
 
 
+DEFAULT_TRACKING_URI = "sqlite:///.lmyard/mlflow.db"
+
+
+def default_tracking_uri() -> str:
+    """tracking.uri when a config does not set it: MLflow's standard MLFLOW_TRACKING_URI (what a platform sets
+    for its jobs), else a local sqlite file. Read when the config is built, never at import."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
 class TrackingConfig(_Section):
-    uri: str = Field("sqlite:///.lmyard/mlflow.db", description="MLflow tracking URI.")
+    uri: str = Field(
+        default_factory=default_tracking_uri,
+        description="MLflow tracking URI; when not set: $MLFLOW_TRACKING_URI, else a local sqlite file.",
+    )
     experiment: str = Field("lmyard", description="MLflow experiment name.")
     registered_model: str | None = Field(
         None, description="Model registry name of the final model; default: the run_name."

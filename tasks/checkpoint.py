@@ -9,14 +9,14 @@ from prefect.cache_policies import NO_CACHE
 from lmyard.checkpoint import catalog
 from lmyard.config import RunConfig
 from lmyard.store import open_store
-from lmyard.tracking import lineage as tracking
+from lmyard.tracking.lineage import Lineage
 from tasks._common import artifact_key
 
 
 @task(
     name="checkpoint", cache_policy=NO_CACHE, task_run_name="checkpoint-step-{step}", retries=2, retry_delay_seconds=5
 )
-def record_checkpoint(config: RunConfig, lineage: tracking.Lineage, step: int) -> dict:
+def record_checkpoint(config: RunConfig, lineage: Lineage, step: int) -> dict:
     """Verify checkpoint `step` against its manifest in the store; its place, size and upload time to
     MLflow (checkpoint/* at its step) and to a Prefect artifact. The upload itself ran on the training node."""
     report = catalog.verify(open_store(config.store), config.run_name, step)
@@ -24,8 +24,8 @@ def record_checkpoint(config: RunConfig, lineage: tracking.Lineage, step: int) -
     for key in ("serialize_s", "upload_s"):
         if report[key] is not None:
             metrics[f"checkpoint/{key}"] = report[key]
-    tracking.log_metrics(lineage, metrics, step)
-    tracking.set_tags(lineage, {"lmyard.latest_checkpoint": report["uri"]})
+    lineage.log_metrics(metrics, step)
+    lineage.set_tags({"lmyard.latest_checkpoint": report["uri"]})
     create_table_artifact(
         key=artifact_key(config.run_name, f"checkpoint-step-{step:08d}"),
         table=[{"what": k, "value": str(v)} for k, v in report.items()],

@@ -22,18 +22,18 @@ from lmyard.config import RunConfig
 from lmyard.contracts import EvalResult, read_stage_result
 from lmyard.data.shards import ShardSet
 from lmyard.store import open_store
-from lmyard.tracking import lineage as tracking
+from lmyard.tracking.lineage import Lineage
 from tasks._common import artifact_key
 
 EVALUATED = "eval/val_loss"  # the metric whose steps say which checkpoints have been evaluated
 
 
 @task(name="evaluate-checkpoint", cache_policy=NO_CACHE, task_run_name="evaluate-step-{step}")
-def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage, step: int) -> dict:
+def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: Lineage, step: int) -> dict:
     """Val loss, HellaSwag and samples of one checkpoint, in a process of its own on eval.device; logged at its step."""
     logger = get_run_logger()
     result = _run_evaluator(config, shards, step)
-    if step in tracking.metric_history(lineage, EVALUATED):
+    if step in lineage.metric_history(EVALUATED):
         logger.info(f"step {step} was evaluated by an earlier attempt; its results are not logged again")
         return result
     _log_to_mlflow(lineage, result)
@@ -53,7 +53,7 @@ def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: tracking.L
     return result
 
 
-def new_checkpoints(config: RunConfig, lineage: tracking.Lineage, training: PrefectFuture, log=None) -> Iterator[int]:
+def new_checkpoints(config: RunConfig, lineage: Lineage, training: PrefectFuture, log=None) -> Iterator[int]:
     """Steps of complete checkpoints not yet evaluated, as they appear while `training` runs.
 
     Polls the store every eval.poll_s seconds. The final checkpoint (train.max_steps) is left out: the
@@ -63,7 +63,7 @@ def new_checkpoints(config: RunConfig, lineage: tracking.Lineage, training: Pref
     """
     store = open_store(config.store)
     log = log or get_run_logger().warning
-    done = set(tracking.metric_history(lineage, EVALUATED))
+    done = set(lineage.metric_history(EVALUATED))
     budget = outage_budget_s(config)
     failing_since: float | None = None
     while True:
@@ -124,7 +124,7 @@ def _run_evaluator(config: RunConfig, shards: ShardSet, step: int, tail_lines: i
         return read_stage_result(out, EvalResult, rc, "\n".join(tail)).model_dump()
 
 
-def _log_to_mlflow(lineage: tracking.Lineage, r: dict) -> None:
+def _log_to_mlflow(lineage: Lineage, r: dict) -> None:
     step = r["step"]
     metrics = {"eval/val_loss": r["val_loss"], "eval/seconds": r["eval_s"]}
     hs = r.get("hellaswag")
@@ -141,9 +141,8 @@ def _log_to_mlflow(lineage: tracking.Lineage, r: dict) -> None:
         "hellaswag_acc_norm": [hs["acc_norm"] if hs else None],
     }
     # one table file per checkpoint: appending to one file would download it each time
-    tracking.log_table(lineage, row, f"evals/table_step_{step:08d}.json")
-    tracking.log_table(
-        lineage,
+    lineage.log_table(row, f"evals/table_step_{step:08d}.json")
+    lineage.log_table(
         {
             "step": [step] * len(r["samples"]),
             "prompt": [s["prompt"] for s in r["samples"]],
@@ -151,19 +150,18 @@ def _log_to_mlflow(lineage: tracking.Lineage, r: dict) -> None:
         },
         f"evals/samples_step_{step:08d}.json",
     )
-    tracking.log_artifact_dict(lineage, r, f"evals/step_{step:08d}.json")
+    lineage.log_dict(r, f"evals/step_{step:08d}.json")
     text = "\n\n".join(f"### {s['prompt']}\n{s['prompt']}{s['completion']}" for s in r["samples"])
-    tracking.log_artifact_text(lineage, text, f"samples/step_{step:08d}.md")
+    lineage.log_text(text, f"samples/step_{step:08d}.md")
     metrics.update({f"harness/{k}": v for k, v in (r.get("harness") or {}).get("metrics", {}).items()})
-    tracking.set_tags(lineage, {"lmyard.latest_evaluated_checkpoint": r["checkpoint"]})
+    lineage.set_tags({"lmyard.latest_evaluated_checkpoint": r["checkpoint"]})
     # the checkpoint as an MLflow logged model (a pointer, no weights), its metrics linked to it
-    model_id = tracking.log_checkpoint_model(
-        lineage,
+    model_id = lineage.log_checkpoint_model(
         step,
         r["checkpoint"],
         {"checkpoint": r["checkpoint"], "step": step, "tokens_seen": r["tokens_seen"], "val_loss": r["val_loss"]},
     )
-    tracking.log_metrics(lineage, metrics, step, model_id=model_id)  # last: its step marks the checkpoint as evaluated
+    lineage.log_metrics(metrics, step, model_id=model_id)  # last: its step marks the checkpoint as evaluated
 
 
 def _table(r: dict) -> list[dict]:

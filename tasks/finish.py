@@ -9,16 +9,14 @@ from prefect.cache_policies import NO_CACHE
 
 from lmyard.config import RunConfig
 from lmyard.data.shards import ShardSet
-from lmyard.tracking import lineage as tracking
+from lmyard.tracking.lineage import Lineage
 from tasks._common import artifact_key
 
 
 @task(name="finish", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
-def finish(
-    config: RunConfig, shards: ShardSet, lineage: tracking.Lineage, trained: dict, evaluation: dict, model: dict
-) -> dict:
+def finish(config: RunConfig, shards: ShardSet, lineage: Lineage, trained: dict, evaluation: dict, model: dict) -> dict:
     """Log config, manifest, loss curve and summary; mark the MLflow run FINISHED."""
-    attempts = tracking.attempts(lineage)
+    attempts = lineage.attempts()
     hs = evaluation.get("hellaswag")
     summary = {
         "run_name": config.run_name,
@@ -34,12 +32,12 @@ def finish(
         "registered_model": f"{model['name']}/{model['version']}",
         "alias": model["alias"],
     }
-    tracking.log_artifact_text(lineage, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), "config.yaml")
-    tracking.log_artifact_dict(lineage, shards.manifest, "shards/manifest.json")  # not a store key
-    tracking.log_artifact_dict(lineage, attempts, "attempts.json")
-    tracking.log_loss_curve(lineage)
-    tracking.log_artifact_dict(lineage, summary, "summary.json")
-    tracking.close_lineage(lineage, "FINISHED")
+    lineage.log_text(yaml.safe_dump(config.redacted_dump(), sort_keys=False), "config.yaml")
+    lineage.log_dict(shards.manifest, "shards/manifest.json")  # not a store key
+    lineage.log_dict(attempts, "attempts.json")
+    lineage.log_loss_curve()
+    lineage.log_dict(summary, "summary.json")
+    lineage.close("FINISHED")
     rows = "\n".join(f"| {k} | {v} |" for k, v in summary.items())
     tries = "\n".join(
         f"| {a['attempt']} | {a.get('start_step', '')} | {a.get('resumed_from') or '-'} | "

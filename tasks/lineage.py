@@ -14,18 +14,16 @@ from lmyard.data.shards import ShardSet
 from lmyard.recipes import with_recipe
 from lmyard.store import open_store
 from lmyard.tracking import lease
-from lmyard.tracking import lineage as tracking
+from lmyard.tracking.lineage import Lineage
 from lmyard.version import code_version
 from tasks._common import not_a_user_error
 
 
 @task(name="open-lineage", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, retry_condition_fn=not_a_user_error)
-def open_lineage(config: RunConfig, shards: ShardSet) -> tracking.Lineage:
+def open_lineage(config: RunConfig, shards: ShardSet) -> Lineage:
     """Create or reopen the MLflow run of runs/<run_name>; the train task records each attempt."""
-    lineage = tracking.open_lineage(
-        config, open_store(config.store), shard_address=shards.address, code_version=code_version()
-    )
-    tracking.log_shard_dataset(lineage, shards)  # the UI's "Datasets": which data trained the run
+    lineage = Lineage.open(config, open_store(config.store), shard_address=shards.address, code_version=code_version())
+    lineage.log_shard_dataset(shards)  # the UI's "Datasets": which data trained the run
     get_run_logger().info(
         f"lineage {config.run_name}: MLflow run {lineage.mlflow_run_id}"
         + (f", {lineage.attempt} earlier attempt(s)" if lineage.attempt else ", new")
@@ -34,9 +32,9 @@ def open_lineage(config: RunConfig, shards: ShardSet) -> tracking.Lineage:
 
 
 @task(name="close-lineage", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
-def close_lineage(lineage: tracking.Lineage, status: str) -> None:
+def close_lineage(lineage: Lineage, status: str) -> None:
     """Mark the lineage's MLflow run FINISHED, FAILED or KILLED."""
-    tracking.close_lineage(lineage, status)
+    lineage.close(status)
 
 
 def ended_status(exc: BaseException) -> str:
@@ -50,7 +48,8 @@ def _close_from_hook(flow_run, status: str) -> str | None:
     """Mark the MLflow run of the lineage a flow run trained (from its parameters) `status`, if still RUNNING."""
     params = flow_run.parameters or {}
     config = with_recipe(RunConfig.model_validate(params.get("config") or {}), params.get("recipe"))
-    run_id = tracking.close_lineage_of(config.tracking.uri, open_store(config.store), config.run_name, status)
+    lineage = Lineage.find(config.tracking.uri, open_store(config.store), config.run_name)
+    run_id = lineage.mlflow_run_id if lineage is not None and lineage.close_if_running(status) else None
     if run_id:
         print(f"lineage {config.run_name}: MLflow run {run_id} marked {status} ({flow_run.name})", flush=True)
     return run_id

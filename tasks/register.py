@@ -11,16 +11,18 @@ import tempfile
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from lmyard.checkpoint import retention
 from lmyard.config import RunConfig
 from lmyard.contracts import ExportResult, read_stage_result
 from lmyard.data.shards import ShardSet
 from lmyard.evaluate.gates import gate_results
 from lmyard.store import open_store
-from lmyard.tracking import lineage as tracking
+from lmyard.tracking import registry
+from lmyard.tracking.lineage import Lineage
 
 
 @task(name="register-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
-def register_model(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage, final: dict) -> dict:
+def register_model(config: RunConfig, shards: ShardSet, lineage: Lineage, final: dict) -> dict:
     """The final checkpoint exported to Hugging Face format and logged as an MLflow pyfunc model (weights in
     the artifact store), registered as a new version; eval.alias only if every gate passes."""
     logger = get_run_logger()
@@ -38,13 +40,13 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: tracking.Lineag
             "shard_address": shards.address,
         }
         tags = {"lmyard.run_name": config.run_name, "lmyard.shard_address": shards.address}
-        model_id = tracking.log_hf_model(lineage, name, folder, final["step"], params, tags)
+        model_id = registry.log_hf_model(lineage, name, folder, final["step"], params, tags)
         size_mb = sum(e.stat().st_size for e in os.scandir(folder)) / 1e6
         logger.info(
             f"exported {final['checkpoint']} as {info['hf_architecture']} ({size_mb:.1f} MB) and logged "
             f"it as MLflow model models:/{model_id}"
         )
-    version = tracking.register_model(
+    version = registry.register_model(
         lineage,
         name,
         model_id,
@@ -53,17 +55,17 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: tracking.Lineag
         tags=tags,
         checkpoint_uri=final["checkpoint"],
     )
-    tracking.protect_checkpoint(open_store(config.store), config.run_name, final["step"])
+    retention.protect_checkpoint(open_store(config.store), config.run_name, final["step"])
     alias = None
     if not gates:
         logger.info(f"registered {name} version {version}; no eval.gates configured, so no {config.eval.alias!r} alias")
     elif all(g["passed"] for g in gates.values()):
-        tracking.set_alias(config.tracking.uri, name, config.eval.alias, version)
+        registry.set_alias(lineage, name, config.eval.alias, version)
         alias = config.eval.alias
         logger.info(f"registered {name} version {version} as {alias!r}: gates passed {gates}")
     else:
         logger.warning(f"registered {name} version {version} without the {config.eval.alias!r} alias: gates {gates}")
-    tracking.set_tags(lineage, {"lmyard.gates": str({k: g["passed"] for k, g in gates.items()})})
+    lineage.set_tags({"lmyard.gates": str({k: g["passed"] for k, g in gates.items()})})
     return {
         "name": name,
         "version": version,

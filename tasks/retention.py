@@ -1,4 +1,5 @@
-"""Checkpoint retention in the flow: release each evaluated checkpoint, then delete what the policy drops."""
+"""Checkpoint retention in the flow: release each evaluated checkpoint, then delete what the policy drops (and
+retire the logged models of the checkpoints deleted)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from prefect.cache_policies import NO_CACHE
 from lmyard.checkpoint import retention
 from lmyard.config import RunConfig
 from lmyard.store import open_store
+from lmyard.tracking.lineage import Lineage
 
 
 @task(
@@ -28,4 +30,7 @@ def retain_checkpoints(config: RunConfig, step: int, evaluated: bool, final: boo
     deleted = retention.apply(store, config.run_name, config.checkpoint, hold_for_eval=not final)
     if deleted:
         get_run_logger().info(f"retention deleted checkpoints {deleted} of {config.run_name}")
+        lineage = Lineage.find(config.tracking.uri, store, config.run_name)
+        if lineage is not None:  # their logged models point at nothing now: the UI must not offer them
+            lineage.retire_checkpoint_models(deleted)
     return deleted

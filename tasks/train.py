@@ -16,7 +16,7 @@ from lmyard.contracts import Progress, Started, TrainSpec
 from lmyard.data.shards import ShardSet
 from lmyard.errors import retryable
 from lmyard.launch.follower import stop_all
-from lmyard.tracking import lineage as tracking
+from lmyard.tracking.lineage import Lineage
 from tasks._common import artifact_key
 
 
@@ -28,11 +28,10 @@ def retry_if_it_can_help(task, task_run, state) -> bool:
 
 # The flow sets the retry count from config.launch.retries.
 @task(name="train", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5, retry_condition_fn=retry_if_it_can_help)
-def train(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage) -> dict:
+def train(config: RunConfig, shards: ShardSet, lineage: Lineage) -> dict:
     """Run torchrun with the trainer; resumes from the newest complete checkpoint, as a new attempt."""
     logger = get_run_logger()
-    lineage = tracking.record_attempt(
-        lineage,
+    lineage = lineage.record_attempt(
         resumed_from=None,
         start_step=0,
         info={
@@ -51,7 +50,7 @@ def train(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage) -> dic
 
     def started(s: Started) -> None:
         """What the trainer actually loaded (after any fallback) becomes the attempt's record."""
-        tracking.record_resume(lineage, resumed_from=s.resumed_from, start_step=s.start_step)
+        lineage.record_resume(resumed_from=s.resumed_from, start_step=s.start_step)
         logger.info(
             f"attempt {lineage.attempt} of lineage {config.run_name}: "
             + (f"resumed from {s.resumed_from} at step {s.start_step}" if s.resumed_from else "started fresh")
@@ -61,9 +60,9 @@ def train(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage) -> dic
     try:
         result = _launch(config, spec, logger.info, on_progress=_progress_artifact(config), on_started=started)
     except BaseException as e:
-        tracking.end_attempt(lineage, "failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        lineage.end_attempt("failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         raise
-    tracking.end_attempt(lineage, "finished", f"step {result.step}")
+    lineage.end_attempt("finished", f"step {result.step}")
     return {**result.model_dump(), "attempt": lineage.attempt}
 
 

@@ -21,7 +21,7 @@ from lmyard.data.sharding import tokenize_and_shard
 from lmyard.launch.containers import remove_leftovers, run_docker
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store
-from lmyard.tracking import lineage as tracking
+from lmyard.tracking.lineage import Lineage
 
 pytestmark = pytest.mark.slow
 IMAGE_UID = 1000  # the stage image's non-root user
@@ -168,8 +168,8 @@ def test_two_containers_on_a_bridge_network_train_and_checkpoint_to_a_mounted_st
         ),
     )
     (tmp / "mlflow").mkdir(exist_ok=True)
-    lineage = tracking.open_lineage(cfg, open_store(cfg.store), shard_address=shards.address, code_version="test")
-    lineage = tracking.record_attempt(lineage, resumed_from=None, start_step=0, info={})
+    lineage = Lineage.open(cfg, open_store(cfg.store), shard_address=shards.address, code_version="test")
+    lineage = lineage.record_attempt(resumed_from=None, start_step=0, info={})
     _writable_by_image(tmp / "mlflow")
     _writable_by_image(tmp / "store")  # open_lineage wrote runs/bridge/ as this (root) user
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": lineage.to_dict()}
@@ -290,7 +290,7 @@ def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_che
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     store = open_store(cfg.store)
     (tmp_path / "mlflow").mkdir()
-    lineage = tracking.open_lineage(cfg, store, shard_address=shards.address, code_version="test")
+    lineage = Lineage.open(cfg, store, shard_address=shards.address, code_version="test")
     _writable_by_image(tmp_path / "mlflow")  # rank 0 logs metrics into it from its container
     killed: list[str] = []
 

@@ -10,7 +10,7 @@ from lmyard.checkpoint.catalog import complete_steps, step_prefix
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store
-from lmyard.tracking import lineage as tracking
+from lmyard.tracking.lineage import Lineage
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def test_fallback_moves_the_damaged_checkpoint_aside_and_the_attempt_names_what_
     cfg = load_recipe("smoke", overrides)
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     store = open_store(cfg.store)
-    lineage = tracking.open_lineage(cfg, store, shard_address=shards.address, code_version="test")
+    lineage = Lineage.open(cfg, store, shard_address=shards.address, code_version="test")
 
     @flow(name="train-only")
     def train_only(config) -> dict:
@@ -46,7 +46,7 @@ def test_fallback_moves_the_damaged_checkpoint_aside_and_the_attempt_names_what_
     result = train_only(load_recipe("smoke", [*overrides, "train.max_steps=12"]))
     assert result["step"] == 12 and result["start_step"] == 4
     assert result["resumed_from"] == store.uri(step_prefix("fallback", 4))
-    attempt = tracking.attempts(lineage)[-1]
+    attempt = lineage.attempts()[-1]
     assert attempt["resumed_from"] == store.uri(step_prefix("fallback", 4)) and attempt["start_step"] == "4"
     # the damaged files, byte for byte, moved aside; step 8 trained again into a fresh folder
     (aside,) = [k for k in store.list("runs/fallback/damaged") if k.endswith("/model.pt")]

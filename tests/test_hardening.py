@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from lmyard.checkpoint import full as checkpoint
+from lmyard.checkpoint import retention
 from lmyard.config import RunConfig, redact_uri
 from lmyard.data.loader import default_cache_dir
 from lmyard.data.sharding import tokenize_and_shard
@@ -17,7 +18,6 @@ from lmyard.errors import UserError
 from lmyard.launch import images
 from lmyard.recipes import load_recipe
 from lmyard.store import LocalStore, open_store
-from lmyard.tracking import lineage as tracking
 
 
 def _text_docs(tag: str, n: int = 8) -> list[bytes]:
@@ -131,7 +131,7 @@ def test_store_files_follow_the_umask_like_data_files(tmp_path, umask, mode):
         store = open_store(str(tmp_path / "store"))
         store.write_bytes("runs/r/lineage.json", b"{}")
         store.write_bytes("runs/r/checkpoints/step_00000003/evaluated.json", b"{}")
-        tracking.protect_checkpoint(store, "r", 3)
+        retention.protect_checkpoint(store, "r", 3)
         (tmp_path / "data.bin").write_bytes(b"123")
         store.upload(str(tmp_path / "data.bin"), "shards/x/train_000000.bin")
         staged = tmp_path / "staged"

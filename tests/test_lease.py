@@ -14,6 +14,7 @@ from conftest import lmyard_cmd, tiny_overrides
 
 from lmyard.checkpoint import full as checkpoint
 from lmyard.errors import UserError
+from lmyard.layout import RunLayout
 from lmyard.store import open_store
 from lmyard.tracking import lease
 
@@ -36,7 +37,7 @@ def test_second_acquirer_refuses_naming_the_holder(store):
         assert f"since {first.record['since']}" in msg and "\n" not in msg
     finally:
         first.release()
-    assert not store.exists(lease.lease_key("r"))
+    assert not store.exists(RunLayout("r").lease)
     lease.acquire(store, "r", {"flow_run": "third-run"}, ttl_s=30, wait_s=0).release()
 
 
@@ -67,7 +68,7 @@ def test_concurrent_acquirers_one_wins_the_other_waits_for_the_release(store):
 
 
 def test_an_expired_lease_is_taken_over_and_a_live_one_is_renewed(store):
-    key = lease.lease_key("r")
+    key = RunLayout("r").lease
     stale = {
         "host": "gone-host",
         "pid": 1,

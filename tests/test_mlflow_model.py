@@ -4,6 +4,7 @@ models, and the MLflow UI in a real headless Chromium shows them too."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -56,6 +57,9 @@ def test_local_store_with_mlflow_server_finishes_and_registers_a_version(served_
     assert version.tags["lmyard.checkpoint"] == summary["checkpoint"] == checkpoint_uri
     model_id = version.source.removeprefix("models:/")
     model = client.get_logged_model(model_id)
+    # registered as mlflow.register_model does it: the logged model's page lists its version
+    listed = json.loads(model.tags["mlflow.modelVersions"])  # the version: a number, or a string over REST
+    assert [(v["name"], str(v["version"])) for v in listed] == [(NAME, "1")]
     assert model.artifact_location.startswith("mlflow-artifacts:")  # the weights went to the artifact store (S3)
     files = {os.path.basename(a.path) for a in client.list_logged_model_artifacts(model_id, "artifacts/hf_model")}
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= files
@@ -163,3 +167,7 @@ def test_mlflow_ui_shows_the_runs_dataset_logged_model_and_registered_version(se
     assert f'href="#/models/{NAME}/versions/1"' in page and re.search(rf"{NAME}\s*v1", text)  # Registered models
     models = re.sub(r"<[^>]+>", " ", _dom(f"{mlflow_server.uri}/#/experiments/{exp}/models?{view}"))
     assert all(name in models for name in ("smoke-step-00000003", "smoke-step-00000006", NAME)), models[-3000:]
+    # the final model's own page lists its registered version (not "Not registered")
+    page = _dom(f"{mlflow_server.uri}/#/experiments/{exp}/models/{model_id}?{view}")
+    text = re.sub(r"<[^>]+>", " ", page)
+    assert "Not registered" not in text and re.search(rf"{NAME}\s*v1", text), text[-3000:]

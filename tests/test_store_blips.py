@@ -12,7 +12,7 @@ from tcp_proxy import TcpProxy
 
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store
-from lmyard.tracking import lineage as tracking
+from lmyard.tracking.lineage import Lineage
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def test_a_store_blip_while_looking_for_checkpoints_does_not_end_the_flow(s3_ser
         ),
     )
     store = open_store(cfg.store)
-    lineage = tracking.open_lineage(cfg, store, shard_address="a", code_version="test")
+    lineage = Lineage.open(cfg, store, shard_address="a", code_version="test")
     training, said = _Training(), []
     seen: list[int] = []
 

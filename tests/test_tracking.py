@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mlflow.tracking import MlflowClient
 
-from lmyard.tracking.lineage import MLflowSink
+from lmyard.tracking.sink import MLflowSink
 
 
 def test_resumed_sink_does_not_log_a_step_twice(tmp_path):
@@ -34,11 +34,11 @@ def test_resumed_sink_does_not_log_a_step_twice(tmp_path):
 def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_model(tmp_path):
     from lmyard.recipes import load_recipe
     from lmyard.store import open_store
-    from lmyard.tracking import lineage as tracking
+    from lmyard.tracking.lineage import Lineage
     from tasks.evaluate import _log_to_mlflow
 
     cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"])
-    lineage = tracking.open_lineage(cfg, open_store(cfg.store), shard_address="a" * 64, code_version="test")
+    lineage = Lineage.open(cfg, open_store(cfg.store), shard_address="a" * 64, code_version="test")
     ckpt = f"{cfg.store}/runs/smoke/checkpoints/step_00000003"
     _log_to_mlflow(
         lineage,
@@ -66,3 +66,90 @@ def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_m
         "harness/hellaswag_local/acc_norm": (3, 0.75),
     }
     assert [o.model_id for o in client.get_run(lineage.mlflow_run_id).outputs.model_outputs] == [model.model_id]
+
+
+def _sqlite_lineage(tmp_path, *overrides: str):
+    from lmyard.recipes import load_recipe
+    from lmyard.store import open_store
+    from lmyard.tracking.lineage import Lineage
+
+    cfg = load_recipe(
+        "smoke", [f"store={tmp_path / 'store'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", *overrides]
+    )
+    return cfg, Lineage.open(cfg, open_store(cfg.store), shard_address="a" * 64, code_version="test")
+
+
+def test_registered_version_is_listed_on_its_logged_model_and_its_alias_resolves(tmp_path, monkeypatch):
+    import json
+
+    import mlflow
+
+    from lmyard.tracking import registry
+
+    cfg, lineage = _sqlite_lineage(tmp_path)
+    ckpt = f"{cfg.store}/runs/smoke/checkpoints/step_00000004"
+    model_id = lineage.log_checkpoint_model(4, ckpt, {"checkpoint": ckpt, "step": 4})
+    version = registry.register_model(lineage, "tiny", model_id, 4, "tiny at step 4", {"k": "v"}, ckpt)
+    registry.set_alias(lineage, "tiny", "candidate", version)
+
+    client = MlflowClient(cfg.tracking.uri)
+    # what the MLflow UI reads on the logged model's page ("Model versions"), as mlflow.register_model writes it
+    listed = json.loads(client.get_logged_model(model_id).tags["mlflow.modelVersions"])
+    assert [(v["name"], str(v["version"])) for v in listed] == [("tiny", version)]
+    [found] = client.search_logged_models([lineage.experiment_id], filter_string="name = 'smoke-step-00000004'")
+    assert json.loads(found.tags["mlflow.modelVersions"]) == listed
+    mv = client.get_model_version("tiny", version)
+    assert mv.run_id == lineage.mlflow_run_id and mv.description == "tiny at step 4"
+    assert mv.tags["lmyard.checkpoint"] == ckpt and mv.source == f"models:/{model_id}"
+    assert client.get_run(lineage.mlflow_run_id).data.tags["lmyard.registered_model"] == f"tiny/{version}"
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", cfg.tracking.uri)
+    for uri in ("models:/tiny@candidate", "models:/tiny/latest"):  # the README's two ways to name it
+        folder = mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp_path / uri.replace("/", "_")))
+        with open(f"{folder}/lmyard_checkpoint.json") as f:
+            assert json.load(f)["checkpoint"] == ckpt
+
+
+def test_retention_retires_the_logged_models_of_the_checkpoints_it_deletes(tmp_path, prefect_api_url):
+    import torch
+
+    from lmyard.checkpoint import full as checkpoint
+    from lmyard.store import open_store
+    from lmyard.tracking.lineage import DELETED_TAG
+    from tasks.retention import retain_checkpoints
+
+    cfg, lineage = _sqlite_lineage(tmp_path, "checkpoint.keep_last=2", "checkpoint.keep_best=false")
+    store = open_store(cfg.store)
+    ids = {}
+    for step in (1, 2, 3, 4):
+        state = {"step": step, "val_loss": None, "cursor": step, "tokens_seen": step, "world_size": 1}
+        state |= {"shard_address": "a", "config": {}, "model": {}}
+        uri = checkpoint.save(store, "smoke", step, {"w": torch.zeros(2)}, {}, [], state, str(tmp_path / "stage"))
+        ids[step] = lineage.log_checkpoint_model(step, uri, {"checkpoint": uri, "step": step})
+
+    assert retain_checkpoints(cfg, 4, True, final=True) == [1, 2]
+
+    client = MlflowClient(cfg.tracking.uri)
+    models = {s: client.get_logged_model(i) for s, i in ids.items()}
+    assert {s: str(m.status) for s, m in models.items()} == {1: "FAILED", 2: "FAILED", 3: "READY", 4: "READY"}
+    assert {s for s, m in models.items() if m.tags.get(DELETED_TAG) == "true"} == {1, 2}
+    # a second pass (the next checkpoint's retention) leaves the retired ones as they are
+    assert lineage.retire_checkpoint_models([1, 2]) == []
+
+
+def test_mlflow_tracking_uri_from_the_environment_is_the_default_and_an_explicit_one_wins(tmp_path):
+    import os
+    import subprocess
+
+    import yaml
+    from conftest import lmyard_cmd
+
+    env = {**os.environ, "MLFLOW_TRACKING_URI": "http://mlflow.platform:5000"}
+    shown = subprocess.run(lmyard_cmd("config"), env=env, capture_output=True, text=True, check=True).stdout
+    assert yaml.safe_load(shown)["tracking"]["uri"] == "http://mlflow.platform:5000"
+    explicit = lmyard_cmd("config", "--set", f"tracking.uri=sqlite:///{tmp_path / 'm.db'}")
+    shown = subprocess.run(explicit, env=env, capture_output=True, text=True, check=True).stdout
+    assert yaml.safe_load(shown)["tracking"]["uri"] == f"sqlite:///{tmp_path / 'm.db'}"
+    env.pop("MLFLOW_TRACKING_URI")
+    shown = subprocess.run(lmyard_cmd("config"), env=env, capture_output=True, text=True, check=True).stdout
+    assert yaml.safe_load(shown)["tracking"]["uri"] == "sqlite:///.lmyard/mlflow.db"

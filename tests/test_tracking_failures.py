@@ -15,10 +15,11 @@ from conftest import free_port, lmyard_cmd, tiny_overrides
 from mlflow.tracking import MlflowClient
 from tcp_proxy import TcpProxy
 
+from lmyard.layout import RunLayout
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store
-from lmyard.tracking import lineage as tracking
-from lmyard.tracking.lineage import MLflowSink
+from lmyard.tracking.lineage import Lineage
+from lmyard.tracking.sink import MLflowSink
 
 pytestmark = pytest.mark.slow
 
@@ -90,10 +91,10 @@ def test_credentials_in_the_tracking_uri_reach_no_param_tag_or_lineage_file(mlfl
         [f"store={tmp_path / 'store'}", f"tracking.uri={secret_uri}", f"tracking.experiment=creds-{time.time_ns()}"],
     )
     store = open_store(cfg.store)
-    lineage = tracking.open_lineage(cfg, store, shard_address="abc", code_version="test")
+    lineage = Lineage.open(cfg, store, shard_address="abc", code_version="test")
     run = MlflowClient(mlflow_server.uri).get_run(lineage.mlflow_run_id)
     assert run.data.params["tracking.uri"] == mlflow_server.uri.replace("http://", "http://alice:***@")
-    saved = store.read_bytes(tracking.lineage_key(cfg.run_name)).decode()
+    saved = store.read_bytes(RunLayout(cfg.run_name).lineage).decode()
     assert json.loads(saved)["tracking_uri"] == run.data.params["tracking.uri"]
     everything = json.dumps([run.data.params, run.data.tags]) + saved
     assert "s3cret" not in everything
@@ -117,3 +118,48 @@ def test_unreachable_tracking_server_fails_the_run_in_seconds_with_one_line(cli_
     assert len(errors) == 1 and uri in errors[0] and "tracking.uri" in errors[0]
     assert "Traceback" not in proc.stdout + proc.stderr
     assert elapsed < 60, f"took {elapsed:.0f} s"
+
+
+def test_tracking_password_moves_to_mlflows_environment_variables():
+    from lmyard.tracking.credentials import credentials_to_env
+
+    cfg = load_recipe("smoke", ["tracking.uri=https://alice:s%40cret@mlflow.example:8443/path"])
+    environ: dict[str, str] = {}
+    clean = credentials_to_env(cfg, environ)
+    assert clean.tracking.uri == "https://mlflow.example:8443/path"
+    assert environ == {"MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": "s@cret"}
+    assert "tracking" in clean.model_fields_set and clean.model_dump(exclude={"tracking"}) == cfg.model_dump(
+        exclude={"tracking"}
+    )
+    plain = load_recipe("smoke", ["tracking.uri=http://mlflow:5000"])
+    assert credentials_to_env(plain, environ) is plain
+
+
+def test_run_with_a_password_in_the_tracking_uri_writes_it_nowhere(cli_env, mlflow_server, tmp_path):
+    from prefect.client.orchestration import get_client
+
+    secret_uri = mlflow_server.uri.replace("http://", "http://alice:s3cret@")
+    overrides = tiny_overrides(
+        tmp_path, **{"tracking.uri": secret_uri, "tracking.experiment": f"secret-{time.time_ns()}", "eval.threads": 1}
+    )
+    proc = subprocess.run(
+        lmyard_cmd("run", "smoke", *[a for o in overrides for a in ("--set", o)]),
+        cwd=tmp_path,
+        env={**cli_env, "PREFECT_LOGGING_LEVEL": "DEBUG"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "s3cret" not in proc.stdout + proc.stderr  # the log
+    store = tmp_path / "store"
+    states = list(store.rglob("state.json"))
+    assert states and all(b"s3cret" not in p.read_bytes() for p in store.rglob("*") if p.is_file())
+    run_id = json.loads((store / "runs/smoke/lineage.json").read_text())["mlflow_run_id"]
+    client = MlflowClient(mlflow_server.uri)
+    config_yaml = open(client.download_artifacts(run_id, "config.yaml", str(tmp_path))).read()
+    assert f"uri: {mlflow_server.uri}" in config_yaml and "s3cret" not in config_yaml
+    run = client.get_run(run_id)
+    assert "s3cret" not in json.dumps([run.data.params, run.data.tags])
+    with get_client(sync_client=True) as prefect:
+        assert "s3cret" not in json.dumps([fr.parameters for fr in prefect.read_flow_runs()], default=str)

@@ -32,6 +32,14 @@ def protected_steps(store: Store, run_name: str) -> set[int]:
     return set(json.loads(store.read_bytes(key)).get("steps", [])) if store.exists(key) else set()
 
 
+def protect_checkpoint(store: Store, run_name: str, step: int) -> list[int]:
+    """Add `step` to runs/<run>/protected.json ({"steps": [...]}): retention keeps what a registered model points
+    to. All protected steps, sorted."""
+    steps = protected_steps(store, run_name) | {step}
+    store.write_bytes(RunLayout(run_name).protected, json.dumps({"steps": sorted(steps)}).encode())
+    return sorted(steps)
+
+
 def mark_evaluated(store: Store, run_name: str, step: int, ok: bool) -> None:
     """Release checkpoint `step` for retention: its evaluation has ended (`ok`: it succeeded)."""
     store.write_bytes(RunLayout(run_name).evaluated(step), json.dumps({"ok": ok, "time": time.time()}).encode())

@@ -13,7 +13,8 @@ EXCHANGE_DIR; the job reads it through the engine (`get_archive`), so nodes on
 other hosts need no shared folder. Whatever ends the follow, the containers and
 the network are removed.
 
-Credentials (every AWS_* variable of the launching process, and the names in
+Credentials (every AWS_* variable of the launching process, MLflow's MLFLOW_TRACKING_USERNAME,
+_PASSWORD and _TOKEN, and the names in
 launch.docker.pass_env) reach the containers through their environment only;
 `describe()` and the log lines mask their values.
 """
@@ -62,8 +63,10 @@ class LaunchPlan:
 
 
 def secret_names(dc: DockerConfig, environ: Mapping[str, str]) -> list[str]:
-    """Variables passed through from the launching process: every AWS_*, plus launch.docker.pass_env."""
-    names = [k for k in environ if k.startswith("AWS_")] + [k for k in dc.pass_env if k in environ]
+    """Variables passed through from the launching process: every AWS_*, MLflow's credentials
+    (MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN, see lmyard.tracking.credentials), plus launch.docker.pass_env."""
+    mlflow = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+    names = [k for k in environ if k.startswith("AWS_") or k in mlflow] + [k for k in dc.pass_env if k in environ]
     return sorted(set(names))
 
 

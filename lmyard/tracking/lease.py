@@ -1,4 +1,4 @@
-"""One writer per lineage: a lease on `runs/<run_name>/lease.json` in the store.
+"""One writer per lineage: a lease on `runs/<run_name>/lease.json` in the store (`RunLayout.lease`).
 
 A run takes the lease before it opens the lineage and gives it back at the end.
 The lease names its holder (host, pid, flow run, since when) and carries a
@@ -33,11 +33,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from lmyard.errors import UserError
+from lmyard.layout import RunLayout
 from lmyard.store import LocalStore, Store
-
-
-def lease_key(run_name: str) -> str:
-    return f"runs/{run_name}/lease.json"
 
 
 class _LocalLease:
@@ -45,8 +42,8 @@ class _LocalLease:
 
     def __init__(self, store: LocalStore, key: str):
         path = store.local_path(key)
-        assert path is not None, "a local store's keys are files"
-        self.path = path
+        assert path is not None  # a local store maps every key to a file
+        self.path: str = path
         self.lock = os.path.join(os.path.dirname(self.path), ".lease.lock")
 
     @contextlib.contextmanager
@@ -203,7 +200,7 @@ def acquire(
 ) -> Lease:
     """Take the lease of lineage `run_name`, waiting up to `wait_s` for its holder to end (or its lease to
     expire); a UserError naming the holder when it does not. `holder` adds to host, pid and since."""
-    key = lease_key(run_name)
+    key = RunLayout(run_name).lease
     backend = _LocalLease(store, key) if isinstance(store, LocalStore) else _S3Lease(store, key)
     record = {
         "host": socket.gethostname(),

@@ -43,7 +43,8 @@ from lmyard.errors import Diverged, ExitCode, Preempted, StoreOutage, UserError,
 from lmyard.evaluate.validation import autocast, val_loss
 from lmyard.models.registry import build_model, flops_per_token, model_from_spec, model_spec
 from lmyard.store import open_store
-from lmyard.tracking.lineage import Lineage, MetricsSink, MLflowSink, NullSink, system_metrics
+from lmyard.tracking.lineage import Lineage
+from lmyard.tracking.sink import MetricsSink, NullSink, metrics_sink, system_metrics
 from lmyard.train.components import (
     Checkpointing,
     DivergenceGuard,
@@ -227,7 +228,7 @@ class Trainer:
             world_size=d.world,
             shard_address=shards.address,
             train_tokens=self.data.stream.total,
-            config=cfg.model_dump(mode="json"),
+            config=cfg.redacted_dump(),  # no password in a checkpoint
             lineage=lineage.to_dict() if lineage else None,
             model=model_spec(self.raw_model),
         )
@@ -685,8 +686,7 @@ def main(argv: list[str] | None = None) -> int:
 
             local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
             print(f"{socket.gethostname()}: ranks {d.rank}-{d.rank + local - 1} of {d.world} joined", flush=True)
-        if d.is_main and lineage is not None:
-            sink = MLflowSink(lineage.tracking_uri, lineage.mlflow_run_id)
+        sink = metrics_sink(lineage, d.is_main)
         with node_system_metrics(cfg, lineage, d):
             trainer = Trainer(cfg, shards, lineage, d, sink, hold_for_eval=spec.hold_for_eval)
             try:

@@ -1,0 +1,156 @@
+"""The model registry: the final model logged as an MLflow pyfunc and registered the way MLflow does it.
+
+`log_hf_model` logs an exported Hugging Face folder as a pyfunc model
+(lmyard/export/pyfunc.py: text in, text out, through `transformers`) whose
+files, the weights among them, go to the artifact store, never into MLflow's
+database. `register_model` makes it a version of a registered model (source
+`models:/<model id>`, which a tracking server accepts whatever the artifact
+store) and records the version on the logged model, as `mlflow.register_model`
+does: the logged model's `mlflow.modelVersions` tag, which is what the
+model's page in the MLflow UI reads. A tracking server writes that tag itself
+when it creates a version from a model id; MLflow's sqlite store does not, and
+a version made with `create_model_version` alone there leaves the page saying
+"Not registered". `mlflow.register_model` itself is not used: it appends the
+entry again after the server wrote it (the version listed twice), and works
+only through the process's global tracking URI.
+
+Aliases: a version gets `eval.alias` only when the eval gates pass (the flow
+decides, through `set_alias`); the newest version of a name is always
+`models:/<name>/latest`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from lmyard.tracking.lineage import Lineage
+
+# the pyfunc's code file, by path: importing lmyard.export here would load torch into the flow's process
+PYFUNC_FILE = str(Path(__file__).resolve().parents[1] / "export" / "pyfunc.py")
+
+
+def log_hf_model(
+    lineage: Lineage, name: str, folder: str, step: int, params: dict[str, str], tags: dict[str, str]
+) -> str:
+    """Log an exported Hugging Face folder as an MLflow pyfunc model whose artifacts go to the artifact
+    store; an output of the run at `step`, linked to the run's metrics there. The logged model's id."""
+    import tempfile
+
+    import mlflow.pyfunc
+    from mlflow.entities import LoggedModelOutput
+    from mlflow.models import Model
+
+    client = lineage.client
+    model = client.create_logged_model(
+        lineage.experiment_id,
+        name=name,
+        source_run_id=lineage.mlflow_run_id,
+        params=params,
+        tags=tags,
+        model_type="transformers-text-generation",
+    )
+    with tempfile.TemporaryDirectory(prefix="lmyard-model-") as tmp:
+        path = os.path.join(tmp, "model")
+        mlflow.pyfunc.save_model(
+            path,
+            python_model=PYFUNC_FILE,
+            artifacts={"hf_model": folder},
+            signature=_signature(),
+            pip_requirements=_pyfunc_requirements(),
+            mlflow_model=Model(
+                artifact_path=model.artifact_location, run_id=lineage.mlflow_run_id, model_id=model.model_id
+            ),
+        )
+        client.log_model_artifacts(model.model_id, path)
+    client.finalize_logged_model(model.model_id, "READY")
+    client.log_outputs(lineage.mlflow_run_id, [LoggedModelOutput(model.model_id, step)])
+    lineage.link_metrics(model.model_id, step)
+    return model.model_id
+
+
+def _signature():
+    """Prompts in, texts out; generation settings as params."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+
+    return ModelSignature(
+        inputs=Schema([ColSpec("string")]),
+        outputs=Schema([ColSpec("string")]),
+        params=ParamSchema(
+            [
+                ParamSpec("max_new_tokens", "long", 64),
+                ParamSpec("temperature", "double", 0.8),
+                ParamSpec("top_k", "long", 40),
+                ParamSpec("seed", "long", 0),
+                ParamSpec("do_sample", "boolean", True),
+            ]
+        ),
+    )
+
+
+def _pyfunc_requirements() -> list[str]:
+    """What loading the pyfunc needs (pinned to what is installed here, where known); never inferred by
+    loading the model, which would cost a full load at logging time."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for dist in ("mlflow", "torch", "transformers", "tokenizers", "safetensors"):
+        try:
+            out.append(f"{dist}=={version(dist)}")
+        except PackageNotFoundError:
+            out.append(dist)
+    return out
+
+
+def register_model(
+    lineage: Lineage, name: str, model_id: str, step: int, description: str, tags: dict[str, str], checkpoint_uri: str
+) -> str:
+    """Register logged model `model_id` as a new version of `name` and list that version on the logged model
+    (see the module docstring); its version number."""
+    from mlflow.exceptions import MlflowException
+
+    client = lineage.client
+    try:
+        client.create_registered_model(name, description="Language models pretrained with lmyard")
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    # MLflow's SQL registry store (a sqlite:// URI, no server) looks the logged model up through the process's
+    # global tracking URI rather than this client's: point that at ours for the call
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    with _use_tracking_uri(lineage.tracking_uri):
+        version = client.create_model_version(
+            name,
+            source=f"models:/{model_id}",
+            run_id=lineage.mlflow_run_id,
+            description=description,
+            tags={"lmyard.step": str(step), "lmyard.checkpoint": checkpoint_uri, **tags},
+            model_id=model_id,
+        )
+    list_version_on_model(lineage, model_id, name, str(version.version))
+    lineage.set_tags(
+        {"lmyard.registered_model": f"{name}/{version.version}", "lmyard.final_checkpoint": checkpoint_uri}
+    )
+    return str(version.version)
+
+
+def list_version_on_model(lineage: Lineage, model_id: str, name: str, version: str) -> None:
+    """Add {name, version} to the logged model's `mlflow.modelVersions` tag, as mlflow.register_model does, unless
+    it is there already: a tracking server adds it itself when it creates the version, a sqlite store does not
+    (and mlflow.register_model, adding it again, would list the version twice on a server)."""
+    import json
+
+    from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
+
+    listed = json.loads(lineage.client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS) or "[]")
+    if any(v.get("name") == name and str(v.get("version")) == version for v in listed):
+        return
+    entry = {"name": name, "version": int(version)}  # a number, as the server writes it
+    lineage.client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps([*listed, entry])})
+
+
+def set_alias(lineage: Lineage, name: str, alias: str, version: str) -> None:
+    """Point `models:/<name>@<alias>` at `version`."""
+    lineage.client.set_registered_model_alias(name, alias, version)

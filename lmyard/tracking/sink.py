@@ -1,0 +1,195 @@
+"""The trainer's metric sink: exactly one rank logs, and only `MLflowSink` talks to MLflow.
+
+Training code logs through `MetricsSink`: rank 0 of the job gets an `MLflowSink`
+on the lineage's run, every other rank (and a run without a lineage) a `NullSink`.
+The sink owns its own MLflow client: it lives in the trainer's process, apart
+from the flow's `Lineage` (lmyard.tracking.lineage).
+
+Metric history stays continuous across attempts: a resumed trainer repeats
+the steps between its checkpoint and the point where the last attempt died,
+and `MLflowSink` does not log those again. For each key it drops points at
+or below the highest step the run already holds (from earlier attempts, or
+from this sink): the first value logged for a step is the one that stays.
+
+`system_metrics` samples a node's CPU, memory, disk, network (and GPU) into
+the same run meanwhile, from local rank 0 of each node.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Protocol
+
+from lmyard.config import redact_uri
+
+if TYPE_CHECKING:
+    from lmyard.tracking.lineage import Lineage
+
+
+class MetricsSink(Protocol):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def flush(self, timeout: float | None = None) -> None: ...
+    def close(self) -> None: ...
+
+
+class NullSink:
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def flush(self, timeout: float | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class MLflowSink:
+    """Sends metrics to one MLflow run in batches, from a background thread: logging never stalls a step.
+
+    Each key's points at or below the highest step the run already holds are
+    dropped (see the module docstring), so a resumed attempt does not log a
+    step twice. A batch that cannot be sent is kept and sent with the next one;
+    the first failure of each kind is reported at once, in one line. Training
+    never fails for tracking: what still cannot be sent at close() is counted
+    in one warning line.
+    """
+
+    def __init__(self, tracking_uri: str, run_id: str):
+        import queue
+        import threading
+
+        from mlflow.tracking import MlflowClient
+
+        self.client, self.run_id = MlflowClient(tracking_uri), run_id
+        self.queue: queue.Queue = queue.Queue()
+        self.floor: dict[str, int] | None = None  # key -> highest step the run holds; read by the thread
+        self.skipped = 0
+        self.unsent: list = []  # points not sent yet (the server could not be reached), oldest first
+        self.warned: set[str] = set()  # kinds of send errors already reported
+        self.thread = threading.Thread(target=self._send, daemon=True, name="mlflow-sink")
+        self.thread.start()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.queue.put([Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until everything logged so far has been sent, or tried (e.g. before a checkpoint commits)."""
+        import threading
+
+        done = threading.Event()
+        self.queue.put(done)
+        done.wait(timeout)
+
+    def _fresh(self, batch: list) -> list:
+        if self.floor is None:
+            self.floor = {m.key: m.step for m in self.client.get_run(self.run_id).data._metric_objs}
+        out, seen = [], dict(self.floor)
+        for m in batch:
+            if m.step <= seen.get(m.key, -1):
+                if not self.skipped:
+                    print(
+                        f"metrics: {m.key} at step {m.step} is already in the MLflow run (an earlier attempt "
+                        "logged it); steps logged before are not logged again",
+                        flush=True,
+                    )
+                self.skipped += 1
+                continue
+            seen[m.key] = m.step
+            out.append(m)
+        return out
+
+    def _deliver(self, batch: list) -> None:
+        """Send the unsent points and `batch`, 1000 at a time (MLflow's limit); keep what fails for the next try."""
+        self.unsent.extend(batch)
+        try:
+            self.unsent = self._fresh(self.unsent)
+            floor = self.floor
+            assert floor is not None  # _fresh read it
+            while self.unsent:
+                chunk = self.unsent[:1000]
+                self.client.log_batch(self.run_id, metrics=chunk)
+                for m in chunk:
+                    floor[m.key] = max(m.step, floor.get(m.key, -1))
+                del self.unsent[: len(chunk)]
+        except Exception as e:
+            kind = type(e).__name__
+            if kind not in self.warned:
+                self.warned.add(kind)
+                detail = redact_uri(str(e)).splitlines()[0][:300] if str(e) else ""
+                print(
+                    f"metrics: MLflow logging failed ({kind}: {detail}); "
+                    "keeping the points and retrying with the next batch",
+                    flush=True,
+                )
+
+    def _send(self) -> None:
+        import threading
+
+        while True:
+            item = self.queue.get()
+            batch, stop, markers = [], item is None, []
+            if isinstance(item, threading.Event):
+                markers.append(item)
+            elif item is not None:
+                batch.extend(item)
+            while not stop and not self.queue.empty() and len(batch) < 1000:  # coalesce what queued up meanwhile
+                more = self.queue.get()
+                if more is None:
+                    stop = True
+                elif isinstance(more, threading.Event):
+                    markers.append(more)
+                else:
+                    batch.extend(more)
+            if batch or self.unsent:
+                self._deliver(batch)
+            for marker in markers:
+                marker.set()
+            if stop:
+                return
+
+    def close(self) -> None:
+        """Send everything queued, then stop. Never raises: points that still cannot be sent are counted in
+        one warning line."""
+        self.queue.put(None)
+        self.thread.join()
+        if self.unsent:
+            print(
+                f"metrics: {len(self.unsent)} metric points could not be sent to MLflow and are lost "
+                f"(from step {self.unsent[0].step} on)",
+                flush=True,
+            )
+
+
+@contextmanager
+def system_metrics(lineage: Lineage, node_id: str, interval_s: float = 10.0) -> Iterator[None]:
+    """Log CPU, memory, disk, network (and GPU, with nvidia-ml-py) metrics of this node meanwhile.
+
+    Keys are `system/<node_id>/...`; a resumed attempt continues the series' steps.
+    """
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(
+        lineage.mlflow_run_id,
+        sampling_interval=interval_s,
+        samples_before_logging=1,
+        resume_logging=True,
+        node_id=node_id,
+        tracking_uri=lineage.tracking_uri,
+    )
+    monitor.start()
+    try:
+        yield
+    finally:
+        monitor.finish()
+
+
+def metrics_sink(lineage: Lineage | None, is_main: bool) -> MetricsSink:
+    """The sink of one rank: an MLflowSink on the lineage's run for the job's rank 0, else a NullSink."""
+    if is_main and lineage is not None:
+        return MLflowSink(lineage.tracking_uri, lineage.mlflow_run_id)
+    return NullSink()
