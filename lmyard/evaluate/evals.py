@@ -28,7 +28,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from lmyard.checkpoint import full as checkpoint
+from lmyard.checkpoint import catalog, resume
+from lmyard.checkpoint.state import Checkpoint
 from lmyard.config import EvalConfig, RunConfig, gate_results  # noqa: F401 - re-exported
 from lmyard.contracts import EvalResult, run_stage
 from lmyard.data.loader import default_cache_dir, split_stream, val_sequences
@@ -40,7 +41,7 @@ from lmyard.models.registry import model_from_spec
 from lmyard.store import open_store
 
 
-def load_model(ckpt: checkpoint.Checkpoint, device: str = "cpu") -> GPT:
+def load_model(ckpt: Checkpoint, device: str = "cpu") -> GPT:
     model = model_from_spec(ckpt.state.model)
     model.load_state_dict(ckpt.model)
     return model.to(device).eval()
@@ -216,7 +217,7 @@ def evaluate_checkpoint(cfg: RunConfig, shards: ShardSet, step: int) -> dict:
     device = _device(cfg.eval)
     store, cache = open_store(cfg.store), default_cache_dir()
     # a private checkpoint cache: the trainer may be downloading the same checkpoint to resume
-    ckpt = checkpoint.load_step(store, cfg.run_name, step, os.path.join(cache, "eval"))
+    ckpt = resume.load_step(store, cfg.run_name, step, os.path.join(cache, "eval"))
     model = load_model(ckpt, device)
     val = val_sequences(split_stream(shards, cfg.store, "val", cache), model.config.block_size, cfg.eval.val_tokens)
     result = {
@@ -242,7 +243,7 @@ def evaluate_checkpoint(cfg: RunConfig, shards: ShardSet, step: int) -> dict:
 def evaluate_latest(cfg: RunConfig, shards: ShardSet, step: int | None = None) -> EvalResult:
     """Evaluate checkpoint `step` of cfg.run_name, or its newest complete one."""
     if step is None:
-        steps = checkpoint.complete_steps(open_store(cfg.store), cfg.run_name)
+        steps = catalog.complete_steps(open_store(cfg.store), cfg.run_name)
         if not steps:
             raise UserError(
                 f"run {cfg.run_name!r} has no complete checkpoint in {cfg.store}: train it first, or "

@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lmyard.config import load_recipe
 from lmyard.models.gpt2 import GPT, GPTConfig
-from lmyard.train.trainer import prepare_model, setup_distributed, train_step
+from lmyard.train.parallelism import prepare_model
+from lmyard.train.trainer import setup_distributed, train_step
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
