@@ -261,3 +261,34 @@ def test_retention_plan_keeps_last_every_best_and_protected():
 def test_keeping_fewer_than_two_checkpoints_is_refused():
     with pytest.raises(ValueError, match="keep_last"):
         CheckpointConfig(keep_last=1)
+
+
+def test_a_lineage_rerun_with_another_model_shape_exits_2_naming_both_shapes(cli_env, tmp_path):
+    """Same run_name, another preset: one line naming the run and both shapes, before any tensor is read; the
+    checkpoint is not damage (no quarantine, no retry)."""
+    import subprocess
+
+    from conftest import lmyard_cmd
+
+    overrides = tiny_overrides(tmp_path, steps=3, **{"run_name": "shape", "eval.interval": 100})
+    cfg = load_recipe("smoke", overrides)
+    shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
+    spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
+    run_local(cfg, spec, on_line=lambda line: None)  # the lineage's first checkpoint: a 2-layer GPT-2
+    store = open_store(cfg.store)
+    assert complete_steps(store, "shape") == [3]
+    again = subprocess.run(
+        lmyard_cmd("run", "smoke", *[x for o in [*overrides, "model.preset=llama-tiny"] for x in ("--set", o)]),
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert again.returncode == 2, again.stderr[-3000:]
+    errors = [ln for ln in again.stderr.splitlines() if ln.startswith("lmyard: error:")]
+    assert len(errors) == 1, again.stderr[-3000:]
+    assert "run 'shape'" in errors[0] and "arch=gpt2" in errors[0] and "arch=llama" in errors[0]
+    assert "use a new run_name or model.init_from" in errors[0]
+    assert "Traceback" not in again.stderr.split("lmyard: error:")[-1], again.stderr
+    assert "retrying" not in again.stdout + again.stderr
+    assert complete_steps(store, "shape") == [3] and store.list("runs/shape/damaged") == []
