@@ -8,7 +8,8 @@ One retry policy (`RetryPolicy`, `checkpoint.upload_retries`) for every put of
 either format:
 
 - a put that fails is retried `upload_retries` times with backoff 1, 2, 4 ... 30 s
-  (a *round*); a UserError (access denied, no bucket) or StepExists is final;
+  (a *round*); only StepExists is final (the store says UserError for an endpoint
+  it cannot reach, too: a blip must not end the run);
 - when a round is spent the checkpoint is *parked* (`Parked`): it stays staged on
   local disk, training goes on, and the writer says so; the next save, a flush, or
   30 s start a new round for it (`RetryPolicy.wait`);
@@ -33,7 +34,7 @@ from typing import TypeVar
 
 from lmyard import faults
 from lmyard.checkpoint.manifest import Manifest
-from lmyard.errors import StoreOutage, UserError
+from lmyard.errors import StoreOutage
 from lmyard.layout import RunLayout
 from lmyard.store import Store
 
@@ -69,7 +70,7 @@ class RetryPolicy:
                 result = put()
                 self.failures = 0
                 return result
-            except (UserError, StepExists):
+            except StepExists:
                 raise
             except Exception as e:
                 self.failures += 1
@@ -155,7 +156,7 @@ def publish(
 ) -> str:
     """The whole commit of staged files (name in the step folder -> local path): refused if the step is complete
     with other files, a no-op if with the same, else the files and then the manifest (with the upload's seconds)."""
-    if ensure_new(store, run_name, manifest.step, manifest.files):
+    if policy.run(manifest.step, staged, lambda: ensure_new(store, run_name, manifest.step, manifest.files)):
         return store.uri(RunLayout(run_name).step(manifest.step))
     layout = RunLayout(run_name)
     keys = {layout.step_file(manifest.step, name): path for name, path in files.items()}

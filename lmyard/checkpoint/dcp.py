@@ -329,7 +329,8 @@ class ShardedCheckpointer:
     def _finish(self, job: _Job) -> None:
         job.future.result()  # DCP wrote this rank's files (raises if any rank failed)
         times = {"step": job.step, "written_s": time.perf_counter() - job.t0}
-        ensure_new(self.store, self.run_name, job.step)  # its files are never overwritten (StepExists)
+        new = lambda: ensure_new(self.store, self.run_name, job.step)
+        self._persist(lambda: self.policy.run(job.step, self.staging, new))  # a complete step: StepExists
         names = sorted(os.listdir(job.folder))
         files = {f"{DCP_DIR}/{name}": file_meta(os.path.join(job.folder, name)) for name in names}
         keys = {self.layout.step_file(job.step, f"{DCP_DIR}/{n}"): os.path.join(job.folder, n) for n in names}
