@@ -5,7 +5,7 @@
 For each model it trains on random tokens (bf16 autocast, torch.compile, fused
 AdamW, T=1024) and measures:
 - the median step time without checkpoints;
-- AsyncCheckpointer.save(): the time the loop is blocked (the call itself) and
+- FullCheckpointer.save(): the time the loop is blocked (the call itself) and
   the extra wall time of the 10 steps around it (the snapshot copy runs on a side
   stream, so the next update may wait for it), for the first save (which also
   allocates the pinned buffers) and a later one; and the background time until
