@@ -1,7 +1,7 @@
-"""The trainer's one checkpointer: a `Checkpointer` of the format `train.parallel` implies, chosen once.
+"""The trainer's one checkpointer: a `Checkpointer` of the format its model's layout implies, chosen once.
 
-    ddp   FullCheckpointer      rank 0 saves the whole state dicts (lmyard.checkpoint.full)
-    fsdp  ShardedCheckpointer   every rank saves its shards with DCP (lmyard.checkpoint.dcp)
+    plain (ddp)     FullCheckpointer      rank 0 saves the whole state dicts (lmyard.checkpoint.full)
+    sharded (fsdp)  ShardedCheckpointer   every rank saves its shards with DCP (lmyard.checkpoint.dcp)
 
 Both save in the background (the loop is blocked only while the state is copied
 into reused pinned buffers), commit through lmyard.checkpoint.commit (files, then
@@ -52,11 +52,14 @@ def make_checkpointer(
     store: Store,
     cache_dir: str,
     rank: int,
+    *,
+    sharded: bool,
     on_commit: Callable[[int, str], None] | None = None,
 ) -> Checkpointer:
-    """The checkpointer of `cfg.train.parallel`; every rank makes it at the same point (a collective for DCP)."""
+    """The checkpointer for a model `sharded` over the ranks (train.parallel=fsdp, as lmyard.train.parallelism
+    decided) or not; every rank makes it at the same point (a collective for DCP)."""
     c, staging = cfg.checkpoint, os.path.join(cache_dir, "staging")
     common = {"max_pending": c.max_pending, "retries": c.upload_retries, "on_commit": on_commit}
-    if cfg.train.parallel == "fsdp":
+    if sharded:
         return ShardedCheckpointer(store, cfg.run_name, staging, **common)
     return FullCheckpointer(store, cfg.run_name, staging, rank=rank, **common)

@@ -208,7 +208,9 @@ class Trainer:
         self.logger = MetricsLogger(cfg, d.device, d.world, self.raw_model.flops_per_token(), sink, d.is_main)
         self.validator, self.checkpointing = Validator(cfg), Checkpointing(cfg)
         self.guard, self.faults = DivergenceGuard(cfg), FaultHook(d.rank, d.world)
-        self.checkpointer = make_checkpointer(cfg, self.store, self.cache, d.rank, on_commit=self._committed)
+        self.checkpointer = make_checkpointer(
+            cfg, self.store, self.cache, d.rank, sharded=self.parallel.sharded, on_commit=self._committed
+        )
         self.last_checkpoint: str | None = None
 
     # ---- set up ---------------------------------------------------------------------
