@@ -4,6 +4,7 @@
     runs/<run>/lease.json                           the one writer of the lineage (host, flow run, heartbeat)
     runs/<run>/protected.json                       steps retention must keep (registered models)
     runs/<run>/checkpoints/step_NNNNNNNN/<file>     one checkpoint; manifest.json written last
+    runs/<run>/checkpoints/step_NNNNNNNN/ranks/rank_RRRRR.json   a sharded checkpoint's upload marker of rank R
     runs/<run>/damaged/step_NNNNNNNN-<time>/        a checkpoint that failed its checksums, moved aside
     shards/<address>/manifest.json                  a shard set, written last
     shards/<address>/{train,val}_NNNNNN.{bin,json}  its shards and their resume sidecars
@@ -62,6 +63,13 @@ class RunLayout:
 
     def evaluated(self, step: int) -> str:
         return self.step_file(step, EVALUATED)
+
+    def rank_markers(self, step: int) -> str:
+        """The folder of a sharded checkpoint's upload markers, one object per rank."""
+        return self.step_file(step, "ranks")
+
+    def rank_marker(self, step: int, rank: int) -> str:
+        return f"{self.rank_markers(step)}/rank_{rank:05d}.json"
 
     def damaged(self, step: int, stamp: str) -> str:
         return f"{self.root}/damaged/step_{step:08d}-{stamp}"

@@ -52,7 +52,7 @@ def write_random_checkpoint(
     spec_arch: str | None = None,
 ):
     """A random 2-layer GPT-2 or Llama (GPT-2's biases and LayerNorms random too, so every tensor's mapping is
-    tested) saved with lmyard.checkpoint.save under the store `root`; its checkpoint URI and the model.
+    tested) saved with checkpoint_helpers.save_full under the store `root`; its checkpoint URI and the model.
     `spec_arch` overrides the architecture the checkpoint records."""
     import torch
 
@@ -78,7 +78,8 @@ def save_model_checkpoint(
     root: Path, model, tokenizer: str = "bytes", step: int = 5, run: str = "r", spec_arch: str | None = None
 ) -> str:
     """`model` (lmyard's GPT or Llama) as the checkpoint of `step` of run `run` in the store `root`; its URI."""
-    from lmyard.checkpoint import full as checkpoint
+    from checkpoint_helpers import save_full
+
     from lmyard.models.registry import model_spec
     from lmyard.recipes import load_recipe
     from lmyard.store import open_store
@@ -95,7 +96,7 @@ def save_model_checkpoint(
         "config": load_recipe("smoke", [f"tokenizer.name={tokenizer}"]).model_dump(mode="json"),
         "model": spec,
     }
-    return checkpoint.save(open_store(str(root)), run, step, model.state_dict(), {}, [], state, str(root / "staging"))
+    return save_full(open_store(str(root)), run, step, model.state_dict(), {}, [], state, str(root / "staging"))
 
 
 @pytest.fixture(scope="session")

@@ -11,13 +11,18 @@ from urllib.parse import urlparse
 
 import pytest
 import torch
+from checkpoint_helpers import load_latest, save_full
 from conftest import tiny_overrides
 from tcp_proxy import TcpProxy
 
-from lmyard.checkpoint import full as checkpoint
 from lmyard.checkpoint import retention
+from lmyard.checkpoint.catalog import complete_steps, step_prefix
+from lmyard.checkpoint.full import FullCheckpointer
+from lmyard.checkpoint.manifest import sha256_file
+from lmyard.checkpoint.resume import load_step
 from lmyard.config import CheckpointConfig
 from lmyard.data.sharding import tokenize_and_shard
+from lmyard.errors import StoreOutage
 from lmyard.launch.follower import run_local
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store
@@ -74,8 +79,8 @@ def test_checkpoints_round_trip_through_s3_and_resume_exactly(s3_run):
     result, lines = run("s3-crashed")
     assert not isinstance(result, Exception), result
     assert result.step == 12 and any("at step 8" in ln and "s3://" in ln for ln in lines)
-    a = checkpoint.load_step(store, "s3-straight", 12, str(tmp / "load-a"))
-    b = checkpoint.load_step(store, "s3-crashed", 12, str(tmp / "load-b"))
+    a = load_step(store, "s3-straight", 12, str(tmp / "load-a"))
+    b = load_step(store, "s3-crashed", 12, str(tmp / "load-b"))
     assert a.state.cursor == b.state.cursor and a.uri.startswith("s3://")
     for x, y in zip(_tensors(a), _tensors(b), strict=True):
         assert torch.equal(x, y)
@@ -113,7 +118,7 @@ def test_store_outage_during_uploads_does_not_stop_training_and_checkpoints_land
     assert cut.is_set() and "upload failed" in text
     for step in (40, 80, 120, 160):
         assert f"checkpoint step {step} committed" in text
-    assert checkpoint.complete_steps(store, "outage")[-1] == 160
+    assert complete_steps(store, "outage")[-1] == 160
 
 
 def test_flush_gives_up_at_its_deadline_while_the_store_is_down_and_commits_once_it_is_back(
@@ -126,21 +131,19 @@ def test_flush_gives_up_at_its_deadline_while_the_store_is_down_and_commits_once
     store = open_store(f"s3://{bucket}/lmyard")
     proxy.stop()  # the store goes down before the first upload
     said: list[str] = []
-    writer = checkpoint.AsyncCheckpointer(
-        store, "down", str(tmp_path / "staging"), retries=1, backoff_s=0.1, say=said.append
-    )
+    writer = FullCheckpointer(store, "down", str(tmp_path / "staging"), retries=1, backoff_s=0.1, say=said.append)
     try:
-        writer.save({"w": torch.arange(4.0)}, {"state": {}, "param_groups": []}, [], _state(4))
+        writer.save_state({"w": torch.arange(4.0)}, {"state": {}, "param_groups": []}, _state(4), [])
         t0 = time.monotonic()
-        with pytest.raises(checkpoint.StoreOutage, match=r"steps \[4\] are still not in s3://.* after 3 s.*staged in"):
+        with pytest.raises(StoreOutage, match=r"steps \[4\] are still not in s3://.* after 3 s.*staged in"):
             writer.flush(timeout_s=3)
         assert time.monotonic() - t0 < 30
         assert (tmp_path / "staging" / "down" / "step_00000004" / "model.pt").exists()
         assert any("upload failed" in line for line in said)
         proxy.start()
         writer.flush(timeout_s=90)  # the writer keeps retrying the staged copy
-        assert checkpoint.complete_steps(store, "down") == [4]
-        loaded = checkpoint.load_latest(store, "down", str(tmp_path / "cache"))
+        assert complete_steps(store, "down") == [4]
+        loaded = load_latest(store, "down", str(tmp_path / "cache"))
         assert torch.equal(loaded.model["w"], torch.arange(4.0))
         writer.close(timeout_s=10)
     finally:
@@ -151,11 +154,11 @@ def test_upload_cut_by_a_dying_process_leaves_no_manifest_and_resume_uses_the_pr
     run, store, _ = s3_run
     err, lines = run("cut-upload", faults="crash_in_upload@8")
     assert isinstance(err, Exception)
-    assert checkpoint.complete_steps(store, "cut-upload") == [4]
-    assert store.list(checkpoint.step_prefix("cut-upload", 8)), "some files of step 8 were uploaded"
+    assert complete_steps(store, "cut-upload") == [4]
+    assert store.list(step_prefix("cut-upload", 8)), "some files of step 8 were uploaded"
     result, lines = run("cut-upload")
     assert result.step == 12 and any("at step 4" in ln for ln in lines)
-    assert checkpoint.complete_steps(store, "cut-upload")[-2:] == [8, 12]
+    assert complete_steps(store, "cut-upload")[-2:] == [8, 12]
 
 
 def _state(step, val_loss=None):
@@ -175,7 +178,7 @@ def _state(step, val_loss=None):
 def _save_local(store, run_name, step, val_loss=None, staging=None):
     model = {"w": torch.full((4,), float(step))}
     state = _state(step, val_loss)
-    return checkpoint.save(store, run_name, step, model, {"state": {}, "param_groups": []}, [], state, staging)
+    return save_full(store, run_name, step, model, {"state": {}, "param_groups": []}, [], state, staging)
 
 
 def test_damaged_newest_checkpoint_makes_the_loader_fall_back_and_say_which(tmp_path, capsys):
@@ -186,7 +189,7 @@ def test_damaged_newest_checkpoint_makes_the_loader_fall_back_and_say_which(tmp_
     data = bytearray(open(path, "rb").read())
     data[-20] ^= 0xFF
     open(path, "wb").write(bytes(data))
-    ckpt = checkpoint.load_latest(store, "r", str(tmp_path / "cache"))
+    ckpt = load_latest(store, "r", str(tmp_path / "cache"))
     assert ckpt.step == 4 and torch.equal(ckpt.model["w"], torch.full((4,), 4.0))
     assert f"checkpoint {uri} is damaged" in capsys.readouterr().out
 
@@ -204,9 +207,9 @@ def test_loading_never_unpickles_arbitrary_objects(tmp_path, monkeypatch):
     with open(os.path.join(uri, "model.pt"), "wb") as f:  # a malicious file, its checksum made to match
         pickle.dump({"w": _Payload()}, f)
     manifest = json.loads(open(os.path.join(uri, "manifest.json")).read())
-    manifest["files"]["model.pt"]["sha256"] = checkpoint.sha256_file(os.path.join(uri, "model.pt"))
+    manifest["files"]["model.pt"]["sha256"] = sha256_file(os.path.join(uri, "model.pt"))
     open(os.path.join(uri, "manifest.json"), "w").write(json.dumps(manifest))
-    ckpt = checkpoint.load_latest(store, "r", str(tmp_path / "cache"))
+    ckpt = load_latest(store, "r", str(tmp_path / "cache"))
     assert ckpt.step == 4
     assert not (tmp_path / "pwned-marker").exists()
 
@@ -221,9 +224,9 @@ def test_retention_deletes_exactly_what_the_policy_says_on_s3(s3_server, tmp_pat
         store.write_bytes("runs/r/protected.json", json.dumps({"steps": [5]}).encode())
         deleted = retention.apply(store, "r", CheckpointConfig(keep_last=2, keep_every=4, keep_best=True))
         assert deleted == [1, 2, 6, 7]
-        assert checkpoint.complete_steps(store, "r") == [3, 4, 5, 8, 9, 10]
+        assert complete_steps(store, "r") == [3, 4, 5, 8, 9, 10]
         for step in deleted:
-            assert store.list(checkpoint.step_prefix("r", step)) == []
+            assert store.list(step_prefix("r", step)) == []
     finally:
         s3_server.remove_bucket(bucket)
 
@@ -238,9 +241,9 @@ def test_retention_holds_checkpoints_until_their_evaluation_has_ended(s3_server,
         retention.mark_evaluated(store, "r", 1, ok=True)
         retention.mark_evaluated(store, "r", 2, ok=False)  # a failed evaluation releases its checkpoint too
         assert retention.apply(store, "r", policy, hold_for_eval=True) == [1, 2]
-        assert checkpoint.complete_steps(store, "r") == [3, 4, 5]  # 3 is past the policy but not evaluated yet
+        assert complete_steps(store, "r") == [3, 4, 5]  # 3 is past the policy but not evaluated yet
         assert retention.apply(store, "r", policy) == [3]  # the plain policy, after the last evaluation
-        assert checkpoint.load_latest(store, "r", str(tmp_path / "cache")).step == 5
+        assert load_latest(store, "r", str(tmp_path / "cache")).step == 5
     finally:
         s3_server.remove_bucket(bucket)
 
@@ -259,3 +262,34 @@ def test_retention_plan_keeps_last_every_best_and_protected():
 def test_keeping_fewer_than_two_checkpoints_is_refused():
     with pytest.raises(ValueError, match="keep_last"):
         CheckpointConfig(keep_last=1)
+
+
+def test_a_lineage_rerun_with_another_model_shape_exits_2_naming_both_shapes(cli_env, tmp_path):
+    """Same run_name, another preset: one line naming the run and both shapes, before any tensor is read; the
+    checkpoint is not damage (no quarantine, no retry)."""
+    import subprocess
+
+    from conftest import lmyard_cmd
+
+    overrides = tiny_overrides(tmp_path, steps=3, **{"run_name": "shape", "eval.interval": 100})
+    cfg = load_recipe("smoke", overrides)
+    shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
+    spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
+    run_local(cfg, spec, on_line=lambda line: None)  # the lineage's first checkpoint: a 2-layer GPT-2
+    store = open_store(cfg.store)
+    assert complete_steps(store, "shape") == [3]
+    again = subprocess.run(
+        lmyard_cmd("run", "smoke", *[x for o in [*overrides, "model.preset=llama-tiny"] for x in ("--set", o)]),
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert again.returncode == 2, again.stderr[-3000:]
+    errors = [ln for ln in again.stderr.splitlines() if ln.startswith("lmyard: error:")]
+    assert len(errors) == 1, again.stderr[-3000:]
+    assert "run 'shape'" in errors[0] and "arch=gpt2" in errors[0] and "arch=llama" in errors[0]
+    assert "use a new run_name or model.init_from" in errors[0]
+    assert "Traceback" not in again.stderr.split("lmyard: error:")[-1], again.stderr
+    assert "retrying" not in again.stdout + again.stderr
+    assert complete_steps(store, "shape") == [3] and store.list("runs/shape/damaged") == []

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, free_port, stop_group, wait_for_http
 
-from lmyard.checkpoint.full import complete_steps
+from lmyard.checkpoint.catalog import complete_steps
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow

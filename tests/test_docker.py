@@ -16,7 +16,7 @@ import time
 import pytest
 from conftest import free_port, tiny_overrides
 
-from lmyard.checkpoint.full import complete_steps
+from lmyard.checkpoint.catalog import complete_steps
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.launch.containers import remove_leftovers, run_docker
 from lmyard.recipes import load_recipe

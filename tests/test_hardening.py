@@ -8,9 +8,14 @@ import os
 from pathlib import Path
 
 import pytest
+from checkpoint_helpers import commit_folder
 
-from lmyard.checkpoint import full as checkpoint
 from lmyard.checkpoint import retention
+from lmyard.checkpoint.catalog import step_prefix
+from lmyard.checkpoint.commit import StepExists
+from lmyard.checkpoint.full import FILES
+from lmyard.checkpoint.manifest import sha256_file
+from lmyard.checkpoint.resume import load_step
 from lmyard.config import RunConfig, redact_uri
 from lmyard.data.loader import default_cache_dir
 from lmyard.data.sharding import tokenize_and_shard
@@ -54,12 +59,12 @@ def test_s3_source_key_with_dotdot_is_refused_not_written_outside_the_cache(s3_s
 @pytest.mark.slow
 def test_file_names_in_an_s3_checkpoint_manifest_stay_in_the_load_cache(s3_server, s3_bucket, tmp_path):
     store = open_store(f"s3://{s3_bucket}/lmyard")
-    prefix = checkpoint.step_prefix("r", 3)
+    prefix = step_prefix("r", 3)
     store.write_bytes(f"{prefix}/../../../../evil.pt", b"planted")
     manifest = {"step": 3, "files": {"../../../../evil.pt": {"bytes": 7, "sha256": "0" * 64}}}
     store.write_bytes(f"{prefix}/manifest.json", json.dumps(manifest).encode())
     with pytest.raises(UserError, match=r"checkpoint file '\.\./\.\./\.\./\.\./evil\.pt' would leave its folder"):
-        checkpoint.load_step(store, "r", 3, str(tmp_path / "cache"))
+        load_step(store, "r", 3, str(tmp_path / "cache"))
     assert list(tmp_path.rglob("evil.pt")) == []
 
 
@@ -136,10 +141,10 @@ def test_store_files_follow_the_umask_like_data_files(tmp_path, umask, mode):
         store.upload(str(tmp_path / "data.bin"), "shards/x/train_000000.bin")
         staged = tmp_path / "staged"
         staged.mkdir()
-        for name in checkpoint.FILES:
+        for name in FILES:
             (staged / name).write_bytes(name.encode())
-        files = {n: {"bytes": len(n), "sha256": checkpoint.sha256_file(str(staged / n))} for n in checkpoint.FILES}
-        checkpoint.commit(store, "r", str(staged), {"step": 6, "files": files})
+        files = {n: {"bytes": len(n), "sha256": sha256_file(str(staged / n))} for n in FILES}
+        commit_folder(store, "r", str(staged), {"step": 6, "files": files})
     finally:
         os.umask(old)
     root = Path(store.root)
@@ -166,19 +171,16 @@ def test_a_complete_checkpoint_step_is_never_overwritten(tmp_path):
     def staged(content: bytes) -> tuple[str, dict]:
         folder = tmp_path / f"staged-{content.decode()}"
         folder.mkdir()
-        for name in checkpoint.FILES:
+        for name in FILES:
             (folder / name).write_bytes(content + name.encode())
-        files = {
-            n: {"bytes": len(content) + len(n), "sha256": checkpoint.sha256_file(str(folder / n))}
-            for n in checkpoint.FILES
-        }
+        files = {n: {"bytes": len(content) + len(n), "sha256": sha256_file(str(folder / n))} for n in FILES}
         return str(folder), {"step": 9, "files": files}
 
-    checkpoint.commit(store, "r", *staged(b"first"))
-    before = {n: store.read_bytes(f"runs/r/checkpoints/step_{9:08d}/{n}") for n in checkpoint.FILES}
-    with pytest.raises(checkpoint.StepExists, match="already exists complete"):
-        checkpoint.commit(store, "r", *staged(b"second"))
-    assert {n: store.read_bytes(f"runs/r/checkpoints/step_{9:08d}/{n}") for n in checkpoint.FILES} == before
+    commit_folder(store, "r", *staged(b"first"))
+    before = {n: store.read_bytes(f"runs/r/checkpoints/step_{9:08d}/{n}") for n in FILES}
+    with pytest.raises(StepExists, match="already exists complete"):
+        commit_folder(store, "r", *staged(b"second"))
+    assert {n: store.read_bytes(f"runs/r/checkpoints/step_{9:08d}/{n}") for n in FILES} == before
 
 
 # ---------------------------------------------------------------- one cache root

@@ -9,7 +9,7 @@ import random
 import pytest
 from conftest import lmyard_cmd, tiny_overrides, write_random_checkpoint
 
-from lmyard.checkpoint import full as checkpoint
+from lmyard.checkpoint.resume import load_step
 from lmyard.config import TokenizerConfig
 from lmyard.data.tokenizer import get_tokenizer
 from lmyard.evaluate import evals, harness
@@ -41,7 +41,7 @@ def test_lm_eval_hellaswag_gives_lmyards_acc_and_acc_norm(tmp_path):
     data.write_text("".join(json.dumps(ex) + "\n" for ex in _examples(24)))
     uri, _ = write_random_checkpoint(tmp_path / "store", seed=3)
     cfg = load_recipe("smoke", [f"eval.hellaswag={data}", "eval.harness_tasks=[hellaswag_local]"])
-    ckpt = checkpoint.load_step(open_store(str(tmp_path / "store")), "r", 5, str(tmp_path / "cache"))
+    ckpt = load_step(open_store(str(tmp_path / "store")), "r", 5, str(tmp_path / "cache"))
 
     ours = evals.hellaswag(
         model_from_checkpoint(ckpt), get_tokenizer(TokenizerConfig(name="bytes")), evals.read_hellaswag(str(data))
@@ -56,7 +56,7 @@ def test_harness_names_what_is_missing(tmp_path):
     from lmyard.errors import UserError
 
     uri, _ = write_random_checkpoint(tmp_path / "store")
-    ckpt = checkpoint.load_step(open_store(str(tmp_path / "store")), "r", 5, str(tmp_path / "cache"))
+    ckpt = load_step(open_store(str(tmp_path / "store")), "r", 5, str(tmp_path / "cache"))
     with pytest.raises(UserError, match="needs eval.hellaswag|scores eval.hellaswag"):
         harness.evaluate(ckpt, load_recipe("smoke", ["eval.harness_tasks=[hellaswag_local]"]))
     with pytest.raises(UserError, match="knows no task no_such_task"):

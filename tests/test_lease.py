@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import lmyard_cmd, tiny_overrides
 
-from lmyard.checkpoint import full as checkpoint
+from lmyard.checkpoint.catalog import complete_steps, read_manifest, step_prefix
 from lmyard.errors import UserError
 from lmyard.layout import RunLayout
 from lmyard.store import open_store
@@ -118,12 +118,12 @@ def test_two_runs_of_one_lineage_one_refused_the_other_intact(cli_env, tmp_path)
     assert not lease_file.exists()  # released at the end
 
     store = open_store(str(tmp_path / "store"))
-    steps = checkpoint.complete_steps(store, "smoke")
+    steps = complete_steps(store, "smoke")
     assert steps and steps[-1] == 6
     for step in steps:  # every checkpoint's files match its manifest
-        manifest = checkpoint.read_manifest(store, "smoke", step)
-        for name, meta in manifest["files"].items():
-            assert store.sha256(f"{checkpoint.step_prefix('smoke', step)}/{name}") == meta["sha256"]
+        manifest = read_manifest(store, "smoke", step)
+        for name, meta in manifest.files.items():
+            assert store.sha256(f"{step_prefix('smoke', step)}/{name}") == meta.sha256
     run_id = json.loads(store.read_bytes("runs/smoke/lineage.json"))["mlflow_run_id"]
     history = [
         m.step for m in MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(run_id, "train/loss")

@@ -16,7 +16,7 @@ import pytest
 from conftest import lmyard_cmd, tiny_overrides
 from mlflow.tracking import MlflowClient
 
-from lmyard.checkpoint.full import complete_steps, step_prefix
+from lmyard.checkpoint.catalog import complete_steps, step_prefix
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 

@@ -14,13 +14,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from checkpoint_helpers import load_latest_sharded, save_full, save_sharded
 from conftest import free_port
 from torch import nn
 
 from lmyard.checkpoint import dcp as sc
-from lmyard.checkpoint import full as checkpoint
 from lmyard.checkpoint import retention
+from lmyard.checkpoint.catalog import checkpoints_prefix, complete_steps, read_manifest, read_state, step_prefix
+from lmyard.checkpoint.commit import StepExists
+from lmyard.checkpoint.manifest import DamagedCheckpoint, sha256_file
+from lmyard.checkpoint.resume import load_step
+from lmyard.checkpoint.state import rng_state
 from lmyard.config import CheckpointConfig
+from lmyard.errors import StoreOutage
+from lmyard.layout import RunLayout
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -105,7 +112,7 @@ def _save_steps(rank, world, tmp, store):
         if step == 2:
             ckpt.prepare(model, opt)  # the staging buffers, made in the background as a trainer does
         rng = [None] * world
-        dist.all_gather_object(rng, checkpoint.rng_state())
+        dist.all_gather_object(rng, rng_state())
         blocked = ckpt.save(model, opt, _state(step, val_loss=1.0 / step), rng)
         ckpt.before_update()
         torch.save(_local(model, opt), f"{tmp}/rank{rank}_step{step}.pt")
@@ -124,7 +131,7 @@ def _load_fresh(rank, tmp, store, out):
     opt = _optimizer(model)
     said = io.StringIO()
     with contextlib.redirect_stdout(said):
-        loaded = sc.load_latest_sharded(store, RUN, model, opt, f"{tmp}/cache-{rank}")
+        loaded = load_latest_sharded(store, RUN, model, opt, f"{tmp}/cache-{rank}")
     torch.save(
         {"step": loaded.step, "state": loaded.state.model_dump(), **_local(model, opt)}, f"{tmp}/{out}_rank{rank}.pt"
     )
@@ -133,7 +140,7 @@ def _load_fresh(rank, tmp, store, out):
 
 def _damage(tmp):
     shutil.copytree(f"{tmp}/store", f"{tmp}/damaged")
-    shard = f"{tmp}/damaged/{checkpoint.step_prefix(RUN, 4)}/dcp/__1_0.distcp"
+    shard = f"{tmp}/damaged/{step_prefix(RUN, 4)}/dcp/__1_0.distcp"
     data = bytearray(open(shard, "rb").read())
     data[len(data) // 2] ^= 0x01
     open(shard, "wb").write(bytes(data))
@@ -144,12 +151,12 @@ def _ddp_checkpoint_into_fsdp(rank, tmp, store):
         plain = _model()
         opt = _optimizer(plain)
         _train(plain, opt, 3)
-        checkpoint.save(store, "ddp", 3, plain.state_dict(), opt.state_dict(), [], _state(3), f"{tmp}/staging")
+        save_full(store, "ddp", 3, plain.state_dict(), opt.state_dict(), [], _state(3), f"{tmp}/staging")
         torch.save(_full(plain, opt), f"{tmp}/plain.pt")
     dist.barrier()
     model = _fsdp(_model(seed=5))
     opt = _optimizer(model)
-    assert sc.load_latest_sharded(store, "ddp", model, opt, f"{tmp}/cache-{rank}").step == 3
+    assert load_latest_sharded(store, "ddp", model, opt, f"{tmp}/cache-{rank}").step == 3
     full = _full(model, opt)
     if rank == 0:
         torch.save(full, f"{tmp}/fsdp.pt")
@@ -160,11 +167,11 @@ def _s3_round_trip(rank, tmp, uri):
     model = _fsdp(_model())
     opt = _optimizer(model)
     _train(model, opt, 3)
-    sc.save(store, RUN, model, opt, _state(3), f"{tmp}/staging-{rank}")  # synchronous: returns once committed
+    save_sharded(store, RUN, model, opt, _state(3), f"{tmp}/staging-{rank}")  # synchronous: returns once committed
     before = _local(model, opt)
     model2 = _fsdp(_model(seed=5))
     opt2 = _optimizer(model2)
-    assert sc.load_latest_sharded(store, RUN, model2, opt2, f"{tmp}/cache-{rank}").step == 3
+    assert load_latest_sharded(store, RUN, model2, opt2, f"{tmp}/cache-{rank}").step == 3
     _assert_equal(before, _local(model2, opt2))
 
 
@@ -175,7 +182,7 @@ def _one_rank_cannot_upload(rank, tmp):
         open(f"{tmp}/not-a-folder", "w").close()
     if rank == 0:  # rank 1's marker of an earlier attempt at this step must not count
         open_store(root).write_bytes(
-            sc.marker_key(RUN, 6, 1), json.dumps({"rank": 1, "attempt": "earlier", "files": {}}).encode()
+            RunLayout(RUN).rank_marker(6, 1), json.dumps({"rank": 1, "attempt": "earlier", "files": {}}).encode()
         )
     model = _fsdp(_model())
     opt = _optimizer(model)
@@ -192,16 +199,16 @@ def _one_rank_cannot_upload(rank, tmp):
     )
     ckpt.save(model, opt, _state(6), [])
     if rank == 0:
-        with pytest.raises(checkpoint.StoreOutage, match="ranks \\[1\\] did not upload their shards within 3 s"):
+        with pytest.raises(StoreOutage, match="ranks \\[1\\] did not upload their shards within 3 s"):
             ckpt.flush()
         return
     # rank 1 keeps retrying (training would go on) until max_pending checkpoints wait, then says where they are
-    with pytest.raises(checkpoint.StoreOutage, match="checkpoints of steps \\[6\\] are still not in"):
+    with pytest.raises(StoreOutage, match="checkpoints of steps \\[6\\] are still not in"):
         ckpt.flush(timeout_s=3)
-    with pytest.raises(checkpoint.StoreOutage, match=f"steps \\[6\\]\\) are waiting for .*staged in {tmp}/staging-1"):
+    with pytest.raises(StoreOutage, match=f"steps \\[6\\]\\) are waiting for .*staged in {tmp}/staging-1"):
         ckpt.save(model, opt, _state(7), [])
     assert any("keeping it pending" in line for line in said), said
-    with pytest.raises(checkpoint.StoreOutage):
+    with pytest.raises(StoreOutage):
         ckpt.close(timeout_s=0.5)
 
 
@@ -219,7 +226,7 @@ def _llama_with_activation_checkpointing(rank, world, tmp):
     idx = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(rank))
     model(idx[:, :-1], idx[:, 1:]).backward()
     opt.step()
-    sc.save(open_store(f"{tmp}/store"), "llama", model, opt, _state(1), f"{tmp}/staging-{rank}")
+    save_sharded(open_store(f"{tmp}/store"), "llama", model, opt, _state(1), f"{tmp}/staging-{rank}")
     full = _full(model, opt)
     if rank == 0:
         torch.save(full, f"{tmp}/llama_full.pt")
@@ -305,16 +312,16 @@ def _load(path):
 def test_sharded_checkpoint_layout_every_file_in_the_manifest_written_last(ranks):
     tmp, _ = ranks
     store = open_store(str(tmp / "store"))
-    assert checkpoint.complete_steps(store, RUN) == [2, 4]
-    prefix = store.local_path(checkpoint.step_prefix(RUN, 4))
-    manifest = checkpoint.read_manifest(store, RUN, 4)
-    assert manifest["format"] == "dcp" and manifest["world_size"] == 2 and manifest["val_loss"] == 0.25
-    assert set(manifest["files"]) == {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "rng.pt", "state.json"}
-    for name, meta in manifest["files"].items():
+    assert complete_steps(store, RUN) == [2, 4]
+    prefix = store.local_path(step_prefix(RUN, 4))
+    manifest = read_manifest(store, RUN, 4)
+    assert manifest.format == "dcp" and manifest.world_size == 2 and manifest.val_loss == 0.25
+    assert set(manifest.files) == {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "rng.pt", "state.json"}
+    for name, meta in manifest.files.items():
         path = os.path.join(prefix, name)
-        assert os.path.getsize(path) == meta["bytes"] and checkpoint.sha256_file(path) == meta["sha256"]
+        assert os.path.getsize(path) == meta.bytes and sha256_file(path) == meta.sha256
         assert os.path.getmtime(path) <= os.path.getmtime(os.path.join(prefix, "manifest.json"))
-    assert checkpoint.read_state(store, RUN, 4).cursor == 40
+    assert read_state(store, RUN, 4).cursor == 40
     assert not os.listdir(tmp / "staging-0" / RUN) and not os.listdir(tmp / "staging-1" / RUN)
 
 
@@ -330,7 +337,7 @@ def test_two_rank_checkpoint_reshards_onto_one_rank(ranks, one_rank, tmp_path):
     tmp, _ = ranks
     model = _fsdp(_model(seed=7))
     opt = _optimizer(model)
-    loaded = sc.load_latest_sharded(open_store(str(tmp / "store")), RUN, model, opt, str(tmp_path))
+    loaded = load_latest_sharded(open_store(str(tmp / "store")), RUN, model, opt, str(tmp_path))
     assert loaded.step == 4 and len(loaded.rng) == 2
     _assert_equal(_load(tmp / "full_step4.pt"), _full(model, opt))
 
@@ -338,7 +345,7 @@ def test_two_rank_checkpoint_reshards_onto_one_rank(ranks, one_rank, tmp_path):
 def test_sharded_checkpoint_reads_whole_without_a_process_group_into_a_plain_model(ranks, tmp_path):
     tmp, _ = ranks
     # the evaluator's, the export's and a `ddp` resume's way: full state dicts, no process group
-    ckpt = checkpoint.load_step(open_store(str(tmp / "store")), RUN, 4, str(tmp_path))
+    ckpt = load_step(open_store(str(tmp / "store")), RUN, 4, str(tmp_path))
     plain = _model(seed=3)
     opt = _optimizer(plain)
     plain.load_state_dict(ckpt.model)
@@ -369,7 +376,7 @@ def test_damaged_shard_file_is_named_and_the_ranks_fall_back_to_the_previous_che
         assert loaded.pop("step") == 2 and loaded.pop("state")["step"] == 2
         _assert_equal(_load(tmp / f"rank{rank}_step2.pt"), loaded)
         said = (tmp / f"fallback_rank{rank}.log").read_text()
-        assert f"checkpoint {store.uri(checkpoint.step_prefix(RUN, 4))} is damaged" in said
+        assert f"checkpoint {store.uri(step_prefix(RUN, 4))} is damaged" in said
         assert "__1_0.distcp" in said
 
 
@@ -377,16 +384,16 @@ def test_a_rank_that_cannot_upload_leaves_the_step_without_manifest_invisible(ra
     # rank 0 waited for rank 1's marker of this attempt (an earlier attempt's was there), then gave up
     tmp, _ = ranks
     store = open_store(str(tmp / "broken" / "store"))
-    keys = store.list(checkpoint.checkpoints_prefix(RUN))
+    keys = store.list(checkpoints_prefix(RUN))
     assert any(k.endswith("dcp/__0_0.distcp") for k in keys) and not any("manifest" in k for k in keys)
-    assert checkpoint.complete_steps(store, RUN) == []
+    assert complete_steps(store, RUN) == []
 
 
 def test_sharded_checkpoint_round_trips_through_s3(ranks, tmp_path):
     _, store = ranks  # the ranks saved and loaded it back bitwise; here it is read from S3 on one process
-    assert checkpoint.complete_steps(store, RUN) == [3]
-    assert len([k for k in store.list(checkpoint.step_prefix(RUN, 3)) if k.endswith(".distcp")]) == 2
-    ckpt = checkpoint.load_step(store, RUN, 3, str(tmp_path))
+    assert complete_steps(store, RUN) == [3]
+    assert len([k for k in store.list(step_prefix(RUN, 3)) if k.endswith(".distcp")]) == 2
+    ckpt = load_step(store, RUN, 3, str(tmp_path))
     assert ckpt.uri.startswith("s3://") and set(ckpt.model) == set(_model().state_dict())
 
 
@@ -395,7 +402,7 @@ def test_llama_sharded_under_activation_checkpointing_loads_into_a_plain_llama(r
     from lmyard.models.registry import build_model
 
     tmp, _ = ranks
-    ckpt = checkpoint.load_step(open_store(str(tmp / "store")), "llama", 1, str(tmp_path))
+    ckpt = load_step(open_store(str(tmp / "store")), "llama", 1, str(tmp_path))
     plain = build_model(ModelConfig(preset="llama-tiny"), 300)
     opt = torch.optim.AdamW(plain.param_groups(0.1), lr=1e-3)
     plain.load_state_dict(ckpt.model)  # no `_checkpoint_wrapped_module` in the names: a plain model's keys
@@ -412,14 +419,12 @@ def test_retention_deletes_sharded_checkpoints_like_others(tmp_path):
     store = open_store(str(tmp_path / "store"))
     model = _model()
     for step in range(1, 6):  # without a process group: one rank's sharded checkpoint
-        sc.save(store, RUN, model, _optimizer(model), _state(step, val_loss=5.0 - step), str(tmp_path / "s"))
-    checkpoint.save(
-        store, RUN, 6, model.state_dict(), {"state": {}, "param_groups": []}, [], _state(6), str(tmp_path / "s")
-    )
+        save_sharded(store, RUN, model, _optimizer(model), _state(step, val_loss=5.0 - step), str(tmp_path / "s"))
+    save_full(store, RUN, 6, model.state_dict(), {"state": {}, "param_groups": []}, [], _state(6), str(tmp_path / "s"))
     deleted = retention.apply(store, RUN, CheckpointConfig(keep_last=2, keep_every=4, keep_best=False))
-    assert deleted == [1, 2, 3] and checkpoint.complete_steps(store, RUN) == [4, 5, 6]
+    assert deleted == [1, 2, 3] and complete_steps(store, RUN) == [4, 5, 6]
     for step in deleted:
-        assert store.list(checkpoint.step_prefix(RUN, step)) == []
+        assert store.list(step_prefix(RUN, step)) == []
 
 
 class _Payload:
@@ -432,29 +437,29 @@ def test_loading_a_sharded_checkpoint_never_unpickles_arbitrary_objects(tmp_path
     store = open_store(str(tmp_path / "store"))
     model = _model()
     for step in (4, 8):
-        sc.save(store, RUN, model, _optimizer(model), _state(step), str(tmp_path / "s"))
-    prefix = store.local_path(checkpoint.step_prefix(RUN, 8))
+        save_sharded(store, RUN, model, _optimizer(model), _state(step), str(tmp_path / "s"))
+    prefix = store.local_path(step_prefix(RUN, 8))
     with open(os.path.join(prefix, "dcp", ".metadata"), "wb") as f:  # a malicious index, its checksum made to match
         pickle.dump({"x": _Payload()}, f)
     manifest = json.loads(open(os.path.join(prefix, "manifest.json")).read())
-    manifest["files"]["dcp/.metadata"]["sha256"] = checkpoint.sha256_file(os.path.join(prefix, "dcp", ".metadata"))
+    manifest["files"]["dcp/.metadata"]["sha256"] = sha256_file(os.path.join(prefix, "dcp", ".metadata"))
     open(os.path.join(prefix, "manifest.json"), "w").write(json.dumps(manifest))
     fresh = _model(seed=9)
-    assert sc.load_latest_sharded(store, RUN, fresh, _optimizer(fresh), str(tmp_path / "cache")).step == 4
+    assert load_latest_sharded(store, RUN, fresh, _optimizer(fresh), str(tmp_path / "cache")).step == 4
     assert not (tmp_path / "pwned-marker").exists()
-    with pytest.raises(checkpoint.DamagedCheckpoint, match="refers to (os|posix).system, which a checkpoint may not"):
-        checkpoint.load_step(store, RUN, 8, str(tmp_path / "cache"))
+    with pytest.raises(DamagedCheckpoint, match="refers to (os|posix).system, which a checkpoint may not"):
+        load_step(store, RUN, 8, str(tmp_path / "cache"))
 
 
 def test_a_complete_sharded_step_is_never_overwritten(tmp_path):
     store = open_store(str(tmp_path / "store"))
     model = _model()
-    sc.save(store, RUN, model, _optimizer(model), _state(2), str(tmp_path / "s"))
-    manifest = checkpoint.read_manifest(store, RUN, 2)
+    save_sharded(store, RUN, model, _optimizer(model), _state(2), str(tmp_path / "s"))
+    manifest = read_manifest(store, RUN, 2)
     other = _model(seed=3)
-    with pytest.raises(checkpoint.StepExists, match="step_00000002 already exists complete"):
-        sc.save(store, RUN, other, _optimizer(other), _state(2), str(tmp_path / "s"))
-    assert checkpoint.read_manifest(store, RUN, 2) == manifest
-    prefix = store.local_path(checkpoint.step_prefix(RUN, 2))
-    for name, meta in manifest["files"].items():
-        assert checkpoint.sha256_file(os.path.join(prefix, name)) == meta["sha256"]
+    with pytest.raises(StepExists, match="step_00000002 already exists complete"):
+        save_sharded(store, RUN, other, _optimizer(other), _state(2), str(tmp_path / "s"))
+    assert read_manifest(store, RUN, 2) == manifest
+    prefix = store.local_path(step_prefix(RUN, 2))
+    for name, meta in manifest.files.items():
+        assert sha256_file(os.path.join(prefix, name)) == meta.sha256

@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import tiny_overrides
 
-from lmyard.checkpoint import full as checkpoint
+from lmyard.checkpoint.catalog import read_manifest, read_state
+from lmyard.checkpoint.resume import load_step
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.launch.follower import run_local
 from lmyard.recipes import load_recipe
@@ -51,7 +52,7 @@ def _run(env, run_name, parallel, *, nproc=2, faults="", **extra):
 
 def _weights(env, run_name, step=8):
     tmp, _ = env
-    return checkpoint.load_step(open_store(str(tmp / "store")), run_name, step, str(tmp / "load")).model
+    return load_step(open_store(str(tmp / "store")), run_name, step, str(tmp / "load")).model
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +86,7 @@ def test_a_two_rank_fsdp_checkpoint_reshards_onto_one_rank_with_the_same_token_o
     assert result.start_step == 4 and result.step == 8
     tmp, _ = env
     store = open_store(str(tmp / "store"))
-    assert (
-        checkpoint.read_state(store, "fsdp-to-one", 8).cursor == checkpoint.read_state(store, "fsdp-straight", 8).cursor
-    )
+    assert read_state(store, "fsdp-to-one", 8).cursor == read_state(store, "fsdp-straight", 8).cursor
     one = _weights(env, "fsdp-to-one")
     for name in fsdp_straight:  # one rank reads both ranks' sequences: the same updates up to summation order
         torch.testing.assert_close(one[name], fsdp_straight[name], rtol=2e-4, atol=2e-5, msg=name)
@@ -138,7 +137,7 @@ def test_the_pretrain_flow_trains_a_sharded_llama_and_evaluates_every_sharded_ch
     summary = pretrain(config=cfg)
     assert summary["steps"] == 8
     store = open_store(cfg.store)
-    assert checkpoint.read_manifest(store, "fsdp-flow", 8)["format"] == "dcp"
+    assert read_manifest(store, "fsdp-flow", 8).format == "dcp"
     client = MlflowClient(cfg.tracking.uri)
     val = {m.step: m.value for m in client.get_metric_history(summary["mlflow_run_id"], "val/loss")}
     evaluated = {m.step: m.value for m in client.get_metric_history(summary["mlflow_run_id"], "eval/val_loss")}

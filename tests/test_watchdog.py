@@ -7,7 +7,7 @@ import time
 import pytest
 from conftest import tiny_overrides
 
-from lmyard.checkpoint.full import complete_steps
+from lmyard.checkpoint.catalog import complete_steps
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.launch.follower import TrainingFailed, run_local
 from lmyard.recipes import load_recipe

@@ -1,14 +1,17 @@
 """What checkpoints a run has, read without torch (the flow's process never imports it).
 
-A checkpoint exists once its manifest does (lmyard.checkpoint writes it last);
-`state.json` is a lmyard.contracts.CheckpointState.
+A checkpoint exists once its manifest (lmyard.checkpoint.manifest.Manifest) does: the
+commit writes it last (lmyard.checkpoint.commit). `state.json` is a
+lmyard.contracts.CheckpointState. Keys come from lmyard.layout.RunLayout.
 """
 
 from __future__ import annotations
 
-import json
 import time
 
+from pydantic import ValidationError
+
+from lmyard.checkpoint.manifest import DamagedCheckpoint, Manifest
 from lmyard.contracts import CheckpointState
 from lmyard.layout import MANIFEST, RunLayout
 from lmyard.store import Store
@@ -32,8 +35,15 @@ def complete_steps(store: Store, run_name: str, keys: list[str] | None = None) -
     return sorted(steps)
 
 
-def read_manifest(store: Store, run_name: str, step: int) -> dict:
-    return json.loads(store.read_bytes(RunLayout(run_name).manifest(step)))
+def read_manifest(store: Store, run_name: str, step: int) -> Manifest:
+    """The manifest of checkpoint `step`; DamagedCheckpoint when it is not one lmyard wrote (a failed read raises
+    as it is: that is not damage)."""
+    key = RunLayout(run_name).manifest(step)
+    data = store.read_bytes(key)
+    try:
+        return Manifest.model_validate_json(data)
+    except ValidationError as e:
+        raise DamagedCheckpoint(f"{store.uri(key)} is not a checkpoint manifest: {str(e).splitlines()[0]}") from None
 
 
 def read_state(store: Store, run_name: str, step: int) -> CheckpointState:
@@ -45,20 +55,21 @@ def verify(store: Store, run_name: str, step: int) -> dict:
     where it landed, its bytes, and how long serializing and uploading took. ValueError names a mismatch."""
     layout = RunLayout(run_name)
     manifest = read_manifest(store, run_name, step)
-    for name, meta in manifest["files"].items():
+    for name, meta in manifest.files.items():
         found = store.size(layout.step_file(step, name))
-        if found != meta["bytes"]:
+        if found != meta.bytes:
             raise ValueError(
-                f"{store.uri(layout.step_file(step, name))} holds {found} bytes; its manifest says {meta['bytes']}"
+                f"{store.uri(layout.step_file(step, name))} holds {found} bytes; its manifest says {meta.bytes}"
             )
     return {
         "step": step,
         "uri": store.uri(layout.step(step)),
-        "files": len(manifest["files"]),
-        "bytes": sum(m["bytes"] for m in manifest["files"].values()),
-        "serialize_s": manifest.get("serialize_s"),
-        "upload_s": manifest.get("upload_s"),
-        "committed": manifest.get("committed"),
+        "format": manifest.format,
+        "files": len(manifest.files),
+        "bytes": manifest.bytes,
+        "serialize_s": manifest.serialize_s,
+        "upload_s": manifest.upload_s,
+        "committed": manifest.committed,
     }
 
 

@@ -1,41 +1,43 @@
-"""Sharded checkpoints: every rank writes its own shards with torch.distributed.checkpoint (DCP).
+"""The `dcp` format: every rank writes its own shards with torch.distributed.checkpoint (train.parallel=fsdp).
 
     runs/<run>/checkpoints/step_NNNNNNNN/dcp/.metadata        DCP's index of every tensor chunk (rank 0)
                                          dcp/__R_0.distcp     rank R's shards of model + optimizer
                                          ranks/rank_RRRRR.json  rank R's files, sizes + sha256: "uploaded"
                                          rng.pt               RNG states of every rank (rank 0)
                                          state.json           step, data cursor, config, ... (rank 0)
-                                         manifest.json        "format": "dcp", sizes + sha256 of every
-                                                              file above but the markers; written last
+                                         manifest.json        Manifest(format="dcp"): every file above but
+                                                              the markers; written last
 
-The layout, the manifest-last rule and the checksums are those of `lmyard.checkpoint`,
-so `checkpoint.complete_steps`, the fallback of `checkpoint.load_latest` and
-`retention` treat a sharded checkpoint like any other.
+The manifest, the commit (files first, manifest last), the retry policy and the
+checksums are those of the `full` format (lmyard.checkpoint.manifest, .commit),
+so the catalog, lmyard.checkpoint.resume.find_latest and retention treat a
+sharded checkpoint like any other.
 
 Saving (`ShardedCheckpointer.save`, called by every rank): the loop is blocked
 while DCP stages this rank's shards into reused CPU buffers (pinned on GPUs; with
 `async_staging` the copy runs on a side stream and only `before_update()` waits
 for it). DCP then writes them to a node-local folder in its own thread (its
 collectives use a gloo group of their own), and this rank's upload thread puts its
-files into the store and writes its marker object `ranks/rank_RRRRR.json`
-(while the store fails it retries and the loop goes on, until `max_pending`
-checkpoints wait: then save() raises StoreOutage, as AsyncCheckpointer does). Rank 0 waits until every rank's marker exists, then
-writes rng.pt, state.json and the manifest. Markers rather than a collective: the
-ranks of different nodes share no filesystem and rank 0 needs every file's
-checksum; a marker carries them, a slow or failed upload of one rank never stalls
-a collective in the other ranks, and rank 0 gives up after `commit_timeout_s`
-leaving the step without a manifest (invisible).
+files into the store and writes its marker object `ranks/rank_RRRRR.json` (a
+store that fails parks the checkpoint, as for the full format: training goes on
+until `max_pending` checkpoints wait, then save() raises StoreOutage). Rank 0
+waits until every rank's marker exists, then writes rng.pt, state.json and the
+manifest. Markers rather than a collective: the ranks of different nodes share no
+filesystem and rank 0 needs every file's checksum; a marker carries them, a slow
+or failed upload of one rank never stalls a collective in the other ranks, and
+rank 0 gives up after `commit_timeout_s` leaving the step without a manifest
+(invisible).
 
 Loading (`load_sharded`) reshards to any world size (DCP plans the reads from
 the target's DTensor placements) and checks the sha256 of each file before DCP
 reads it; a damaged or missing file raises DamagedCheckpoint naming it, so
-`find_latest_sharded` (checkpoint.find_latest for either format, on every rank
-together) falls back to the previous checkpoint. `load_full` reads a
-sharded checkpoint on one process, without a process group, into today's full
-state dicts (`checkpoint.Checkpoint`: model by name, optimizer by parameter
-index), which is what `checkpoint.load_step` returns for either format.
-Non-tensor values and DCP's metadata are unpickled with restricted loaders: a
-checkpoint from a shared bucket cannot run code.
+resume.find_latest falls back to the previous checkpoint on every rank together.
+`load_full` reads a sharded checkpoint on one process, without a process group,
+into full state dicts (`state.Checkpoint`: model by name, optimizer by parameter
+index), what resume.load_step returns for either format; `load_full_into` puts
+full state dicts into a sharded model. Non-tensor values and DCP's metadata are
+unpickled with restricted loaders: a checkpoint from a shared bucket cannot run
+code.
 """
 
 from __future__ import annotations
@@ -63,56 +65,18 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from lmyard import faults
-from lmyard.checkpoint import full as checkpoint
-from lmyard.checkpoint.full import MANIFEST, Checkpoint, DamagedCheckpoint, StepExists, step_prefix
+from lmyard.checkpoint.catalog import read_manifest
+from lmyard.checkpoint.commit import Parked, RetryPolicy, ensure_new, outage, publish, upload_files
+from lmyard.checkpoint.manifest import DamagedCheckpoint, FileMeta, Manifest, check_file, file_meta
+from lmyard.checkpoint.ranks import agree, distributed, rank_world
+from lmyard.checkpoint.state import Checkpoint, Loaded
 from lmyard.contracts import CheckpointState
-from lmyard.data.shards import sha256_file
 from lmyard.errors import StoreOutage, UserError
+from lmyard.layout import RunLayout
 from lmyard.paths import confined
 from lmyard.store import Store
 
-FORMAT = "dcp"
 DCP_DIR = "dcp"
-RANKS_DIR = "ranks"
-
-
-def is_sharded(manifest: dict) -> bool:
-    return manifest.get("format") == FORMAT
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank_world(group=None) -> tuple[int, int]:
-    return (dist.get_rank(group), dist.get_world_size(group)) if _distributed() else (0, 1)
-
-
-def _agree(value, group=None):
-    """Rank 0's value (rank 0 of `group`; default: of the world), on every rank."""
-    if not _distributed() or dist.get_world_size(group) == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
-    return box[0]
-
-
-def _gather(value, group=None) -> list:
-    """Every rank's value, on every rank."""
-    if not _distributed():
-        return [value]
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out
-
-
-def marker_key(run_name: str, step: int, rank: int) -> str:
-    return f"{step_prefix(run_name, step)}/{RANKS_DIR}/rank_{rank:05d}.json"
-
-
-def _file_meta(path: str) -> dict:
-    return {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
 
 
 # ---------------------------------------------------------------- writing
@@ -172,6 +136,8 @@ class ShardedCheckpointer:
     Construct it on every rank at the same point (it makes a gloo process group, a collective).
     """
 
+    sharded = True  # loads go into the sharded model, each rank reading its shards
+
     def __init__(
         self,
         store: Store,
@@ -189,15 +155,14 @@ class ShardedCheckpointer:
         process_group=None,
     ):
         self.store, self.run_name = store, run_name
-        self.retries, self.backoff_s, self.commit_timeout_s = retries, backoff_s, commit_timeout_s
-        self.max_pending = max_pending
+        self.policy, self.commit_timeout_s = RetryPolicy(retries, backoff_s, say), commit_timeout_s
+        self.max_pending, self.layout = max_pending, RunLayout(run_name)
         self.stopping = threading.Event()  # set by close(): the upload thread stops retrying
         self.on_commit, self.say = on_commit or (lambda step, uri: None), say
-        distributed = _distributed()
-        self.owns_group = process_group is None and distributed
+        self.owns_group = process_group is None and distributed()
         self.group = dist.new_group(backend="gloo") if self.owns_group else process_group
-        self.rank, self.world = _rank_world(self.group)
-        self.attempt = _agree(uuid.uuid4().hex, self.group)  # markers of an earlier attempt at a step don't count
+        self.rank, self.world = rank_world(self.group)
+        self.attempt = agree(uuid.uuid4().hex, self.group)  # markers of an earlier attempt at a step don't count
         self.staging = os.path.join(staging_dir, run_name)
         self.write_threads = write_threads  # DCP's writer threads, one file each per rank
         cuda = torch.cuda.is_available()
@@ -243,11 +208,12 @@ class ShardedCheckpointer:
         t0 = time.perf_counter()
         self._raise_if_failed()
         step = int(state["step"])
+        self.policy.wake.set()  # a parked checkpoint tries again
         if len(self.unfinished) >= self.max_pending:
-            raise StoreOutage(
-                f"{len(self.unfinished)} checkpoints (steps {self.unfinished}) are waiting for "
-                f"{self.store.root}; this rank's files are staged in {self.staging}. Fix the store and "
-                "rerun: the run resumes from the last committed checkpoint"
+            raise outage(
+                f"{len(self.unfinished)} checkpoints (steps {self.unfinished}) are waiting for {self.store.root}",
+                self.policy,
+                self.staging,
             )
         if self.prepared is not None:
             if not self.prepared.done():
@@ -317,13 +283,16 @@ class ShardedCheckpointer:
     def flush(self, timeout_s: float | None = None) -> None:
         """Block until every checkpoint so far is uploaded (and, on rank 0, committed)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.policy.wake.set()  # a parked checkpoint tries again now
         with self.cond:
             while self.unfinished and self.error is None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise StoreOutage(
+                    raise outage(
                         f"checkpoints of steps {self.unfinished} are still not in {self.store.root} "
-                        f"after {timeout_s:.0f} s; this rank's files are staged in {self.staging}"
+                        f"after {timeout_s:.0f} s",
+                        self.policy,
+                        self.staging,
                     )
                 self.cond.wait(timeout=1 if left is None else min(1, left))
         self._raise_if_failed()
@@ -334,6 +303,8 @@ class ShardedCheckpointer:
             self.flush(timeout_s)
         finally:
             self.stopping.set()
+            self.policy.closing.set()
+            self.policy.wake.set()
             self.jobs.put(None)
             self.thread.join(5)
             if self.stager is not None:
@@ -358,26 +329,19 @@ class ShardedCheckpointer:
     def _finish(self, job: _Job) -> None:
         job.future.result()  # DCP wrote this rank's files (raises if any rank failed)
         times = {"step": job.step, "written_s": time.perf_counter() - job.t0}
-        prefix = step_prefix(self.run_name, job.step)
-        if self.store.exists(f"{prefix}/{MANIFEST}"):  # its files are never overwritten (as checkpoint.commit)
-            raise StepExists(
-                f"checkpoint {self.store.uri(prefix)} already exists complete; it is not overwritten "
-                "(another run of this lineage, or a step trained twice)"
-            )
-        files = {}
-        for name in sorted(os.listdir(job.folder)):
-            path = os.path.join(job.folder, name)
-            files[f"{DCP_DIR}/{name}"] = _file_meta(path)
-            self._retry(job.step, lambda p=path, k=f"{prefix}/{DCP_DIR}/{name}": _put(self.store, p, k))
-        if faults.fires("crash_in_upload", job.step):
-            print(f"injected crash while uploading checkpoint step {job.step} (rank {self.rank})", flush=True)
-            os._exit(1)
-        body = json.dumps({"rank": self.rank, "attempt": self.attempt, "files": files}).encode()
-        self._retry(job.step, lambda: self.store.write_bytes(marker_key(self.run_name, job.step, self.rank), body))
+        new = lambda: ensure_new(self.store, self.run_name, job.step)
+        self._persist(lambda: self.policy.run(job.step, self.staging, new))  # a complete step: StepExists
+        names = sorted(os.listdir(job.folder))
+        files = {f"{DCP_DIR}/{name}": file_meta(os.path.join(job.folder, name)) for name in names}
+        keys = {self.layout.step_file(job.step, f"{DCP_DIR}/{n}"): os.path.join(job.folder, n) for n in names}
+        self._persist(lambda: upload_files(self.store, keys, job.step, self.policy, self.staging))
+        marker = {"rank": self.rank, "attempt": self.attempt, "files": {k: m.model_dump() for k, m in files.items()}}
+        body, key = json.dumps(marker).encode(), self.layout.rank_marker(job.step, self.rank)
+        self._persist(lambda: self.policy.run(job.step, self.staging, lambda: self.store.write_bytes(key, body)))
         shutil.rmtree(job.folder, ignore_errors=True)
-        times.update(uploaded_s=time.perf_counter() - job.t0, bytes=sum(m["bytes"] for m in files.values()))
+        times.update(uploaded_s=time.perf_counter() - job.t0, bytes=sum(m.bytes for m in files.values()))
         if self.rank == 0:
-            uri = self._commit(job, prefix)
+            uri = self._commit(job)
             times["committed_s"] = time.perf_counter() - job.t0
             shutil.rmtree(f"{job.folder}-commit", ignore_errors=True)
         with contextlib.suppress(OSError):  # the step's folder, once the node's last rank is done with it
@@ -386,42 +350,47 @@ class ShardedCheckpointer:
         if self.rank == 0:
             self.on_commit(job.step, uri)
 
-    def _commit(self, job: _Job, prefix: str) -> str:
+    def _persist(self, upload: Callable[[], object]) -> None:
+        """Run `upload` (under the retry policy) until it succeeds; parked between rounds (lmyard.checkpoint.commit)
+        until the next save or flush; after close() a spent round raises StoreOutage."""
+        while True:
+            try:
+                upload()
+                return
+            except Parked:
+                if self.stopping.is_set():
+                    raise
+                self.policy.wait()
+
+    def _commit(self, job: _Job) -> str:
         """Rank 0: once every rank's marker is in the store, write rng.pt, state.json, then the manifest."""
         files = {}
         for marker in self._wait_for_markers(job.step):
-            files.update(marker["files"])
+            files.update({name: FileMeta(**meta) for name, meta in marker["files"].items()})
         folder = f"{job.folder}-commit"
         os.makedirs(folder, exist_ok=True)
-        extra = {
-            "rng.pt": lambda p: torch.save(job.rng or [], p),
-            "state.json": lambda p: Path(p).write_text(json.dumps(job.state, indent=1)),
-        }
-        for name, write in extra.items():
-            path = os.path.join(folder, name)
-            write(path)
-            files[name] = _file_meta(path)
-            self._retry(job.step, lambda p=path, k=f"{prefix}/{name}": _put(self.store, p, k))
-        manifest = {
-            "format": FORMAT,
-            "step": job.step,
-            "val_loss": job.state.get("val_loss"),
-            "world_size": self.world,
-            "files": files,
-            "committed": time.time(),
-        }
-        self._retry(
-            job.step, lambda: self.store.write_bytes(f"{prefix}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+        extra = {"rng.pt": os.path.join(folder, "rng.pt"), "state.json": os.path.join(folder, "state.json")}
+        torch.save(job.rng or [], extra["rng.pt"])
+        Path(extra["state.json"]).write_text(json.dumps(job.state, indent=1))
+        files.update({name: file_meta(path) for name, path in extra.items()})
+        manifest = Manifest(
+            format="dcp", step=job.step, val_loss=job.state.get("val_loss"), world_size=self.world, files=files
         )
-        return self.store.uri(prefix)
+        uri = None
+
+        def commit() -> None:
+            nonlocal uri
+            uri = publish(self.store, self.run_name, extra, manifest, self.policy, self.staging)
+
+        self._persist(commit)
+        return uri
 
     def _wait_for_markers(self, step: int) -> list[dict]:
         """Every rank's marker (one listing per poll: a few requests, whatever the world size)."""
         deadline, found = time.monotonic() + self.commit_timeout_s, {}
-        ranks = f"{step_prefix(self.run_name, step)}/{RANKS_DIR}"
         while len(found) < self.world:
             with contextlib.suppress(Exception):  # the store failing now is like a marker not there yet
-                for key in self.store.list(ranks):
+                for key in self.store.list(self.layout.rank_markers(step)):
                     rank = int(key.rsplit("_", 1)[-1].removesuffix(".json"))
                     if rank not in found and rank < self.world:
                         marker = json.loads(self.store.read_bytes(key))
@@ -437,38 +406,6 @@ class ShardedCheckpointer:
                 time.sleep(0.5)
         return [found[r] for r in range(self.world)]
 
-    def _retry(self, step: int, put: Callable[[], None]) -> None:
-        """Run `put` until it succeeds: `retries` times with backoff, then every 30 s (the checkpoint stays
-        pending; save() stops the loop once `max_pending` are). A UserError (access denied, no bucket) is final."""
-        attempt = 0
-        while True:
-            try:
-                return put()
-            except UserError:
-                raise
-            except Exception as e:
-                attempt += 1
-                delay = min(30.0, self.backoff_s * 2 ** min(attempt - 1, 5))
-                if attempt <= self.retries:
-                    self.say(f"checkpoint step {step}: upload failed ({e}); retrying in {delay:.0f}s")
-                elif attempt == self.retries + 1:
-                    self.say(
-                        f"checkpoint step {step}: upload failed {attempt} times ({e}); keeping it pending in "
-                        f"{self.staging}, retrying every {delay:.0f}s"
-                    )
-                if self.stopping.wait(delay):
-                    raise StoreOutage(
-                        f"checkpoint step {step}: the store {self.store.root} still fails ({e}); "
-                        f"this rank's files stay staged in {self.staging}"
-                    ) from e
-
-
-def _put(store: Store, path: str, key: str) -> None:
-    """Upload a staged file; into a local store on the same filesystem, a rename (no second copy)."""
-    target = store.local_path(key)
-    if target is None or not checkpoint._move(path, target):
-        store.upload(path, key)
-
 
 def state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
     """{"model": ..., "optim": ...}: this rank's shards (DTensors under FSDP2), keyed by parameter name."""
@@ -476,23 +413,6 @@ def state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
         return {"model": get_state_dict(model, [])[0]}
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": optim_sd}
-
-
-def save(
-    store: Store, run_name: str, model, optimizer, state: dict, staging_dir: str, rng: list | None = None, **kwargs
-) -> str:
-    """Write one sharded checkpoint and wait until it is committed (every rank calls it); its URI."""
-    ckpt = ShardedCheckpointer(store, run_name, staging_dir, say=lambda s: None, **kwargs)
-    try:
-        ckpt.save(model, optimizer, state, rng)
-        ckpt.flush()
-    finally:
-        ckpt.close()
-    if ckpt.group is not None and ckpt.world > 1:
-        dist.barrier(group=ckpt.group)  # every rank returns once rank 0 has committed
-    if ckpt.owns_group:
-        dist.destroy_process_group(ckpt.group)
-    return store.uri(step_prefix(run_name, int(state["step"])))
 
 
 # ---------------------------------------------------------------- reading
@@ -552,10 +472,10 @@ class _VerifiedReader(dcp.FileSystemReader):
     """Reads a checkpoint's dcp/ files, each fetched from the store (unless local) and checked against the
     manifest before its first read; a missing or damaged file raises DamagedCheckpoint naming it."""
 
-    def __init__(self, store: Store, prefix: str, manifest: dict, local_dir: str):
+    def __init__(self, store: Store, prefix: str, manifest: Manifest, local_dir: str):
         in_place = store.local_path(f"{prefix}/{DCP_DIR}")
         super().__init__(in_place or local_dir)
-        self.store, self.prefix, self.files, self.in_place = store, prefix, manifest["files"], in_place is not None
+        self.store, self.prefix, self.manifest, self.in_place = store, prefix, manifest, in_place is not None
         self.checked: set[str] = set()
         self.metadata = None
 
@@ -564,13 +484,11 @@ class _VerifiedReader(dcp.FileSystemReader):
         path = confined(str(self.path), name, "checkpoint file")  # names come from files in the store
         if name in self.checked:
             return path
-        meta = self.files.get(f"{DCP_DIR}/{name}")
-        if meta is None:
+        if f"{DCP_DIR}/{name}" not in self.manifest.files:
             raise DamagedCheckpoint(f"{self.store.uri(key)} is not in the checkpoint's manifest")
         if not self.in_place:
             self.store.download(key, path)  # a failed read is not damage: raised as it is, then retried
-        if not os.path.exists(path) or sha256_file(path) != meta["sha256"]:
-            raise DamagedCheckpoint(f"{self.store.uri(key)} does not match its manifest checksum")
+        check_file(self.manifest, f"{DCP_DIR}/{name}", path, self.store.uri(key))
         self.checked.add(name)
         return path
 
@@ -598,17 +516,14 @@ class _VerifiedReader(dcp.FileSystemReader):
         return super().read_data(plan, planner)
 
 
-def _fetch(store: Store, prefix: str, manifest: dict, name: str, local_dir: str) -> str:
+def _fetch(store: Store, prefix: str, manifest: Manifest, name: str, local_dir: str) -> str:
     """A checkpoint file checked against the manifest: its local path (downloaded unless the store is local)."""
     key = f"{prefix}/{name}"
     path = store.local_path(key)
     if path is None:
         path = os.path.join(local_dir, name)
         store.download(key, path)  # a failed read is not damage: raised as it is
-    meta = manifest["files"].get(name)
-    if meta is None or not os.path.exists(path) or sha256_file(path) != meta["sha256"]:
-        raise DamagedCheckpoint(f"{store.uri(key)} does not match its manifest checksum")
-    return path
+    return check_file(manifest, name, path, store.uri(key))
 
 
 def _unwrap(e: BaseException) -> Exception:
@@ -631,14 +546,12 @@ def _read_sharded(
     planner,
     process_group=None,
     no_dist: bool = False,
-) -> tuple[dict, dict]:
+) -> tuple[Manifest, dict]:
     """Fill `state` (a state dict, empty with _SafeEmptyPlanner) from checkpoint `step`; (manifest, extras)."""
-    prefix = step_prefix(run_name, step)
-    manifest = checkpoint.read_manifest(store, run_name, step)
-    if not is_sharded(manifest):
-        raise DamagedCheckpoint(
-            f"{store.uri(prefix)} is not a sharded checkpoint (format {manifest.get('format', 'full')})"
-        )
+    prefix = RunLayout(run_name).step(step)
+    manifest = read_manifest(store, run_name, step)
+    if manifest.format != "dcp":
+        raise DamagedCheckpoint(f"{store.uri(prefix)} is not a sharded checkpoint (format {manifest.format})")
     local = os.path.join(cache_dir, "checkpoint-load", str(os.getpid()), prefix)
     try:
         reader = _VerifiedReader(store, prefix, manifest, os.path.join(local, DCP_DIR))
@@ -663,16 +576,6 @@ def _read_sharded(
     return manifest, extras
 
 
-@dataclass(frozen=True)
-class Loaded:
-    """What a load put into the model and optimizer came from: the step, its URI, RNG states and state.json."""
-
-    step: int
-    uri: str
-    rng: list
-    state: CheckpointState
-
-
 def load_sharded(
     store: Store,
     run_name: str,
@@ -695,21 +598,21 @@ def load_sharded(
         model_state_dict=target["model"],
         optim_state_dict=target.get("optim", {}),
     )
-    return Loaded(step, store.uri(step_prefix(run_name, step)), extras["rng"], extras["state"])
+    return Loaded(step, store.uri(RunLayout(run_name).step(step)), extras["rng"], extras["state"])
 
 
 def load_full(store: Store, run_name: str, step: int, cache_dir: str, optimizer: bool = True) -> Checkpoint:
     """Sharded checkpoint `step` read whole on this process (no process group), as today's full state dicts:
     `model` by parameter name, `optim` as `optimizer.state_dict()` gives it (by parameter index; empty with
     `optimizer=False`, which reads a third of the bytes into memory: an evaluator's or an export's load).
-    `checkpoint.load_step` calls it for sharded checkpoints."""
+    `resume.load_step` calls it for sharded checkpoints."""
     full: dict = {}
     planner = _SafeEmptyPlanner(keys=None if optimizer else {"model"})
     _, extras = _read_sharded(store, run_name, step, full, cache_dir, planner, no_dist=True)
     optim = optim_by_index(full["optim"]) if "optim" in full else {"state": {}, "param_groups": []}
     return Checkpoint(
         step=step,
-        uri=store.uri(step_prefix(run_name, step)),
+        uri=store.uri(RunLayout(run_name).step(step)),
         model=full["model"],
         optim=optim,
         rng=extras["rng"],
@@ -767,66 +670,3 @@ def load_full_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
         optim_state_dict=optim,
         options=options,
     )
-
-
-def load_any(
-    store: Store,
-    run_name: str,
-    step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    cache_dir: str,
-    process_group=None,
-) -> Loaded:
-    """Checkpoint `step`, sharded or full (`ddp`), into `model` and `optimizer` (FSDP2-wrapped or plain)."""
-    if is_sharded(checkpoint.read_manifest(store, run_name, step)):
-        return load_sharded(store, run_name, step, model, optimizer, cache_dir, process_group)
-    ckpt = checkpoint.load_step(store, run_name, step, cache_dir)
-    load_full_into(model, optimizer, ckpt)
-    return Loaded(ckpt.step, ckpt.uri, ckpt.rng, ckpt.state)
-
-
-def find_latest_sharded(
-    store: Store,
-    run_name: str,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    cache_dir: str,
-    process_group=None,
-    read_attempts: int = 3,
-    backoff_s: float = 2.0,
-) -> tuple[Loaded | None, list[int]]:
-    """(the newest checkpoint, either format, loaded into `model` and `optimizer`; the damaged steps skipped),
-    as `checkpoint.find_latest`: a damaged one is skipped with a warning naming it, a read error retried and
-    then raised. Every rank calls it: they try rank 0's list of complete steps, and all skip a checkpoint
-    that any rank found damaged, or all retry a read that any rank could not make."""
-    steps = _agree(checkpoint.complete_steps(store, run_name), process_group)
-
-    def load(step: int) -> Loaded:
-        loaded, error = None, None
-        try:
-            loaded = load_any(store, run_name, step, model, optimizer, cache_dir, process_group)
-        except Exception as e:
-            error = e
-        said = None if error is None else (isinstance(error, DamagedCheckpoint), str(error).splitlines()[0])
-        failed = [(rank, s) for rank, s in enumerate(_gather(said, process_group)) if s]
-        if not failed:
-            return loaded
-        damaged = [(rank, s) for rank, s in failed if s[0]]
-        if damaged:
-            raise error if isinstance(error, DamagedCheckpoint) else DamagedCheckpoint(damaged[0][1][1])
-        raise error if error is not None else RuntimeError(f"rank {failed[0][0]}: {failed[0][1][1]}")
-
-    return checkpoint.find_latest(store, run_name, cache_dir, read_attempts, backoff_s, loader=load, steps=steps)
-
-
-def load_latest_sharded(
-    store: Store,
-    run_name: str,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    cache_dir: str,
-    process_group=None,
-) -> Loaded | None:
-    """The newest checkpoint (either format) that loads into `model` and `optimizer` (find_latest_sharded)."""
-    return find_latest_sharded(store, run_name, model, optimizer, cache_dir, process_group)[0]

@@ -1,109 +1,52 @@
-"""Checkpoints in the store: a directory per step, files first, manifest last.
+"""The `full` format: rank 0 writes the whole state dicts (train.parallel=ddp).
 
     runs/<run>/checkpoints/step_NNNNNNNN/model.pt       model weights (state_dict)
                                          optim.pt       AdamW state
                                          rng.pt         RNG states of every rank
                                          state.json     step, tokens seen, data cursor, config, lineage
-                                         manifest.json  sizes + sha256 of the files above; written last
+                                         manifest.json  lmyard.checkpoint.manifest.Manifest; written last
 
-A checkpoint without its manifest does not exist. Tensors are loaded with
-torch.load(weights_only=True): a checkpoint from a shared bucket cannot run code.
+Tensors are loaded with torch.load(weights_only=True): a checkpoint from a shared
+bucket cannot run code.
 
-Saving is asynchronous (`AsyncCheckpointer`): the training loop is blocked only
-while the state is copied off the GPU (on a side stream, overlapped with the
-next forward and backward; the next optimizer update waits for the copy).
-A background thread serializes the copy to a local staging folder and uploads
-it, retrying with backoff. At most one copy is held in memory: if the next
-checkpoint is due before the previous copy is serialized, the loop waits (and
-says so). Serialized checkpoints waiting for the store are *pending*; while the
-store is down training goes on until `checkpoint.max_pending` are pending, then
-stops with an error that says where they are staged.
+Saving is asynchronous (`FullCheckpointer`): the training loop is blocked only
+while the state is copied off the GPU into reused pinned buffers (on a side
+stream, overlapped with the next forward and backward; the next optimizer update
+waits for the copy). A background thread serializes the copy to a local staging
+folder and commits it (lmyard.checkpoint.commit: files, then the manifest, under
+the one retry policy). At most one copy is held in memory: if the next checkpoint
+is due before the previous copy is serialized, the loop waits (and says so).
+Serialized checkpoints waiting for the store are *pending*; while the store is
+down training goes on until `checkpoint.max_pending` are pending, then stops with
+StoreOutage naming where they are staged.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
-import random
+import pickle
 import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from lmyard import faults
-from lmyard.checkpoint.catalog import (
-    complete_steps,
-    read_manifest,
-    step_prefix,
-)
+from lmyard.checkpoint.commit import Parked, RetryPolicy, outage, publish
+from lmyard.checkpoint.manifest import DamagedCheckpoint, Manifest, check_file, file_meta
+from lmyard.checkpoint.state import Checkpoint
 from lmyard.contracts import CheckpointState
-from lmyard.data.shards import sha256_file
 from lmyard.errors import StoreOutage
-from lmyard.layout import MANIFEST, RunLayout
+from lmyard.layout import RunLayout
 from lmyard.paths import confined
 from lmyard.store import Store
 
-log = logging.getLogger(__name__)
 FILES = ("model.pt", "optim.pt", "rng.pt", "state.json")
+EMPTY_OPTIM = {"state": {}, "param_groups": []}
 
 
-class DamagedCheckpoint(ValueError):
-    """A checkpoint's files do not match its manifest, or do not load: it is skipped, never repaired."""
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    step: int
-    uri: str
-    model: dict
-    optim: dict
-    rng: list
-    state: CheckpointState
-
-
-# ---------------------------------------------------------------- RNG state
-
-
-def rng_state() -> dict:
-    """This process's RNG states, as tensors and plain values (weights_only-loadable)."""
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {
-            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-            "pos": int(np_state[2]),
-            "has_gauss": int(np_state[3]),
-            "cached": float(np_state[4]),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(_tuples(state["python"]))
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _tuples(x):
-    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
-# ---------------------------------------------------------------- writing
-
-
-def stage(folder: str, model: dict, optim: dict, rng: list, state: dict) -> dict:
+def stage(folder: str, model: dict, optim: dict, rng: list, state: dict) -> Manifest:
     """Serialize one checkpoint's files into a local folder; returns its manifest (not yet written)."""
     os.makedirs(folder, exist_ok=True)
     t0 = time.perf_counter()
@@ -112,70 +55,14 @@ def stage(folder: str, model: dict, optim: dict, rng: list, state: dict) -> dict
     torch.save(rng, os.path.join(folder, "rng.pt"))
     with open(os.path.join(folder, "state.json"), "w") as f:
         json.dump(state, f, indent=1)
-    files = {
-        name: {"bytes": os.path.getsize(os.path.join(folder, name)), "sha256": sha256_file(os.path.join(folder, name))}
-        for name in FILES
-    }
-    return {
-        "step": state["step"],
-        "val_loss": state.get("val_loss"),
-        "files": files,
-        "serialize_s": round(time.perf_counter() - t0, 3),
-    }
-
-
-class StepExists(RuntimeError):
-    """A complete checkpoint of this step is already in the store: it is never overwritten."""
-
-
-def commit(store: Store, run_name: str, folder: str, manifest: dict) -> str:
-    """Upload a staged checkpoint's files, then its manifest (with the upload's seconds); returns its URI.
-
-    A step that already has a manifest is never written again: the same files (a retried commit
-    whose manifest did land) are a no-op, other files raise StepExists.
-    """
-    prefix = step_prefix(run_name, manifest["step"])
-    if store.exists(f"{prefix}/{MANIFEST}"):
-        if json.loads(store.read_bytes(f"{prefix}/{MANIFEST}")).get("files") == manifest["files"]:
-            return store.uri(prefix)
-        raise StepExists(
-            f"checkpoint {store.uri(prefix)} already exists complete; it is not overwritten "
-            "(another run of this lineage, or a step trained twice)"
-        )
-    t0 = time.perf_counter()
-    for name in FILES:
-        staged, key = os.path.join(folder, name), f"{prefix}/{name}"
-        target = store.local_path(key)
-        if target is not None and _move(staged, target):
-            pass  # a local store on the same filesystem: a rename, no second copy on disk
-        else:
-            store.upload(staged, key)
-        if faults.fires("crash_in_upload", manifest["step"]):
-            print(f"injected crash while uploading checkpoint step {manifest['step']}", flush=True)
-            os._exit(1)
-    manifest = {**manifest, "upload_s": round(time.perf_counter() - t0, 3), "committed": time.time()}
-    store.write_bytes(f"{prefix}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
-    return store.uri(prefix)
-
-
-def _move(src: str, dst: str) -> bool:
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    try:
-        os.replace(src, dst)
-        return True
-    except OSError:  # another filesystem: copy through the store instead
-        return False
-
-
-def save(
-    store: Store, run_name: str, step: int, model: dict, optim: dict, rng: list, state: dict, staging_dir: str
-) -> str:
-    """Write one checkpoint synchronously (stage, then commit); returns its URI."""
-    folder = os.path.join(staging_dir, run_name, f"step_{step:08d}")
-    try:
-        return commit(store, run_name, folder, stage(folder, model, optim, rng, {**state, "step": step}))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    return Manifest(
+        format="full",
+        step=state["step"],
+        val_loss=state.get("val_loss"),
+        world_size=state.get("world_size"),
+        files={name: file_meta(os.path.join(folder, name)) for name in FILES},
+        serialize_s=round(time.perf_counter() - t0, 3),
+    )
 
 
 class Snapshot:
@@ -252,8 +139,12 @@ def _tensors(tree):
             yield from _tensors(v)
 
 
-class AsyncCheckpointer:
-    """Saves checkpoints in the background: snapshot now, serialize and upload later (see module doc)."""
+class FullCheckpointer:
+    """Saves whole checkpoints in the background from rank 0: snapshot now, serialize and commit later (see the
+    module doc). Every rank makes one (the trainer's code is the same on every rank); only rank 0's writes."""
+
+    sharded = False  # loads go into a plain (or DDP-wrapped) model, whole
+    group = None  # resume agrees over the default process group
 
     def __init__(
         self,
@@ -261,38 +152,47 @@ class AsyncCheckpointer:
         run_name: str,
         staging_dir: str,
         *,
+        rank: int = 0,
         max_pending: int = 2,
         retries: int = 6,
         backoff_s: float = 1.0,
         on_commit: Callable[[int, str], None] | None = None,
         say: Callable[[str], None] = print,
     ):
-        self.store, self.run_name = store, run_name
+        self.store, self.run_name, self.writes = store, run_name, rank == 0
         self.staging = os.path.join(staging_dir, run_name)
-        self.max_pending, self.retries, self.backoff_s = max_pending, retries, backoff_s
+        self.max_pending, self.policy = max_pending, RetryPolicy(retries, backoff_s, say)
         self.on_commit, self.say = on_commit or (lambda step, uri: None), say
         self.snapshot = Snapshot()
         self.cond = threading.Condition()
         self.copy_job: tuple | None = None  # (model, optim, rng, state) waiting to be serialized
         self.prepare_job: dict | None = None  # a state tree whose pinned buffers are to be made
-        self.pending: list[tuple[str, dict]] = []  # staged (folder, manifest), oldest first
-        self.failures = 0
+        self.pending: list[tuple[str, Manifest]] = []  # staged (folder, manifest), oldest first
         self.closed = False
         self.error: BaseException | None = None
         self.blocked_s: list[float] = []
         self.thread = threading.Thread(target=self._work, daemon=True, name="checkpoint-writer")
-        self.thread.start()
+        if self.writes:
+            self.thread.start()
 
     # -- the training loop's side
-    def save(self, model: dict, optim: dict, rng: list, state: dict) -> float:
-        """Snapshot the state and return; seconds the caller was blocked."""
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict, rng: list) -> float:
+        """Snapshot the state (rank 0) and return; seconds the caller was blocked."""
+        if not self.writes:
+            return 0.0
+        return self.save_state(model.state_dict(), optimizer.state_dict() if optimizer else EMPTY_OPTIM, state, rng)
+
+    def save_state(self, model: dict, optim: dict, state: dict, rng: list) -> float:
+        """`save` of state dicts already made."""
         t0 = time.perf_counter()
         with self.cond:
             self._raise_if_failed()
             if len(self.pending) >= self.max_pending:
-                raise self._outage(
-                    f"{len(self.pending)} checkpoints (steps {[m['step'] for _, m in self.pending]}) "
-                    f"are waiting for {self.store.root}"
+                steps = [m.step for _, m in self.pending]
+                raise outage(
+                    f"{len(self.pending)} checkpoints (steps {steps}) are waiting for {self.store.root}",
+                    self.policy,
+                    self.staging,
                 )
             while self.prepare_job is not None and self.error is None:
                 self.cond.wait()
@@ -311,10 +211,12 @@ class AsyncCheckpointer:
         self.blocked_s.append(blocked)
         return blocked
 
-    def prepare(self, model: dict, optim: dict) -> None:
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Make the pinned copy buffers in the background, so the first save blocks no longer than later ones."""
+        if not self.writes:
+            return
         with self.cond:
-            self.prepare_job = {"model": model, "optim": optim}
+            self.prepare_job = {"model": model.state_dict(), "optim": optimizer.state_dict() if optimizer else {}}
             self.cond.notify_all()
 
     def before_update(self) -> None:
@@ -329,24 +231,22 @@ class AsyncCheckpointer:
             self.cond.notify_all()  # a writer waiting out a failed upload retries now
             while (self.copy_job is not None or self.pending) and self.error is None:
                 if deadline is not None and time.monotonic() >= deadline:
-                    steps = [m["step"] for _, m in self.pending] + ([self.copy_job[3]["step"]] if self.copy_job else [])
-                    raise self._outage(
-                        f"checkpoints of steps {steps} are still not in {self.store.root} after {timeout_s:.0f} s"
+                    steps = [m.step for _, m in self.pending] + ([self.copy_job[3]["step"]] if self.copy_job else [])
+                    raise outage(
+                        f"checkpoints of steps {steps} are still not in {self.store.root} after {timeout_s:.0f} s",
+                        self.policy,
+                        self.staging,
                     )
                 self.cond.wait(timeout=1)
         self._raise_if_failed()
 
-    def _outage(self, what: str) -> StoreOutage:
-        return StoreOutage(
-            f"{what}; the store has failed {self.failures} uploads in a row, and they are staged in "
-            f"{self.staging}. Fix the store and rerun: the run resumes from the last committed "
-            "checkpoint"
-        )
-
     def close(self, timeout_s: float | None = None) -> None:
-        """Wait for every checkpoint to be committed (at exit)."""
+        """Wait for every checkpoint to be committed (at exit); StoreOutage if the store still refuses one."""
+        if not self.writes:
+            return
         with self.cond:
             self.closed = True
+            self.policy.closing.set()
             self.cond.notify_all()
         self.thread.join(timeout_s)
         self._raise_if_failed()
@@ -376,19 +276,22 @@ class AsyncCheckpointer:
                     if job is None and not self.pending and self.closed:
                         return
                 if job is not None:
-                    self.snapshot.wait()
-                    model, optim, rng, state = job
-                    folder = os.path.join(self.staging, f"step_{state['step']:08d}")
-                    manifest = stage(folder, model, optim, rng, state)
-                    with self.cond:
-                        self.copy_job = None
-                        self.pending.append((folder, manifest))
-                        self.cond.notify_all()
+                    self._serialize(job)
                 self._upload_pending()
         except BaseException as e:
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
+
+    def _serialize(self, job: tuple) -> None:
+        self.snapshot.wait()
+        model, optim, rng, state = job
+        folder = os.path.join(self.staging, f"step_{state['step']:08d}")
+        manifest = stage(folder, model, optim, rng, state)
+        with self.cond:
+            self.copy_job = None
+            self.pending.append((folder, manifest))
+            self.cond.notify_all()
 
     def _upload_pending(self) -> None:
         while True:
@@ -396,131 +299,51 @@ class AsyncCheckpointer:
                 if not self.pending:
                     return
                 folder, manifest = self.pending[0]
-            step = manifest["step"]
-            for attempt in range(self.retries + 1):
-                try:
-                    uri = commit(self.store, self.run_name, folder, manifest)
-                    break
-                except StepExists:
+            files = {name: os.path.join(folder, name) for name in FILES}
+            try:
+                uri = publish(self.store, self.run_name, files, manifest, self.policy, folder)
+            except Parked:
+                if self.closed:
                     raise
-                except Exception as e:
-                    self.failures += 1
-                    if attempt == self.retries:
-                        self.say(
-                            f"checkpoint step {step}: upload failed {attempt + 1} times ({e}); keeping it "
-                            f"pending in {folder}, {len(self.pending)} of {self.max_pending} allowed"
-                        )
-                        with self.cond:  # wait for the next save (or close) before trying again
-                            if not self.closed:
-                                self.cond.wait(timeout=30)
-                            elif self.failures > 4 * (self.retries + 1):
-                                raise
-                        return
-                    delay = min(30.0, self.backoff_s * 2**attempt)
-                    self.say(f"checkpoint step {step}: upload failed ({e}); retrying in {delay:.0f}s")
-                    time.sleep(delay)
-            self.failures = 0
+                with self.cond:  # parked: the next save (serialized first), a flush or 30 s start a new round
+                    if self.copy_job is None and not self.closed:
+                        self.cond.wait(timeout=30)
+                return
             shutil.rmtree(folder, ignore_errors=True)
             with self.cond:
                 self.pending.pop(0)
                 self.cond.notify_all()
-            self.on_commit(step, uri)
+            self.on_commit(manifest.step, uri)
 
 
-# ---------------------------------------------------------------- reading
-
-
-def load_step(store: Store, run_name: str, step: int, cache_dir: str) -> Checkpoint:
-    """One checkpoint, verified against its manifest. DamagedCheckpoint when its bytes are wrong; a read
-    that fails (the store down, a network error) raises as it is: that is not damage. A sharded checkpoint
-    (lmyard.sharded_checkpoint) is read whole, as the same full state dicts."""
-    import pickle
-
-    layout = RunLayout(run_name)
-    prefix = layout.step(step)
-    manifest = read_manifest(store, run_name, step)
-    if manifest.get("format") == "dcp":
-        from lmyard.checkpoint.dcp import load_full
-
-        return load_full(store, run_name, step, cache_dir)
-    local = os.path.join(cache_dir, "checkpoint-load", str(os.getpid()), prefix)  # one per process: ranks load at once
+def read_full(store: Store, run_name: str, manifest: Manifest, cache_dir: str) -> Checkpoint:
+    """A `full` checkpoint, each file verified against its manifest. DamagedCheckpoint when its bytes are wrong;
+    a read that fails (the store down, a network error) raises as it is: that is not damage."""
+    layout, step = RunLayout(run_name), manifest.step
+    local = os.path.join(cache_dir, "checkpoint-load", str(os.getpid()), layout.step(step))  # ranks load at once
     paths = {}
-    for name, meta in manifest["files"].items():
+    for name in manifest.files:
         key = layout.step_file(step, name)
         path = store.local_path(key)
         if path is None:
             path = confined(local, name, "checkpoint file")  # names come from the manifest in the store
             store.download(key, path)
-        if not os.path.exists(path) or sha256_file(path) != meta["sha256"]:
-            raise DamagedCheckpoint(f"{store.uri(key)} does not match its manifest checksum")
-        paths[name] = path
+        paths[name] = check_file(manifest, name, path, store.uri(key))
 
     def load(name: str):
         try:
             return torch.load(paths[name], map_location="cpu", weights_only=True)
-        except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
+        except (RuntimeError, pickle.UnpicklingError, EOFError, KeyError) as e:
             raise DamagedCheckpoint(f"{store.uri(layout.step_file(step, name))} does not load: {e}") from None
 
-    with open(paths["state.json"]) as f:
-        try:
+    try:
+        with open(paths["state.json"]) as f:
             state = CheckpointState.model_validate_json(f.read())
-        except ValueError as e:  # pydantic's ValidationError: not a checkpoint state lmyard wrote
-            raise DamagedCheckpoint(
-                f"{store.uri(layout.step_file(step, 'state.json'))} is not a checkpoint state: {str(e).splitlines()[0]}"
-            ) from None
-    ckpt = Checkpoint(
-        step=step,
-        uri=store.uri(prefix),
-        model=load("model.pt"),
-        optim=load("optim.pt"),
-        rng=load("rng.pt"),
-        state=state,
-    )
-    if store.local_path(prefix) is None:
+    except (KeyError, ValueError) as e:  # pydantic's ValidationError: not a checkpoint state lmyard wrote
+        raise DamagedCheckpoint(
+            f"{store.uri(layout.step_file(step, 'state.json'))} is not a checkpoint state: {str(e).splitlines()[0]}"
+        ) from None
+    ckpt = Checkpoint(step, store.uri(layout.step(step)), load("model.pt"), load("optim.pt"), load("rng.pt"), state)
+    if store.local_path(layout.step(step)) is None:
         shutil.rmtree(local, ignore_errors=True)
     return ckpt
-
-
-def find_latest(
-    store: Store,
-    run_name: str,
-    cache_dir: str,
-    read_attempts: int = 3,
-    backoff_s: float = 2.0,
-    loader: Callable[[int], object] | None = None,
-    steps: list[int] | None = None,
-) -> tuple[Checkpoint | None, list[int]]:
-    """(the newest checkpoint whose files match its manifest, the damaged steps skipped on the way).
-
-    A damaged checkpoint is skipped with a warning naming it; a read error is retried `read_attempts`
-    times and then raised: a store hiccup never makes a good checkpoint look damaged. `loader(step)`
-    loads one (default: `load_step`); `steps`: the complete steps to try (default: `complete_steps`).
-    """
-    loader = loader or (lambda step: load_step(store, run_name, step, cache_dir))
-    damaged: list[int] = []
-    for step in reversed(complete_steps(store, run_name) if steps is None else steps):
-        for attempt in range(read_attempts):
-            try:
-                return loader(step), damaged
-            except DamagedCheckpoint as e:
-                msg = (
-                    f"warning: checkpoint {store.uri(step_prefix(run_name, step))} is damaged "
-                    f"({str(e).splitlines()[0]}); falling back to the previous one"
-                )
-                log.warning(msg)
-                print(msg, flush=True)
-                damaged.append(step)
-                break
-            except Exception as e:
-                if attempt == read_attempts - 1:
-                    raise
-                print(
-                    f"reading checkpoint step {step} failed ({type(e).__name__}: {str(e)[:200]}); retrying", flush=True
-                )
-                time.sleep(backoff_s * 2**attempt)
-    return None, damaged
-
-
-def load_latest(store: Store, run_name: str, cache_dir: str) -> Checkpoint | None:
-    """The newest checkpoint whose files match its manifest; damaged ones are skipped with a warning."""
-    return find_latest(store, run_name, cache_dir)[0]

@@ -71,7 +71,7 @@ def apply(store: Store, run_name: str, policy: CheckpointConfig, hold_for_eval: 
     layout = RunLayout(run_name)
     keys = store.list(layout.checkpoints)
     steps = complete_steps(store, run_name, keys)
-    val = {s: read_manifest(store, run_name, s).get("val_loss") for s in steps}
+    val = {s: read_manifest(store, run_name, s).val_loss for s in steps}
     held = set()
     if hold_for_eval:
         released = {RunLayout.step_of(k) for k in keys if k.endswith(f"/{EVALUATED}")}

@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lmyard.checkpoint import full as checkpoint
+from lmyard.checkpoint import catalog, resume
 from lmyard.config import EvalConfig, RunConfig
 from lmyard.contracts import EvalResult, run_stage
 from lmyard.data.loader import default_cache_dir, split_stream, val_sequences
@@ -146,7 +146,7 @@ def evaluate_checkpoint(cfg: RunConfig, shards: ShardSet, step: int) -> dict:
     device = _device(cfg.eval)
     store, cache = open_store(cfg.store), default_cache_dir()
     # a private checkpoint cache: the trainer may be downloading the same checkpoint to resume
-    ckpt = checkpoint.load_step(store, cfg.run_name, step, os.path.join(cache, "eval"))
+    ckpt = resume.load_step(store, cfg.run_name, step, os.path.join(cache, "eval"))
     model = model_from_checkpoint(ckpt, device)
     val = val_sequences(split_stream(shards, cfg.store, "val", cache), model.config.block_size, cfg.eval.val_tokens)
     result = {
@@ -172,7 +172,7 @@ def evaluate_checkpoint(cfg: RunConfig, shards: ShardSet, step: int) -> dict:
 def evaluate_latest(cfg: RunConfig, shards: ShardSet, step: int | None = None) -> EvalResult:
     """Evaluate checkpoint `step` of cfg.run_name, or its newest complete one."""
     if step is None:
-        steps = checkpoint.complete_steps(open_store(cfg.store), cfg.run_name)
+        steps = catalog.complete_steps(open_store(cfg.store), cfg.run_name)
         if not steps:
             raise UserError(
                 f"run {cfg.run_name!r} has no complete checkpoint in {cfg.store}: train it first, or "

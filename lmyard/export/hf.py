@@ -26,7 +26,8 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
-from lmyard.checkpoint import full as checkpoint
+from lmyard.checkpoint import catalog, resume
+from lmyard.checkpoint.state import Checkpoint
 from lmyard.config import TokenizerConfig
 from lmyard.errors import UserError
 from lmyard.layout import RunLayout
@@ -48,7 +49,7 @@ class CheckpointFacts:
     provenance: dict  # step, tokens seen, shard address, run name
 
 
-def checkpoint_facts(ckpt: checkpoint.Checkpoint) -> CheckpointFacts:
+def checkpoint_facts(ckpt: Checkpoint) -> CheckpointFacts:
     """The one place that reads a checkpoint's state (state.json, lmyard.contracts.CheckpointState)."""
     state = ckpt.state
     config, spec = state.config, dict(state.model)
@@ -96,25 +97,25 @@ def parse_source(uri: str, step: int | None) -> tuple[str, str, int | None]:
     return root, run, in_uri if in_uri is not None else step
 
 
-def load_checkpoint(uri: str, step: int | None, cache_dir: str) -> checkpoint.Checkpoint:
+def load_checkpoint(uri: str, step: int | None, cache_dir: str) -> Checkpoint:
     """The complete checkpoint named by `uri` (and `step`); a missing, incomplete or damaged one is a UserError."""
     import pickle
 
     root, run, step = parse_source(uri, step)
     store = open_store(root)
-    steps = checkpoint.complete_steps(store, run)
+    steps = catalog.complete_steps(store, run)
     if step is None and not steps:
         raise UserError(
             f"{store.uri(RunLayout(run).checkpoints)} holds no complete checkpoint (one with its manifest.json)"
         )
     step = steps[-1] if step is None else step
-    where = store.uri(checkpoint.step_prefix(run, step))
+    where = store.uri(catalog.step_prefix(run, step))
     if step not in steps:
-        started = store.list(checkpoint.step_prefix(run, step))
+        started = store.list(catalog.step_prefix(run, step))
         state = "is incomplete (no manifest.json)" if started else "does not exist"
         raise UserError(f"checkpoint {where} {state}; complete steps: {steps or 'none'}")
     try:
-        return checkpoint.load_step(store, run, step, cache_dir)
+        return resume.load_step(store, run, step, cache_dir)
     except (ValueError, OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as e:
         raise UserError(
             f"checkpoint {where} is damaged ({str(e).splitlines()[0]}); export another step with "
@@ -125,7 +126,7 @@ def load_checkpoint(uri: str, step: int | None, cache_dir: str) -> checkpoint.Ch
 # ---------------------------------------------------------------- writing the folder
 
 
-def write_folder(ckpt: checkpoint.Checkpoint, folder: str) -> dict:
+def write_folder(ckpt: Checkpoint, folder: str) -> dict:
     """The Hugging Face folder of `ckpt` in the (existing, empty) local `folder`; returns lmyard_export.json."""
     from safetensors.torch import save_file
 

@@ -30,17 +30,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lmyard.checkpoint import full as checkpoint
-from lmyard.checkpoint import retention
-from lmyard.checkpoint.full import AsyncCheckpointer
+from lmyard.checkpoint import resume, retention
+from lmyard.checkpoint.catalog import quarantine
+from lmyard.checkpoint.checkpointer import make_checkpointer
+from lmyard.checkpoint.state import Loaded, rng_state, set_rng_state
 from lmyard.config import RunConfig, TrainConfig
 from lmyard.contracts import CheckpointState, Exchange, Started, TrainResult, TrainSpec
 from lmyard.data.loader import Prefetcher, TrainBatches, default_cache_dir, split_stream, val_sequences
 from lmyard.data.shards import ShardSet
 from lmyard.errors import Diverged, ExitCode, Preempted, StoreOutage, UserError, exit_code_of  # noqa: F401
-from lmyard.evaluate.validation import autocast, val_loss
+from lmyard.evaluate.validation import val_loss
+from lmyard.layout import RunLayout
 from lmyard.models.registry import build_model, flops_per_token, model_from_spec, model_spec
 from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
@@ -54,7 +55,8 @@ from lmyard.train.components import (
     Validator,
     all_mean,
 )
-from lmyard.train.parallel import clip_grad_norm, no_sync
+from lmyard.train.parallel import no_sync
+from lmyard.train.parallelism import Parallelism
 from lmyard.train.watchdog import Heartbeat
 
 # How long a rollback waits for the last good checkpoint to reach the store before it gives up with
@@ -126,57 +128,6 @@ def plan_memory(cfg: RunConfig, n_vocab: int, d: Dist) -> None:
         print(f"memory plan per GPU: {plan.summary()}", flush=True)
 
 
-class ComputeContext:
-    """bf16 autocast on CUDA, and the configured SDPA kernel; reusable across steps."""
-
-    def __init__(self, cuda: bool, attention: str):
-        self.cuda, self.attention = cuda, attention
-
-    def __enter__(self):
-        self.stack = contextlib.ExitStack()
-        if self.cuda:
-            self.stack.enter_context(autocast("cuda"))
-        if self.attention != "auto":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            backend = {
-                "flash": SDPBackend.FLASH_ATTENTION,
-                "cudnn": SDPBackend.CUDNN_ATTENTION,
-                "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                "math": SDPBackend.MATH,
-            }[self.attention]
-            self.stack.enter_context(sdpa_kernel(backend))
-        return self
-
-    def __exit__(self, *exc):
-        return self.stack.__exit__(*exc)
-
-
-def prepare_model(raw_model: torch.nn.Module, cfg: RunConfig, d: Dist) -> tuple[torch.nn.Module, ComputeContext]:
-    """The model as the training step runs it: DDP (more than one rank), then torch.compile (default on
-    CUDA); and the autocast context for its forward, with TF32 matmuls on CUDA.
-
-    DDP first, then compile: dynamo splits the compiled graph at DDP's bucket boundaries, so each bucket's
-    all-reduce overlaps the rest of backward (compiling the bare model makes backward one opaque graph whose
-    gradients all arrive at its end).
-    """
-    t, cuda = cfg.train, d.device.type == "cuda"
-    model = raw_model
-    if d.world > 1:
-        model = DDP(
-            model,
-            device_ids=[d.local_rank] if cuda else None,
-            gradient_as_bucket_view=True,
-            bucket_cap_mb=t.ddp_bucket_mb,
-        )
-    if t.compile if t.compile is not None else cuda:
-        model = torch.compile(model)
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    return model, ComputeContext(cuda, cfg.model.attention)
-
-
 def seed_everything(seed: int, rank: int) -> None:
     """Seed every generator a run touches: the same init on every rank (torch), per-rank streams for Python's
     and numpy's global generators, so two runs of one config save identical RNG states."""
@@ -236,7 +187,9 @@ class Trainer:
         self.logger = MetricsLogger(cfg, d.device, d.world, flops_per_token(self.state.model), sink, d.is_main)
         self.validator, self.checkpointing = Validator(cfg), Checkpointing(cfg)
         self.guard, self.faults = DivergenceGuard(cfg), FaultHook(d.rank, d.world)
-        self.checkpointer = self._checkpointer()
+        self.checkpointer = make_checkpointer(
+            cfg, self.store, self.cache, d.rank, sharded=self.parallel.sharded, on_commit=self._committed
+        )
         self.last_checkpoint: str | None = None
 
     # ---- set up ---------------------------------------------------------------------
@@ -253,11 +206,8 @@ class Trainer:
                 f"model.vocab_size ({self.gcfg.vocab_size}) is smaller than the shard set's vocabulary "
                 f"({self.shards.n_vocab}, {self.shards.manifest['tokenizer']['name']}); unset it or raise it"
             )
-        self.fsdp = self.t.parallel == "fsdp"
-        if self.fsdp:  # sharded before the optimizer is made: it holds the shards (DTensors) of this rank
-            from lmyard.train.parallel import parallelize
-
-            parallelize(self.raw_model, self.cfg, self.d.world, self.d.device)
+        self.parallel = Parallelism.of(self.cfg)  # chosen once: the trainer never asks train.parallel again
+        self.parallel.shard(self.raw_model, self.cfg, self.d.world, self.d.device)  # before the optimizer is made
         self.optimizer = torch.optim.AdamW(
             self.raw_model.param_groups(self.t.weight_decay),
             lr=self.t.lr,
@@ -291,38 +241,10 @@ class Trainer:
             split_stream(self.shards, self.cfg.store, "val", self.cache), T, self.cfg.eval.val_tokens
         )
 
-    def _checkpointer(self):
-        """fsdp: every rank saves its shards (lmyard.checkpoint.dcp); ddp: rank 0 saves the whole state."""
-        c, staging = self.cfg.checkpoint, os.path.join(self.cache, "staging")
-        if self.fsdp:
-            from lmyard.checkpoint.dcp import ShardedCheckpointer
-
-            return ShardedCheckpointer(
-                self.store,
-                self.cfg.run_name,
-                staging,
-                max_pending=c.max_pending,
-                retries=c.upload_retries,
-                on_commit=self._committed,
-            )
-        if not self.d.is_main:
-            return None
-        return AsyncCheckpointer(
-            self.store,
-            self.cfg.run_name,
-            staging,
-            max_pending=c.max_pending,
-            retries=c.upload_retries,
-            on_commit=self._committed,
-        )
-
     # ---- the run --------------------------------------------------------------------
     def train(self) -> TrainResult:
         self.resume()
-        if self.fsdp:  # FSDP2 keeps bf16 weights itself (its mixed-precision policy): no autocast
-            self.model, self.autocast = self.raw_model, ComputeContext(False, self.cfg.model.attention)
-        else:
-            self.model, self.autocast = prepare_model(self.raw_model, self.cfg, self.d)
+        self.model, self.autocast = self.parallel.wrap(self.raw_model, self.cfg, self.d)
         self.params = list(self.raw_model.parameters())
         self._describe()
         self.batches = Prefetcher(self.data, self.state.cursor, self.d.device)
@@ -331,8 +253,8 @@ class Trainer:
         try:
             while self.state.step < self.t.max_steps:
                 loss, grad_norm, lr = self.step()
-                if steps_run == 0 and self.checkpointer is not None:  # optimizer state exists now: copy buffers
-                    self._prepare_checkpoint_buffers()
+                if steps_run == 0:  # the optimizer state exists now: make the checkpoint copy buffers
+                    self.checkpointer.prepare(self.raw_model, self.optimizer)
                 steps_run += 1
                 heartbeat.beat(self.state.step)
                 if self.guard_or_log(loss, grad_norm, lr):
@@ -344,24 +266,16 @@ class Trainer:
                 if self.preemption.due():
                     self.preempt()
         except BaseException:
-            if self.checkpointer is not None:  # let committed-so-far uploads finish, but do not hang on a dead store
-                with contextlib.suppress(Exception):
-                    self.checkpointer.close(timeout_s=60)
+            with contextlib.suppress(Exception):  # let committed-so-far uploads finish, but not hang on a dead store
+                self.checkpointer.close(timeout_s=60)
             raise
         finally:
             self.batches.close()
             self.preemption.close()
-        if self.checkpointer is not None:
-            self.checkpointer.close()  # wait for the last upload
+        self.checkpointer.close()  # wait for the last upload
         if self.d.world > 1:
             dist.barrier()
         return self.result(ExitCode.DONE)
-
-    def _prepare_checkpoint_buffers(self) -> None:
-        if self.fsdp:
-            self.checkpointer.prepare(self.raw_model, self.optimizer)
-        else:
-            self.checkpointer.prepare(self.raw_model.state_dict(), self.optimizer.state_dict())
 
     def step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step; advances step, cursor and tokens seen."""
@@ -377,8 +291,8 @@ class Trainer:
             self.autocast,
             self.d.world > 1,
             poison=self.faults.poison(self.state.step + 1),
-            before_update=self.checkpointer.before_update if self.checkpointer else None,
-            fsdp=self.fsdp,
+            before_update=self.checkpointer.before_update,
+            clip=self.parallel.clip,
         )
         s = self.state
         s.step, s.cursor, s.tokens_seen = s.step + 1, s.cursor + self.data.per_step, s.tokens_seen + self.t.batch_tokens
@@ -424,25 +338,19 @@ class Trainer:
         """Every rank hands in its RNG state; rank 0 snapshots the state and returns (upload in background)."""
         rng = [None] * self.d.world
         if self.d.world > 1:
-            dist.all_gather_object(rng, checkpoint.rng_state())
+            dist.all_gather_object(rng, rng_state())
         else:
-            rng = [checkpoint.rng_state()]
-        if self.checkpointer is not None:
-            if self.d.is_main:
-                self.sink.flush(timeout=30)  # metrics up to this step reach MLflow before the checkpoint exists
-            self.state.val_loss = self.validator.at(self.state.step)
-            state = self.state.model_dump(mode="json")
-            if self.fsdp:
-                blocked = self.checkpointer.save(self.raw_model, self.optimizer, state, rng)
-            else:
-                blocked = self.checkpointer.save(self.raw_model.state_dict(), self.optimizer.state_dict(), rng, state)
-            if self.d.is_main:
-                print(
-                    f"checkpoint step {self.state.step} saving in the background (loop blocked "
-                    f"{blocked * 1000:.1f} ms)",
-                    flush=True,
-                )
-                self.sink.log({"checkpoint/blocked_s": blocked}, self.state.step)
+            rng = [rng_state()]
+        if self.d.is_main:
+            self.sink.flush(timeout=30)  # metrics up to this step reach MLflow before the checkpoint exists
+        self.state.val_loss = self.validator.at(self.state.step)
+        blocked = self.checkpointer.save(self.raw_model, self.optimizer, self.state.model_dump(mode="json"), rng)
+        if self.d.is_main:
+            print(
+                f"checkpoint step {self.state.step} saving in the background (loop blocked {blocked * 1000:.1f} ms)",
+                flush=True,
+            )
+            self.sink.log({"checkpoint/blocked_s": blocked}, self.state.step)
         self.logger.restart(self.batches.waited_s)
 
     def _committed(self, step: int, uri: str) -> None:
@@ -452,8 +360,7 @@ class Trainer:
             retention.apply(self.store, self.cfg.run_name, self.cfg.checkpoint)
 
     def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.flush(timeout_s)
+        self.checkpointer.flush(timeout_s)
 
     def resume(self) -> None:
         """Load the newest complete checkpoint (damaged ones are moved aside), exactly; report what was loaded."""
@@ -465,7 +372,7 @@ class Trainer:
             dist.barrier()  # every rank has read before a damaged one is moved
         if self.d.is_main:
             for step in damaged:
-                checkpoint.quarantine(self.store, self.cfg.run_name, step)
+                quarantine(self.store, self.cfg.run_name, step)
         if ckpt is not None:
             self.restore(ckpt)
             if self.d.is_main:
@@ -478,37 +385,34 @@ class Trainer:
         self.started = Started(
             start_step=self.state.step,
             resumed_from=ckpt.uri if ckpt else None,
-            skipped_damaged=[self.store.uri(checkpoint.step_prefix(self.cfg.run_name, s)) for s in damaged],
+            skipped_damaged=[self.store.uri(RunLayout(self.cfg.run_name).step(s)) for s in damaged],
             world_size=self.d.world,
         )
         if self.exchange:
             self.exchange.write("started.json", self.started)
 
-    def _find_latest(self):
-        """(the newest good checkpoint, the damaged steps); under fsdp already loaded into the sharded model."""
-        if self.fsdp:
-            from lmyard.checkpoint.dcp import find_latest_sharded
+    def _find_latest(self) -> tuple[Loaded | None, list[int]]:
+        """(the newest good checkpoint, loaded into the model and optimizer; the damaged steps skipped). One of
+        another model shape is a UserError (a lineage rerun with another preset), not damage."""
+        return resume.load_latest(
+            self.store,
+            self.cfg.run_name,
+            self.raw_model,
+            self.optimizer,
+            self.cache,
+            sharded=self.checkpointer.sharded,
+            group=self.checkpointer.group,
+            model_spec=self.state.model,
+        )
 
-            return find_latest_sharded(
-                self.store,
-                self.cfg.run_name,
-                self.raw_model,
-                self.optimizer,
-                self.cache,
-                process_group=self.checkpointer.group,
-            )
-        return checkpoint.find_latest(self.store, self.cfg.run_name, self.cache)
-
-    def restore(self, ckpt) -> None:
-        if not self.fsdp:  # a sharded load has put the weights and the optimizer state in place already
-            self.raw_model.load_state_dict(ckpt.model)
-            self.optimizer.load_state_dict(ckpt.optim)
+    def restore(self, ckpt: Loaded) -> None:
+        """The trainer's state and RNG of a checkpoint whose weights and optimizer state are loaded already."""
         old = ckpt.state
         self.state = self.state.model_copy(
             update={"step": old.step, "cursor": old.cursor, "tokens_seen": old.tokens_seen, "rollbacks": old.rollbacks}
         )
         if old.world_size == self.d.world:
-            checkpoint.set_rng_state(ckpt.rng[self.d.rank])
+            set_rng_state(ckpt.rng[self.d.rank])
         elif self.d.is_main:
             print(
                 f"resuming on {self.d.world} ranks from a checkpoint of {old.world_size}: "
@@ -562,7 +466,7 @@ class Trainer:
                 f"model: {self.raw_model.num_params():,} params, {g.n_layer} layers, d={g.n_embd}, "
                 f"T={g.block_size}, vocab {g.vocab_size} | {d.world} ranks on {d.device.type} | "
                 f"{t.batch_tokens:,} tokens/step = {t.micro_batch} seq * {g.block_size} tokens * {d.world} "
-                f"ranks * {self.accum} micro-steps" + (f" | {self.t.parallel}" if self.fsdp else ""),
+                f"ranks * {self.accum} micro-steps" + (f" | {self.parallel.name}" if self.parallel.sharded else ""),
                 flush=True,
             )
             if warning := self.data.repeat_warning(self.t.max_steps):
@@ -615,7 +519,7 @@ def train_step(
     distributed: bool,
     poison: bool = False,
     before_update=None,
-    fsdp: bool = False,
+    clip=torch.nn.utils.clip_grad_norm_,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over `accum` micro-batches; returns (mean loss, grad norm) as device tensors."""
     for group in optimizer.param_groups:
@@ -630,7 +534,7 @@ def train_step(
             loss = loss * float("nan")
         (loss / accum).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-    clip = clip_grad_norm if fsdp else torch.nn.utils.clip_grad_norm_  # the FSDP one reduces the shards' norms
+    # `clip`: Parallelism.clip (a sharded model's reduces the shards' norms over the ranks)
     grad_norm = clip(params, grad_clip if grad_clip > 0 else float("inf"))
     if before_update is not None:
         before_update()  # a checkpoint copy of the weights in flight must finish before they change

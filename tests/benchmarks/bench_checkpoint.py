@@ -5,12 +5,12 @@
 For each model it trains on random tokens (bf16 autocast, torch.compile, fused
 AdamW, T=1024) and measures:
 - the median step time without checkpoints;
-- AsyncCheckpointer.save(): the time the loop is blocked (the call itself) and
+- FullCheckpointer.save(): the time the loop is blocked (the call itself) and
   the extra wall time of the 10 steps around it (the snapshot copy runs on a side
   stream, so the next update may wait for it), for the first save (which also
   allocates the pinned buffers) and a later one; and the background time until
   the checkpoint is committed;
-- checkpoint.save(): the same state written synchronously (copy, serialize,
+- synchronously: the same state written by FullCheckpointer.save_state() + close() (copy, serialize,
   write, manifest), the time a loop without async saving would stop.
 It prints one JSON line per model with the overhead at a checkpoint every
 1,000 steps.
@@ -31,7 +31,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from lmyard.checkpoint import full as checkpoint  # noqa: E402
+from lmyard.checkpoint.catalog import read_manifest  # noqa: E402
+from lmyard.checkpoint.full import FullCheckpointer  # noqa: E402
+from lmyard.checkpoint.state import rng_state  # noqa: E402
 from lmyard.config import ModelConfig  # noqa: E402
 from lmyard.models.gpt2.model import GPT  # noqa: E402
 from lmyard.models.registry import model_config  # noqa: E402
@@ -45,7 +47,7 @@ def bench(preset: str, batch: int, store_dir: str, interval: int) -> dict:
     cmodel = torch.compile(model)
     x = torch.randint(0, 50257, (batch, 1025), device="cuda")
     store = open_store(store_dir)
-    ckpt = checkpoint.AsyncCheckpointer(store, f"bench-{preset}", f"{store_dir}/staging", say=lambda s: None)
+    ckpt = FullCheckpointer(store, f"bench-{preset}", f"{store_dir}/staging", say=lambda s: None)
 
     def step(before_update=None):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -63,12 +65,7 @@ def bench(preset: str, batch: int, store_dir: str, interval: int) -> dict:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             if i == save_at:
-                blocked = ckpt.save(
-                    model.state_dict(),
-                    opt.state_dict(),
-                    [checkpoint.rng_state()],
-                    {"step": 1000 + len(ckpt.blocked_s), "cursor": 0},
-                )
+                blocked = ckpt.save(model, opt, {"step": 1000 + len(ckpt.blocked_s), "cursor": 0}, [rng_state()])
             step(ckpt.before_update)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
@@ -104,19 +101,11 @@ def bench(preset: str, batch: int, store_dir: str, interval: int) -> dict:
     store.delete(f"runs/bench-{preset}")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    checkpoint.save(
-        store,
-        f"bench-{preset}-sync",
-        1,
-        model.state_dict(),
-        opt.state_dict(),
-        [checkpoint.rng_state()],
-        {"step": 1, "cursor": 0},
-        f"{store_dir}/staging",
-    )
+    sync = FullCheckpointer(store, f"bench-{preset}-sync", f"{store_dir}/staging", say=lambda s: None)
+    sync.save_state(model.state_dict(), opt.state_dict(), {"step": 1, "cursor": 0}, [rng_state()])
+    sync.close()
     out["sync_s"] = round(time.perf_counter() - t0, 2)
-    manifest = checkpoint.read_manifest(store, f"bench-{preset}-sync", 1)
-    out["checkpoint_gb"] = round(sum(f["bytes"] for f in manifest["files"].values()) / 1e9, 2)
+    out["checkpoint_gb"] = round(read_manifest(store, f"bench-{preset}-sync", 1).bytes / 1e9, 2)
     cost = max(out["async"]["blocked_s"], out["async"]["extra_wall_s"])
     out["async_vs_sync"] = round(cost / out["sync_s"], 4)
     out[f"overhead_at_interval_{interval}"] = round(cost / (interval * base), 5)

@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from random_shards import make_shards  # noqa: E402
 
-from lmyard.checkpoint import full as checkpoint  # noqa: E402
+from lmyard.checkpoint.catalog import complete_steps  # noqa: E402
 from lmyard.data.shards import ShardSet  # noqa: E402
 from lmyard.launch.follower import run_local  # noqa: E402
 from lmyard.recipes import load_recipe  # noqa: E402
@@ -94,7 +94,7 @@ def measure(cfg, shards, with_eval: bool, warmup_steps: int, evaluator_cpus: set
             with open(spec_path, "w") as f:
                 json.dump({"config": spec["config"], "shards": spec["shards"]}, f)
             while not stop.is_set():
-                for step in checkpoint.complete_steps(store, cfg.run_name):
+                for step in complete_steps(store, cfg.run_name):
                     if step not in evaluated and not stop.is_set():
                         t0 = time.perf_counter()
                         proc = subprocess.run(

@@ -20,8 +20,9 @@ def main() -> None:
     p.add_argument("--dir", default="/tmp/bench-export")
     args = p.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
-    from lmyard.checkpoint import full as checkpoint
+    from lmyard.checkpoint.full import FullCheckpointer
     from lmyard.export import hf as export
+    from lmyard.layout import RunLayout
     from lmyard.models.gpt2.model import GPT, GPTConfig
     from lmyard.recipes import load_recipe
     from lmyard.store import open_store
@@ -31,9 +32,11 @@ def main() -> None:
     model = GPT(gcfg)
     state = {"step": 1, "tokens_seen": 0, "config": cfg.model_dump(mode="json"), "model": gcfg.__dict__}
     t0 = time.perf_counter()
-    uri = checkpoint.save(
-        open_store(f"{args.dir}/store"), "bench", 1, model.state_dict(), {}, [], state, f"{args.dir}/staging"
-    )
+    store = open_store(f"{args.dir}/store")
+    writer = FullCheckpointer(store, "bench", f"{args.dir}/staging", say=lambda s: None)
+    writer.save(model, None, state, [])
+    writer.close()
+    uri = store.uri(RunLayout("bench").step(1))
     t1 = time.perf_counter()
     export.export(uri, f"{args.dir}/hf", cache_dir=f"{args.dir}/cache")
     t2 = time.perf_counter()

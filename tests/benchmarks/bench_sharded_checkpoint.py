@@ -44,6 +44,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch import nn  # noqa: E402
 
 from lmyard.checkpoint import dcp as sc  # noqa: E402
+from lmyard.layout import RunLayout  # noqa: E402
 from lmyard.store import LocalStore  # noqa: E402
 
 RUN = "bench-dcp"
@@ -191,7 +192,7 @@ def async_saves(model, opt, loss_fn, store, staging: str, stream: bool, a, rank:
         )
         dist.barrier()
         if i + 1 < a.saves and rank == 0:  # keep the disk to one checkpoint in the store
-            store.delete(sc.step_prefix(RUN, step))
+            store.delete(RunLayout(RUN).step(step))
     ckpt.close()
     return rows
 

@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lmyard.models.gpt2.model import GPT
 from lmyard.models.registry import model_config
 from lmyard.recipes import load_recipe
-from lmyard.train.trainer import prepare_model, setup_distributed, train_step
+from lmyard.train.parallelism import prepare_model
+from lmyard.train.trainer import setup_distributed, train_step
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

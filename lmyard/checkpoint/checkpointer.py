@@ -1,0 +1,65 @@
+"""The trainer's one checkpointer: a `Checkpointer` of the format its model's layout implies, chosen once.
+
+    plain (ddp)     FullCheckpointer      rank 0 saves the whole state dicts (lmyard.checkpoint.full)
+    sharded (fsdp)  ShardedCheckpointer   every rank saves its shards with DCP (lmyard.checkpoint.dcp)
+
+Both save in the background (the loop is blocked only while the state is copied
+into reused pinned buffers), commit through lmyard.checkpoint.commit (files, then
+the manifest; one retry policy) and load through lmyard.checkpoint.resume, which
+reads either format into either kind of model (`resume.load_latest(...,
+sharded=checkpointer.sharded, group=checkpointer.group)`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from lmyard.checkpoint.dcp import ShardedCheckpointer
+from lmyard.checkpoint.full import FullCheckpointer
+from lmyard.config import RunConfig
+from lmyard.store import Store
+
+
+class Checkpointer(Protocol):
+    """Saves checkpoints of one lineage in the background; every rank holds one and calls it alike."""
+
+    sharded: bool  # loads go into a sharded model (each rank its shards), else a plain one (whole state)
+    group: object  # the process group resume agrees over (None: the default one)
+    blocked_s: list[float]
+
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """Make the copy buffers in the background (after the first step: the optimizer has its state)."""
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict, rng: list) -> float:
+        """Copy the state off the device and return (seconds blocked); serialized and committed later."""
+
+    def before_update(self) -> object:
+        """Call before the optimizer changes the weights: a copy in flight finishes first."""
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Block until every checkpoint so far is committed; StoreOutage after `timeout_s`."""
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait for every checkpoint to be committed, then stop."""
+
+
+def make_checkpointer(
+    cfg: RunConfig,
+    store: Store,
+    cache_dir: str,
+    rank: int,
+    *,
+    sharded: bool,
+    on_commit: Callable[[int, str], None] | None = None,
+) -> Checkpointer:
+    """The checkpointer for a model `sharded` over the ranks (train.parallel=fsdp, as lmyard.train.parallelism
+    decided) or not; every rank makes it at the same point (a collective for DCP)."""
+    c, staging = cfg.checkpoint, os.path.join(cache_dir, "staging")
+    common = {"max_pending": c.max_pending, "retries": c.upload_retries, "on_commit": on_commit}
+    if sharded:
+        return ShardedCheckpointer(store, cfg.run_name, staging, **common)
+    return FullCheckpointer(store, cfg.run_name, staging, rank=rank, **common)

@@ -1,0 +1,164 @@
+"""The store side of a save, for both formats: upload the files, then commit the manifest, last.
+
+    upload_files()   staged files -> their keys (a rename into a local store on the same filesystem)
+    commit()         the manifest: from then on the checkpoint exists
+    ensure_new()     a complete step is never written again (StepExists)
+
+One retry policy (`RetryPolicy`, `checkpoint.upload_retries`) for every put of
+either format:
+
+- a put that fails is retried `upload_retries` times with backoff 1, 2, 4 ... 30 s
+  (a *round*); only StepExists is final (the store says UserError for an endpoint
+  it cannot reach, too: a blip must not end the run);
+- when a round is spent the checkpoint is *parked* (`Parked`): it stays staged on
+  local disk, training goes on, and the writer says so; the next save, a flush, or
+  30 s start a new round for it (`RetryPolicy.wait`);
+- the loop gets a StoreOutage (exit 4, retryable: the checkpoints stay staged and
+  the run resumes from the last committed one) when `checkpoint.max_pending`
+  checkpoints are waiting at the next save, when a flush's deadline passes
+  (rollback, preemption), or when a round fails after close() (no more saves
+  will come to retry it).
+
+Fault injection (lmyard.faults) for checkpoints happens here only:
+`crash_in_upload@S` kills the process once the files of step S are uploaded and
+before its manifest (a checkpoint cut short, invisible).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from lmyard import faults
+from lmyard.checkpoint.manifest import Manifest
+from lmyard.errors import StoreOutage
+from lmyard.layout import RunLayout
+from lmyard.store import Store
+
+T = TypeVar("T")
+PARKED_WAKE_S = 30.0  # a parked checkpoint is tried again this often even if no save comes
+
+
+class StepExists(RuntimeError):
+    """A complete checkpoint of this step is already in the store: it is never overwritten."""
+
+
+class Parked(StoreOutage):
+    """A round of retries is spent: the checkpoint stays staged; the writer tries again later (see module doc)."""
+
+
+class RetryPolicy:
+    """`checkpoint.upload_retries` for every put of a checkpoint (see the module doc); one per writer."""
+
+    def __init__(self, retries: int = 6, backoff_s: float = 1.0, say: Callable[[str], None] = print):
+        self.retries, self.backoff_s, self.say = retries, backoff_s, say
+        self.failures = 0  # failed puts in a row, for the StoreOutage message
+        self.wake = threading.Event()  # a save or flush: a parked checkpoint tries a new round now
+        self.closing = threading.Event()  # no save will come: a spent round is final
+
+    def delay(self, attempt: int) -> float:
+        return min(30.0, self.backoff_s * 2 ** min(attempt, 5))
+
+    def run(self, step: int, staged: str, put: Callable[[], T]) -> T:
+        """One round of `put()` (its result), else Parked: the caller keeps the checkpoint pending, calls
+        `wait()`, and runs a new round; after close() a spent round is final."""
+        for attempt in range(self.retries + 1):
+            try:
+                result = put()
+                self.failures = 0
+                return result
+            except StepExists:
+                raise
+            except Exception as e:
+                self.failures += 1
+                if attempt == self.retries:
+                    raise self._parked(step, staged, e) from e
+                self.say(f"checkpoint step {step}: upload failed ({e}); retrying in {self.delay(attempt):.0f}s")
+                time.sleep(self.delay(attempt))
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _parked(self, step: int, staged: str, error: Exception) -> Parked:
+        if self.closing.is_set():
+            return Parked(f"checkpoint step {step}: the store still fails ({error}); it stays staged in {staged}")
+        self.say(
+            f"checkpoint step {step}: upload failed {self.retries + 1} times ({error}); keeping it pending in "
+            f"{staged}, trying again at the next save or in {PARKED_WAKE_S:.0f}s"
+        )
+        return Parked(f"checkpoint step {step} is parked in {staged}")
+
+    def wait(self) -> None:
+        """A parked writer waits for the next save or flush (or PARKED_WAKE_S) before its next round."""
+        self.wake.wait(PARKED_WAKE_S)
+        self.wake.clear()
+
+
+def outage(what: str, policy: RetryPolicy, staged: str) -> StoreOutage:
+    """The StoreOutage the training loop gets (see the module doc)."""
+    return StoreOutage(
+        f"{what}; the store has failed {policy.failures} uploads in a row, and they are staged in "
+        f"{staged}. Fix the store and rerun: the run resumes from the last committed checkpoint"
+    )
+
+
+def ensure_new(store: Store, run_name: str, step: int, files: dict | None = None) -> bool:
+    """False when step `step` has no manifest yet; True when it has one listing exactly `files` (a retried commit
+    whose manifest did land); else StepExists: a complete step is never written again."""
+    layout = RunLayout(run_name)
+    if not store.exists(layout.manifest(step)):
+        return False
+    if files is not None and Manifest.model_validate_json(store.read_bytes(layout.manifest(step))).files == files:
+        return True
+    raise StepExists(
+        f"checkpoint {store.uri(layout.step(step))} already exists complete; it is not overwritten "
+        "(another run of this lineage, or a step trained twice)"
+    )
+
+
+def put(store: Store, path: str, key: str) -> None:
+    """Upload a staged file; into a local store on the same filesystem, a rename (no second copy on disk)."""
+    target = store.local_path(key)
+    if target is not None and not os.path.exists(path) and os.path.exists(target):
+        return  # renamed into place by an earlier round
+    if target is not None:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            os.replace(path, target)
+            return
+        except OSError:  # another filesystem: copy through the store instead
+            pass
+    store.upload(path, key)
+
+
+def upload_files(store: Store, files: dict[str, str], step: int, policy: RetryPolicy, staged: str) -> float:
+    """Put staged files (key -> local path) into the store, each under the retry policy; seconds it took."""
+    t0 = time.perf_counter()
+    for key, path in files.items():
+        policy.run(step, staged, lambda k=key, p=path: put(store, p, k))
+    if faults.fires("crash_in_upload", step):
+        print(f"injected crash while uploading checkpoint step {step}", flush=True)
+        os._exit(1)
+    return time.perf_counter() - t0
+
+
+def commit(store: Store, run_name: str, manifest: Manifest, policy: RetryPolicy, staged: str) -> str:
+    """Write the manifest of a checkpoint whose files are all in the store (the commit); returns its URI."""
+    layout = RunLayout(run_name)
+    manifest = manifest.model_copy(update={"committed": time.time()})
+    policy.run(manifest.step, staged, lambda: store.write_bytes(layout.manifest(manifest.step), manifest.to_bytes()))
+    return store.uri(layout.step(manifest.step))
+
+
+def publish(
+    store: Store, run_name: str, files: dict[str, str], manifest: Manifest, policy: RetryPolicy, staged: str
+) -> str:
+    """The whole commit of staged files (name in the step folder -> local path): refused if the step is complete
+    with other files, a no-op if with the same, else the files and then the manifest (with the upload's seconds)."""
+    if policy.run(manifest.step, staged, lambda: ensure_new(store, run_name, manifest.step, manifest.files)):
+        return store.uri(RunLayout(run_name).step(manifest.step))
+    layout = RunLayout(run_name)
+    keys = {layout.step_file(manifest.step, name): path for name, path in files.items()}
+    upload_s = upload_files(store, keys, manifest.step, policy, staged)
+    return commit(store, run_name, manifest.model_copy(update={"upload_s": round(upload_s, 3)}), policy, staged)

@@ -1,0 +1,192 @@
+"""Reading checkpoints back, either format: resume, rollback, evaluation, export.
+
+    load_step(store, run, step)            the whole state on one process (an evaluator, an export)
+    load_into(..., model, optimizer)       into a live model: sharded (every rank its shards, any world
+                                           size) or plain (every rank the whole state)
+    find_latest(store, run, ..., load)     the newest checkpoint that loads; damaged ones skipped
+    load_latest(..., model, optimizer)     find_latest + load_into, after checking the model's shape
+
+A `full` checkpoint loads into a sharded model and a `dcp` one into a plain model
+(lmyard.checkpoint.dcp.load_full_into / load_full), so a lineage moves between
+train.parallel=ddp and fsdp, and between world sizes.
+
+find_latest's fallback: a damaged checkpoint (DamagedCheckpoint: its files do not
+match its manifest, or do not load) is skipped with a warning naming it and the
+previous one is tried; the caller moves it aside (catalog.quarantine). A read that
+fails (the store down) is retried `read_attempts` times and then raised: a store
+hiccup never makes a good checkpoint look damaged. Under torch.distributed every
+rank tries rank 0's list of steps, and all skip a checkpoint any rank found damaged.
+A checkpoint of another model shape is neither: it is a UserError naming both
+shapes, raised before any tensor is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from lmyard.checkpoint.catalog import complete_steps, read_manifest, read_state
+from lmyard.checkpoint.dcp import load_full, load_full_into, load_sharded
+from lmyard.checkpoint.full import read_full
+from lmyard.checkpoint.manifest import DamagedCheckpoint
+from lmyard.checkpoint.ranks import agree, gather
+from lmyard.checkpoint.state import Checkpoint, Loaded
+from lmyard.errors import UserError
+from lmyard.layout import RunLayout
+from lmyard.store import Store
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def load_step(store: Store, run_name: str, step: int, cache_dir: str, optimizer: bool = True) -> Checkpoint:
+    """Checkpoint `step`, either format, whole on this process, verified against its manifest (`optimizer=False`:
+    a sharded checkpoint's optimizer state is not read). DamagedCheckpoint when its bytes are wrong."""
+    manifest = read_manifest(store, run_name, step)
+    if manifest.format == "dcp":
+        return load_full(store, run_name, step, cache_dir, optimizer=optimizer)
+    return read_full(store, run_name, manifest, cache_dir)
+
+
+def load_into(
+    store: Store,
+    run_name: str,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    cache_dir: str,
+    *,
+    sharded: bool,
+    group=None,
+) -> Loaded:
+    """Checkpoint `step`, either format, into `model` and `optimizer`: a sharded (FSDP2) model on every rank
+    together, or a plain one (each rank reads the whole state)."""
+    if sharded and read_manifest(store, run_name, step).format == "dcp":
+        return load_sharded(store, run_name, step, model, optimizer, cache_dir, group)
+    ckpt = load_step(store, run_name, step, cache_dir)
+    if sharded:
+        load_full_into(model, optimizer, ckpt)
+    else:
+        model.load_state_dict(ckpt.model)
+        if optimizer is not None:
+            optimizer.load_state_dict(ckpt.optim)
+    return Loaded(ckpt.step, ckpt.uri, ckpt.rng, ckpt.state)
+
+
+def _together(load: Callable[[int], T], group) -> Callable[[int], T]:
+    """`load` on every rank, failing on every rank if it failed on any: DamagedCheckpoint if any rank found
+    damage (at 2 ranks only one may read the damaged file), else the error."""
+
+    def loaded(step: int) -> T:
+        result, error = None, None
+        try:
+            result = load(step)
+        except Exception as e:
+            error = e
+        said = None if error is None else (type(error).__name__, str(error).splitlines()[0])
+        failed = [(rank, s) for rank, s in enumerate(gather(said, group)) if s]
+        if not failed:
+            return result
+        if isinstance(error, (DamagedCheckpoint, UserError)):
+            raise error
+        damaged = [s for _, s in failed if s[0] == DamagedCheckpoint.__name__]
+        if damaged:
+            raise DamagedCheckpoint(damaged[0][1])
+        raise error if error is not None else RuntimeError(f"rank {failed[0][0]}: {failed[0][1][1]}")
+
+    return loaded
+
+
+def find_latest(
+    store: Store,
+    run_name: str,
+    cache_dir: str,
+    load: Callable[[int], T] | None = None,
+    *,
+    group=None,
+    read_attempts: int = 3,
+    backoff_s: float = 2.0,
+) -> tuple[T | Checkpoint | None, list[int]]:
+    """(the newest checkpoint that `load(step)` loads, the damaged steps skipped on the way); see the module doc.
+    `load` defaults to `load_step` (the whole state on this process)."""
+    load = _together(load or (lambda step: load_step(store, run_name, step, cache_dir)), group)
+    damaged: list[int] = []
+    for step in reversed(agree(complete_steps(store, run_name), group)):
+        for attempt in range(read_attempts):
+            try:
+                return load(step), damaged
+            except DamagedCheckpoint as e:
+                msg = (
+                    f"warning: checkpoint {store.uri(RunLayout(run_name).step(step))} is damaged "
+                    f"({str(e).splitlines()[0]}); falling back to the previous one"
+                )
+                log.warning(msg)
+                print(msg, flush=True)
+                damaged.append(step)
+                break
+            except UserError:
+                raise
+            except Exception as e:
+                if attempt == read_attempts - 1:
+                    raise
+                print(
+                    f"reading checkpoint step {step} failed ({type(e).__name__}: {str(e)[:200]}); retrying", flush=True
+                )
+                time.sleep(backoff_s * 2**attempt)
+    return None, damaged
+
+
+def load_latest(
+    store: Store,
+    run_name: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    cache_dir: str,
+    *,
+    sharded: bool,
+    group=None,
+    model_spec: dict | None = None,
+) -> tuple[Loaded | None, list[int]]:
+    """The newest checkpoint loaded into `model` and `optimizer` (find_latest), and the damaged steps skipped.
+    `model_spec` (lmyard.models.registry.model_spec of `model`): a checkpoint of another shape is a UserError."""
+
+    def load(step: int) -> Loaded:
+        if model_spec is not None:
+            check_shape(store, run_name, step, model_spec)
+        return load_into(store, run_name, step, model, optimizer, cache_dir, sharded=sharded, group=group)
+
+    return find_latest(store, run_name, cache_dir, load, group=group)
+
+
+def _shape(spec: dict) -> dict:
+    """The fields of a model spec that decide its tensors' shapes: the architecture and its integer sizes."""
+    return {"arch": spec.get("arch", "gpt2")} | {
+        k: v for k, v in spec.items() if isinstance(v, (int, bool)) and k != "arch"
+    }
+
+
+def check_shape(store: Store, run_name: str, step: int, model_spec: dict) -> None:
+    """UserError when checkpoint `step` holds a model of another shape than `model_spec` (its state.json says;
+    a state.json that does not parse is left to the load, which calls it damaged)."""
+    try:
+        saved = read_state(store, run_name, step).model
+    except ValueError:
+        return
+    if not saved:  # a state written without a model spec
+        return
+    old, new = _shape(saved), _shape(model_spec)
+    if old == new:
+        return
+    keys = [k for k in new | old if old.get(k) != new.get(k)]
+
+    def shape(spec: dict) -> str:
+        return " ".join(f"{k}={spec.get(k)}" for k in keys)
+
+    raise UserError(
+        f"run '{run_name}' has checkpoint step {step} of another model ({shape(old)}) than this config builds "
+        f"({shape(new)}); use a new run_name or model.init_from to start from other weights"
+    )

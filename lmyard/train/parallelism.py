@@ -1,0 +1,103 @@
+"""`train.parallel`, chosen once: how the model's parameters are spread over the ranks.
+
+    ddp   every rank holds the whole model; DDP all-reduces gradients; bf16 autocast on CUDA
+    fsdp  every rank holds its shards (FSDP2 units, made before the optimizer so it holds
+          DTensors); FSDP2 keeps bf16 weights itself (its mixed-precision policy): no autocast
+
+The trainer asks a `Parallelism` (shard, wrap, clip) and its checkpointer
+(lmyard.checkpoint.checkpointer), never `train.parallel` itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lmyard.config import RunConfig
+from lmyard.evaluate.validation import autocast
+from lmyard.train.parallel import clip_grad_norm, parallelize
+
+
+class ComputeContext:
+    """bf16 autocast on CUDA, and the configured SDPA kernel; reusable across steps."""
+
+    def __init__(self, cuda: bool, attention: str):
+        self.cuda, self.attention = cuda, attention
+
+    def __enter__(self):
+        self.stack = contextlib.ExitStack()
+        if self.cuda:
+            self.stack.enter_context(autocast("cuda"))
+        if self.attention != "auto":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            backend = {
+                "flash": SDPBackend.FLASH_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "math": SDPBackend.MATH,
+            }[self.attention]
+            self.stack.enter_context(sdpa_kernel(backend))
+        return self
+
+    def __exit__(self, *exc):
+        return self.stack.__exit__(*exc)
+
+
+def prepare_model(raw_model: torch.nn.Module, cfg: RunConfig, d) -> tuple[torch.nn.Module, ComputeContext]:
+    """The model as the training step runs it: DDP (more than one rank), then torch.compile (default on
+    CUDA); and the autocast context for its forward, with TF32 matmuls on CUDA. `d`: the trainer's Dist.
+
+    DDP first, then compile: dynamo splits the compiled graph at DDP's bucket boundaries, so each bucket's
+    all-reduce overlaps the rest of backward (compiling the bare model makes backward one opaque graph whose
+    gradients all arrive at its end).
+    """
+    t, cuda = cfg.train, d.device.type == "cuda"
+    model = raw_model
+    if d.world > 1:
+        model = DDP(
+            model,
+            device_ids=[d.local_rank] if cuda else None,
+            gradient_as_bucket_view=True,
+            bucket_cap_mb=t.ddp_bucket_mb,
+        )
+    if t.compile if t.compile is not None else cuda:
+        model = torch.compile(model)
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return model, ComputeContext(cuda, cfg.model.attention)
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How this run spreads its model (see the module doc)."""
+
+    name: str
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> Parallelism:
+        return cls(cfg.train.parallel)
+
+    @property
+    def sharded(self) -> bool:
+        return self.name == "fsdp"
+
+    def shard(self, model: torch.nn.Module, cfg: RunConfig, world: int, device: torch.device) -> None:
+        """Sharded: FSDP2 units, before the optimizer is made (it holds the shards of this rank)."""
+        if self.sharded:
+            parallelize(model, cfg, world, device)
+
+    def wrap(self, raw_model: torch.nn.Module, cfg: RunConfig, d) -> tuple[torch.nn.Module, ComputeContext]:
+        """The model the step runs and its compute context (FSDP2: the sharded model as it is, no autocast)."""
+        if self.sharded:
+            return raw_model, ComputeContext(False, cfg.model.attention)
+        return prepare_model(raw_model, cfg, d)
+
+    @property
+    def clip(self):
+        """The gradient-norm clip: FSDP2's reduces the shards' norms over the ranks."""
+        return clip_grad_norm if self.sharded else torch.nn.utils.clip_grad_norm_
