@@ -254,7 +254,7 @@ class ModelConfig(_Section):
     doc_mask: bool = Field(
         False,
         description="Document masking: attention does not cross the separator between the documents packed "
-        "in a sequence (<|endoftext|>, or tokenizer.bos/eos): block-causal FlexAttention on CUDA, a dense mask on "
+        "in a sequence (the end-of-text token, or tokenizer.bos/eos): block-causal FlexAttention on CUDA, a dense mask on "
         "CPU. Positions do not restart per document. Off: causal attention over the whole sequence "
         "(lmyard.models.attention).",
     )
