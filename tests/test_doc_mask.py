@@ -112,3 +112,23 @@ def test_doc_mask_refuses_an_sdpa_kernel_attention_dropout_and_unseparated_docum
         ModelConfig(preset="tiny", doc_mask=True, dropout=0.1)
     with pytest.raises(UserError, match="set tokenizer.bos or tokenizer.eos"):
         build_model(ModelConfig(preset="tiny", doc_mask=True), 257, (None, None))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's fused kernel runs on CUDA")
+@pytest.mark.parametrize("preset", PRESETS)
+def test_on_cuda_flex_attention_eager_and_compiled_match_the_dense_mask_on_cpu(preset):
+    """The GPU path (BlockMask, compiled flex_attention; inside a compiled model too): its loss and gradients are
+    the CPU dense mask's. TF32 may round the kernel's matmuls: loose tolerances."""
+    masked, _ = _pair(preset)
+    idx = _packed(T=64, split=23)
+    loss = masked(idx, idx)
+    loss.backward()
+    expected = {n: p.grad.clone() for n, p in masked.named_parameters()}
+    on_gpu = masked.cuda()
+    for model in (on_gpu, torch.compile(on_gpu)):
+        on_gpu.zero_grad(set_to_none=True)
+        got = model(idx.cuda(), idx.cuda())
+        got.backward()
+        torch.testing.assert_close(got.cpu(), loss.detach(), rtol=2e-3, atol=2e-3)
+        for n, p in on_gpu.named_parameters():
+            torch.testing.assert_close(p.grad.cpu(), expected[n], rtol=2e-2, atol=2e-3, msg=n)

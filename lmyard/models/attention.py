@@ -23,15 +23,15 @@ The mask is built once per forward from the input ids and shared by every block:
   `torch.compile(flex_attention)`: the fused Triton kernel, which skips the tiles of 128 x 128 that no
   query of the tile may attend to (a tile across two documents costs nothing).
 - CPU: a dense (B, 1, T, T) boolean mask through scaled_dot_product_attention, because FlexAttention has no
-  backward on CPU (torch 2.13); the same attention, for the tests and the smoke recipe.
+  backward on CPU (torch 2.13); the same attention, for the tests and the smoke recipe. (Inductor's CPU
+  FlexAttention kernel also mis-reads q and k whose layout differs from v's, as Llama's RoPE output does in a
+  compiled model: one more reason to keep CPU on SDPA.)
 
 With `model.doc_mask=false` (the default) no mask is made and the families call scaled_dot_product_attention
 with is_causal=True exactly as before.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -51,14 +51,17 @@ def document_ids(idx: torch.Tensor, bos: int | None, eos: int | None) -> torch.T
     return docs
 
 
-@functools.cache
-def _compiled_create_block_mask():
-    return torch.compile(create_block_mask)
+_COMPILED: dict = {}
 
 
-@functools.cache
-def _compiled_flex_attention():
-    return torch.compile(flex_attention)
+def _compiled(fn):
+    """`fn` itself while dynamo traces a compiled model or block (inductor compiles it with them), else
+    torch.compile(fn), made once per process on first use (compiling at import would cost every import)."""
+    if torch.compiler.is_compiling():
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn)
+    return _COMPILED[fn]
 
 
 def block_mask(docs: torch.Tensor) -> BlockMask:
@@ -68,7 +71,7 @@ def block_mask(docs: torch.Tensor) -> BlockMask:
     def same_document_causal(b, h, q, kv):
         return (q >= kv) & (docs[b, q] == docs[b, kv])
 
-    make = _compiled_create_block_mask() if docs.device.type == "cuda" else create_block_mask
+    make = _compiled(create_block_mask) if docs.device.type == "cuda" else create_block_mask
     return make(same_document_causal, B, None, T, T, device=docs.device)
 
 
@@ -88,6 +91,6 @@ def document_mask(idx: torch.Tensor, bos: int | None, eos: int | None) -> Mask:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, enable_gqa: bool = False) -> torch.Tensor:
     """Attention of (B, H, T, Dh) queries over (B, H_kv, T, Dh) keys and values under a document mask."""
     if isinstance(mask, BlockMask):
-        flex = _compiled_flex_attention() if q.device.type == "cuda" else flex_attention
+        flex = _compiled(flex_attention) if q.device.type == "cuda" else flex_attention
         return flex(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
