@@ -221,7 +221,8 @@ def test_model_init_from_a_hugging_face_folder_continues_from_its_weights(shard_
 
 
 def test_doc_mask_trains_to_a_finite_loss_and_exports_as_a_causal_model(shard_env):
-    """`--set model.doc_mask=true` on the smoke recipe; Hugging Face's model of it runs causal attention."""
+    """`--set model.doc_mask=true` on the smoke recipe; Hugging Face's model of it runs causal attention; that
+    folder continued with model.init_from and model.doc_mask trains masked again."""
     from lmyard.export.hf import export
 
     tmp, _ = shard_env
@@ -234,3 +235,10 @@ def test_doc_mask_trains_to_a_finite_loss_and_exports_as_a_causal_model(shard_en
     config = json.loads((tmp / "hf-doc-mask" / "config.json").read_text())
     assert config["architectures"] == ["GPT2LMHeadModel"] and not any(k.startswith("doc_") for k in config)
     assert json.loads((tmp / "hf-doc-mask" / "lmyard_export.json").read_text())["doc_mask"] is True
+    # and back: a Hugging Face folder continued with model.doc_mask masks again
+    again = {"model.doc_mask": "true", "model.init_from": str(tmp / "hf-doc-mask"), "checkpoint.interval": 1}
+    result, _ = _run(shard_env, "doc-mask-from-hf", nproc=1, steps=1, **again)
+    state = json.loads(
+        (tmp / "store" / "runs" / "doc-mask-from-hf" / "checkpoints" / "step_00000001" / "state.json").read_text()
+    )
+    assert result.step == 1 and state["model"]["doc_bos"] == 256
