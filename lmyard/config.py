@@ -257,6 +257,13 @@ class ModelConfig(_Section):
     attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
         "auto", description="SDPA kernel: `auto` lets PyTorch choose; `cudnn` is often fastest on Hopper GPUs."
     )
+    doc_mask: bool = Field(
+        False,
+        description="Document masking: attention does not cross the separator between the documents packed "
+        "in a sequence (the end-of-text token, or tokenizer.bos/eos): block-causal FlexAttention on CUDA, a dense mask on "
+        "CPU. Positions do not restart per document. Off: causal attention over the whole sequence "
+        "(lmyard.models.attention).",
+    )
     init_from: str | None = Field(
         None,
         description="A Hugging Face model folder (local or s3://; GPT2LMHeadModel or LlamaForCausalLM, one "
@@ -288,6 +295,13 @@ class ModelConfig(_Section):
                 "unset model.arch or choose a preset of that architecture"
             )
         registry.check(self)  # the family's own fields and shapes
+        if self.doc_mask and self.attention != "auto":
+            raise ValueError(
+                f"model.attention={self.attention} picks an SDPA kernel, but model.doc_mask runs FlexAttention; "
+                "leave model.attention=auto"
+            )
+        if self.doc_mask and self.dropout:
+            raise ValueError("model.doc_mask has no attention dropout (FlexAttention); set model.dropout=0")
         return self
 
     def architecture(self) -> str:

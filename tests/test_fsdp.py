@@ -17,9 +17,14 @@ from lmyard.train.parallel import clip_grad_norm, no_sync, parallelize
 STEPS, ACCUM, MICRO, WORLD = 4, 2, 2, 2
 
 
-def _batches():
+def _batches(doc_len: int | None = None):
+    """Random byte-tokenizer ids; with doc_len, an <|endoftext|> (256) once per doc_len tokens on average."""
     g = torch.Generator().manual_seed(1)
-    return [[torch.randint(0, 257, (MICRO * WORLD, 65), generator=g) for _ in range(ACCUM)] for _ in range(STEPS)]
+    batches = [[torch.randint(0, 257, (MICRO * WORLD, 65), generator=g) for _ in range(ACCUM)] for _ in range(STEPS)]
+    if doc_len:
+        for rows in (r for step in batches for r in step):
+            rows[torch.rand(rows.shape, generator=g) < 1 / doc_len] = 256
+    return batches
 
 
 def _train(model, params, batches, rank, world, sync):
@@ -43,19 +48,20 @@ def _train(model, params, batches, rank, world, sync):
     return losses
 
 
-def _worker(rank: int, port: int, runs: list[tuple[str, str]]) -> None:
+def _worker(rank: int, port: int, runs: list[tuple[str, str, bool]]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        batches = _batches()
-        for preset, mode in runs:
+        for preset, mode, doc_mask in runs:
+            batches = _batches(doc_len=16 if doc_mask else None)
+            model_cfg, separators = ModelConfig(preset=preset, doc_mask=doc_mask), (256, None)
             torch.manual_seed(0)
-            ref = build_model(ModelConfig(preset=preset), 257)
+            ref = build_model(model_cfg, 257, separators)
             init = {k: v.clone() for k, v in ref.state_dict().items()}
             ref_losses = _train(ref, list(ref.parameters()), batches, 0, 1, lambda last: _null())
             torch.manual_seed(123)  # a different init, then the reference's weights: sharding must keep them
-            model = build_model(ModelConfig(preset=preset), 257)
+            model = build_model(model_cfg, 257, separators)
             model.load_state_dict(init)
             cfg = load_recipe(
                 "smoke",
@@ -64,6 +70,7 @@ def _worker(rank: int, port: int, runs: list[tuple[str, str]]) -> None:
                     "train.parallel=fsdp",
                     "train.device=cpu",
                     f"train.activation_checkpointing={mode}",
+                    f"model.doc_mask={doc_mask}",
                 ],
             )
             model = parallelize(model, cfg, WORLD, torch.device("cpu"))
@@ -94,6 +101,8 @@ class _null:
 def test_fsdp_on_two_ranks_trains_as_one_process_on_the_whole_batch_with_and_without_checkpointing():
     """Same init, same global batches, gradient accumulation (no_sync on the first micro-step), clipping:
     the 2-rank FSDP2 run's losses, grad norms and weights match the plain loop's: Llama with activation
-    checkpointing off and selective, GPT-2 (tied embeddings in the root unit) with full."""
-    runs = [("llama-tiny", "none"), ("llama-tiny", "selective"), ("tiny", "full")]
+    checkpointing off and selective, GPT-2 (tied embeddings in the root unit) with full, and Llama with document
+    masking (model.doc_mask: the mask passed through the checkpointed, sharded blocks) under selective."""
+    runs = [("llama-tiny", "none", False), ("llama-tiny", "selective", False), ("tiny", "full", False)]
+    runs += [("llama-tiny", "selective", True)]
     mp.spawn(_worker, args=(free_port(), runs), nprocs=WORLD, join=True)

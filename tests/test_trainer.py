@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -217,3 +218,27 @@ def test_model_init_from_a_hugging_face_folder_continues_from_its_weights(shard_
     (start, _), (continued, _) = _state(shard_env, "straight", 12), _state(shard_env, "from-hf", 1)
     for name in start:  # one step at lr 1e-12 from the exported weights: the same weights
         torch.testing.assert_close(continued[name], start[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_doc_mask_trains_to_a_finite_loss_and_exports_as_a_causal_model(shard_env):
+    """`--set model.doc_mask=true` on the smoke recipe; Hugging Face's model of it runs causal attention; that
+    folder continued with model.init_from and model.doc_mask trains masked again."""
+    from lmyard.export.hf import export
+
+    tmp, _ = shard_env
+    result, _ = _run(shard_env, "doc-mask", nproc=1, steps=3, **{"model.doc_mask": "true", "checkpoint.interval": 3})
+    assert result.step == 3 and math.isfinite(result.train_loss) and math.isfinite(result.val_loss)
+    run = tmp / "store" / "runs" / "doc-mask"
+    state = json.loads((run / "checkpoints" / "step_00000003" / "state.json").read_text())
+    assert state["model"]["doc_bos"] == 256 and state["model"]["doc_eos"] is None  # bytes: <|endoftext|> before
+    export(str(run), str(tmp / "hf-doc-mask"), 3)
+    config = json.loads((tmp / "hf-doc-mask" / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"] and not any(k.startswith("doc_") for k in config)
+    assert json.loads((tmp / "hf-doc-mask" / "lmyard_export.json").read_text())["doc_mask"] is True
+    # and back: a Hugging Face folder continued with model.doc_mask masks again
+    again = {"model.doc_mask": "true", "model.init_from": str(tmp / "hf-doc-mask"), "checkpoint.interval": 1}
+    result, _ = _run(shard_env, "doc-mask-from-hf", nproc=1, steps=1, **again)
+    state = json.loads(
+        (tmp / "store" / "runs" / "doc-mask-from-hf" / "checkpoints" / "step_00000001" / "state.json").read_text()
+    )
+    assert result.step == 1 and state["model"]["doc_bos"] == 256

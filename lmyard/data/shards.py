@@ -114,6 +114,15 @@ class ShardSet:
     def n_vocab(self) -> int:
         return int(self.manifest["tokenizer"]["n_vocab"])
 
+    @property
+    def separators(self) -> tuple[int | None, int | None]:
+        """(id written before each document, id written after it), as the manifest's tokenizer records them
+        (lmyard.data.tokenizer.identity): its bos/eos where set, else tiktoken's <|endoftext|> before each."""
+        t = self.manifest["tokenizer"]
+        if "bos" in t or "eos" in t:
+            return t.get("bos"), t.get("eos")
+        return t.get("eot"), None
+
     def to_dict(self) -> dict:
         return {"address": self.address, "uri": self.uri, "manifest": self.manifest}
 

@@ -14,6 +14,11 @@ uploaded (S3, config.json last) at the end, so a destination never holds half
 an export; `init_from_hf` reads such a folder back into an lmyard model. The
 folder and its files are readable by every user (0755 and 0644 under the
 umask): a model is served or evaluated by other users than the one who exported it.
+
+A model trained with `model.doc_mask` (block-causal attention over packed documents) exports as it is:
+Hugging Face's model attends causally, which is the same attention for a sequence holding one document
+(a prompt and its continuation), the way a model is used at inference; lmyard_export.json says
+`"doc_mask": true`. Several documents packed into one sequence would attend across their separators there.
 """
 
 from __future__ import annotations
@@ -157,6 +162,8 @@ def write_folder(ckpt: Checkpoint, folder: str) -> dict:
         "tokenizer": facts.tokenizer.model_dump(),
         **facts.provenance,
     }
+    if dims.get("doc_bos") is not None or dims.get("doc_eos") is not None:
+        info["doc_mask"] = True  # trained block-causal over packed documents; HF's model attends causally
     for name, data in (("config.json", config), ("generation_config.json", generation), ("lmyard_export.json", info)):
         with open(os.path.join(folder, name), "w") as f:
             json.dump(data, f, indent=1)

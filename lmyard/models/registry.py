@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from lmyard.errors import UserError
 from lmyard.models import gpt2, llama
 from lmyard.models.spec import ModelSpec
 
@@ -61,10 +62,25 @@ def model_config(cfg, n_vocab: int):
     return FAMILIES[cfg.architecture()].config(resolve(cfg, n_vocab))
 
 
-def build_model(cfg, n_vocab: int):
+def doc_fields(cfg, separators: tuple[int | None, int | None]) -> dict:
+    """The config fields of `model.doc_mask` (every family's `doc_bos`, `doc_eos`: lmyard.models.attention):
+    the ids written before and after each packed document (the shard set's, lmyard.data.shards.ShardSet
+    .separators); {} when it is off. UserError when documents are not separated at all."""
+    if not cfg.doc_mask:
+        return {}
+    bos, eos = separators
+    if bos is None and eos is None:
+        raise UserError(
+            "model.doc_mask needs documents separated by a token, but the shard set has none; "
+            "set tokenizer.bos or tokenizer.eos, or model.doc_mask=false"
+        )
+    return {"doc_bos": bos, "doc_eos": eos}
+
+
+def build_model(cfg, n_vocab: int, separators: tuple[int | None, int | None] = (None, None)):
     """A freshly initialised model of `model.*` (on the current default device: build under
-    `with torch.device(...)` to make the weights there)."""
-    return FAMILIES[cfg.architecture()].build(resolve(cfg, n_vocab))
+    `with torch.device(...)` to make the weights there); `separators`: the shard set's (doc_fields)."""
+    return FAMILIES[cfg.architecture()].build({**resolve(cfg, n_vocab), **doc_fields(cfg, separators)})
 
 
 def model_spec(model) -> dict:

@@ -10,7 +10,8 @@ fp32 (MixedPrecisionPolicy). On CPU everything stays fp32.
 
 Activation checkpointing: `full` recomputes each whole block in backward; `selective` is torchtitan's
 op-level policy: inside each block the outputs of matmuls and attention are kept, except every second
-matmul's, and everything else (norms, RoPE, SwiGLU's pointwise ops) is recomputed.
+matmul's, and everything else (norms, RoPE, SwiGLU's pointwise ops) is recomputed; FlexAttention's output
+(model.doc_mask) is kept as SDPA's is.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def _selective_policy():
         if hasattr(aten, name)
     }
     keep.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    keep.add(torch.ops.higher_order.flex_attention)  # model.doc_mask's attention (lmyard.models.attention)
     counts = {"forward": 0, "recompute": 0}
 
     def policy(ctx, func, *args, **kwargs):

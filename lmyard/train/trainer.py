@@ -42,7 +42,7 @@ from lmyard.data.shards import ShardSet
 from lmyard.errors import Diverged, ExitCode, Preempted, StoreOutage, UserError, exit_code_of  # noqa: F401
 from lmyard.evaluate.validation import val_loss
 from lmyard.layout import RunLayout
-from lmyard.models.registry import build_model, flops_per_token, model_from_spec, model_spec
+from lmyard.models.registry import build_model, doc_fields, flops_per_token, model_from_spec, model_spec
 from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
 from lmyard.tracking.sink import MetricsSink, NullSink, metrics_sink, system_metrics
@@ -199,7 +199,7 @@ class Trainer:
             if self.cfg.model.init_from:  # a Hugging Face folder: its sizes and weights (a checkpoint wins at resume)
                 self.raw_model = self._from_hf(self.cfg.model.init_from)
             else:
-                self.raw_model = build_model(self.cfg.model, self.shards.n_vocab)
+                self.raw_model = build_model(self.cfg.model, self.shards.n_vocab, self.shards.separators)
         self.gcfg = self.raw_model.config
         if self.gcfg.vocab_size < self.shards.n_vocab:
             raise UserError(
@@ -219,7 +219,7 @@ class Trainer:
         from lmyard.export.hf import init_from_hf
 
         state, spec = init_from_hf(path, os.path.join(self.cache, "init-from"))
-        model = model_from_spec(spec)
+        model = model_from_spec({**spec, **doc_fields(self.cfg.model, self.shards.separators)})
         model.load_state_dict(state)
         if self.d.is_main:
             print(f"initialised from {path}: {spec}", flush=True)

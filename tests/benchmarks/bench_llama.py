@@ -3,6 +3,7 @@
     python tests/benchmarks/bench_llama.py --gpus 1 4 --preset llama-1b --seq 2048 --batch 4 --compile --titan
     python tests/benchmarks/bench_llama.py --gpus 4 --preset llama-8b --seq 8192 --batch 1 --ac full --compile
     python tests/benchmarks/bench_llama.py --device cpu --gpus 2 --preset llama-tiny --seq 64 --batch 2 --steps 3 --warmup 1
+    python tests/benchmarks/bench_llama.py --gpus 1 --preset llama-1b --seq 2048 --batch 4 --compile --doc-mask both
 
 For each GPU count it runs `torchrun --nproc_per_node=N bench_llama.py --worker`: the model from
 lmyard.models.build_model (made on the GPU, seeded), lmyard.parallel.parallelize (float8 -> activation
@@ -10,6 +11,13 @@ checkpointing -> torch.compile per block -> FSDP2 with bf16 parameters and fp32 
 gradient clipping at 1.0, one micro-batch per step, reading uniformly random GPT-2 token ids from a shard
 file (tests/benchmarks/random_shards.py): rank r, step s takes sequences (s * world + r) * batch ... of
 seq + 1 tokens. With `--titan` it then runs torchtitan on the same shard (run_torchtitan.py).
+
+`--doc-mask on` trains with model.doc_mask (block-causal FlexAttention over packed documents,
+lmyard.models.attention) instead of causal SDPA, `--doc-mask both` runs causal then doc-masked for each GPU
+count. The shard's random ids hold an <|endoftext|> (50256) once in ~50k tokens, so doc-masked runs place
+one at random positions, once per `--doc-len` tokens on average (default 1024, about FineWeb's mean
+document): the mask's tiles then skip what a real corpus lets them skip. Causal runs read the shard as it is,
+and so does `--trainer` (with `--doc-mask on`: the mask's cost with nearly one document per sequence).
 
 Prints one JSON line per run and a summary: tokens/s, tokens/s per GPU, MFU = tokens/s * F / (peak * GPUs)
 with F = lmyard.models.registry.flops_per_token = 6 * (parameters - input embedding) + 12 * layers * width * seq
@@ -28,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+EOT = 50256  # GPT-2's <|endoftext|>: begins each document, as lmyard's shards write it
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path[:0] = [str(REPO), str(HERE)]
@@ -87,11 +96,12 @@ def worker(a: argparse.Namespace) -> None:
             f"train.float8={a.float8}",
             f"train.fsdp_reshard_after_forward={not a.no_reshard}",
             f"train.device={a.device}",
+            f"model.doc_mask={a.doc_mask == 'on'}",
         ],
     )
     torch.manual_seed(0)
     with torch.device(device):
-        model = build_model(cfg.model, 50257)
+        model = build_model(cfg.model, 50257, (EOT, None))
     n_params, flops_tok = model.num_params(), flops_per_token(model_spec(model))
     model = parallelize(model, cfg, world, device)
     params = list(model.parameters())
@@ -101,6 +111,9 @@ def worker(a: argparse.Namespace) -> None:
     def batch(step: int):
         first = (step * world + rank) * B * (T + 1)
         rows = torch.from_numpy(tokens[first : first + B * (T + 1)].astype("int64")).view(B, T + 1)
+        if a.doc_mask == "on":  # documents of --doc-len tokens on average, begun by <|endoftext|>
+            g = torch.Generator().manual_seed(step * world + rank)
+            rows[torch.rand(B, T + 1, generator=g) < 1 / a.doc_len] = EOT
         rows = rows.pin_memory().to(device, non_blocking=True) if cuda else rows
         return rows[:, :-1], rows[:, 1:]
 
@@ -121,7 +134,7 @@ def worker(a: argparse.Namespace) -> None:
     tok_s = a.steps * B * T * world / dt
     peak = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None) if cuda else None
     out = {
-        "impl": "lmyard",
+        "impl": "lmyard+docmask" if a.doc_mask == "on" else "lmyard",
         "preset": a.preset,
         "params": n_params,
         "world": world,
@@ -130,6 +143,7 @@ def worker(a: argparse.Namespace) -> None:
         "ac": a.ac,
         "compile": a.compile,
         "float8": a.float8,
+        "doc_mask": a.doc_mask == "on",
         "tok_s": round(tok_s),
         "tok_s_per_gpu": round(tok_s / world),
         "step_ms": round(dt / a.steps * 1000, 1),
@@ -161,7 +175,7 @@ def run_lmyard(a: argparse.Namespace, gpus: int, shard: Path) -> dict:
     args = [
         f"--{k.replace('_', '-')}={v}"
         for k, v in vars(a).items()
-        if k in ("preset", "seq", "batch", "ac", "steps", "warmup", "device", "attention")
+        if k in ("preset", "seq", "batch", "ac", "steps", "warmup", "device", "attention", "doc_mask", "doc_len")
     ]
     args += [f"--shard={shard}"] + [
         f"--{f.replace('_', '-')}" for f in ("compile", "float8", "no_reshard") if getattr(a, f)
@@ -201,6 +215,7 @@ def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
         f"train.activation_checkpointing={a.ac}",
         f"train.compile={str(a.compile).lower()}",
         f"model.attention={a.attention}",
+        f"model.doc_mask={str(a.doc_mask == 'on').lower()}",  # on the shard as it is (see the docstring)
         f"train.fsdp_reshard_after_forward={str(not a.no_reshard).lower()}",
         "eval.val_tokens=16384",
         "checkpoint.interval=100000",
@@ -228,6 +243,13 @@ def main() -> None:
         help="SDPA kernels for lmyard: auto (PyTorch's choice), cudnn (cuDNN, then flash, then math: "
         "torchtitan's order), or one kernel",
     )
+    ap.add_argument(
+        "--doc-mask",
+        choices=["off", "on", "both"],
+        default="off",
+        help="model.doc_mask: off (causal SDPA), on (block-causal FlexAttention over packed documents), or both",
+    )
+    ap.add_argument("--doc-len", type=int, default=1024, help="mean document length of --doc-mask runs (tokens)")
     ap.add_argument("--steps", type=int, default=30, help="timed steps")
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -252,9 +274,12 @@ def main() -> None:
     for gpus in a.gpus:
         steps = a.warmup + a.steps
         shard = ensure_shards(a.data, (steps + 1) * a.batch * (a.seq + 1) * max(a.gpus))
-        ours = run_lmyard(a, gpus, shard)
-        print(json.dumps(ours), flush=True)
-        rows.append(ours)
+        modes = ["off", "on"] if a.doc_mask == "both" else [a.doc_mask]
+        for mode in modes:  # causal first: torchtitan's ratio is to the first
+            row = run_lmyard(argparse.Namespace(**{**vars(a), "doc_mask": mode}), gpus, shard)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        ours = rows[-len(modes)]
         if a.trainer:
             trainer = run_trainer(a, gpus)
             trainer["tok_s_per_gpu"] = round(trainer["tok_s"] / gpus)

@@ -29,6 +29,6 @@ def make_shards(store: Path, tokens: int) -> dict:
                 "sha256": fmt.sha256_file(path),
             }
         )
-    manifest = {"address": address, "tokenizer": {"name": "r50k_base", "n_vocab": 50257}, "shards": files}
+    manifest = {"address": address, "tokenizer": {"name": "r50k_base", "n_vocab": 50257, "eot": 50256}, "shards": files}
     (prefix / "manifest.json").write_text(json.dumps(manifest))
     return {"address": address, "uri": str(prefix), "manifest": manifest}

@@ -1,5 +1,8 @@
 """GPT-2 style decoder: pre-LayerNorm blocks, SDPA (flash) attention, tied embeddings.
 
+With `doc_bos`/`doc_eos` set (model.doc_mask), attention is block-causal over the packed documents
+(lmyard.models.attention); positions do not restart per document.
+
 Initialisation follows GPT-2: N(0, 0.02) weights, zero biases, and the
 residual projections scaled by 1/sqrt(2 * n_layer).
 """
@@ -13,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lmyard.models import attention
 from lmyard.models.base import LanguageModel
 from lmyard.models.losses import linear_cross_entropy
 
@@ -26,6 +30,8 @@ class GPTConfig:
     n_embd: int
     dropout: float = 0.0
     bias: bool = True
+    doc_bos: int | None = None  # model.doc_mask: the id that begins each packed document (None: causal)
+    doc_eos: int | None = None  # model.doc_mask: the id that ends each packed document
 
 
 class CausalSelfAttention(nn.Module):
@@ -36,11 +42,16 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
         self.c_proj.RESIDUAL = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: attention.Mask | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        if mask is None:
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            )
+        else:  # documents (the config refuses attention dropout with model.doc_mask)
+            y = attention.attend(q, k, v, mask)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -61,8 +72,8 @@ class Block(nn.Module):
         self.ln_1, self.ln_2 = nn.LayerNorm(c.n_embd, bias=c.bias), nn.LayerNorm(c.n_embd, bias=c.bias)
         self.attn, self.mlp = CausalSelfAttention(c), MLP(c)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: attention.Mask | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -102,8 +113,14 @@ class GPT(LanguageModel):
         assert T <= self.config.block_size, f"sequence of {T} exceeds block_size {self.config.block_size}"
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.h:
-            x = block(x)
+        c = self.config
+        if c.doc_bos is None and c.doc_eos is None:
+            for block in self.h:
+                x = block(x)
+        else:  # one mask per batch, shared by every block
+            mask = attention.document_mask(idx, c.doc_bos, c.doc_eos)
+            for block in self.h:
+                x = block(x, mask)
         x = self.ln_f(x)
         if targets is None:
             return self.lm_head(x)

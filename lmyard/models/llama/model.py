@@ -12,6 +12,9 @@ that q, k and v are one matmul, `self_attn.qkv_proj` (HF's q_proj, k_proj and v_
 as torchtitan fuses them: one larger GEMM); RoPE rotates halves of each head as HF does, so an export
 only splits qkv_proj's rows, with no permutation of q and k.
 
+With `doc_bos`/`doc_eos` set (model.doc_mask), attention is block-causal over the packed documents
+(lmyard.models.attention); RoPE positions do not restart per document.
+
 Initialisation as torchtitan's Llama 3: embeddings N(0, 1); qkv and the gate projection
 truncated N(0, 0.02); the output projections of attention and MLP (o_proj, down_proj) and the up
 projection truncated N(0, 0.02 / sqrt(2 * (layer + 1))) (depth-scaled); the LM head truncated
@@ -27,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lmyard.models import attention
 from lmyard.models.base import LanguageModel
 from lmyard.models.losses import linear_cross_entropy
 
@@ -42,6 +46,8 @@ class LlamaConfig:
     ffn_hidden: int
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
+    doc_bos: int | None = None  # model.doc_mask: the id that begins each packed document (None: causal)
+    doc_eos: int | None = None  # model.doc_mask: the id that ends each packed document
 
     @property
     def head_dim(self) -> int:
@@ -70,14 +76,19 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(c.n_embd, sum(self.sizes), bias=False)  # HF's q_proj, k_proj, v_proj stacked
         self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: attention.Mask | None = None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        else:
+            y = attention.attend(q, k, v, mask, enable_gqa=self.n_kv_head != self.n_head)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -102,8 +113,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(c.n_embd, eps=c.norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: attention.Mask | None = None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -168,6 +181,12 @@ class Llama(LanguageModel):
         assert T <= self.config.block_size, f"sequence of {T} exceeds block_size {self.config.block_size}"
         x = self.embed_tokens(idx)
         cos, sin = self.rope_cos[:T].to(x.dtype), self.rope_sin[:T].to(x.dtype)
-        for block in self.layers:
-            x = block(x, cos, sin)
+        c = self.config
+        if c.doc_bos is None and c.doc_eos is None:
+            for block in self.layers:
+                x = block(x, cos, sin)
+        else:  # one mask per batch, shared by every block; positions run on across documents
+            mask = attention.document_mask(idx, c.doc_bos, c.doc_eos)
+            for block in self.layers:
+                x = block(x, cos, sin, mask)
         return self.lm_head(self.norm(x), targets)

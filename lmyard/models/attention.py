@@ -1,0 +1,96 @@
+"""Document masking (`model.doc_mask`): block-causal attention over the documents packed in a sequence.
+
+A training sequence is a window of the token stream, so it usually holds the end of one document and the
+start of the next, separated by the tokenizer's separator (lmyard.data.tokenizer.separators; by default
+<|endoftext|> *before* each document, as llm.c writes them; `tokenizer.eos` puts one *after*). Causal
+attention lets the second document attend to the first; with document masking a token attends only to
+earlier tokens of its own document:
+
+    document id of a token = separators that begin a document at or before it (bos)
+                           + separators that end a document strictly before it (eos)
+    token q attends to token k  <=>  k <= q  and  document(k) == document(q)
+
+so a begin-separator belongs to the document it begins and an end-separator to the one it ends (torchtitan
+counts end-of-sequence ids the same way; modded-nanogpt begins documents at its <|endoftext|>, as here).
+
+Positions do not restart per document (torchtitan and modded-nanogpt alike): a document that begins in the
+middle of a window keeps the window's positions (learned positions for GPT-2, RoPE for Llama). Simple, and
+RoPE is relative anyway; GPT-2's learned table sees every position either way.
+
+The mask is built once per forward from the input ids and shared by every block:
+
+- CUDA: a FlexAttention BlockMask (`create_block_mask`, compiled once per process), and attention through
+  `torch.compile(flex_attention)`: the fused Triton kernel, which skips the tiles of 128 x 128 that no
+  query of the tile may attend to (a tile across two documents costs nothing).
+- CPU: a dense (B, 1, T, T) boolean mask through scaled_dot_product_attention, because FlexAttention has no
+  backward on CPU (torch 2.13); the same attention, for the tests and the smoke recipe. (Inductor's CPU
+  FlexAttention kernel also mis-reads q and k whose layout differs from v's, as Llama's RoPE output does in a
+  compiled model: one more reason to keep CPU on SDPA.)
+
+With `model.doc_mask=false` (the default) no mask is made and the families call scaled_dot_product_attention
+with is_causal=True exactly as before.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+Mask = BlockMask | torch.Tensor  # a BlockMask (CUDA) or a dense boolean mask (CPU)
+
+
+def document_ids(idx: torch.Tensor, bos: int | None, eos: int | None) -> torch.Tensor:
+    """(B, T) document index of every token (see the module docstring); only equality between them matters."""
+    docs = torch.zeros_like(idx)
+    if bos is not None:  # a document begins at its bos: counted from the bos on
+        docs = docs + (idx == bos).cumsum(1)
+    if eos is not None:  # a document ends at its eos: counted from the token after it
+        ends = (idx == eos).long()
+        docs = docs + ends.cumsum(1) - ends
+    return docs
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(fn):
+    """`fn` itself while dynamo traces a compiled model or block (inductor compiles it with them), else
+    torch.compile(fn), made once per process on first use (compiling at import would cost every import)."""
+    if torch.compiler.is_compiling():
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn)
+    return _COMPILED[fn]
+
+
+def block_mask(docs: torch.Tensor) -> BlockMask:
+    """The FlexAttention BlockMask of `document_ids` (compiled on CUDA; eager elsewhere, for tests)."""
+    B, T = docs.shape
+
+    def same_document_causal(b, h, q, kv):
+        return (q >= kv) & (docs[b, q] == docs[b, kv])
+
+    make = _compiled(create_block_mask) if docs.device.type == "cuda" else create_block_mask
+    return make(same_document_causal, B, None, T, T, device=docs.device)
+
+
+def dense_mask(docs: torch.Tensor) -> torch.Tensor:
+    """The (B, 1, T, T) boolean mask of `document_ids`: True where a query may attend to a key."""
+    T = docs.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=docs.device).tril()
+    return ((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
+
+
+def document_mask(idx: torch.Tensor, bos: int | None, eos: int | None) -> Mask:
+    """The mask every block of one forward shares: a BlockMask on CUDA, a dense one elsewhere."""
+    docs = document_ids(idx, bos, eos)
+    return block_mask(docs) if idx.device.type == "cuda" else dense_mask(docs)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, enable_gqa: bool = False) -> torch.Tensor:
+    """Attention of (B, H, T, Dh) queries over (B, H_kv, T, Dh) keys and values under a document mask."""
+    if isinstance(mask, BlockMask):
+        flex = _compiled(flex_attention) if q.device.type == "cuda" else flex_attention
+        return flex(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
