@@ -13,6 +13,10 @@ EXCHANGE_DIR; the job reads it through the engine (`get_archive`), so nodes on
 other hosts need no shared folder. Whatever ends the follow, the containers and
 the network are removed.
 
+GPUs (launch.docker.gpu_mode toolkit | devices | cdi, per-node GPU ids, and the host pid/IPC namespaces
+nodes sharing one host need) are lmyard.launch.gpus: `plan()` merges its per-node container arguments, and
+`DockerJob.start` runs its engine check on every engine before any container is created.
+
 Credentials (every AWS_* variable of the launching process, and the names in
 launch.docker.pass_env) reach the containers through their environment only;
 `describe()` and the log lines mask their values.
@@ -37,6 +41,7 @@ from lmyard.config import DockerConfig, RunConfig
 from lmyard.contracts import EXCHANGE_ENV, TrainResult, TrainSpec
 from lmyard.errors import UserError
 from lmyard.launch.follower import Follower, stage_env, torchrun_command
+from lmyard.launch.gpus import check_engine, node_gpus
 
 LABEL = "lmyard"  # label keys: lmyard.run_name, lmyard.flow_run_id, lmyard.launch_id, lmyard.node
 EXCHANGE_DIR = "/tmp/lmyard-exchange"  # inside each container
@@ -173,11 +178,7 @@ def plan(
     secrets = secret_names(dc, environ)
     env.update({k: environ[k] for k in secrets})
 
-    device_requests = []
-    if dc.gpu_ids is not None:
-        device_requests = [_device_request(device_ids=list(dc.gpu_ids))]
-    elif dc.gpus != 0:
-        device_requests = [_device_request(count=-1 if dc.gpus == "all" else dc.gpus)]
+    gpus = node_gpus(launch, urls[:nnodes])  # devices, mounts, namespaces per node (lmyard.launch.gpus)
 
     nodes = []
     for i in range(nnodes):
@@ -195,11 +196,11 @@ def plan(
             name=names[i],
             hostname=names[i] if network else None,
             labels={**labels, f"{LABEL}.node": str(i)},
-            environment=dict(env),
+            environment={**gpus[i].env, **env},
             volumes=dict(mounts),
-            shm_size=dc.shm_size,
+            shm_size=None if gpus[i].kwargs.get("ipc_mode") == "host" else dc.shm_size,
             ulimits=_ulimits(dc.ulimits),
-            device_requests=device_requests or None,
+            **gpus[i].kwargs,
             network_mode=None if network else "host",
             network=network,
             user=dc.user,
@@ -207,12 +208,6 @@ def plan(
         )
         nodes.append(NodePlan(i, urls[i], {k: v for k, v in kwargs.items() if v is not None}, set(secrets)))
     return LaunchPlan(launch_id, image, network, labels, nodes)
-
-
-def _device_request(**kwargs):
-    from docker.types import DeviceRequest
-
-    return DeviceRequest(capabilities=[["gpu"]], **kwargs)
 
 
 def _ulimits(limits: dict[str, int]):
@@ -231,7 +226,8 @@ def describe(node: NodePlan) -> str:
     gpus = [dict(r) for r in k.get("device_requests", [])]
     return (
         f"node {node.index} on {node.url}: {k['name']} image={k['image']} "
-        f"network={k.get('network') or k.get('network_mode')} shm={k['shm_size']} gpus={gpus or 'none'} "
+        f"network={k.get('network') or k.get('network_mode')} shm={k.get('shm_size', 'host')} "
+        f"gpus={gpus or k.get('devices') or 'none'} "
         f"mounts={sorted(k['volumes'])} env={env} cmd={' '.join(k['command'])}"
     )
 
@@ -336,12 +332,14 @@ class DockerJob:
             if self.flow_run_id:
                 remove_leftovers(client, self.flow_run_id, self.on_line)
             try:
-                client.images.get(self.image)
+                image = client.images.get(self.image)
             except docker.errors.ImageNotFound:
                 raise UserError(
                     f"image {self.image} is not on the engine {url}: build it there "
                     "(python -m lmyard.launch.images build) or load it (docker save | docker load)"
                 ) from None
+            here = [n for n in self.plan.nodes if n.url == url]
+            check_engine(client, url, here, image, mode=dc.gpu_mode, driver_dir=dc.driver_dir, labels=self.plan.labels)
         if self.plan.network:
             self.network = self.clients[self.plan.nodes[0].url].networks.create(
                 self.plan.network, driver="bridge", labels=self.plan.labels
