@@ -266,8 +266,14 @@ def test_cpu_nodes_get_no_gpu_settings_in_any_mode(tmp_path):
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
-        (["launch.nnodes=2", "launch.docker.node_gpus=['0,1', '2,3', '4']"], "node_gpus lists 3 entries for launch.nnodes=2"),
-        (["launch.nnodes=2", "launch.docker.node_gpus=['0,1', '1,2']"], "nodes 0 and 1 share the engine .* both use GPU 1"),
+        (
+            ["launch.nnodes=2", "launch.docker.node_gpus=['0,1', '2,3', '4']"],
+            "node_gpus lists 3 entries for launch.nnodes=2",
+        ),
+        (
+            ["launch.nnodes=2", "launch.docker.node_gpus=['0,1', '1,2']"],
+            "nodes 0 and 1 share the engine .* both use GPU 1",
+        ),
         (["launch.nnodes=2", "launch.docker.gpu_ids=['0']"], "nodes 0 and 1 share the engine .* both use GPU 0"),
         (["launch.nnodes=2", "launch.docker.gpu_mode=devices", "launch.docker.gpus=1"], "both use GPU 0"),
     ],

@@ -159,27 +159,9 @@ def plan(
 
     # torchrun: c10d rendezvous hosted by node 0's agent; a fresh rendezvous id per launch, so a
     # straggler from an earlier attempt cannot join this one.
-    if network:
-        rdzv = f"{names[0]}:{dc.rdzv_port}"
-    else:
-        rdzv = launch.rdzv_endpoint or f"{_node_host(urls[0])}:{dc.rdzv_port}"
-
-    env = {
-        **stage_env(cfg),
-        EXCHANGE_ENV: EXCHANGE_DIR,
-        "LMYARD_SPEC": json.dumps(spec, separators=(",", ":")),
-        **dc.env,
-    }
-    if dc.socket_ifname:
-        env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = dc.socket_ifname
-    for name in ("LMYARD_FAULTS", "LMYARD_FAULTS_STATE"):  # failure drills
-        if environ.get(name):
-            env[name] = environ[name]
-    secrets = secret_names(dc, environ)
-    env.update({k: environ[k] for k in secrets})
-
+    rdzv = f"{names[0]}:{dc.rdzv_port}" if network else launch.rdzv_endpoint or f"{_node_host(urls[0])}:{dc.rdzv_port}"
+    env, secrets = _environment(cfg, spec, environ)
     gpus = node_gpus(launch, urls[:nnodes])  # devices, mounts, namespaces per node (lmyard.launch.gpus)
-
     nodes = []
     for i in range(nnodes):
         command = torchrun_command(
@@ -208,6 +190,25 @@ def plan(
         )
         nodes.append(NodePlan(i, urls[i], {k: v for k, v in kwargs.items() if v is not None}, set(secrets)))
     return LaunchPlan(launch_id, image, network, labels, nodes)
+
+
+def _environment(cfg: RunConfig, spec: dict, environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Every container's environment (the spec in LMYARD_SPEC) and the names of the secrets passed through."""
+    dc = cfg.launch.docker
+    env = {
+        **stage_env(cfg),
+        EXCHANGE_ENV: EXCHANGE_DIR,
+        "LMYARD_SPEC": json.dumps(spec, separators=(",", ":")),
+        **dc.env,
+    }
+    if dc.socket_ifname:
+        env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = dc.socket_ifname
+    for name in ("LMYARD_FAULTS", "LMYARD_FAULTS_STATE"):  # failure drills
+        if environ.get(name):
+            env[name] = environ[name]
+    secrets = secret_names(dc, environ)
+    env.update({k: environ[k] for k in secrets})
+    return env, secrets
 
 
 def _ulimits(limits: dict[str, int]):

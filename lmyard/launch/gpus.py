@@ -100,7 +100,9 @@ def _engine_gpus(urls: Sequence[str], ids: list[list[str]]) -> dict[str, list[st
     out: dict[str, list[str]] = {}
     for url, g in owner:
         out.setdefault(url, []).append(g)
-    return {url: sorted(gs, key=lambda g: (not g.isdigit(), int(g) if g.isdigit() else 0, g)) for url, gs in out.items()}
+    return {
+        url: sorted(gs, key=lambda g: (not g.isdigit(), int(g) if g.isdigit() else 0, g)) for url, gs in out.items()
+    }
 
 
 def node_gpus(launch: LaunchConfig, urls: Sequence[str]) -> list[NodeGpus]:
@@ -199,7 +201,9 @@ def check_engine(client, url: str, nodes: Sequence, image, *, mode: str, driver_
         container.start()
         code = container.wait(timeout=120)["StatusCode"]
     except docker.errors.APIError as e:
-        raise UserError(f"launch.docker.gpu_mode={mode}: {who}: {_missing(e.explanation or e, mode, driver_dir)}") from None
+        raise UserError(
+            f"launch.docker.gpu_mode={mode}: {who}: {_missing(e.explanation or e, mode, driver_dir)}"
+        ) from None
     finally:
         if container is not None:
             try:
