@@ -445,3 +445,41 @@ def test_devices_mode_without_device_nodes_is_refused_before_any_container_and_l
     assert e.value.exit_code == 2
     assert not any(line.startswith("node ") for line in lines)  # no training container was described
     assert _ours(docker_client, "no-gpus") == ([], [])
+
+
+def test_devices_mode_keeps_the_images_library_path_after_the_drivers(docker_client, base_image, tmp_path):
+    # A container's environment replaces the image's LD_LIBRARY_PATH: the launcher reads the image's and appends it
+    import queue
+
+    from lmyard.contracts import TrainSpec
+    from lmyard.errors import UserError
+    from lmyard.launch.containers import DockerJob
+
+    holder = docker_client.containers.create(base_image, ["true"])
+    image = holder.commit(repository="lmyard-test-ldpath", tag="1", changes=["ENV LD_LIBRARY_PATH=/opt/cuda/lib64"])
+    holder.remove(force=True)
+    try:
+        cfg = load_recipe(
+            "smoke",
+            [
+                f"store={tmp_path / 'store'}",
+                "run_name=ld-path",
+                "launch.backend=docker",
+                "launch.docker.gpu_mode=devices",
+                "launch.docker.gpus=1",
+                f"launch.docker.driver_dir={tmp_path}",
+            ],
+        )
+        spec = TrainSpec(config=cfg.model_dump(mode="json"), shards={"address": "none"})
+        job = DockerJob(cfg, spec, on_line=lambda s: None, image="lmyard-test-ldpath:1")
+        assert job.plan.nodes[0].kwargs["environment"]["LD_LIBRARY_PATH"] == f"{tmp_path}/lib64"
+        try:
+            with pytest.raises(UserError, match="/dev/nvidiactl does not exist"):  # no GPUs here
+                job.start(queue.Queue())
+        finally:
+            job.close()
+        env = job.plan.nodes[0].kwargs["environment"]
+        assert env["LD_LIBRARY_PATH"] == f"{tmp_path}/lib64:/opt/cuda/lib64"
+        assert _ours(docker_client, "ld-path") == ([], [])
+    finally:
+        docker_client.images.remove(image.id, force=True)
