@@ -468,6 +468,22 @@ class DockerConfig(_Section):
         0, description="GPUs per node (NVIDIA container toolkit): a count or `all`; 0 runs on the CPU."
     )
     gpu_ids: list[str] | None = Field(None, description="GPU indices or UUIDs per node, instead of a count.")
+    node_gpus: list[str] | None = Field(
+        None,
+        description="GPUs of each node, one entry per node of launch.nnodes, e.g. `['0,1', '2,3']` for two "
+        "nodes sharing a host; instead of gpus / gpu_ids.",
+    )
+    gpu_mode: Literal["toolkit", "devices", "cdi"] = Field(
+        "toolkit",
+        description="How containers get their GPUs: `toolkit`, a device request the NVIDIA container toolkit "
+        "serves (`--gpus`); `devices`, the device nodes and the driver folder (driver_dir) without the toolkit; "
+        "`cdi`, CDI device names (nvidia.com/gpu=N) on an engine with CDI enabled.",
+    )
+    driver_dir: str = Field(
+        "/usr/local/nvidia",
+        description="gpu_mode=devices: the host's NVIDIA driver folder (lib64/libcuda.so.1), mounted read-only "
+        "at the same path and its lib64 put first on LD_LIBRARY_PATH.",
+    )
     rdzv_port: int = Field(29400, gt=0, lt=65536, description="c10d rendezvous port on node 0.")
     socket_ifname: str | None = Field(
         None,
@@ -508,6 +524,15 @@ class DockerConfig(_Section):
     def _check(self) -> DockerConfig:
         if self.gpu_ids is not None and self.gpus != 0:
             raise ValueError("set launch.docker.gpus or launch.docker.gpu_ids, not both")
+        if self.node_gpus is not None and (self.gpu_ids is not None or self.gpus != 0):
+            raise ValueError("set one of launch.docker.gpus, gpu_ids, node_gpus, not several")
+        if self.node_gpus is not None and not all(g.strip(" ,") for g in self.node_gpus):
+            raise ValueError("launch.docker.node_gpus has an empty entry: give each node its GPUs, e.g. ['0,1', '2,3']")
+        if self.gpu_mode == "devices" and self.gpus == "all":
+            raise ValueError("launch.docker.gpu_mode=devices needs GPU indices: set gpus=N, gpu_ids or node_gpus")
+        ids = [g.strip() for g in [*(self.gpu_ids or []), *",".join(self.node_gpus or []).split(",")] if g.strip()]
+        if self.gpu_mode == "devices" and (bad := [g for g in ids if not g.isdigit()]):
+            raise ValueError(f"launch.docker.gpu_mode=devices names GPUs by index (0, 1, ...), not {bad[0]!r}")
         if isinstance(self.gpus, int) and self.gpus < 0:
             raise ValueError("launch.docker.gpus must be >= 0 or `all`")
         if self.network == "bridge" and len(set(self.nodes)) > 1:

@@ -399,3 +399,87 @@ def test_evaluate_stage_runs_in_the_image_as_docs_docker_md_shows(docker_client,
     assert code == 0, out
     result = read_model(str(tmp / "stage-result.json"), EvalResult)
     assert result.step == 2 and result.checkpoint.endswith("step_00000002") and result.val_loss > 0
+
+
+@pytest.fixture(scope="session")
+def base_image(docker_client):
+    """The small Debian base (debootstrap, cached): enough for the GPU engine check, which runs before training."""
+    from lmyard.launch.images import build_base
+
+    return build_base(docker_client, log=lambda s: None)
+
+
+@pytest.mark.parametrize(
+    ("driver_dir", "missing"),
+    [
+        ("tmp", "nodes 0, 1 on unix:///var/run/docker.sock: /dev/nvidiactl does not exist there"),
+        ("/nonexistent/nvidia", "the driver folder /nonexistent/nvidia does not exist there"),
+    ],
+)
+def test_devices_mode_without_device_nodes_is_refused_before_any_container_and_leaves_nothing(
+    docker_client, base_image, tmp_path, driver_dir, missing
+):
+    # this machine has no /dev/nvidia*: the engine check's throwaway container cannot start
+    from lmyard.errors import UserError
+
+    driver_dir = str(tmp_path) if driver_dir == "tmp" else driver_dir
+    cfg = load_recipe(
+        "smoke",
+        [
+            f"store={tmp_path / 'store'}",
+            "run_name=no-gpus",
+            "launch.backend=docker",
+            "launch.nnodes=2",
+            "launch.docker.network=bridge",
+            "launch.docker.gpu_mode=devices",
+            "launch.docker.node_gpus=['0', '1']",
+            f"launch.docker.driver_dir={driver_dir}",
+        ],
+    )
+    spec = {"config": cfg.model_dump(mode="json"), "shards": {"address": "none"}, "lineage": None}
+    lines: list[str] = []
+    with pytest.raises(UserError) as e:
+        run_docker(cfg, spec, on_line=lines.append, image=base_image, flow_run_id="test-no-gpus")
+    message = str(e.value)
+    assert "\n" not in message and "launch.docker.gpu_mode=devices" in message and missing in message, message
+    assert e.value.exit_code == 2
+    assert not any(line.startswith("node ") for line in lines)  # no training container was described
+    assert _ours(docker_client, "no-gpus") == ([], [])
+
+
+def test_devices_mode_keeps_the_images_library_path_after_the_drivers(docker_client, base_image, tmp_path):
+    # A container's environment replaces the image's LD_LIBRARY_PATH: the launcher reads the image's and appends it
+    import queue
+
+    from lmyard.contracts import TrainSpec
+    from lmyard.errors import UserError
+    from lmyard.launch.containers import DockerJob
+
+    holder = docker_client.containers.create(base_image, ["true"])
+    image = holder.commit(repository="lmyard-test-ldpath", tag="1", changes=["ENV LD_LIBRARY_PATH=/opt/cuda/lib64"])
+    holder.remove(force=True)
+    try:
+        cfg = load_recipe(
+            "smoke",
+            [
+                f"store={tmp_path / 'store'}",
+                "run_name=ld-path",
+                "launch.backend=docker",
+                "launch.docker.gpu_mode=devices",
+                "launch.docker.gpus=1",
+                f"launch.docker.driver_dir={tmp_path}",
+            ],
+        )
+        spec = TrainSpec(config=cfg.model_dump(mode="json"), shards={"address": "none"})
+        job = DockerJob(cfg, spec, on_line=lambda s: None, image="lmyard-test-ldpath:1")
+        assert job.plan.nodes[0].kwargs["environment"]["LD_LIBRARY_PATH"] == f"{tmp_path}/lib64"
+        try:
+            with pytest.raises(UserError, match="/dev/nvidiactl does not exist"):  # no GPUs here
+                job.start(queue.Queue())
+        finally:
+            job.close()
+        env = job.plan.nodes[0].kwargs["environment"]
+        assert env["LD_LIBRARY_PATH"] == f"{tmp_path}/lib64:/opt/cuda/lib64"
+        assert _ours(docker_client, "ld-path") == ([], [])
+    finally:
+        docker_client.images.remove(image.id, force=True)

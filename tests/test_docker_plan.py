@@ -172,3 +172,128 @@ def test_a_tcp_engine_without_tls_certificates_is_refused(monkeypatch):
     cfg = load_recipe("smoke", ["launch.backend=docker"])
     with pytest.raises(UserError, match="tcp:// engine needs TLS"):
         connect("tcp://gpu-a:2376", cfg.launch.docker)
+
+
+# ---------------------------------------------------------------- launch.docker.gpu_mode (lmyard.launch.gpus)
+
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def test_toolkit_mode_keeps_the_gpu_device_request_and_private_namespaces_on_separate_hosts(tmp_path):
+    _, p = _plan(
+        tmp_path,
+        "launch.nnodes=2",
+        "launch.docker.nodes=[tcp://gpu-a:2376, tcp://gpu-b:2376]",
+        "launch.docker.node_gpus=['0,1', '2,3']",
+    )
+    for node, ids in zip(p.nodes, (["0", "1"], ["2", "3"])):
+        k = node.kwargs
+        (req,) = k["device_requests"]
+        assert req["DeviceIDs"] == ids and req["Capabilities"] == [["gpu"]] and req["Driver"] == ""
+        assert "pid_mode" not in k and "ipc_mode" not in k and "devices" not in k and k["shm_size"] == "16g"
+        assert "CUDA_VISIBLE_DEVICES" not in k["environment"]
+        assert NO_MULTICAST.items() <= k["environment"].items()
+
+
+def test_devices_mode_gives_nodes_sharing_a_host_every_gpu_their_own_visible_and_host_namespaces(tmp_path):
+    _, p = _plan(
+        tmp_path,
+        "launch.nnodes=2",
+        "launch.docker.gpu_mode=devices",
+        "launch.docker.node_gpus=['0,1', '2,3']",
+        "launch.docker.driver_dir=/opt/nvidia-driver",
+    )
+    for node, visible in zip(p.nodes, ("0,1", "2,3")):
+        k = node.kwargs
+        assert k["devices"] == [
+            f"{d}:{d}:rwm"
+            for d in ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+            + [f"/dev/nvidia{g}" for g in range(4)]
+        ]
+        (mount,) = k["mounts"]
+        assert (mount["Source"], mount["Target"], mount["Type"], mount["ReadOnly"]) == (
+            "/opt/nvidia-driver",
+            "/opt/nvidia-driver",
+            "bind",
+            True,
+        )
+        env = k["environment"]
+        assert env["CUDA_VISIBLE_DEVICES"] == visible and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        assert env["LD_LIBRARY_PATH"] == "/opt/nvidia-driver/lib64"
+        assert NO_MULTICAST.items() <= env.items()
+        assert k["pid_mode"] == "host" and k["ipc_mode"] == "host" and "shm_size" not in k
+        assert "device_requests" not in k
+        assert k["network_mode"] == "host"
+
+
+def test_devices_mode_on_separate_hosts_gives_each_node_only_its_gpus(tmp_path):
+    _, p = _plan(
+        tmp_path,
+        "launch.nnodes=2",
+        "launch.docker.nodes=[ssh://ops@gpu-a, ssh://ops@gpu-b]",
+        "launch.docker.gpu_mode=devices",
+        "launch.docker.gpus=2",
+        "launch.docker.env={NCCL_NVLS_ENABLE: '1', LD_LIBRARY_PATH: /mine}",
+    )
+    for node in p.nodes:
+        k = node.kwargs
+        assert [d.split(":")[0] for d in k["devices"]][3:] == ["/dev/nvidia0", "/dev/nvidia1"]
+        assert "pid_mode" not in k and "CUDA_VISIBLE_DEVICES" not in k["environment"]
+        # the user's launch.docker.env wins over the GPU defaults
+        assert k["environment"]["NCCL_NVLS_ENABLE"] == "1" and k["environment"]["LD_LIBRARY_PATH"] == "/mine"
+        assert k["environment"]["NVSHMEM_DISABLE_NVLS"] == "1"
+
+
+def test_cdi_mode_asks_for_cdi_device_names(tmp_path):
+    _, p = _plan(tmp_path, "launch.nnodes=2", "launch.docker.gpu_mode=cdi", "launch.docker.node_gpus=['0', '1']")
+    for node, visible in zip(p.nodes, ("0", "1")):
+        (req,) = node.kwargs["device_requests"]
+        assert req["Driver"] == "cdi" and req["DeviceIDs"] == ["nvidia.com/gpu=0", "nvidia.com/gpu=1"]
+        assert node.kwargs["environment"]["CUDA_VISIBLE_DEVICES"] == visible
+        assert node.kwargs["pid_mode"] == "host" and "devices" not in node.kwargs
+    _, p = _plan(tmp_path, "launch.docker.gpu_mode=cdi", "launch.docker.gpus=all")
+    assert p.nodes[0].kwargs["device_requests"][0]["DeviceIDs"] == ["nvidia.com/gpu=all"]
+
+
+def test_cpu_nodes_get_no_gpu_settings_in_any_mode(tmp_path):
+    _, p = _plan(tmp_path, "launch.nnodes=2", "launch.docker.gpu_mode=devices")
+    for node in p.nodes:
+        k = node.kwargs
+        assert not {"devices", "mounts", "device_requests", "pid_mode", "ipc_mode"} & k.keys()
+        assert not NO_MULTICAST.keys() & k["environment"].keys() and k["shm_size"] == "16g"
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (
+            ["launch.nnodes=2", "launch.docker.node_gpus=['0,1', '2,3', '4']"],
+            "node_gpus lists 3 entries for launch.nnodes=2",
+        ),
+        (
+            ["launch.nnodes=2", "launch.docker.node_gpus=['0,1', '1,2']"],
+            "nodes 0 and 1 share the engine .* both use GPU 1",
+        ),
+        (["launch.nnodes=2", "launch.docker.gpu_ids=['0']"], "nodes 0 and 1 share the engine .* both use GPU 0"),
+        (["launch.nnodes=2", "launch.docker.gpu_mode=devices", "launch.docker.gpus=1"], "both use GPU 0"),
+    ],
+)
+def test_per_node_gpus_that_do_not_fit_the_nodes_are_refused_in_one_line(tmp_path, sets, message):
+    with pytest.raises(UserError, match=message) as e:
+        _plan(tmp_path, *sets)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["launch.docker.gpus=2", "launch.docker.node_gpus=['0']"], "one of launch.docker.gpus, gpu_ids, node_gpus"),
+        (["launch.docker.node_gpus=['0', '']"], "node_gpus has an empty entry"),
+        (["launch.docker.gpu_mode=devices", "launch.docker.gpus=all"], "gpu_mode=devices needs GPU indices"),
+        (["launch.docker.gpu_mode=devices", "launch.docker.gpu_ids=['GPU-1a2b']"], "by index .* not 'GPU-1a2b'"),
+        (["launch.docker.gpu_mode=gpus"], "gpu_mode"),
+    ],
+)
+def test_gpu_settings_that_contradict_each_other_are_refused_when_the_config_loads(sets, message):
+    with pytest.raises(UserError, match=message):
+        load_recipe("smoke", ["launch.backend=docker", *sets])

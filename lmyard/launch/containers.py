@@ -13,6 +13,10 @@ EXCHANGE_DIR; the job reads it through the engine (`get_archive`), so nodes on
 other hosts need no shared folder. Whatever ends the follow, the containers and
 the network are removed.
 
+GPUs (launch.docker.gpu_mode toolkit | devices | cdi, per-node GPU ids, and the host pid/IPC namespaces
+nodes sharing one host need) are lmyard.launch.gpus: `plan()` merges its per-node container arguments, and
+`DockerJob.start` runs its engine check on every engine before any container is created.
+
 Credentials (every AWS_* variable of the launching process, MLflow's MLFLOW_TRACKING_USERNAME,
 _PASSWORD and _TOKEN, and the names in
 launch.docker.pass_env) reach the containers through their environment only;
@@ -38,6 +42,7 @@ from lmyard.config import DockerConfig, RunConfig
 from lmyard.contracts import EXCHANGE_ENV, TrainResult, TrainSpec
 from lmyard.errors import UserError
 from lmyard.launch.follower import Follower, stage_env, torchrun_command
+from lmyard.launch.gpus import check_engine, node_gpus
 
 LABEL = "lmyard"  # label keys: lmyard.run_name, lmyard.flow_run_id, lmyard.launch_id, lmyard.node
 EXCHANGE_DIR = "/tmp/lmyard-exchange"  # inside each container
@@ -157,31 +162,9 @@ def plan(
 
     # torchrun: c10d rendezvous hosted by node 0's agent; a fresh rendezvous id per launch, so a
     # straggler from an earlier attempt cannot join this one.
-    if network:
-        rdzv = f"{names[0]}:{dc.rdzv_port}"
-    else:
-        rdzv = launch.rdzv_endpoint or f"{_node_host(urls[0])}:{dc.rdzv_port}"
-
-    env = {
-        **stage_env(cfg),
-        EXCHANGE_ENV: EXCHANGE_DIR,
-        "LMYARD_SPEC": json.dumps(spec, separators=(",", ":")),
-        **dc.env,
-    }
-    if dc.socket_ifname:
-        env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = dc.socket_ifname
-    for name in ("LMYARD_FAULTS", "LMYARD_FAULTS_STATE"):  # failure drills
-        if environ.get(name):
-            env[name] = environ[name]
-    secrets = secret_names(dc, environ)
-    env.update({k: environ[k] for k in secrets})
-
-    device_requests = []
-    if dc.gpu_ids is not None:
-        device_requests = [_device_request(device_ids=list(dc.gpu_ids))]
-    elif dc.gpus != 0:
-        device_requests = [_device_request(count=-1 if dc.gpus == "all" else dc.gpus)]
-
+    rdzv = f"{names[0]}:{dc.rdzv_port}" if network else launch.rdzv_endpoint or f"{_node_host(urls[0])}:{dc.rdzv_port}"
+    env, secrets = _environment(cfg, spec, environ)
+    gpus = node_gpus(launch, urls[:nnodes])  # devices, mounts, namespaces per node (lmyard.launch.gpus)
     nodes = []
     for i in range(nnodes):
         command = torchrun_command(
@@ -198,11 +181,11 @@ def plan(
             name=names[i],
             hostname=names[i] if network else None,
             labels={**labels, f"{LABEL}.node": str(i)},
-            environment=dict(env),
+            environment={**gpus[i].env, **env},
             volumes=dict(mounts),
-            shm_size=dc.shm_size,
+            shm_size=None if gpus[i].kwargs.get("ipc_mode") == "host" else dc.shm_size,
             ulimits=_ulimits(dc.ulimits),
-            device_requests=device_requests or None,
+            **gpus[i].kwargs,
             network_mode=None if network else "host",
             network=network,
             user=dc.user,
@@ -212,10 +195,23 @@ def plan(
     return LaunchPlan(launch_id, image, network, labels, nodes)
 
 
-def _device_request(**kwargs):
-    from docker.types import DeviceRequest
-
-    return DeviceRequest(capabilities=[["gpu"]], **kwargs)
+def _environment(cfg: RunConfig, spec: dict, environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Every container's environment (the spec in LMYARD_SPEC) and the names of the secrets passed through."""
+    dc = cfg.launch.docker
+    env = {
+        **stage_env(cfg),
+        EXCHANGE_ENV: EXCHANGE_DIR,
+        "LMYARD_SPEC": json.dumps(spec, separators=(",", ":")),
+        **dc.env,
+    }
+    if dc.socket_ifname:
+        env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = dc.socket_ifname
+    for name in ("LMYARD_FAULTS", "LMYARD_FAULTS_STATE"):  # failure drills
+        if environ.get(name):
+            env[name] = environ[name]
+    secrets = secret_names(dc, environ)
+    env.update({k: environ[k] for k in secrets})
+    return env, secrets
 
 
 def _ulimits(limits: dict[str, int]):
@@ -234,7 +230,8 @@ def describe(node: NodePlan) -> str:
     gpus = [dict(r) for r in k.get("device_requests", [])]
     return (
         f"node {node.index} on {node.url}: {k['name']} image={k['image']} "
-        f"network={k.get('network') or k.get('network_mode')} shm={k['shm_size']} gpus={gpus or 'none'} "
+        f"network={k.get('network') or k.get('network_mode')} shm={k.get('shm_size', 'host')} "
+        f"gpus={gpus or k.get('devices') or 'none'} "
         f"mounts={sorted(k['volumes'])} env={env} cmd={' '.join(k['command'])}"
     )
 
@@ -339,12 +336,14 @@ class DockerJob:
             if self.flow_run_id:
                 remove_leftovers(client, self.flow_run_id, self.on_line)
             try:
-                client.images.get(self.image)
+                image = client.images.get(self.image)
             except docker.errors.ImageNotFound:
                 raise UserError(
                     f"image {self.image} is not on the engine {url}: build it there "
                     "(python -m lmyard.launch.images build) or load it (docker save | docker load)"
                 ) from None
+            here = [n for n in self.plan.nodes if n.url == url]
+            check_engine(client, url, here, image, mode=dc.gpu_mode, driver_dir=dc.driver_dir, labels=self.plan.labels)
         if self.plan.network:
             self.network = self.clients[self.plan.nodes[0].url].networks.create(
                 self.plan.network, driver="bridge", labels=self.plan.labels

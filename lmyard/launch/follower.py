@@ -144,8 +144,8 @@ class Follower:
         with _ACTIVE_LOCK:
             _ACTIVE.add(self)
         try:
+            self.job.start(events)  # a refusal here (an image, an engine check) has nothing to stop: close() cleans
             try:
-                self.job.start(events)
                 stalled = self._follow(events)
                 self._poll()
             except BaseException:  # interrupted while the job runs: SIGTERM, grace, kill

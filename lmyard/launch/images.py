@@ -25,6 +25,7 @@ stale image. Needs root for debootstrap and a running Docker engine.
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import importlib.metadata
 import os
@@ -42,7 +43,7 @@ from lmyard.errors import UserError
 from lmyard.paths import cache_root
 from lmyard.version import code_version
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # lmyard/launch/images.py -> the repository
 IMAGES = REPO / "images"
 BASE_IMAGE = "lmyard-base:bookworm"
 STAGE_REPO = "lmyard-stage"
@@ -257,6 +258,7 @@ def build_image(
         shutil.copy2(IMAGES / "Dockerfile", Path(ctx, "Dockerfile"))
         build_wheelhouse(Path(ctx, "wheels"), include_torch, log)
         log(f"docker build {tag} FROM {base}")
+        tail: collections.deque[str] = collections.deque(maxlen=5)
         try:
             for chunk in client.api.build(
                 path=ctx,
@@ -267,9 +269,13 @@ def build_image(
                 pull=False,
                 buildargs={"BASE_IMAGE": base, "CODE_VERSION": code_version(), "SOURCE_DIGEST": digest},
             ):
-                if "error" in chunk:
-                    raise RuntimeError(f"docker build failed: {chunk['error'].strip()}")
+                if "error" in chunk:  # with the build's last lines (a RUN's own message, e.g. no torch in the base)
+                    raise RuntimeError(
+                        f"docker build failed: {chunk['error'].strip()}; last output: {' | '.join(tail)}"
+                    )
                 text = chunk.get("stream", "").rstrip()
+                if text:
+                    tail.append(text)
                 if text.startswith("Step "):
                     log(text)
         finally:
