@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from lmyard.config import DockerConfig, RunConfig
+from lmyard.config import DockerConfig, RayConfig, RunConfig
 from lmyard.contracts import EXCHANGE_ENV, TrainResult, TrainSpec
 from lmyard.errors import UserError
 from lmyard.launch.follower import Follower, stage_env, torchrun_command
@@ -61,8 +61,9 @@ class LaunchPlan:
     nodes: list[NodePlan]
 
 
-def secret_names(dc: DockerConfig, environ: Mapping[str, str]) -> list[str]:
-    """Variables passed through from the launching process: every AWS_*, plus launch.docker.pass_env."""
+def secret_names(dc: DockerConfig | RayConfig, environ: Mapping[str, str]) -> list[str]:
+    """Variables passed through from the launching process: every AWS_*, plus launch.docker.pass_env (or
+    launch.ray.pass_env)."""
     names = [k for k in environ if k.startswith("AWS_")] + [k for k in dc.pass_env if k in environ]
     return sorted(set(names))
 

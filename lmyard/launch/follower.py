@@ -1,8 +1,9 @@
 """Launchers: start torchrun on every node, follow the job, and turn its end into a result or an error.
 
-One interface, two backends. A `Job` starts the nodes and reports what they
+One interface, three backends. A `Job` starts the nodes and reports what they
 print and how they exit; `LocalJob` runs torchrun as a process group here,
-`lmyard.launch_docker.DockerJob` one container per node. Everything else is
+`lmyard.launch.containers.DockerJob` one container per node, `lmyard.launch.ray.RayJob`
+one Ray actor per node (each runs a `LocalJob` on its node). Everything else is
 shared, in `follow()`:
 
 - output: every line reaches `on_line`, prefixed `[node i]` when there are several nodes;
@@ -144,8 +145,8 @@ class Follower:
         with _ACTIVE_LOCK:
             _ACTIVE.add(self)
         try:
+            self.job.start(events)  # a start that fails leaves nothing to stop: close() removes what it made
             try:
-                self.job.start(events)
                 stalled = self._follow(events)
                 self._poll()
             except BaseException:  # interrupted while the job runs: SIGTERM, grace, kill
@@ -287,16 +288,17 @@ def _die_with_parent() -> None:
 
 
 class LocalJob:
-    """torchrun as a child process group of this process (one node, or one of several with rdzv_endpoint)."""
+    """torchrun as a child process group of this process (one node, or one of several with rdzv_endpoint;
+    `torchrun` takes torchrun_command's keywords: a Ray node's actor names its rendezvous and address)."""
 
     nodes = 1
 
-    def __init__(self, cfg: RunConfig, spec: TrainSpec):
+    def __init__(self, cfg: RunConfig, spec: TrainSpec, **torchrun):
         os.makedirs(cache_root(), exist_ok=True)
         self.folder = tempfile.mkdtemp(prefix="lmyard-launch-", dir=cache_root())
         self.exchange = Exchange(self.folder)
         write_json(self.exchange.path("spec.json"), spec)
-        self.cmd = torchrun_command(cfg, spec_path=self.exchange.path("spec.json"))
+        self.cmd = torchrun_command(cfg, spec_path=self.exchange.path("spec.json"), **torchrun)
         self.env = {**os.environ, **stage_env(cfg), EXCHANGE_ENV: self.folder}
         self.proc: subprocess.Popen | None = None
 

@@ -1,0 +1,181 @@
+"""The Ray backend on a real local Ray cluster of two nodes with one CPU each (ray.cluster_utils.Cluster).
+
+The cluster is started once for this module, bound to 127.0.0.1, and shut down at the end. Every test
+checks that no actor or placement group of its run is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+
+import pytest
+from conftest import free_port, lmyard_cmd, tiny_overrides
+from mlflow.tracking import MlflowClient
+
+from lmyard.checkpoint.full import complete_steps
+from lmyard.config import load_recipe
+from lmyard.errors import UserError
+from lmyard.store import open_store
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """Two Ray nodes of 1 CPU each on 127.0.0.1 (Ray swaps a loopback address for the host's own unless told
+    otherwise); this process is a driver of it too, to look at its actors and placement groups."""
+    from ray.cluster_utils import Cluster
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # get_node_ip_address() -> 127.0.0.1
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        try:
+            cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, namespace="lmyard-tests", log_to_driver=False)
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+def _actors(run_name: str) -> list[dict]:
+    """Every actor of this run's launches, dead ones included (the GCS actor table; the state API needs
+    Ray's dashboard, which plain `ray` lacks)."""
+    return [a for a in ray._private.state.actors().values() if a["Name"].startswith(f"lmyard-{run_name}-")]
+
+
+def _leftovers(run_name: str) -> tuple[list[str], list[str]]:
+    """Live actors and placement groups of this run."""
+    from ray.util.placement_group import placement_group_table
+
+    alive = [a["Name"] for a in _actors(run_name) if a["State"] != "DEAD"]
+    groups = [
+        g["name"]
+        for g in placement_group_table().values()
+        if g["name"].startswith(f"lmyard-{run_name}-") and g["state"] != "REMOVED"
+    ]
+    return alive, groups
+
+
+def _ray_cfg(tmp_path, steps: int = 6, **extra):
+    sets = {"launch.backend": "ray", "launch.nnodes": 2, "launch.nproc_per_node": 1, **extra}
+    return load_recipe("smoke", tiny_overrides(tmp_path, steps=steps, **sets))
+
+
+def test_smoke_run_on_two_ray_nodes_finishes_commits_and_leaves_no_actor(ray_cluster, cli_env, tmp_path):
+    sets = tiny_overrides(tmp_path, steps=6, **{"launch.nnodes": 2, "launch.nproc_per_node": 1})
+    args = lmyard_cmd("run", "smoke", "--set", "launch.backend=ray", *[a for s in sets for a in ("--set", s)])
+    env = {**cli_env, "RAY_ADDRESS": ray_cluster.address}
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    store = open_store(str(tmp_path / "store"))
+    assert complete_steps(store, "smoke") == [3, 6]
+    lineage = json.loads(store.read_bytes("runs/smoke/lineage.json"))
+    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(lineage["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    actors = _actors("smoke")
+    assert len(actors) == 2
+    assert {a["Address"]["NodeID"] for a in actors} == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert _leftovers("smoke") == ([], [])
+
+
+def test_a_killed_node_actor_fails_the_attempt_and_the_retry_resumes(
+    ray_cluster, prefect_api_url, tmp_path, monkeypatch
+):
+    from prefect import flow
+
+    from lmyard.data.sharding import tokenize_and_shard
+    from lmyard.tracking import lineage as tracking
+    from tasks.train import train
+
+    # every rank pauses 30 s after step 10 (the retry resumes after it): the node is killed in that window
+    monkeypatch.setenv("LMYARD_FAULTS", "pause@10")
+    monkeypatch.setenv("LMYARD_FAULT_PAUSE_S", "30")
+    cfg = _ray_cfg(
+        tmp_path,
+        steps=30,
+        **{
+            "run_name": "killed",
+            "launch.ray.address": ray_cluster.address,
+            "launch.grace_s": 20,
+            "checkpoint.interval": 10,
+            "eval.interval": 1000,
+            "train.log_interval": 10,
+        },
+    )
+    shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
+    store = open_store(cfg.store)
+    lineage = tracking.open_lineage(cfg, store, shard_address=shards.address, code_version="test")
+    killed: list[str] = []
+
+    def kill_node_1_after_the_first_checkpoint() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not killed:
+            if complete_steps(store, "killed"):
+                for a in ray.util.list_named_actors(all_namespaces=True):
+                    if a["name"].startswith("lmyard-killed-") and a["name"].endswith("-node1"):
+                        ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]))
+                        killed.append(a["name"])
+            time.sleep(0.2)
+
+    @flow(name="train-only")
+    def train_only() -> dict:
+        return train.with_options(retries=1, retry_delay_seconds=0)(cfg, shards, lineage)
+
+    killer = threading.Thread(target=kill_node_1_after_the_first_checkpoint, daemon=True)
+    killer.start()
+    try:
+        result = train_only()
+    finally:
+        killer.join(timeout=5)
+    assert killed
+    assert result["attempt"] == 2
+    assert result["start_step"] == 10 and result["step"] == 30
+    assert complete_steps(store, "killed")[-1] == 30
+    assert len(_actors("killed")) == 4  # two launches of two nodes
+    assert _leftovers("killed") == ([], [])
+
+
+@pytest.mark.parametrize(
+    ("sets", "resource"),
+    [({"launch.ray.gpus_per_node": 1}, "GPU >= 1"), ({"launch.ray.resources": "{TPU: 4}"}, "TPU >= 4")],
+)
+def test_a_request_the_cluster_can_never_fit_fails_in_one_line_naming_the_resource(
+    ray_cluster, tmp_path, sets, resource
+):
+    from lmyard.launch.ray import run_ray
+
+    cfg = _ray_cfg(tmp_path, **{"run_name": "unfit", "launch.ray.address": ray_cluster.address, **sets})
+    spec = {"config": cfg.model_dump(mode="json"), "shards": {}, "lineage": None}
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as e:
+        run_ray(cfg, spec, on_line=lambda s: None)
+    assert time.monotonic() - t0 < 60
+    assert f"0 of its 2 nodes have {resource}" in str(e.value) and "\n" not in str(e.value)
+    assert _leftovers("unfit") == ([], [])
+
+
+def test_no_cluster_at_the_address_fails_in_one_line(ray_cluster, tmp_path):
+    from lmyard.launch.ray import run_ray
+
+    cfg = _ray_cfg(tmp_path, **{"run_name": "nocluster", "launch.ray.address": f"127.0.0.1:{free_port()}"})
+    spec = {"config": cfg.model_dump(mode="json"), "shards": {}, "lineage": None}
+    with pytest.raises(UserError, match=r"^launch.ray.address: no Ray cluster at 127.0.0.1:\d+ ") as e:
+        run_ray(cfg, spec, on_line=lambda s: None)
+    assert "\n" not in str(e.value)
+    assert _leftovers("nocluster") == ([], [])
+
+
+def test_ray_address_comes_from_the_config_else_the_environment_else_auto(tmp_path):
+    from lmyard.launch.ray import address
+
+    cfg = _ray_cfg(tmp_path)
+    assert address(cfg, {"RAY_ADDRESS": "10.0.0.1:6379"}) == "10.0.0.1:6379"
+    assert address(cfg, {}) == "auto"
+    assert address(_ray_cfg(tmp_path, **{"launch.ray.address": "h:1"}), {"RAY_ADDRESS": "10.0.0.1:6379"}) == "h:1"
