@@ -31,7 +31,9 @@ def ray_cluster():
     from ray.cluster_utils import Cluster
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # get_node_ip_address() -> 127.0.0.1
+        # get_node_ip_address() -> 127.0.0.1, here (the constant is read at import) and in every Ray process
+        mp.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
         try:
             cluster.add_node(num_cpus=1)

@@ -55,7 +55,7 @@ class Job(Protocol):
         """Start every node; then put ("line", node, text), ("exit", node, code), ("error", node, exc) on `events`."""
 
     def read(self, name: str) -> bytes | None:
-        """A file of node 0's exchange folder, or None."""
+        """A file of the exchange folder of the node that runs rank 0 (node 0 of a local or Docker job), or None."""
 
     def read_all(self, folder: str) -> dict[str, bytes]:
         """The files of a subfolder of every node's exchange folder, by name."""

@@ -13,7 +13,8 @@ the address node 0's actor reads from its own node (`get_node_ip_address`) and
 a port free there, and an exchange folder on that node's disk.
 
 The driver (this process) reads that folder through the actor (`read`,
-`read_all` return file bytes; nodes share no disk) and pumps each node's
+`read_all` return file bytes; nodes share no disk; rank 0's files are on
+whichever node the rendezvous gave rank 0) and pumps each node's
 torchrun output with one thread per node (`output` returns the lines since an
 offset, waiting up to a second for new ones). The shared
 `lmyard.launch.follower.Follower` does the rest, as for local and Docker jobs:
@@ -275,6 +276,7 @@ class RayJob:
         self.names = [f"lmyard-{cfg.run_name}-{self.launch_id}-node{i}"[:120] for i in range(n)]
         self.pg = None
         self.actors: list = []
+        self.rank0: int | None = None  # the node that runs rank 0, once a file of it was seen
         self.connected = False
         self.stopping = threading.Event()
 
@@ -377,7 +379,15 @@ class RayJob:
         return out
 
     def read(self, name: str) -> bytes | None:
-        return self._answers([self.actors[0].read.remote(name)])[0] if self.actors else None
+        """A file of rank 0's node: the rendezvous orders nodes by (address, pid), so rank 0 may be on any
+        node; the first node that has the file is that node from then on."""
+        if self.rank0 is not None:
+            return self._answers([self.actors[self.rank0].read.remote(name)])[0]
+        for i, data in enumerate(self._answers([a.read.remote(name) for a in self.actors])):
+            if data is not None:
+                self.rank0 = i
+                return data
+        return None
 
     def read_all(self, folder: str) -> dict[str, bytes]:
         out: dict[str, bytes] = {}

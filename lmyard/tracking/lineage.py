@@ -543,7 +543,7 @@ def log_hf_model(
         path = os.path.join(tmp, "model")
         mlflow.pyfunc.save_model(
             path,
-            python_model=os.path.join(os.path.dirname(__file__), "hf_pyfunc.py"),
+            python_model=os.path.join(os.path.dirname(os.path.dirname(__file__)), "export", "pyfunc.py"),
             artifacts={"hf_model": folder},
             signature=signature,
             pip_requirements=_pyfunc_requirements(),
