@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 
+import psutil
 import pytest
 from conftest import free_port, lmyard_cmd, tiny_overrides
 from mlflow.tracking import MlflowClient
@@ -140,8 +141,14 @@ def test_a_killed_node_actor_fails_the_attempt_and_the_retry_resumes(
     assert result["attempt"] == 2
     assert result["start_step"] == 10 and result["step"] == 30
     assert complete_steps(store, "killed")[-1] == 30
-    assert len(_actors("killed")) == 4  # two launches of two nodes
+    first = tracking.attempts(lineage)[0]["outcome"]
+    assert first.startswith("failed: TrainingFailed: lost node 1: its Ray actor is gone"), first
+    actors = _actors("killed")
+    assert len(actors) == 4  # two launches of two nodes
     assert _leftovers("killed") == ([], [])
+    # the killed actor's torchrun went with it: no process of either launch's rendezvous is left
+    launches = {a["Name"].split("-")[2] for a in actors}
+    assert not [p.pid for p in psutil.process_iter(["cmdline"]) if launches & set(p.info["cmdline"] or [])]
 
 
 @pytest.mark.parametrize(
