@@ -188,3 +188,30 @@ def test_ray_address_comes_from_the_config_else_the_environment_else_auto(tmp_pa
     assert address(cfg, {"RAY_ADDRESS": "10.0.0.1:6379"}) == "10.0.0.1:6379"
     assert address(cfg, {}) == "auto"
     assert address(_ray_cfg(tmp_path, **{"launch.ray.address": "h:1"}), {"RAY_ADDRESS": "10.0.0.1:6379"}) == "h:1"
+
+
+def test_stopping_a_ray_job_checkpoints_that_step_on_every_node_and_removes_its_actors(
+    ray_cluster, tmp_path, monkeypatch
+):
+    from lmyard.data.sharding import tokenize_and_shard
+    from lmyard.errors import Preempted
+    from lmyard.launch.follower import stop_all
+    from lmyard.launch.ray import run_ray
+
+    monkeypatch.setenv("LMYARD_FAULTS", "pause@5")  # the ranks pause after step 5: a known step to stop at
+    cfg = _ray_cfg(
+        tmp_path,
+        steps=12,
+        **{"run_name": "stopped", "launch.ray.address": ray_cluster.address, "launch.grace_s": 60},
+    )
+    shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
+    spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
+
+    def on_line(line: str) -> None:
+        if "step 5/12" in line:
+            stop_all()  # what a cancelled flow run does: SIGTERM to torchrun on every node
+
+    with pytest.raises(Preempted, match="stopped by SIGTERM after step 5"):
+        run_ray(cfg, spec, on_line=on_line)
+    assert 5 in complete_steps(open_store(cfg.store), "stopped")
+    assert _leftovers("stopped") == ([], [])

@@ -46,12 +46,16 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from lmyard.config import RunConfig
 from lmyard.contracts import TrainResult, TrainSpec
 from lmyard.errors import TrainingFailed, UserError
 from lmyard.launch.containers import _local_store_root, _Masker, _sqlite_dir, secret_names
 from lmyard.launch.follower import Follower, LocalJob
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
 
 NAMESPACE = "lmyard"  # the Ray namespace of the node actors: lmyard-<run>-<launch id>-node<i>
 CALL_S = 60.0  # an actor that does not answer a call for this long is lost
@@ -274,7 +278,7 @@ class RayJob:
         self.mask = _Masker([environ[k] for k in secrets])
         self.launch_id = uuid.uuid4().hex[:12]
         self.names = [f"lmyard-{cfg.run_name}-{self.launch_id}-node{i}"[:120] for i in range(n)]
-        self.pg = None
+        self.pg: PlacementGroup | None = None
         self.actors: list = []
         self.rank0: int | None = None  # the node that runs rank 0, once a file of it was seen
         self.connected = False
@@ -305,6 +309,9 @@ class RayJob:
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise TrainingFailed(f"Ray: could not {what} within {timeout:g} s") from None
+        except ray.exceptions.RuntimeEnvSetupError as e:
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
+            raise UserError(f"launch.ray.runtime_env: Ray could not set it up on a node: {first}") from None
 
     def _place(self) -> None:
         """The placement group: refused at once if the nodes can never hold it, else waited for (a busy cluster)."""
@@ -314,8 +321,8 @@ class RayJob:
         if why := unfit(self.bundle, self.nodes, ray.nodes()):
             raise _unfit_error(why)
         strategy = "STRICT_SPREAD" if self.nodes > 1 else "PACK"
-        self.pg = placement_group([dict(self.bundle)] * self.nodes, strategy=strategy, name=self.names[0][:-6])
-        ready, timeout = self.pg.ready(), self.cfg.launch.ray.placement_timeout_s
+        self.pg = pg = placement_group([dict(self.bundle)] * self.nodes, strategy=strategy, name=self.names[0][:-6])
+        ready, timeout = pg.ready(), self.cfg.launch.ray.placement_timeout_s
         deadline = time.monotonic() + timeout
         while not ray.wait([ready], timeout=5)[0]:
             if why := unfit(self.bundle, self.nodes, ray.nodes()):  # a node left while we waited
@@ -333,6 +340,7 @@ class RayJob:
 
         agent = ray.remote(NodeAgent)
         custom = {k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")}
+        assert self.pg is not None
         for i, name in enumerate(self.names):
             self.actors.append(
                 agent.options(
