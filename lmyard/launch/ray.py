@@ -6,8 +6,9 @@ Ray holds the resources and places the nodes; it restarts nothing. The launch
 asks for one bundle per node (`launch.ray`: CPUs, GPUs, custom resources) in a
 placement group, STRICT_SPREAD when there are several nodes, so no two nodes
 share a host. A request the cluster's nodes can never hold is refused at once,
-naming the resource (from `ray.nodes()` totals, checked again while waiting for
-a busy cluster). One `NodeAgent` actor then takes each bundle and runs a
+naming the resource (from the `ray.nodes()` totals of every node the cluster
+has had: after a lost node the retry waits for it to come back, up to
+`launch.ray.placement_timeout_s`). One `NodeAgent` actor then takes each bundle and runs a
 `LocalJob` on its node: torchrun with the c10d rendezvous hosted by node 0, at
 the address node 0's actor reads from its own node (`get_node_ip_address`) and
 a port free there, and an exchange folder on that node's disk.
@@ -79,8 +80,9 @@ def bundle(cfg: RunConfig) -> dict[str, float]:
 
 
 def unfit(need: dict[str, float], nnodes: int, nodes: list[dict]) -> str | None:
-    """Why `nnodes` bundles `need` can never sit on distinct nodes, from the alive nodes' totals; None if they can."""
-    totals = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
+    """Why `nnodes` bundles `need` can never sit on distinct nodes, from the totals of every node the cluster has
+    had (`ray.nodes()`: a lost node may come back, and the job then waits for it); None if they can."""
+    totals = [n.get("Resources") or {} for n in nodes]
     for key, amount in need.items():
         having = sum(1 for t in totals if t.get(key, 0) >= amount)
         if having < nnodes:
@@ -314,7 +316,8 @@ class RayJob:
             raise UserError(f"launch.ray.runtime_env: Ray could not set it up on a node: {first}") from None
 
     def _place(self) -> None:
-        """The placement group: refused at once if the nodes can never hold it, else waited for (a busy cluster)."""
+        """The placement group: refused at once if the nodes can never hold it, else waited for (a busy cluster,
+        a lost node coming back)."""
         import ray
         from ray.util.placement_group import placement_group
 
@@ -325,12 +328,11 @@ class RayJob:
         ready, timeout = pg.ready(), self.cfg.launch.ray.placement_timeout_s
         deadline = time.monotonic() + timeout
         while not ray.wait([ready], timeout=5)[0]:
-            if why := unfit(self.bundle, self.nodes, ray.nodes()):  # a node left while we waited
-                raise _unfit_error(why)
             if time.monotonic() > deadline:
+                alive = sum(1 for n in ray.nodes() if n.get("Alive"))
                 raise TrainingFailed(
                     f"Ray: no room for {self.nodes} x {self.bundle} ({strategy}) within launch.ray."
-                    f"placement_timeout_s={timeout:g}: the cluster's nodes are busy"
+                    f"placement_timeout_s={timeout:g}: of the cluster's {alive} live nodes, too few are free"
                 )
             self.on_line(f"waiting for the Ray cluster to place {self.nodes} x {self.bundle} ({strategy})")
 
