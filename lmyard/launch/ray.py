@@ -102,14 +102,14 @@ def _unfit_error(why: str) -> UserError:
     )
 
 
-# ---------------------------------------------------------------- the driver's connection (shared by the jobs of a process)
+# ---------------------------------------------------------------- the driver's connection (one per process)
 
 _LOCK = threading.Lock()
 _users = 0
 _ours = False  # this module called ray.init, so it shuts the connection down after the last job
 
 
-def _answers(addr: str) -> bool:
+def _listening(addr: str) -> bool:
     """Whether something listens at host:port (Ray itself retries an absent GCS for minutes)."""
     host, _, port = addr.rpartition(":")
     try:
@@ -131,7 +131,7 @@ def _connect(addr: str) -> None:
         )
 
     with _LOCK:
-        if addr != "auto" and "://" not in addr and not _answers(addr):
+        if addr != "auto" and "://" not in addr and not _listening(addr):
             raise no_cluster("nothing answers there")
         if ray.is_initialized():
             current = ray.get_runtime_context().gcs_address
