@@ -540,8 +540,39 @@ class DockerConfig(_Section):
         return self
 
 
+class RayConfig(_Section):
+    """One actor per node in a placement group of a Ray cluster (see docs/ray.md)."""
+
+    address: str | None = Field(
+        None,
+        description="The Ray cluster's address (host:port of the head's GCS, or `auto`); "
+        "default RAY_ADDRESS, else `auto` (the cluster this machine belongs to).",
+    )
+    gpus_per_node: int = Field(0, ge=0, description="GPUs of each node's bundle; 0 runs on the CPU.")
+    cpus_per_node: float | None = Field(
+        None, gt=0, description="CPUs of each node's bundle; default launch.nproc_per_node (one per rank)."
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description='Custom resources of each node\'s bundle, e.g. `{"accelerator_type:H100": 1}`.',
+    )
+    runtime_env: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Ray runtime_env of the node actors (env_vars, pip, image_uri, ...); empty: the nodes' "
+        "own environment (a cluster started from the stage image). Logged with the config: no secrets here.",
+    )
+    pass_env: list[str] = Field(
+        default_factory=list,
+        description="Variables of the launching process passed to torchrun on every node, "
+        "besides every AWS_* one (e.g. MLFLOW_TRACKING_TOKEN); their values are never logged.",
+    )
+    placement_timeout_s: float = Field(
+        600, gt=0, description="How long to wait for the placement group and the actors (a busy cluster)."
+    )
+
+
 class LaunchConfig(_Section):
-    backend: Literal["local", "docker"] = "local"
+    backend: Literal["local", "docker", "ray"] = "local"
     nnodes: int = Field(1, gt=0)
     nproc_per_node: int = Field(2, gt=0, description="Ranks per node (GPUs per node on CUDA).")
     rdzv_endpoint: str | None = Field(
@@ -563,6 +594,7 @@ class LaunchConfig(_Section):
         "trainer has to checkpoint the current step and exit as preempted before it is killed.",
     )
     docker: DockerConfig = Field(default_factory=DockerConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
 
     @model_validator(mode="after")
     def _nodes_match(self) -> LaunchConfig:

@@ -67,11 +67,16 @@ def train(config: RunConfig, shards: ShardSet, lineage: Lineage) -> dict:
 
 
 def _launch(config: RunConfig, spec: TrainSpec, on_line, **callbacks):
-    """torchrun here (`local`), or in one container per node (`docker`): one follower for both."""
+    """torchrun here (`local`), in one container per node (`docker`), or in one Ray actor per node (`ray`): one
+    follower for all."""
     if config.launch.backend == "docker":
         from lmyard.launch.containers import run_docker
 
         return run_docker(config, spec, on_line=on_line, flow_run_id=flow_run.get_id(), **callbacks)
+    if config.launch.backend == "ray":
+        from lmyard.launch.ray import run_ray
+
+        return run_ray(config, spec, on_line=on_line, **callbacks)
     from lmyard.launch.follower import run_local
 
     return run_local(config, spec, on_line=on_line, **callbacks)
@@ -100,5 +105,5 @@ def _progress_artifact(config: RunConfig):
 
 def stop_training() -> int:
     """Stop the trainers this process follows (SIGTERM: each checkpoints and ends as preempted), e.g. when the
-    flow fails while the train task runs in a worker thread. Local and Docker jobs alike."""
+    flow fails while the train task runs in a worker thread. Local, Docker and Ray jobs alike."""
     return stop_all()

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from lmyard.config import DockerConfig, RunConfig
+from lmyard.config import DockerConfig, RayConfig, RunConfig
 from lmyard.contracts import EXCHANGE_ENV, TrainResult, TrainSpec
 from lmyard.errors import UserError
 from lmyard.launch.follower import Follower, stage_env, torchrun_command
@@ -67,9 +67,10 @@ class LaunchPlan:
     nodes: list[NodePlan]
 
 
-def secret_names(dc: DockerConfig, environ: Mapping[str, str]) -> list[str]:
+def secret_names(dc: DockerConfig | RayConfig, environ: Mapping[str, str]) -> list[str]:
     """Variables passed through from the launching process: every AWS_*, MLflow's credentials
-    (MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN, see lmyard.tracking.credentials), plus launch.docker.pass_env."""
+    (MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN, see lmyard.tracking.credentials), plus launch.docker.pass_env
+    (or launch.ray.pass_env)."""
     mlflow = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
     names = [k for k in environ if k.startswith("AWS_") or k in mlflow] + [k for k in dc.pass_env if k in environ]
     return sorted(set(names))

@@ -1,8 +1,9 @@
 """Launchers: start torchrun on every node, follow the job, and turn its end into a result or an error.
 
-One interface, two backends. A `Job` starts the nodes and reports what they
+One interface, three backends. A `Job` starts the nodes and reports what they
 print and how they exit; `LocalJob` runs torchrun as a process group here,
-`lmyard.launch_docker.DockerJob` one container per node. Everything else is
+`lmyard.launch.containers.DockerJob` one container per node, `lmyard.launch.ray.RayJob`
+one Ray actor per node (each runs a `LocalJob` on its node). Everything else is
 shared, in `follow()`:
 
 - output: every line reaches `on_line`, prefixed `[node i]` when there are several nodes;
@@ -54,7 +55,7 @@ class Job(Protocol):
         """Start every node; then put ("line", node, text), ("exit", node, code), ("error", node, exc) on `events`."""
 
     def read(self, name: str) -> bytes | None:
-        """A file of node 0's exchange folder, or None."""
+        """A file of the exchange folder of the node that runs rank 0 (node 0 of a local or Docker job), or None."""
 
     def read_all(self, folder: str) -> dict[str, bytes]:
         """The files of a subfolder of every node's exchange folder, by name."""
@@ -287,16 +288,17 @@ def _die_with_parent() -> None:
 
 
 class LocalJob:
-    """torchrun as a child process group of this process (one node, or one of several with rdzv_endpoint)."""
+    """torchrun as a child process group of this process (one node, or one of several with rdzv_endpoint;
+    `torchrun` takes torchrun_command's keywords: a Ray node's actor names its rendezvous and address)."""
 
     nodes = 1
 
-    def __init__(self, cfg: RunConfig, spec: TrainSpec):
+    def __init__(self, cfg: RunConfig, spec: TrainSpec, **torchrun):
         os.makedirs(cache_root(), exist_ok=True)
         self.folder = tempfile.mkdtemp(prefix="lmyard-launch-", dir=cache_root())
         self.exchange = Exchange(self.folder)
         write_json(self.exchange.path("spec.json"), spec)
-        self.cmd = torchrun_command(cfg, spec_path=self.exchange.path("spec.json"))
+        self.cmd = torchrun_command(cfg, spec_path=self.exchange.path("spec.json"), **torchrun)
         self.env = {**os.environ, **stage_env(cfg), EXCHANGE_ENV: self.folder}
         self.proc: subprocess.Popen | None = None
 

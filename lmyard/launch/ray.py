@@ -1,0 +1,453 @@
+"""The Ray backend of lmyard.launch: one actor per node in a placement group, torchrun in each.
+
+    run_ray(cfg, spec, on_line=log)
+
+Ray holds the resources and places the nodes; it restarts nothing. The launch
+asks for one bundle per node (`launch.ray`: CPUs, GPUs, custom resources) in a
+placement group, STRICT_SPREAD when there are several nodes, so no two nodes
+share a host. A request the cluster's nodes can never hold is refused at once,
+naming the resource (from the `ray.nodes()` totals of every node the cluster
+has had: after a lost node the retry waits for it to come back, up to
+`launch.ray.placement_timeout_s`). One `NodeAgent` actor then takes each bundle and runs a
+`LocalJob` on its node: torchrun with the c10d rendezvous hosted by node 0, at
+the address node 0's actor reads from its own node (`get_node_ip_address`) and
+a port free there, and an exchange folder on that node's disk.
+
+The driver (this process) reads that folder through the actor (`read`,
+`read_all` return file bytes; nodes share no disk; rank 0's files are on
+whichever node the rendezvous gave rank 0) and pumps each node's
+torchrun output with one thread per node (`output` returns the lines since an
+offset, waiting up to a second for new ones). The shared
+`lmyard.launch.follower.Follower` does the rest, as for local and Docker jobs:
+`[node i]` lines, progress, the heartbeat watchdog, SIGTERM with
+`launch.grace_s` to checkpoint, the result and its exit code. A node whose
+actor dies (the node was lost, the actor was killed) is a lost node: the job
+ends as crashed and the train task's retry resumes from the newest checkpoint.
+
+Whatever ends the follow, `close()` stops torchrun on every node, removes the
+exchange folders, kills the actors and removes the placement group. Both are
+also owned by the driver's Ray job: if the launching process dies, Ray removes
+them, and torchrun follows its actor (a parent-death signal, lmyard.launch.follower).
+
+Credentials (every AWS_* variable of the launching process, and the names in
+launch.ray.pass_env) reach torchrun as arguments of the actor's `start`, not
+through the runtime_env (which Ray records and shows); output lines mask them.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from lmyard.config import RunConfig
+from lmyard.contracts import TrainResult, TrainSpec
+from lmyard.errors import TrainingFailed, UserError
+from lmyard.launch.containers import _local_store_root, _Masker, _sqlite_dir, secret_names
+from lmyard.launch.follower import Follower, LocalJob
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+
+NAMESPACE = "lmyard"  # the Ray namespace of the node actors: lmyard-<run>-<launch id>-node<i>
+CALL_S = 60.0  # an actor that does not answer a call for this long is lost
+OUTPUT_WAIT_S = 1.0  # how long one `output` call waits for new lines
+KEEP_LINES = 10_000  # lines an actor keeps for a driver that fell behind
+
+
+def address(cfg: RunConfig, environ: Mapping[str, str] | None = None) -> str:
+    """launch.ray.address, else RAY_ADDRESS, else `auto`."""
+    environ = os.environ if environ is None else environ
+    return cfg.launch.ray.address or environ.get("RAY_ADDRESS") or "auto"
+
+
+def bundle(cfg: RunConfig) -> dict[str, float]:
+    """One node's resources: CPUs (default one per rank), GPUs, custom resources."""
+    rc = cfg.launch.ray
+    out = {"CPU": float(rc.cpus_per_node or cfg.launch.nproc_per_node)}
+    if rc.gpus_per_node:
+        out["GPU"] = float(rc.gpus_per_node)
+    return {**out, **{k: float(v) for k, v in rc.resources.items()}}
+
+
+def unfit(need: dict[str, float], nnodes: int, nodes: list[dict]) -> str | None:
+    """Why `nnodes` bundles `need` can never sit on distinct nodes, from the totals of every node the cluster has
+    had (`ray.nodes()`: a lost node may come back, and the job then waits for it); None if they can."""
+    totals = [n.get("Resources") or {} for n in nodes]
+    for key, amount in need.items():
+        having = sum(1 for t in totals if t.get(key, 0) >= amount)
+        if having < nnodes:
+            return f"{having} of its {len(totals)} nodes have {key} >= {amount:g} and launch.nnodes={nnodes} needs {nnodes}"
+    having = sum(1 for t in totals if all(t.get(k, 0) >= v for k, v in need.items()))
+    if having < nnodes:
+        return (
+            f"{having} of its {len(totals)} nodes have all of {need} together and launch.nnodes={nnodes} needs {nnodes}"
+        )
+    return None
+
+
+def _unfit_error(why: str) -> UserError:
+    return UserError(
+        f"launch.ray: the Ray cluster can never place this job: {why} (one bundle per node); lower launch.nnodes "
+        "or the bundle (launch.nproc_per_node, launch.ray.cpus_per_node/gpus_per_node/resources), or add nodes"
+    )
+
+
+# ---------------------------------------------------------------- the driver's connection (one per process)
+
+_LOCK = threading.Lock()
+_users = 0
+_ours = False  # this module called ray.init, so it shuts the connection down after the last job
+
+
+def _listening(addr: str) -> bool:
+    """Whether something listens at host:port (Ray itself retries an absent GCS for minutes)."""
+    host, _, port = addr.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _connect(addr: str) -> None:
+    """This process as a driver of the cluster at `addr`, or a UserError in one line."""
+    global _users, _ours
+    import ray
+
+    def no_cluster(why: str) -> UserError:
+        return UserError(
+            f"launch.ray.address: no Ray cluster at {addr} ({why}); start one (`ray start --head`) "
+            "or set launch.ray.address / RAY_ADDRESS to its head's host:port"
+        )
+
+    with _LOCK:
+        if addr != "auto" and "://" not in addr and not _listening(addr):
+            raise no_cluster("nothing answers there")
+        if ray.is_initialized():
+            current = ray.get_runtime_context().gcs_address
+            if addr != "auto" and addr.rpartition(":")[2] != current.rpartition(":")[2]:
+                raise UserError(
+                    f"launch.ray.address is {addr}, but this process is a driver of the cluster at {current}"
+                )
+        else:
+            try:
+                ray.init(address=addr, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+            except (ConnectionError, ValueError, RuntimeError) as e:
+                raise no_cluster(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+            _ours = True
+        _users += 1
+
+
+def _disconnect() -> None:
+    global _users, _ours
+    import ray
+
+    with _LOCK:
+        _users -= 1
+        if _users == 0 and _ours:
+            ray.shutdown()
+            _ours = False
+
+
+# ---------------------------------------------------------------- on each node: the actor
+
+
+class NodeAgent:
+    """Inside one node's actor: torchrun as a LocalJob, its output kept for the driver, its exchange folder."""
+
+    def __init__(self) -> None:
+        self.job: LocalJob | None = None
+        self.lines: collections.deque[str] = collections.deque(maxlen=KEEP_LINES)
+        self.total = 0  # lines printed so far; the deque holds the last ones
+        self.code: int | None = None
+        self.cond = threading.Condition()
+
+    def where(self, rendezvous_port: bool) -> dict:
+        """This node: its address, its Ray node id, and for node 0 a port free here for the rendezvous."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        port = None
+        if rendezvous_port:
+            with socket.socket() as s:
+                s.bind((ip, 0))
+                port = s.getsockname()[1]
+        return {"ip": ip, "port": port, "node_id": ray.get_runtime_context().get_node_id()}
+
+    def start(self, spec_json: str, env: dict[str, str], torchrun: dict) -> None:
+        spec = TrainSpec.model_validate_json(spec_json)
+        self.job = LocalJob(RunConfig.model_validate(spec.config), spec, **torchrun)
+        self.job.env.update(env)
+        started: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, args=(started,), daemon=True, name="torchrun").start()
+        if (error := started.get()) is not None:
+            raise error
+
+    def _run(self, started: queue.Queue) -> None:
+        # This thread forks torchrun and lives as long as it does: the parent-death signal LocalJob sets
+        # follows the thread that forked, so it fires when the actor's process dies, and not before.
+        assert self.job is not None
+        events: queue.Queue = queue.Queue()
+        try:
+            self.job.start(events)
+        except Exception as e:
+            started.put(e)
+            return
+        started.put(None)
+        while True:
+            kind, _, value = events.get()
+            with self.cond:
+                if kind == "line":
+                    self.lines.append(value)
+                    self.total += 1
+                else:
+                    self.code = value
+                self.cond.notify_all()
+            if kind == "exit":
+                return
+
+    def output(self, offset: int, wait_s: float) -> tuple[list[str], int, int | None]:
+        """Lines after the first `offset` (waiting up to wait_s for some), the new offset, the exit code once all
+        lines are out."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.total > offset or self.code is not None, timeout=wait_s)
+            first = self.total - len(self.lines)
+            return list(itertools.islice(self.lines, max(offset - first, 0), None)), self.total, self.code
+
+    def read(self, name: str) -> bytes | None:
+        return self.job.read(name) if self.job else None
+
+    def read_all(self, folder: str) -> dict[str, bytes]:
+        return self.job.read_all(folder) if self.job else {}
+
+    def terminate(self) -> None:
+        if self.job:
+            self.job.terminate()
+
+    def kill(self) -> None:
+        if self.job:
+            self.job.kill()
+
+    def close(self) -> None:
+        if self.job:
+            self.job.close()
+
+
+# ---------------------------------------------------------------- the driver: the job
+
+
+def _on_cluster(cfg: RunConfig, spec: TrainSpec) -> str:
+    """The spec as the nodes read it: a local-folder store and a sqlite tracking file by absolute path (the actors
+    do not share the launcher's working folder; such paths serve nodes on this machine or a shared filesystem)."""
+    data = spec.model_dump(mode="json")
+    if (root := _local_store_root(cfg.store)) is not None:
+        data["config"]["store"] = root
+    lineage = data.get("lineage")
+    if lineage and (sqlite := _sqlite_dir(lineage["tracking_uri"])):
+        lineage["tracking_uri"] = sqlite[0]
+    return TrainSpec.model_validate(data).model_dump_json()
+
+
+class RayJob:
+    """One actor per node in a placement group of a Ray cluster (see lmyard.launch.follower.Job)."""
+
+    def __init__(
+        self, cfg: RunConfig, spec: TrainSpec, on_line: Callable[[str], None], environ: Mapping[str, str] | None = None
+    ):
+        environ = os.environ if environ is None else environ
+        rc, n = cfg.launch.ray, cfg.launch.nnodes
+        if rc.gpus_per_node and rc.gpus_per_node < cfg.launch.nproc_per_node:
+            raise UserError(
+                f"launch.ray.gpus_per_node={rc.gpus_per_node} gives launch.nproc_per_node="
+                f"{cfg.launch.nproc_per_node} ranks less than a GPU each: make them equal"
+            )
+        self.cfg, self.on_line, self.nodes = cfg, on_line, n
+        self.address, self.bundle = address(cfg, environ), bundle(cfg)
+        self.spec_json = _on_cluster(cfg, spec)
+        secrets = secret_names(rc, environ)
+        faults = [k for k in environ if k.startswith("LMYARD_FAULT")]  # failure drills
+        self.env = {k: environ[k] for k in [*secrets, *faults]}
+        self.mask = _Masker([environ[k] for k in secrets])
+        self.launch_id = uuid.uuid4().hex[:12]
+        self.names = [f"lmyard-{cfg.run_name}-{self.launch_id}-node{i}"[:120] for i in range(n)]
+        self.pg: PlacementGroup | None = None
+        self.actors: list = []
+        self.rank0: int | None = None  # the node that runs rank 0, once a file of it was seen
+        self.connected = False
+        self.stopping = threading.Event()
+
+    def start(self, events: queue.Queue) -> None:
+        _connect(self.address)
+        self.connected = True
+        self._place()
+        self._create_actors()
+        timeout = self.cfg.launch.ray.placement_timeout_s  # actors may wait for a runtime_env (pip, image)
+        where = self._get([a.where.remote(i == 0) for i, a in enumerate(self.actors)], timeout, "start its actors")
+        for i, w in enumerate(where):
+            self.on_line(f"node {i}: Ray node {w['node_id'][:12]} at {w['ip']}, bundle {self.bundle}")
+        endpoint = f"{where[0]['ip']}:{where[0]['port']}"
+        torchrun = [
+            dict(rdzv_endpoint=endpoint, rdzv_id=self.launch_id, node=i, local_addr=w["ip"]) if self.nodes > 1 else {}
+            for i, w in enumerate(where)
+        ]
+        self._get([a.start.remote(self.spec_json, self.env, t) for a, t in zip(self.actors, torchrun)], CALL_S, "start")
+        for i in range(self.nodes):
+            threading.Thread(target=self._pump, args=(i, events), daemon=True, name=f"ray-node-{i}").start()
+
+    def _get(self, refs: list, timeout: float, what: str) -> list:
+        import ray
+
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TrainingFailed(f"Ray: could not {what} within {timeout:g} s") from None
+        except ray.exceptions.RuntimeEnvSetupError as e:
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
+            raise UserError(f"launch.ray.runtime_env: Ray could not set it up on a node: {first}") from None
+
+    def _place(self) -> None:
+        """The placement group: refused at once if the nodes can never hold it, else waited for (a busy cluster,
+        a lost node coming back)."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        if why := unfit(self.bundle, self.nodes, ray.nodes()):
+            raise _unfit_error(why)
+        strategy = "STRICT_SPREAD" if self.nodes > 1 else "PACK"
+        self.pg = pg = placement_group([dict(self.bundle)] * self.nodes, strategy=strategy, name=self.names[0][:-6])
+        ready, timeout = pg.ready(), self.cfg.launch.ray.placement_timeout_s
+        deadline = time.monotonic() + timeout
+        while not ray.wait([ready], timeout=5)[0]:
+            if time.monotonic() > deadline:
+                alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+                raise TrainingFailed(
+                    f"Ray: no room for {self.nodes} x {self.bundle} ({strategy}) within launch.ray."
+                    f"placement_timeout_s={timeout:g}: of the cluster's {alive} live nodes, too few are free"
+                )
+            self.on_line(f"waiting for the Ray cluster to place {self.nodes} x {self.bundle} ({strategy})")
+
+    def _create_actors(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        agent = ray.remote(NodeAgent)
+        custom = {k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")}
+        assert self.pg is not None
+        for i, name in enumerate(self.names):
+            self.actors.append(
+                agent.options(
+                    name=name,
+                    namespace=NAMESPACE,
+                    num_cpus=self.bundle["CPU"],
+                    num_gpus=self.bundle.get("GPU", 0),  # Ray sets CUDA_VISIBLE_DEVICES to the bundle's GPUs
+                    resources=custom,
+                    max_concurrency=4,  # output waits while the follower reads files
+                    max_restarts=0,
+                    runtime_env=self.cfg.launch.ray.runtime_env or None,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+                ).remote()
+            )
+
+    def _pump(self, i: int, events: queue.Queue) -> None:
+        import ray
+
+        offset = 0
+        try:
+            while True:
+                lines, offset, code = ray.get(self.actors[i].output.remote(offset, OUTPUT_WAIT_S), timeout=CALL_S)
+                for line in lines:
+                    events.put(("line", i, self.mask(line)))
+                if code is not None:
+                    events.put(("exit", i, code))
+                    return
+        except Exception as e:
+            if not self.stopping.is_set():
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                events.put(("error", i, f"its Ray actor is gone ({type(e).__name__}: {first})"))
+                events.put(("exit", i, -1))  # its torchrun went with it: nothing left to wait for
+
+    def _answers(self, refs: list) -> list:
+        """Each ref's value, or None where its actor is gone or silent."""
+        import ray
+
+        out = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref, timeout=CALL_S))
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                out.append(None)
+        return out
+
+    def read(self, name: str) -> bytes | None:
+        """A file of rank 0's node: the rendezvous orders nodes by (address, pid), so rank 0 may be on any
+        node; the first node that has the file is that node from then on."""
+        if self.rank0 is not None:
+            return self._answers([self.actors[self.rank0].read.remote(name)])[0]
+        for i, data in enumerate(self._answers([a.read.remote(name) for a in self.actors])):
+            if data is not None:
+                self.rank0 = i
+                return data
+        return None
+
+    def read_all(self, folder: str) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        for files in self._answers([a.read_all.remote(folder) for a in self.actors]):
+            out.update(files or {})
+        return out
+
+    def terminate(self) -> None:
+        for a in self.actors:
+            a.terminate.remote()  # SIGTERM to torchrun and its ranks; the follower kills after launch.grace_s
+
+    def kill(self) -> None:
+        self._answers([a.kill.remote() for a in self.actors])
+
+    def why(self, node: int, code: int) -> str:
+        return " (killed)" if code in (-9, 137) else ""
+
+    def close(self) -> None:
+        """Stop torchrun and remove the exchange folder on every node, then the actors and the placement group;
+        each step tolerates what is already gone."""
+        self.stopping.set()
+        if not self.connected:
+            return
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            self._answers([a.close.remote() for a in self.actors])
+            for a in self.actors:
+                with contextlib.suppress(ray.exceptions.RayError):
+                    ray.kill(a, no_restart=True)
+            if self.pg is not None:
+                remove_placement_group(self.pg)
+            self._wait_gone()
+        finally:
+            _disconnect()
+
+    def _wait_gone(self, timeout_s: float = 30) -> None:
+        """Until no actor of this job is alive (ray.kill returns before the actor is dead)."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            alive = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE}
+            if not alive & set(self.names):
+                return
+            time.sleep(0.2)
+
+
+def run_ray(cfg: RunConfig, spec: TrainSpec | dict, on_line: Callable[[str], None] = print, **callbacks) -> TrainResult:
+    """Run the trainer on a Ray cluster, one actor per node, and follow it (lmyard.launch.follower.Follower)."""
+    spec = TrainSpec.model_validate(spec)
+    return Follower(RayJob(cfg, spec, on_line), cfg, on_line, **callbacks).run()
