@@ -28,8 +28,11 @@ class Checkpointer(Protocol):
     """Saves checkpoints of one lineage in the background; every rank holds one and calls it alike."""
 
     sharded: bool  # loads go into a sharded model (each rank its shards), else a plain one (whole state)
-    group: object  # the process group resume agrees over (None: the default one)
     blocked_s: list[float]
+
+    @property
+    def group(self) -> object:
+        """The process group resume agrees over (None: the default one); read-only, so any group type fits."""
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Make the copy buffers in the background (after the first step: the optimizer has its state)."""
@@ -59,7 +62,16 @@ def make_checkpointer(
     """The checkpointer for a model `sharded` over the ranks (train.parallel=fsdp, as lmyard.train.parallelism
     decided) or not; every rank makes it at the same point (a collective for DCP)."""
     c, staging = cfg.checkpoint, os.path.join(cache_dir, "staging")
-    common = {"max_pending": c.max_pending, "retries": c.upload_retries, "on_commit": on_commit}
     if sharded:
-        return ShardedCheckpointer(store, cfg.run_name, staging, **common)
-    return FullCheckpointer(store, cfg.run_name, staging, rank=rank, **common)
+        return ShardedCheckpointer(
+            store, cfg.run_name, staging, max_pending=c.max_pending, retries=c.upload_retries, on_commit=on_commit
+        )
+    return FullCheckpointer(
+        store,
+        cfg.run_name,
+        staging,
+        rank=rank,
+        max_pending=c.max_pending,
+        retries=c.upload_retries,
+        on_commit=on_commit,
+    )

@@ -26,6 +26,7 @@ before its manifest (a checkpoint cut short, invisible).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -136,7 +137,7 @@ def upload_files(store: Store, files: dict[str, str], step: int, policy: RetryPo
     """Put staged files (key -> local path) into the store, each under the retry policy; seconds it took."""
     t0 = time.perf_counter()
     for key, path in files.items():
-        policy.run(step, staged, lambda k=key, p=path: put(store, p, k))
+        policy.run(step, staged, functools.partial(put, store, path, key))
     if faults.fires("crash_in_upload", step):
         print(f"injected crash while uploading checkpoint step {step}", flush=True)
         os._exit(1)

@@ -86,7 +86,7 @@ DCP_DIR = "dcp"
 class _Job:
     step: int
     folder: str  # this rank's staging folder
-    future: object  # DCP's write future
+    future: Future  # DCP's write future
     state: dict
     rng: list | None
     t0: float = 0.0  # when save() was called
@@ -103,10 +103,13 @@ class _CopyTable(dict):
 
     def __missing__(self, key):
         if key is type:
-            import copy
-
-            return copy._deepcopy_atomic
+            return _copy_as_itself
         raise KeyError(key)
+
+
+def _copy_as_itself(x, memo):
+    """What `copy` does with atoms (copy._deepcopy_atomic, private): the object itself."""
+    return x
 
 
 def _stager_copying_classes(stager: DefaultStager) -> DefaultStager:
@@ -123,7 +126,8 @@ def _stager_copying_classes(stager: DefaultStager) -> DefaultStager:
             original(self, *args, **kwargs)
             self._deepcopy_dispatch = _CopyTable(self._deepcopy_dispatch)
 
-        cls.__init__, cls._lmyard_copies_classes = init, True
+        setattr(cls, "__init__", init)  # noqa: B010 (mypy refuses assigning to a method; patching is the point)
+        setattr(cls, "_lmyard_copies_classes", True)  # noqa: B010 (a marker the class does not declare)
     inner = getattr(stager, "_state_dict_stager", None)
     if inner is not None and not isinstance(getattr(inner, "_deepcopy_dispatch", None), _CopyTable):
         inner._deepcopy_dispatch = _CopyTable(inner._deepcopy_dispatch)
@@ -185,8 +189,8 @@ class ShardedCheckpointer:
         else:
             self.async_staging = False
             self.writer = dcp.FileSystemWriter(self.staging, thread_count=write_threads, cache_staged_state_dict=cuda)
-        self.writing = None  # DCP future of the newest save: its staged buffers are reused by the next
-        self.staged = None  # future of the newest save's staging (async_staging only)
+        self.writing: Future | None = None  # DCP future of the newest save: its staged buffers are reused by the next
+        self.staged: Future | None = None  # future of the newest save's staging (async_staging only)
         self.prepared: Future | None = None  # the background making of the staging buffers (prepare)
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.unfinished: list[int] = []  # steps saved but not yet uploaded (on rank 0: committed)
@@ -237,11 +241,12 @@ class ShardedCheckpointer:
             out = dcp.async_save(
                 state_dict(model, optimizer), storage_writer=writer, process_group=self.group, async_stager=self.stager
             )
-        self.writing = getattr(out, "upload_completion", out)
-        self.staged = getattr(out, "staging_completion", None)
+        # DCP returns the write's future, or (with a stager) a response holding it and the staging's future
+        writing = out if isinstance(out, Future) else out.upload_completion
+        self.writing, self.staged = writing, None if isinstance(out, Future) else out.staging_completion
         with self.cond:
             self.unfinished.append(step)
-        self.jobs.put(_Job(step, folder, self.writing, dict(state), rng, t0))
+        self.jobs.put(_Job(step, folder, writing, dict(state), rng, t0))
         blocked = time.perf_counter() - t0
         self.blocked_s.append(blocked)
         return blocked
@@ -251,20 +256,21 @@ class ShardedCheckpointer:
         blocks no longer than later ones. Call once the optimizer has its state (after the first step)."""
         if self.stager is None:  # the writer makes its buffers at the first save
             return
+        stager, prepared = self.stager, Future[None]()
         sd = state_dict(model, optimizer)
-        self.prepared = Future()
+        self.prepared = prepared
         device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
         def make() -> None:
             try:
                 if device is not None:  # a new thread starts on GPU 0: a context there would cost memory
                     torch.cuda.set_device(device)
-                staged = self.stager.stage(sd)  # a throwaway copy: it only fills the stager's buffer cache
+                staged = stager.stage(sd)  # a throwaway copy: it only fills the stager's buffer cache
                 if isinstance(staged, Future):
                     staged.result()
-                self.prepared.set_result(None)
+                prepared.set_result(None)
             except BaseException as e:
-                self.prepared.set_exception(e)
+                prepared.set_exception(e)
 
         threading.Thread(target=make, daemon=True, name="sharded-checkpoint-prepare").start()
 
@@ -383,11 +389,12 @@ class ShardedCheckpointer:
             uri = publish(self.store, self.run_name, extra, manifest, self.policy, self.staging)
 
         self._persist(commit)
+        assert uri is not None, "_persist returns only once commit() has run"
         return uri
 
     def _wait_for_markers(self, step: int) -> list[dict]:
         """Every rank's marker (one listing per poll: a few requests, whatever the world size)."""
-        deadline, found = time.monotonic() + self.commit_timeout_s, {}
+        deadline, found = time.monotonic() + self.commit_timeout_s, dict[int, dict]()
         while len(found) < self.world:
             with contextlib.suppress(Exception):  # the store failing now is like a marker not there yet
                 for key in self.store.list(self.layout.rank_markers(step)):
@@ -503,8 +510,9 @@ class _VerifiedReader(dcp.FileSystemReader):
                     raise DamagedCheckpoint(
                         f"{self.store.uri(f'{self.prefix}/{DCP_DIR}/.metadata')} does not load: {e}"
                     ) from None
-            if getattr(self.metadata, "storage_meta", None) is not None:
-                self.metadata.storage_meta.load_id = self.load_id
+            storage_meta = getattr(self.metadata, "storage_meta", None)  # absent from older checkpoints' index
+            if storage_meta is not None:
+                storage_meta.load_id = self.load_id
         return self.metadata
 
     def read_metadata(self, *args, **kwargs):

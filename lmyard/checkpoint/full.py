@@ -43,7 +43,7 @@ from lmyard.paths import confined
 from lmyard.store import Store
 
 FILES = ("model.pt", "optim.pt", "rng.pt", "state.json")
-EMPTY_OPTIM = {"state": {}, "param_groups": []}
+EMPTY_OPTIM: dict[str, dict | list] = {"state": {}, "param_groups": []}
 
 
 def stage(folder: str, model: dict, optim: dict, rng: list, state: dict) -> Manifest:
@@ -94,6 +94,7 @@ class Snapshot:
         if cuda and self.stream is None:
             self.stream = torch.cuda.Stream()
         if cuda:
+            assert self.stream is not None, "made above on the first CUDA copy"
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
                 out = self._copy(tree, "")

@@ -12,6 +12,7 @@ reads it (lmyard.checkpoint.catalog).
 
 from __future__ import annotations
 
+import builtins
 import os
 from typing import Literal
 
@@ -49,7 +50,7 @@ class Manifest(BaseModel):
     def bytes(self) -> int:
         return sum(m.bytes for m in self.files.values())
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self) -> builtins.bytes:  # the property above shadows the type in the class body
         return self.model_dump_json(indent=1).encode()
 
 

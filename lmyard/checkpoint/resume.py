@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypeVar, cast, overload
 
 import torch
 
@@ -89,8 +89,8 @@ def _together(load: Callable[[int], T], group) -> Callable[[int], T]:
             error = e
         said = None if error is None else (type(error).__name__, str(error).splitlines()[0])
         failed = [(rank, s) for rank, s in enumerate(gather(said, group)) if s]
-        if not failed:
-            return result
+        if not failed:  # so this rank did not fail either: `load` returned `result`
+            return cast(T, result)
         if isinstance(error, (DamagedCheckpoint, UserError)):
             raise error
         damaged = [s for _, s in failed if s[0] == DamagedCheckpoint.__name__]
@@ -101,16 +101,42 @@ def _together(load: Callable[[int], T], group) -> Callable[[int], T]:
     return loaded
 
 
+@overload
 def find_latest(
     store: Store,
     run_name: str,
     cache_dir: str,
-    load: Callable[[int], T] | None = None,
+    load: None = None,
     *,
     group=None,
     read_attempts: int = 3,
     backoff_s: float = 2.0,
-) -> tuple[T | Checkpoint | None, list[int]]:
+) -> tuple[Checkpoint | None, list[int]]: ...
+
+
+@overload
+def find_latest(
+    store: Store,
+    run_name: str,
+    cache_dir: str,
+    load: Callable[[int], T],
+    *,
+    group=None,
+    read_attempts: int = 3,
+    backoff_s: float = 2.0,
+) -> tuple[T | None, list[int]]: ...
+
+
+def find_latest(
+    store: Store,
+    run_name: str,
+    cache_dir: str,
+    load: Callable[[int], object] | None = None,
+    *,
+    group=None,
+    read_attempts: int = 3,
+    backoff_s: float = 2.0,
+) -> tuple[object, list[int]]:
     """(the newest checkpoint that `load(step)` loads, the damaged steps skipped on the way); see the module doc.
     `load` defaults to `load_step` (the whole state on this process)."""
     load = _together(load or (lambda step: load_step(store, run_name, step, cache_dir)), group)

@@ -40,7 +40,8 @@ class Loaded:
 
 def rng_state() -> dict:
     """This process's RNG states, as tensors and plain values (weights_only-loadable)."""
-    np_state = np.random.get_state()
+    np_state = np.random.get_state()  # legacy=True (the default): a tuple for the legacy MT19937 generator
+    assert isinstance(np_state, tuple), "np.random.get_state() is a tuple unless legacy=False"
     state = {
         "python": random.getstate(),
         "numpy": {

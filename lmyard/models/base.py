@@ -8,17 +8,31 @@ targets only the mean cross-entropy (lmyard.models.losses.linear_cross_entropy).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 
+class ModelConfig(Protocol):
+    """What every family's config dataclass has (read-only: the dataclasses are frozen)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def n_layer(self) -> int: ...
+    @property
+    def n_embd(self) -> int: ...
+
+
 class LanguageModel(nn.Module):
     """The shared part of every family's model (see the module docstring)."""
 
     family: ClassVar[str]  # model.arch: lmyard.models.registry.spec_of(model) finds the family's spec by it
+    config: ModelConfig  # each family narrows it to its own dataclass
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

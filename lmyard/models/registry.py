@@ -14,10 +14,14 @@ Importing it loads no torch (the config validates with it in the flow's process)
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from lmyard.errors import UserError
 from lmyard.models import gpt2, llama
 from lmyard.models.spec import ModelSpec
+
+if TYPE_CHECKING:  # importing this module loads no torch
+    from lmyard.models.base import LanguageModel
 
 FAMILIES: dict[str, ModelSpec] = {s.name: s for s in (gpt2.SPEC, llama.SPEC)}
 DEFAULT = "gpt2"  # free-form sizes without model.arch, and checkpoints written before Llama (no `arch`)
@@ -77,7 +81,7 @@ def doc_fields(cfg, separators: tuple[int | None, int | None]) -> dict:
     return {"doc_bos": bos, "doc_eos": eos}
 
 
-def build_model(cfg, n_vocab: int, separators: tuple[int | None, int | None] = (None, None)):
+def build_model(cfg, n_vocab: int, separators: tuple[int | None, int | None] = (None, None)) -> LanguageModel:
     """A freshly initialised model of `model.*` (on the current default device: build under
     `with torch.device(...)` to make the weights there); `separators`: the shard set's (doc_fields)."""
     return FAMILIES[cfg.architecture()].build({**resolve(cfg, n_vocab), **doc_fields(cfg, separators)})
@@ -88,7 +92,7 @@ def model_spec(model) -> dict:
     return {"arch": model.family, **dataclasses.asdict(model.config)}
 
 
-def model_from_spec(fields: dict):
+def model_from_spec(fields: dict) -> LanguageModel:
     """The model of `model_spec`'s dict (without `arch`: a GPT-2, as checkpoints written before Llama say)."""
     fields = dict(fields)
     return FAMILIES[fields.pop("arch", DEFAULT)].build(fields)

@@ -65,7 +65,8 @@ def prepare_model(raw_model: torch.nn.Module, cfg: RunConfig, d) -> tuple[torch.
             bucket_cap_mb=t.ddp_bucket_mb,
         )
     if t.compile if t.compile is not None else cuda:
-        model = torch.compile(model)
+        # torch types compile() as returning a callable; given a module it returns one (OptimizedModule)
+        model = torch.compile(model)  # type: ignore[assignment]
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

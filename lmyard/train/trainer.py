@@ -42,6 +42,7 @@ from lmyard.data.shards import ShardSet
 from lmyard.errors import Diverged, ExitCode, Preempted, StoreOutage, UserError, exit_code_of  # noqa: F401
 from lmyard.evaluate.validation import val_loss
 from lmyard.layout import RunLayout
+from lmyard.models.base import LanguageModel
 from lmyard.models.registry import build_model, doc_fields, flops_per_token, model_from_spec, model_spec
 from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
@@ -215,7 +216,7 @@ class Trainer:
             fused=self.d.device.type == "cuda",
         )
 
-    def _from_hf(self, path: str) -> torch.nn.Module:
+    def _from_hf(self, path: str) -> LanguageModel:
         from lmyard.export.hf import init_from_hf
 
         state, spec = init_from_hf(path, os.path.join(self.cache, "init-from"))
@@ -245,7 +246,7 @@ class Trainer:
     def train(self) -> TrainResult:
         self.resume()
         self.model, self.autocast = self.parallel.wrap(self.raw_model, self.cfg, self.d)
-        self.params = list(self.raw_model.parameters())
+        self.params: list[torch.Tensor] = list(self.raw_model.parameters())
         self._describe()
         self.batches = Prefetcher(self.data, self.state.cursor, self.d.device)
         self.preemption, heartbeat = Preemption(self.d.world, self.d.device.type == "cuda"), Heartbeat(self.d.rank)
@@ -336,7 +337,7 @@ class Trainer:
     # ---- checkpoints ----------------------------------------------------------------
     def save(self) -> None:
         """Every rank hands in its RNG state; rank 0 snapshots the state and returns (upload in background)."""
-        rng = [None] * self.d.world
+        rng: list[dict | None] = [None] * self.d.world
         if self.d.world > 1:
             dist.all_gather_object(rng, rng_state())
         else:
@@ -524,7 +525,7 @@ def train_step(
     """One optimizer step over `accum` micro-batches; returns (mean loss, grad norm) as device tensors."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    loss_sum = None
+    loss_sum: torch.Tensor | None = None
     for micro in range(accum):
         x, y = next_batch()
         sync = micro == accum - 1 or not distributed  # DDP all-reduces gradients on the last micro-step only
@@ -540,6 +541,7 @@ def train_step(
         before_update()  # a checkpoint copy of the weights in flight must finish before they change
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    assert loss_sum is not None, "accum >= 1 micro-step (grad_accum_steps)"
     return loss_sum / accum, grad_norm
 
 
@@ -579,7 +581,8 @@ def _report(result: TrainResult, d: Dist | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     spec = read_spec(argv)
-    d, trainer, sink = None, None, NullSink()
+    d, trainer = None, None
+    sink: MetricsSink = NullSink()
     try:
         cfg = RunConfig.model_validate(spec.config)
         shards = ShardSet.from_dict(spec.shards)

@@ -40,7 +40,8 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.dropout = c.n_head, c.dropout
         self.c_attn = nn.Linear(c.n_embd, 3 * c.n_embd, bias=c.bias)
         self.c_proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
-        self.c_proj.RESIDUAL = True
+        # torch types Module.__setattr__ as Tensor | Module only; any other value is stored as a plain attribute
+        self.c_proj.RESIDUAL = True  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor, mask: attention.Mask | None = None) -> torch.Tensor:
         B, T, C = x.shape
@@ -60,7 +61,7 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(c.n_embd, 4 * c.n_embd, bias=c.bias)
         self.c_proj = nn.Linear(4 * c.n_embd, c.n_embd, bias=c.bias)
-        self.c_proj.RESIDUAL = True
+        self.c_proj.RESIDUAL = True  # type: ignore[assignment]  # as in CausalSelfAttention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
@@ -79,6 +80,7 @@ class Block(nn.Module):
 
 class GPT(LanguageModel):
     family = "gpt2"
+    config: GPTConfig
 
     def __init__(self, c: GPTConfig):
         super().__init__()

@@ -132,6 +132,9 @@ class LMHead(nn.Linear):
 
 class Llama(LanguageModel):
     family = "llama"
+    config: LlamaConfig
+    rope_cos: torch.Tensor  # buffers (register_buffer): typed here, as nn.Module's __getattr__ cannot say
+    rope_sin: torch.Tensor
 
     def __init__(self, c: LlamaConfig):
         super().__init__()
@@ -156,6 +159,7 @@ class Llama(LanguageModel):
         c = self.config
         nn.init.normal_(self.embed_tokens.weight, std=1.0)
         for i, block in enumerate(self.layers):
+            assert isinstance(block, Block), "called from __init__, before lmyard.train.parallel wraps the blocks"
             deep = 0.02 / math.sqrt(2 * (i + 1))
             a, m = block.self_attn, block.mlp
             for lin, std in (
