@@ -87,7 +87,7 @@ def test_every_familys_export_loads_as_pyfunc_and_generates_text(tmp_path, arch)
     from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
     from lmyard.export.hf import export
-    from lmyard.tracking.lineage import PYFUNC
+    from lmyard.tracking.registry import PYFUNC_FILE as PYFUNC
 
     uri, model = write_random_checkpoint(tmp_path / "store", arch=arch)  # llama: the llama-tiny preset
     export(uri, str(tmp_path / "hf"), cache_dir=str(tmp_path / "cache"))
