@@ -11,12 +11,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
 from lmyard.config import RunConfig
-from lmyard.contracts import Progress, Started, TrainSpec
-from lmyard.data.shards import ShardSet
+from lmyard.contracts import Progress, ShardSet, Started, TrainResult, TrainSpec
 from lmyard.errors import retryable
 from lmyard.launch.follower import stop_all
 from lmyard.tracking import lineage as tracking
-from tasks._common import artifact_key
+from tasks._common import artifact_key, launch_stage
 
 
 def retry_if_it_can_help(task, task_run, state) -> bool:
@@ -27,7 +26,7 @@ def retry_if_it_can_help(task, task_run, state) -> bool:
 
 # The flow sets the retry count from config.launch.retries.
 @task(name="train", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5, retry_condition_fn=retry_if_it_can_help)
-def train(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage) -> dict:
+def train(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage) -> TrainResult:
     """Run torchrun with the trainer; resumes from the newest complete checkpoint, as a new attempt."""
     logger = get_run_logger()
     lineage = tracking.record_attempt(
@@ -44,9 +43,7 @@ def train(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage) -> dic
         },
     )
     # the flow evaluates every checkpoint: retention keeps each one until its evaluation has ended
-    spec = TrainSpec(
-        config=config.model_dump(mode="json"), shards=shards.to_dict(), lineage=lineage.to_dict(), hold_for_eval=True
-    )
+    spec = TrainSpec(config=config, shards=shards, lineage=lineage, hold_for_eval=True)
 
     def started(s: Started) -> None:
         """What the trainer actually loaded (after any fallback) becomes the attempt's record."""
@@ -58,23 +55,12 @@ def train(config: RunConfig, shards: ShardSet, lineage: tracking.Lineage) -> dic
         )
 
     try:
-        result = _launch(config, spec, logger.info, on_progress=_progress_artifact(config), on_started=started)
+        result = launch_stage(spec, logger.info, on_progress=_progress_artifact(config), on_started=started)
     except BaseException as e:
         tracking.end_attempt(lineage, "failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         raise
     tracking.end_attempt(lineage, "finished", f"step {result.step}")
-    return {**result.model_dump(), "attempt": lineage.attempt}
-
-
-def _launch(config: RunConfig, spec: TrainSpec, on_line, **callbacks):
-    """torchrun here (`local`), or in one container per node (`docker`): one follower for both."""
-    if config.launch.backend == "docker":
-        from lmyard.launch.containers import run_docker
-
-        return run_docker(config, spec, on_line=on_line, flow_run_id=flow_run.get_id(), **callbacks)
-    from lmyard.launch.follower import run_local
-
-    return run_local(config, spec, on_line=on_line, **callbacks)
+    return result
 
 
 def _progress_artifact(config: RunConfig):

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from lmyard.contracts import ShardSet
 from lmyard.errors import UserError
 
 MAGIC = 20240520
@@ -90,32 +90,6 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-@dataclass(frozen=True)
-class ShardSet:
-    """A complete shard set: where it lives and what its manifest says."""
-
-    address: str
-    uri: str
-    manifest: dict
-
-    def files(self, split: str) -> list[dict]:
-        return [s for s in self.manifest["shards"] if s["split"] == split]
-
-    def tokens(self, split: str) -> int:
-        return sum(s["tokens"] for s in self.files(split))
-
-    @property
-    def n_vocab(self) -> int:
-        return int(self.manifest["tokenizer"]["n_vocab"])
-
-    def to_dict(self) -> dict:
-        return {"address": self.address, "uri": self.uri, "manifest": self.manifest}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ShardSet:
-        return cls(address=d["address"], uri=d["uri"], manifest=d["manifest"])
 
 
 def shard_prefix(address: str) -> str:

@@ -19,10 +19,10 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
 from lmyard.config import RunConfig, redact_uri
+from lmyard.contracts import Lineage
 from lmyard.errors import UserError
 from lmyard.layout import RunLayout
 
@@ -165,24 +165,6 @@ class MLflowSink:
 # ---------------------------------------------------------------- lineage
 
 
-@dataclass(frozen=True)
-class Lineage:
-    run_name: str
-    tracking_uri: str
-    experiment_id: str
-    mlflow_run_id: str
-    attempt: int
-    resumed_from: str | None
-    start_step: int
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Lineage:
-        return cls(**d)
-
-
 def lineage_key(run_name: str) -> str:
     return RunLayout(run_name).lineage
 
@@ -299,7 +281,7 @@ def record_attempt(lineage: Lineage, *, resumed_from: str | None, start_step: in
     }
     tags.update({f"lmyard.attempt.{attempt}.{k}": str(v) for k, v in info.items()})
     _set_tags(client, lineage.mlflow_run_id, tags)
-    return replace(lineage, attempt=attempt, resumed_from=resumed_from, start_step=start_step)
+    return lineage.model_copy(update=dict(attempt=attempt, resumed_from=resumed_from, start_step=start_step))
 
 
 def record_resume(lineage: Lineage, *, resumed_from: str | None, start_step: int) -> None:
