@@ -304,7 +304,7 @@ def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_che
             time.sleep(0.2)
 
     @flow(name="train-only")
-    def train_only() -> dict:
+    def train_only():
         return train.with_options(retries=1, retry_delay_seconds=0)(cfg, shards, lineage)
 
     records = _Records()
@@ -323,7 +323,7 @@ def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_che
     assert len(resumed) == 1
     start = int(resumed[0].split("at step ")[1].split()[0])
     assert 20 <= start < 100
-    assert result["step"] == 100 and complete_steps(store, "killed")[-1] == 100
+    assert result.step == 100 and complete_steps(store, "killed")[-1] == 100
     assert _ours(docker_client, "killed") == ([], [])
     for secret in (s3_server.env["AWS_SECRET_ACCESS_KEY"], s3_server.env["AWS_ACCESS_KEY_ID"]):
         assert secret not in text

@@ -102,11 +102,11 @@ def test_bridge_network_puts_the_rendezvous_on_node_zeros_container_name(tmp_pat
     cmd = p.nodes[1].kwargs["command"]
     assert cmd[cmd.index("--rdzv_endpoint") + 1] == f"{names[0]}:29400" and "--local_addr" not in cmd
     assert p.labels == {
-            "lmyard.run_name": "smoke",
-            "lmyard.flow_run_id": "fr-1",
-            "lmyard.launch_id": "abc123",
-            "lmyard.stage": "train",
-        }
+        "lmyard.run_name": "smoke",
+        "lmyard.flow_run_id": "fr-1",
+        "lmyard.launch_id": "abc123",
+        "lmyard.stage": "train",
+    }
 
 
 def test_bridge_across_engines_and_wrong_node_counts_are_refused():
