@@ -489,7 +489,7 @@ def link_metrics(lineage: Lineage, model_id: str, step: int, prefixes: tuple[str
 def log_hf_model(
     lineage: Lineage, name: str, folder: str, step: int, params: dict[str, str], tags: dict[str, str]
 ) -> str:
-    """Log an exported Hugging Face folder as an MLflow pyfunc model (lmyard/hf_pyfunc.py, text in, text out)
+    """Log an exported Hugging Face folder as an MLflow pyfunc model (lmyard/export/pyfunc.py, text in, text out)
     whose artifacts, the weights among them, go to the artifact store; linked to the run's metrics at
     `step`. Returns the logged model's id."""
     import tempfile
@@ -525,7 +525,7 @@ def log_hf_model(
         path = os.path.join(tmp, "model")
         mlflow.pyfunc.save_model(
             path,
-            python_model=os.path.join(os.path.dirname(__file__), "hf_pyfunc.py"),
+            python_model=os.path.join(os.path.dirname(os.path.dirname(__file__)), "export", "pyfunc.py"),
             artifacts={"hf_model": folder},
             signature=signature,
             pip_requirements=_pyfunc_requirements(),
