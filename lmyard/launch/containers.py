@@ -170,25 +170,8 @@ def plan(
     else:
         rdzv = launch.rdzv_endpoint or f"{_node_host(urls[0])}:{dc.rdzv_port}"
 
-    env = {
-        **stage_env(cfg),
-        EXCHANGE_ENV: EXCHANGE_DIR,
-        SPEC_ENV: json.dumps(spec, separators=(",", ":")),
-        **dc.env,
-    }
-    if dc.socket_ifname:
-        env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = dc.socket_ifname
-    for name in ("LMYARD_FAULTS", "LMYARD_FAULTS_STATE"):  # failure drills
-        if environ.get(name):
-            env[name] = environ[name]
-    secrets = secret_names(dc, environ)
-    env.update({k: environ[k] for k in secrets})
-
-    device_requests = []
-    if dc.gpu_ids is not None:
-        device_requests = [_device_request(device_ids=list(dc.gpu_ids))]
-    elif dc.gpus != 0:
-        device_requests = [_device_request(count=-1 if dc.gpus == "all" else dc.gpus)]
+    env, secrets = _environment(cfg, spec, environ)
+    device_requests = _gpus(dc)
 
     nodes = []
     for i in range(nnodes):
@@ -219,6 +202,33 @@ def plan(
         )
         nodes.append(NodePlan(i, urls[i], {k: v for k, v in kwargs.items() if v is not None}, set(secrets)))
     return LaunchPlan(launch_id, image, network, labels, nodes)
+
+
+def _environment(cfg: RunConfig, spec: dict, environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Every container's environment (the spec in LMYARD_SPEC) and the names of the secrets passed through."""
+    dc = cfg.launch.docker
+    env = {
+        **stage_env(cfg),
+        EXCHANGE_ENV: EXCHANGE_DIR,
+        SPEC_ENV: json.dumps(spec, separators=(",", ":")),
+        **dc.env,
+    }
+    if dc.socket_ifname:
+        env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = dc.socket_ifname
+    for name in ("LMYARD_FAULTS", "LMYARD_FAULTS_STATE"):  # failure drills
+        if environ.get(name):
+            env[name] = environ[name]
+    secrets = secret_names(dc, environ)
+    env.update({k: environ[k] for k in secrets})
+    return env, secrets
+
+
+def _gpus(dc: DockerConfig) -> list:
+    if dc.gpu_ids is not None:
+        return [_device_request(device_ids=list(dc.gpu_ids))]
+    if dc.gpus != 0:
+        return [_device_request(count=-1 if dc.gpus == "all" else dc.gpus)]
+    return []
 
 
 def _device_request(**kwargs):
