@@ -80,10 +80,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from lmyard.contracts import ExportResult
     from lmyard.export.hf import export  # imports torch: only for this command
 
-    info = export(args.source, args.dest, args.step)
-    print(f"lmyard: exported {info['checkpoint']} (step {info['step']}) as {info['hf_architecture']} to {info['uri']}")
+    info = ExportResult.model_validate(export(args.source, args.dest, args.step))
+    print(f"lmyard: exported {info.checkpoint} (step {info.step}) as {info.hf_architecture} to {info.uri}")
     return 0
 
 

@@ -226,6 +226,18 @@ class StageError(_Contract):
 # ---------------------------------------------------------------- what tasks return to the flows
 
 
+class CheckpointReport(_Contract):
+    """A checkpoint verified in the store against its manifest (lmyard.checkpoint.catalog.verify)."""
+
+    step: int
+    uri: str
+    files: int
+    bytes: int
+    serialize_s: float | None = None
+    upload_s: float | None = None
+    committed: float | None = Field(None, description="When the manifest was written (epoch seconds).")
+
+
 class Evaluation(_Contract):
     """One checkpoint's evaluation as the flow sees it: its result, or the error that stopped it.
     A failed evaluation never fails the run (it is recorded on the MLflow run and in the RunSummary)."""
