@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmyard.config import RunConfig
-from lmyard.errors import STATUS, ExitCode, exit_code_of
+from lmyard.errors import STATUS, ExitCode, UserError, exit_code_of
 
 EXCHANGE_ENV = "LMYARD_EXCHANGE_DIR"
 SPEC_ENV = "LMYARD_SPEC"  # the spec itself, where no file can be handed over (a container)
@@ -412,7 +412,7 @@ def read_spec(cls: type[M], path: str | None) -> M:
             return cls.model_validate_json(f.read())
     if SPEC_ENV in os.environ:
         return cls.model_validate_json(os.environ[SPEC_ENV])
-    raise SystemExit(f"lmyard: error: give --spec PATH or set {SPEC_ENV}")
+    raise UserError(f"no spec: give --spec PATH or set {SPEC_ENV} (the {cls.__name__} as JSON)")
 
 
 def one_line(exc: BaseException) -> str:
