@@ -42,7 +42,7 @@ from lmyard.errors import UserError
 from lmyard.paths import cache_root
 from lmyard.version import code_version
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # lmyard/launch/images.py -> the repository
 IMAGES = REPO / "images"
 BASE_IMAGE = "lmyard-base:bookworm"
 STAGE_REPO = "lmyard-stage"
