@@ -86,9 +86,11 @@ def image_sharded(docker_client, stage_image, tmp_path_factory):
 
     corpus = tmp / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for _, t in sorted(topics.items())))
+    (tmp / "store").mkdir()  # mounted by the launcher: made here, or the engine makes it for root
     _writable_by_image(tmp)
-    overrides = tiny_overrides(tmp, **{"data.source": str(corpus), "launch.backend": "docker", **NO_MEMLOCK})
-    cfg = load_recipe("smoke", overrides)
+    overrides = tiny_overrides(tmp, **{"data.source": str(corpus), **NO_MEMLOCK})
+    # the source is a file here: mounted into the container (launch.docker.volumes), as docs/docker.md says
+    cfg = load_recipe("smoke", [*overrides, "launch.backend=docker", f"launch.docker.volumes=['{tmp}:{tmp}:ro']"])
     lines: list[str] = []
     written = run_docker(cfg, ShardSpec(config=cfg), on_line=lines.append, image=stage_image)
     shards, reused = tokenize_and_shard(cfg, log=lambda s: None)
@@ -351,7 +353,8 @@ def test_the_watchdog_ends_a_stalled_two_container_job_and_the_retry_resumes(
             },
         ),
     )
-    _writable_by_image(tmp / "store")
+    (tmp / "store").mkdir()  # mounted by the launcher: made here, or the engine makes it for root
+    _writable_by_image(tmp)
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
     lines: list[str] = []
     t0 = time.monotonic()
