@@ -353,8 +353,7 @@ def test_the_watchdog_ends_a_stalled_two_container_job_and_the_retry_resumes(
             },
         ),
     )
-    (tmp / "store").mkdir()  # mounted by the launcher: made here, or the engine makes it for root
-    _writable_by_image(tmp)
+    _writable_by_image(tmp / "store")
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
     lines: list[str] = []
     t0 = time.monotonic()
