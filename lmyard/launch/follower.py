@@ -10,8 +10,9 @@ image. `lmyard.launch.launcher.launch` picks the backend (`launch.backend`).
 Everything else is shared, in `Follower`:
 
 - output: every line reaches `on_line`, prefixed `[node i]` when there are several nodes;
-- progress and resume (training): `started.json` and `progress.json` from the job's exchange folder
-  (lmyard.contracts), never parsed from the log;
+- progress (training, tokenize-and-shard: the spec's `progress` type) and resume (training):
+  `progress.json` and `started.json` from the job's exchange folder (lmyard.contracts), never parsed
+  from the log;
 - the heartbeat watchdog (`launch.watchdog_s`): stalled ranks get the job killed (stages that write no
   heartbeats are not watched);
 - cancellation and cleanup: an interrupt (Ctrl-C, Prefect's cancellation) or `stop_all()` sends
