@@ -85,10 +85,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from lmyard.contracts import ExportResult
     from lmyard.export.hf import export  # imports torch: only for this command
 
-    info = export(args.source, args.dest, args.step)
-    print(f"lmyard: exported {info['checkpoint']} (step {info['step']}) as {info['hf_architecture']} to {info['uri']}")
+    info = ExportResult.model_validate(export(args.source, args.dest, args.step))
+    print(f"lmyard: exported {info.checkpoint} (step {info.step}) as {info.hf_architecture} to {info.uri}")
     return 0
 
 
@@ -132,12 +133,16 @@ def main(argv: list[str] | None = None) -> int:
         print("lmyard: interrupted; run the same command again to resume from the latest checkpoint", file=sys.stderr)
         return 130
     if args.command == "run":
+        val = f"val loss {result.val_loss:.4f}" if result.val_loss is not None else "no val loss"
+        failed = (
+            f"; evaluation failed at steps {sorted(result.failed_evaluations)}" if result.failed_evaluations else ""
+        )
         print(
-            f"lmyard: {result['run_name']} finished at step {result['steps']}: val loss {result['val_loss']:.4f} "
-            f"(MLflow run {result['mlflow_run_id']})"
+            f"lmyard: {result.run_name} finished at step {result.steps}: {val} "
+            f"(MLflow run {result.mlflow_run_id}){failed}"
         )
     else:
-        print(f"lmyard: shard set {result['address']} at {result['uri']}")
+        print(f"lmyard: shard set {result.address} at {result.uri}")
     return 0
 
 

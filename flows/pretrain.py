@@ -6,9 +6,8 @@ from __future__ import annotations
 from prefect import flow
 
 from lmyard.config import RunConfig
-from lmyard.evaluate.harness import check_tasks
+from lmyard.contracts import RunSummary
 from lmyard.recipes import with_recipe
-from lmyard.tracking.credentials import credentials_to_env
 from tasks.checkpoint import record_checkpoint
 from tasks.evaluate import evaluate_checkpoint, new_checkpoints
 from tasks.finish import finish
@@ -20,30 +19,30 @@ from tasks.train import stop_training, train
 
 
 @flow(name="pretrain", on_cancellation=[lineage_killed], on_crashed=[lineage_crashed])
-def pretrain(config: RunConfig = RunConfig(), recipe: str | None = None) -> dict:
+def pretrain(config: RunConfig = RunConfig(), recipe: str | None = None) -> RunSummary:
     """Pretrain a GPT on config.data; resumes the lineage config.run_name if it exists.
 
     `recipe` (a name under deploy/recipes): its config, with `config`'s explicitly set fields on top."""
-    config = credentials_to_env(with_recipe(config, recipe))  # the tracking password: environment only
-    check_tasks(config.eval)  # an lm-eval task that cannot load would fail every evaluation, after all the training
+    config = with_recipe(config, recipe)
     with lineage_lease(config):  # one run writes a lineage at a time; others wait, then refuse
         shards = tokenize_and_shard(config)
         lineage = open_lineage(config, shards)
         try:
             # training runs in a worker thread; each new checkpoint is verified and evaluated meanwhile
             training = train.with_options(retries=config.launch.retries).submit(config, shards, lineage)
+            evaluations = []  # a failed evaluation is recorded in it and on the MLflow run; it never stops training
             for step in new_checkpoints(config, lineage, training):
                 record_checkpoint(config, lineage, step, return_state=True)  # a failure does not stop training
-                evaluated = evaluate_checkpoint(config, shards, lineage, step, return_state=True)
+                evaluations.append(evaluate_checkpoint(config, shards, lineage, step))
                 # retention waits for each evaluation; a store hiccup only delays deletion, never stops training
-                retain_checkpoints(config, step, evaluated.is_completed(), return_state=True)
+                retain_checkpoints(config, step, evaluations[-1].ok, return_state=True)
             trained = training.result()
-            record_checkpoint(config, lineage, trained["step"], return_state=True)
-            final = evaluate_checkpoint(config, shards, lineage, trained["step"])
-            retain_checkpoints(config, trained["step"], True, final=True, return_state=True)
+            record_checkpoint(config, lineage, trained.step, return_state=True)
+            evaluations.append(final := evaluate_checkpoint(config, shards, lineage, trained.step))
+            retain_checkpoints(config, trained.step, True, final=True, return_state=True)
             model = register_model(config, shards, lineage, final)
         except BaseException as exc:
             stop_training()
             close_lineage(lineage, ended_status(exc))
             raise
-        return finish(config, shards, lineage, trained, final, model)
+        return finish(config, shards, lineage, trained, evaluations, model)

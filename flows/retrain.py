@@ -6,6 +6,7 @@ from prefect import flow
 
 from flows.pretrain import pretrain
 from lmyard.config import RunConfig
+from lmyard.contracts import RetrainDecision
 from lmyard.recipes import with_recipe
 from lmyard.train.retraining import with_max_steps
 from tasks.retraining import plan_retraining
@@ -13,11 +14,12 @@ from tasks.shard import tokenize_and_shard
 
 
 @flow(name="retrain")
-def retrain(config: RunConfig = RunConfig(), extra_steps: int = 100, recipe: str | None = None) -> dict:
+def retrain(config: RunConfig = RunConfig(), extra_steps: int = 100, recipe: str | None = None) -> RetrainDecision:
     """Tokenize the data as it is now; train on it only if it changed since the newest checkpoint."""
     config = with_recipe(config, recipe)
     shards = tokenize_and_shard(config)
     decision = plan_retraining(config, shards, extra_steps)
-    if decision["action"] == "none":
+    if decision.action == "none":
         return decision
-    return {**decision, **pretrain(config=with_max_steps(config, decision["max_steps"]))}
+    run = pretrain(config=with_max_steps(config, decision.max_steps))
+    return decision.model_copy(update={"run": run})

@@ -5,10 +5,11 @@ from __future__ import annotations
 from prefect import flow
 
 from lmyard.config import RunConfig
+from lmyard.contracts import ShardSet
 from tasks.shard import tokenize_and_shard
 
 
 @flow(name="shard")
-def shard(config: RunConfig = RunConfig()) -> dict:
+def shard(config: RunConfig = RunConfig()) -> ShardSet:
     """Token shards for config.data in config.store; reused when they exist."""
-    return tokenize_and_shard(config).to_dict()
+    return tokenize_and_shard(config)

@@ -85,7 +85,9 @@ def error_for(code: int, message: str) -> Exception:
 
 
 def exit_code_of(exc: BaseException) -> ExitCode:
-    """The exit code a stage ends with when `exc` stops it."""
+    """The exit code a stage ends with when `exc` stops it (an interrupt: preempted)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return ExitCode.PREEMPTED
     return ExitCode(getattr(exc, "exit_code", ExitCode.CRASHED))
 
 

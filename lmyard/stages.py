@@ -1,16 +1,23 @@
-"""The pipeline's stages without Prefect: what the stage image runs besides the trainer.
+"""The pipeline's stages, each a typed spec in and a typed result out: what the stage image runs.
 
-    python -m lmyard.stages shard RECIPE [--set dotted.key=value ...] [--out result.json]
-    python -m lmyard.stages evaluate RECIPE [--step N] [--set ...] [--out result.json]
+    python -m lmyard.stages {shard,train,evaluate,export} [--spec spec.json] [--out result.json]
 
-`shard` tokenizes config.data into the store (or reuses the shard set at its
-address); `evaluate` scores checkpoint N (default: the newest complete one) of
-config.run_name on that shard set and samples it. The result (ShardResult,
-EvalResult of lmyard.contracts) or the failure (StageError) is written
-atomically to `--out` (default: result.json in LMYARD_EXCHANGE_DIR or the
-current folder), and the exit code follows lmyard.errors.ExitCode: 0 done,
-2 a user error. The log says what happens, for people. The trainer is
-`torchrun ... -m lmyard.train` (see lmyard.launch).
+One entry convention for every stage: the spec (a `StageSpec` of
+lmyard.contracts: ShardSpec, TrainSpec, EvalSpec, ExportSpec) comes from
+`--spec`, or from the LMYARD_SPEC environment variable in a container; the
+result (ShardResult, TrainResult, EvalResult, ExportResult) or the failure
+(StageError) goes atomically to `--out`, default `result.json` in the exchange
+folder (LMYARD_EXCHANGE_DIR, else the current folder), and the exit code
+follows lmyard.errors.ExitCode: 0 done, 2 a user error, ... (`run_stage`, the
+one path from an exception to an exit code). The launcher (lmyard.launch)
+writes the spec, starts the stage here or in the stage image, and reads the
+result back; training runs under torchrun on every node
+(`torchrun ... -m lmyard.stages train --spec spec.json`), the others as one
+process. The log says what happens, for people.
+
+The bodies live where their subject does (lmyard.data.sharding,
+lmyard.train.trainer, lmyard.evaluate.evals, lmyard.export.hf); this module
+only turns a spec into their call and their answer into a result.
 """
 
 from __future__ import annotations
@@ -19,48 +26,76 @@ import argparse
 import os
 import sys
 
-from lmyard.contracts import EXCHANGE_ENV, ShardResult, run_stage
-from lmyard.data.shards import ShardSet
-from lmyard.recipes import load_recipe
+from lmyard.contracts import (
+    EXCHANGE_ENV,
+    EvalResult,
+    EvalSpec,
+    Exchange,
+    ExportResult,
+    ExportSpec,
+    ShardProgress,
+    ShardResult,
+    ShardSpec,
+    read_spec,
+    run_stage,
+)
 
 
-def _shard(cfg, log) -> tuple[ShardResult, ShardSet]:
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def shard(spec: ShardSpec) -> ShardResult:
+    import dataclasses
+
     from lmyard.data import sharding
 
-    shards, reused = sharding.tokenize_and_shard(cfg, log=log)
+    exchange = Exchange.from_env()
+
+    def progress(p: sharding.Progress) -> None:  # the launcher's on_progress reads it (a Prefect artifact)
+        if exchange is not None:
+            exchange.write("progress.json", ShardProgress(**dataclasses.asdict(p)))
+
+    shards, reused = sharding.tokenize_and_shard(spec.config, log=_say, progress=progress)
+    _say(f"shard set {shards.address} at {shards.uri} ({shards.tokens('train'):,} train tokens)")
     return ShardResult(
-        address=shards.address,
-        uri=shards.uri,
-        reused=reused,
-        train_tokens=shards.tokens("train"),
-        val_tokens=shards.tokens("val"),
-    ), shards
+        shards=shards, reused=reused, train_tokens=shards.tokens("train"), val_tokens=shards.tokens("val")
+    )
+
+
+def evaluate(spec: EvalSpec) -> EvalResult:
+    from lmyard.evaluate import evals
+
+    result = evals.evaluate_latest(spec.config, spec.shards, spec.step)
+    _say(f"step {result.step}: val loss {result.val_loss:.4f} ({result.checkpoint})")
+    return result
+
+
+def export(spec: ExportSpec) -> ExportResult:
+    from lmyard.export import hf
+
+    result = ExportResult.model_validate(hf.export(spec.source, spec.dest, spec.step))
+    _say(f"exported {result.checkpoint} (step {result.step}) as {result.hf_architecture} to {result.uri}")
+    return result
+
+
+STAGES = {"shard": (ShardSpec, shard), "evaluate": (EvalSpec, evaluate), "export": (ExportSpec, export)}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lmyard.stages", description=__doc__.splitlines()[0])
-    p.add_argument("stage", choices=["shard", "evaluate"])
-    p.add_argument("recipe", help="`smoke`, a name under deploy/recipes, or a YAML path")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--step", type=int, default=None, help="evaluate: the checkpoint's step (default: the newest)")
-    p.add_argument("--out", default=None, help="where the result file goes")
+    p.add_argument("stage", choices=[*STAGES, "train"])
+    p.add_argument("--spec", default=None, help="the stage's spec, a JSON file (default: $LMYARD_SPEC)")
+    p.add_argument("--out", default=None, help="where the result goes (default: result.json in the exchange folder)")
     args = p.parse_args(argv)
+    if args.stage == "train":  # every rank, under torchrun: rank 0 writes the result, failing ranks their own
+        from lmyard.train.trainer import train_stage
+
+        return train_stage(args.spec)
+    cls, body = STAGES[args.stage]
     out = args.out or os.path.join(os.environ.get(EXCHANGE_ENV, "."), "result.json")
-    say = lambda s: print(s, flush=True)
-
-    def produce():
-        cfg = load_recipe(args.recipe, args.overrides)
-        result, shards = _shard(cfg, say)
-        if args.stage == "shard":
-            say(f"shard set {result.address} at {result.uri} ({result.train_tokens:,} train tokens)")
-            return result
-        from lmyard.evaluate import evals
-
-        evaluation = evals.evaluate_latest(cfg, shards, args.step)
-        say(f"step {evaluation.step}: val loss {evaluation.val_loss:.4f} ({evaluation.checkpoint})")
-        return evaluation
-
-    return run_stage(out, produce)
+    # the spec is read inside run_stage: one that does not validate ends with a result file too
+    return run_stage(lambda: body(read_spec(cls, args.spec)), out)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from lmyard.contracts import StageSpec
 from lmyard.errors import UserError
+from lmyard.launch.launcher import launch
 
 
 def not_a_user_error(task, task_run, state) -> bool:
@@ -14,3 +18,11 @@ def artifact_key(run_name: str, what: str) -> str:
     """A Prefect artifact key (lowercase letters, digits, dashes) for one run."""
     slug = "".join(c if c.isalnum() else "-" for c in run_name.lower())
     return f"{slug}-{what}"
+
+
+def launch_stage(spec: StageSpec, on_line: Callable[[str], None], **callbacks):
+    """Run a stage (lmyard.stages) through the one launcher on config.launch.backend, labelled with this flow
+    run (a retry removes its leftovers); its result contract, or the error its exit code names."""
+    from prefect.runtime import flow_run
+
+    return launch(spec, on_line, flow_run_id=flow_run.get_id(), **callbacks)

@@ -8,6 +8,7 @@ from prefect.cache_policies import NO_CACHE
 
 from lmyard.checkpoint import catalog
 from lmyard.config import RunConfig
+from lmyard.contracts import CheckpointReport
 from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
 from tasks._common import artifact_key
@@ -16,23 +17,24 @@ from tasks._common import artifact_key
 @task(
     name="checkpoint", cache_policy=NO_CACHE, task_run_name="checkpoint-step-{step}", retries=2, retry_delay_seconds=5
 )
-def record_checkpoint(config: RunConfig, lineage: Lineage, step: int) -> dict:
+def record_checkpoint(config: RunConfig, lineage: Lineage, step: int) -> CheckpointReport:
     """Verify checkpoint `step` against its manifest in the store; its place, size and upload time to
     MLflow (checkpoint/* at its step) and to a Prefect artifact. The upload itself ran on the training node."""
-    report = catalog.verify(open_store(config.store), config.run_name, step)
-    metrics = {"checkpoint/bytes": report["bytes"]}
-    for key in ("serialize_s", "upload_s"):
-        if report[key] is not None:
-            metrics[f"checkpoint/{key}"] = report[key]
+    report = CheckpointReport.model_validate(catalog.verify(open_store(config.store), config.run_name, step))
+    metrics = {"checkpoint/bytes": report.bytes}
+    if report.serialize_s is not None:
+        metrics["checkpoint/serialize_s"] = report.serialize_s
+    if report.upload_s is not None:
+        metrics["checkpoint/upload_s"] = report.upload_s
     lineage.log_metrics(metrics, step)
-    lineage.set_tags({"lmyard.latest_checkpoint": report["uri"]})
+    lineage.set_tags({"lmyard.latest_checkpoint": report.uri})
     create_table_artifact(
         key=artifact_key(config.run_name, f"checkpoint-step-{step:08d}"),
-        table=[{"what": k, "value": str(v)} for k, v in report.items()],
+        table=[{"what": k, "value": str(v)} for k, v in report.model_dump().items()],
         description=f"Checkpoint {step} of {config.run_name} in the store",
     )
     get_run_logger().info(
-        f"checkpoint step {step}: {report['bytes'] / 2**20:,.1f} MiB in {report['files']} files at "
-        f"{report['uri']} (uploaded in {report['upload_s']} s)"
+        f"checkpoint step {step}: {report.bytes / 2**20:,.1f} MiB in {report.files} files at "
+        f"{report.uri} (uploaded in {report.upload_s} s)"
     )
     return report

@@ -1,14 +1,8 @@
-"""Evaluate checkpoints in their own process and log the results to the lineage's MLflow run."""
+"""Evaluate checkpoints (the evaluate stage, launched on config.launch.backend) and log the results to the
+lineage's MLflow run. An evaluation that fails is recorded, never raised: it does not fail the training run."""
 
 from __future__ import annotations
 
-import collections
-import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 
@@ -19,38 +13,62 @@ from prefect.futures import PrefectFuture
 
 from lmyard.checkpoint import catalog
 from lmyard.config import RunConfig
-from lmyard.contracts import EvalResult, read_stage_result
-from lmyard.data.shards import ShardSet
+from lmyard.contracts import EvalResult, EvalSpec, Evaluation, ShardSet, one_line
+from lmyard.layout import RunLayout
 from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
-from tasks._common import artifact_key
+from tasks._common import artifact_key, launch_stage
 
 EVALUATED = "eval/val_loss"  # the metric whose steps say which checkpoints have been evaluated
 
 
 @task(name="evaluate-checkpoint", cache_policy=NO_CACHE, task_run_name="evaluate-step-{step}")
-def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: Lineage, step: int) -> dict:
-    """Val loss, HellaSwag and samples of one checkpoint, in a process of its own on eval.device; logged at its step."""
+def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: Lineage, step: int) -> Evaluation:
+    """Val loss, HellaSwag and samples of one checkpoint (`python -m lmyard.stages evaluate` on eval.device),
+    logged at its step. A failure (the evaluator's, or logging's) is recorded on the MLflow run and returned
+    in the Evaluation: an evaluation never turns a training run into a failed one (issue 23)."""
     logger = get_run_logger()
-    result = _run_evaluator(config, shards, step)
+    try:
+        result = launch_stage(EvalSpec(config=config, shards=shards, step=step), logger.info)
+        _record(config, lineage, result)
+    except Exception as e:  # any failure of this evaluation: recorded below; interrupts and cancellation pass
+        error = f"{type(e).__name__}: {one_line(e)}"
+        logger.error(f"evaluation of step {step} failed; training goes on: {error}")
+        _record_failure(lineage, step, error, logger.warning)
+        checkpoint = open_store(config.store).uri(RunLayout(config.run_name).step(step))
+        return Evaluation(step=step, checkpoint=checkpoint, error=error)
+    return Evaluation(step=step, checkpoint=result.checkpoint, result=result)
+
+
+def _record(config: RunConfig, lineage: Lineage, result: EvalResult) -> None:
+    """The result to MLflow (once per step: a retried attempt's repeat is not logged again) and Prefect."""
+    logger, step = get_run_logger(), result.step
     if step in lineage.metric_history(EVALUATED):
         logger.info(f"step {step} was evaluated by an earlier attempt; its results are not logged again")
-        return result
+        return
     _log_to_mlflow(lineage, result)
     create_table_artifact(
         key=artifact_key(config.run_name, f"eval-step-{step:08d}"),
         table=_table(result),
-        description=f"Evaluation of {config.run_name} at step {step} ({result['checkpoint']})",
+        description=f"Evaluation of {config.run_name} at step {step} ({result.checkpoint})",
     )
-    hs = result.get("hellaswag")
+    hs = result.hellaswag
     logger.info(
-        f"step {step}: val loss {result['val_loss']:.4f}"
-        + (f", HellaSwag acc {hs['acc']:.3f} acc_norm {hs['acc_norm']:.3f} ({hs['n']} examples)" if hs else "")
-        + f" in {result['eval_s']:.1f} s on {result['device']} ({result['checkpoint']})"
+        f"step {step}: val loss {result.val_loss:.4f}"
+        + (f", HellaSwag acc {hs.acc:.3f} acc_norm {hs.acc_norm:.3f} ({hs.n} examples)" if hs else "")
+        + f" in {result.eval_s:.1f} s on {result.device} ({result.checkpoint})"
     )
-    for sample in result.get("samples", []):
-        logger.info(f"step {step} sample: {sample['prompt']!r} -> {sample['completion'][:160]!r}")
-    return result
+    for sample in result.samples:
+        logger.info(f"step {step} sample: {sample.prompt!r} -> {sample.completion[:160]!r}")
+
+
+def _record_failure(lineage: Lineage, step: int, error: str, warn) -> None:
+    """The failed evaluation on the lineage's MLflow run: a tag per step and evals/failed_step_N.json."""
+    try:
+        lineage.set_tags({f"lmyard.eval_failed.step_{step:08d}": error[:4000]})
+        lineage.log_dict({"step": step, "error": error}, f"evals/failed_step_{step:08d}.json")
+    except Exception as e:  # the tracking server itself is down: the flow's result still holds the failure
+        warn(f"could not record the failed evaluation of step {step} in MLflow: {one_line(e)}")
 
 
 def new_checkpoints(config: RunConfig, lineage: Lineage, training: PrefectFuture, log=None) -> Iterator[int]:
@@ -96,81 +114,51 @@ def outage_budget_s(config: RunConfig) -> float:
     return sum(min(30.0, 2.0**i) for i in range(config.checkpoint.upload_retries + 1)) + 30.0
 
 
-def _run_evaluator(config: RunConfig, shards: ShardSet, step: int, tail_lines: int = 30) -> dict:
-    """`python -m lmyard.evaluate` in its own process group; the EvalResult it writes to a file."""
-    with tempfile.TemporaryDirectory(prefix="lmyard-eval-") as tmp:
-        spec, out = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
-        with open(spec, "w") as f:
-            json.dump({"config": config.model_dump(mode="json"), "shards": shards.to_dict()}, f)
-        cmd = [sys.executable, "-m", "lmyard.evaluate", "--spec", spec, "--step", str(step), "--out", out]
-        tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                tail.append(line.rstrip("\n"))
-            rc = proc.wait()
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
-        return read_stage_result(out, EvalResult, rc, "\n".join(tail)).model_dump()
-
-
-def _log_to_mlflow(lineage: Lineage, r: dict) -> None:
-    step = r["step"]
-    metrics = {"eval/val_loss": r["val_loss"], "eval/seconds": r["eval_s"]}
-    hs = r.get("hellaswag")
+def _log_to_mlflow(lineage: Lineage, r: EvalResult) -> None:
+    step, hs = r.step, r.hellaswag
+    metrics = {"eval/val_loss": r.val_loss, "eval/seconds": r.eval_s}
     if hs:
-        metrics.update({"eval/hellaswag_acc": hs["acc"], "eval/hellaswag_acc_norm": hs["acc_norm"]})
+        metrics.update({"eval/hellaswag_acc": hs.acc, "eval/hellaswag_acc_norm": hs.acc_norm})
     # the checkpoint is referenced by its URI, not copied
     row = {
         "step": [step],
-        "checkpoint": [r["checkpoint"]],
-        "tokens_seen": [r["tokens_seen"]],
-        "val_loss": [r["val_loss"]],
-        "trainer_val_loss": [r["trainer_val_loss"]],
-        "hellaswag_acc": [hs["acc"] if hs else None],
-        "hellaswag_acc_norm": [hs["acc_norm"] if hs else None],
+        "checkpoint": [r.checkpoint],
+        "tokens_seen": [r.tokens_seen],
+        "val_loss": [r.val_loss],
+        "trainer_val_loss": [r.trainer_val_loss],
+        "hellaswag_acc": [hs.acc if hs else None],
+        "hellaswag_acc_norm": [hs.acc_norm if hs else None],
     }
     # one table file per checkpoint: appending to one file would download it each time
     lineage.log_table(row, f"evals/table_step_{step:08d}.json")
     lineage.log_table(
         {
-            "step": [step] * len(r["samples"]),
-            "prompt": [s["prompt"] for s in r["samples"]],
-            "completion": [s["completion"] for s in r["samples"]],
+            "step": [step] * len(r.samples),
+            "prompt": [s.prompt for s in r.samples],
+            "completion": [s.completion for s in r.samples],
         },
         f"evals/samples_step_{step:08d}.json",
     )
-    lineage.log_dict(r, f"evals/step_{step:08d}.json")
-    text = "\n\n".join(f"### {s['prompt']}\n{s['prompt']}{s['completion']}" for s in r["samples"])
+    lineage.log_dict(r.model_dump(mode="json"), f"evals/step_{step:08d}.json")
+    text = "\n\n".join(f"### {s.prompt}\n{s.prompt}{s.completion}" for s in r.samples)
     lineage.log_text(text, f"samples/step_{step:08d}.md")
-    metrics.update({f"harness/{k}": v for k, v in (r.get("harness") or {}).get("metrics", {}).items()})
-    lineage.set_tags({"lmyard.latest_evaluated_checkpoint": r["checkpoint"]})
+    metrics.update({f"harness/{k}": v for k, v in (r.harness.metrics if r.harness else {}).items()})
+    lineage.set_tags({"lmyard.latest_evaluated_checkpoint": r.checkpoint})
     # the checkpoint as an MLflow logged model (a pointer, no weights), its metrics linked to it
     model_id = lineage.log_checkpoint_model(
         step,
-        r["checkpoint"],
-        {"checkpoint": r["checkpoint"], "step": step, "tokens_seen": r["tokens_seen"], "val_loss": r["val_loss"]},
+        r.checkpoint,
+        {"checkpoint": r.checkpoint, "step": step, "tokens_seen": r.tokens_seen, "val_loss": r.val_loss},
     )
     lineage.log_metrics(metrics, step, model_id=model_id)  # last: its step marks the checkpoint as evaluated
 
 
-def _table(r: dict) -> list[dict]:
-    rows = [{"what": "checkpoint", "value": r["checkpoint"]}, {"what": "val loss", "value": f"{r['val_loss']:.4f}"}]
-    hs = r.get("hellaswag")
-    if hs:
+def _table(r: EvalResult) -> list[dict]:
+    rows = [{"what": "checkpoint", "value": r.checkpoint}, {"what": "val loss", "value": f"{r.val_loss:.4f}"}]
+    if hs := r.hellaswag:
         rows += [
-            {"what": "HellaSwag acc", "value": f"{hs['acc']:.4f} ({hs['n']} examples)"},
-            {"what": "HellaSwag acc_norm", "value": f"{hs['acc_norm']:.4f}"},
+            {"what": "HellaSwag acc", "value": f"{hs.acc:.4f} ({hs.n} examples)"},
+            {"what": "HellaSwag acc_norm", "value": f"{hs.acc_norm:.4f}"},
         ]
-    rows += [{"what": f"sample: {s['prompt']}", "value": s["completion"]} for s in r["samples"]]
+    rows += [{"what": f"sample: {s.prompt}", "value": s.completion} for s in r.samples]
     return rows

@@ -8,55 +8,68 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from lmyard.config import RunConfig
-from lmyard.data.shards import ShardSet
+from lmyard.contracts import Evaluation, RegisteredModel, RunSummary, ShardSet, TrainResult
 from lmyard.tracking.lineage import Lineage
 from tasks._common import artifact_key
 
 
 @task(name="finish", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
-def finish(config: RunConfig, shards: ShardSet, lineage: Lineage, trained: dict, evaluation: dict, model: dict) -> dict:
-    """Log config, manifest, loss curve and summary; mark the MLflow run FINISHED."""
+def finish(
+    config: RunConfig,
+    shards: ShardSet,
+    lineage: Lineage,
+    trained: TrainResult,
+    evaluations: list[Evaluation],
+    model: RegisteredModel,
+) -> RunSummary:
+    """Log config, manifest, loss curve and summary; mark the MLflow run FINISHED. `evaluations`: every
+    checkpoint's, the final one last; those that failed are listed in the summary."""
     attempts = lineage.attempts()
-    hs = evaluation.get("hellaswag")
-    summary = {
-        "run_name": config.run_name,
-        "mlflow_run_id": lineage.mlflow_run_id,
-        "attempts": len(attempts),
-        "shard_address": shards.address,
-        "steps": trained["step"],
-        "tokens_seen": trained["tokens_seen"],
-        "train_loss": trained["train_loss"],
-        "val_loss": evaluation["val_loss"],
-        "hellaswag_acc_norm": hs["acc_norm"] if hs else None,
-        "checkpoint": evaluation["checkpoint"],
-        "registered_model": f"{model['name']}/{model['version']}",
-        "alias": model["alias"],
-    }
+    final = evaluations[-1]
+    hs = final.result.hellaswag if final.result else None
+    summary = RunSummary(
+        run_name=config.run_name,
+        mlflow_run_id=lineage.mlflow_run_id,
+        attempts=len(attempts),
+        shard_address=shards.address,
+        steps=trained.step,
+        tokens_seen=trained.tokens_seen,
+        train_loss=trained.train_loss,
+        val_loss=final.result.val_loss if final.result else trained.val_loss,
+        hellaswag_acc_norm=hs.acc_norm if hs else None,
+        checkpoint=final.checkpoint,
+        registered_model=f"{model.name}/{model.version}",
+        alias=model.alias,
+        failed_evaluations={e.step: e.error for e in evaluations if e.error},
+    )
     lineage.log_text(yaml.safe_dump(config.redacted_dump(), sort_keys=False), "config.yaml")
     lineage.log_dict(shards.manifest, "shards/manifest.json")  # not a store key
     lineage.log_dict(attempts, "attempts.json")
     lineage.log_loss_curve()
-    lineage.log_dict(summary, "summary.json")
+    lineage.log_dict(summary.model_dump(mode="json"), "summary.json")
     lineage.close("FINISHED")
-    rows = "\n".join(f"| {k} | {v} |" for k, v in summary.items())
+    create_markdown_artifact(
+        key=artifact_key(config.run_name, "summary"),
+        markdown=_markdown(summary, attempts, model, final),
+        description=f"Summary of {config.run_name}",
+    )
+    return summary
+
+
+def _markdown(summary: RunSummary, attempts: list[dict], model: RegisteredModel, final: Evaluation) -> str:
+    rows = "\n".join(f"| {k} | {v} |" for k, v in summary.model_dump().items())
     tries = "\n".join(
         f"| {a['attempt']} | {a.get('start_step', '')} | {a.get('resumed_from') or '-'} | "
         f"{a.get('flow_run_id', '')} | {a.get('nodes', '')} | {a.get('outcome', '')} |"
         for a in attempts
     )
     gates = (
-        "\n".join(
-            f"| {k} | {g['value']} | {g['limit']} | {'pass' if g['passed'] else 'FAIL'} |"
-            for k, g in model["gates"].items()
-        )
+        "\n".join(f"| {k} | {g.value} | {g.limit} | {'pass' if g.passed else 'FAIL'} |" for k, g in model.gates.items())
         or "| (none configured) | | | |"
     )
-    samples = "\n\n".join(f"**{s['prompt']}**{s['completion']}" for s in evaluation["samples"])
-    create_markdown_artifact(
-        key=artifact_key(config.run_name, "summary"),
-        markdown=f"# {config.run_name}\n\n| | |\n|---|---|\n{rows}\n\n"
+    samples = "\n\n".join(f"**{s.prompt}**{s.completion}" for s in (final.result.samples if final.result else []))
+    return (
+        f"# {summary.run_name}\n\n| | |\n|---|---|\n{rows}\n\n"
         f"## Attempts\n\n| # | start step | resumed from | flow run | nodes | outcome |\n|---|---|---|---|---|---|\n{tries}\n\n"
-        f"## Gates\n\n| gate | value | limit | |\n|---|---|---|---|\n{gates}\n\n## Samples\n\n{samples}\n",
-        description=f"Summary of {config.run_name}",
+        f"## Gates\n\n| gate | value | limit | |\n|---|---|---|---|\n{gates}\n\n## Samples\n\n{samples}\n"
     )
-    return summary

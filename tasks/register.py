@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
 import tempfile
 
 from prefect import get_run_logger, task
@@ -13,81 +10,72 @@ from prefect.cache_policies import NO_CACHE
 
 from lmyard.checkpoint import retention
 from lmyard.config import RunConfig
-from lmyard.contracts import ExportResult, read_stage_result
-from lmyard.data.shards import ShardSet
+from lmyard.contracts import Evaluation, ExportResult, ExportSpec, Gate, RegisteredModel, ShardSet
 from lmyard.evaluate.gates import gate_results
 from lmyard.store import open_store
 from lmyard.tracking import registry
 from lmyard.tracking.lineage import Lineage
+from tasks._common import launch_stage
 
 
 @task(name="register-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
-def register_model(config: RunConfig, shards: ShardSet, lineage: Lineage, final: dict) -> dict:
+def register_model(config: RunConfig, shards: ShardSet, lineage: Lineage, final: Evaluation) -> RegisteredModel:
     """The final checkpoint exported to Hugging Face format and logged as an MLflow pyfunc model (weights in
-    the artifact store), registered as a new version; eval.alias only if every gate passes."""
+    the artifact store), registered as a new version; eval.alias only if every gate passes (a final evaluation
+    that failed passes none: the model is registered, without the alias)."""
     logger = get_run_logger()
     name = config.tracking.registered_model or config.run_name
-    gates = gate_results(config.eval.gates, final)
-    with tempfile.TemporaryDirectory(prefix="lmyard-register-") as tmp:
+    gates = {
+        k: Gate(**g) for k, g in gate_results(config.eval.gates, final.result.model_dump() if final.ok else {}).items()
+    }
+    with tempfile.TemporaryDirectory(prefix="lmyard-register-", ignore_cleanup_errors=True) as tmp:
         folder = os.path.join(tmp, "hf_model")  # its name in the logged model: artifacts/hf_model
-        info = _export(final["checkpoint"], folder)
+        info = _export(config, final.checkpoint, folder)
         params = {
-            "checkpoint_uri": final["checkpoint"],
-            "step": str(final["step"]),
-            "tokens_seen": str(final["tokens_seen"]),
-            "hf_architecture": info["hf_architecture"],
+            "checkpoint_uri": info.checkpoint,
+            "step": str(info.step),
+            "tokens_seen": str(info.tokens_seen),
+            "hf_architecture": info.hf_architecture,
             "tokenizer": config.tokenizer.name,
             "shard_address": shards.address,
         }
         tags = {"lmyard.run_name": config.run_name, "lmyard.shard_address": shards.address}
-        model_id = registry.log_hf_model(lineage, name, folder, final["step"], params, tags)
+        model_id = registry.log_hf_model(lineage, name, folder, info.step, params, tags)
         size_mb = sum(e.stat().st_size for e in os.scandir(folder)) / 1e6
         logger.info(
-            f"exported {final['checkpoint']} as {info['hf_architecture']} ({size_mb:.1f} MB) and logged "
+            f"exported {info.checkpoint} as {info.hf_architecture} ({size_mb:.1f} MB) and logged "
             f"it as MLflow model models:/{model_id}"
         )
+    evaluated = f"val loss {final.result.val_loss:.4f}" if final.result else f"evaluation failed ({final.error})"
     version = registry.register_model(
         lineage,
         name,
         model_id,
-        final["step"],
-        description=f"{config.run_name} at step {final['step']}: val loss {final['val_loss']:.4f}",
+        info.step,
+        description=f"{config.run_name} at step {info.step}: {evaluated}",
         tags=tags,
-        checkpoint_uri=final["checkpoint"],
+        checkpoint_uri=info.checkpoint,
     )
-    retention.protect_checkpoint(open_store(config.store), config.run_name, final["step"])
+    retention.protect_checkpoint(open_store(config.store), config.run_name, info.step)
     alias = None
     if not gates:
         logger.info(f"registered {name} version {version}; no eval.gates configured, so no {config.eval.alias!r} alias")
-    elif all(g["passed"] for g in gates.values()):
+    elif all(g.passed for g in gates.values()):
         registry.set_alias(lineage, name, config.eval.alias, version)
         alias = config.eval.alias
         logger.info(f"registered {name} version {version} as {alias!r}: gates passed {gates}")
     else:
         logger.warning(f"registered {name} version {version} without the {config.eval.alias!r} alias: gates {gates}")
-    lineage.set_tags({"lmyard.gates": str({k: g["passed"] for k, g in gates.items()})})
-    return {
-        "name": name,
-        "version": version,
-        "alias": alias,
-        "gates": gates,
-        "source": final["checkpoint"],
-        "model_uri": f"models:/{model_id}",
-    }
+    lineage.set_tags({"lmyard.gates": str({k: g.passed for k, g in gates.items()})})
+    return RegisteredModel(
+        name=name, version=version, alias=alias, gates=gates, source=info.checkpoint, model_uri=f"models:/{model_id}"
+    )
 
 
-def _export(checkpoint_uri: str, folder: str) -> dict:
-    """`python -m lmyard.export` in a process of its own (torch stays out of the flow's process); the
-    ExportResult it writes to a file (lmyard_export.json's fields and the folder's URI)."""
-    out = os.path.join(folder + ".result", "result.json")
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "lmyard.export", checkpoint_uri, "--to", folder, "--out", out],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-        return read_stage_result(out, ExportResult, proc.returncode, tail).model_dump()
-    finally:
-        shutil.rmtree(folder + ".result", ignore_errors=True)
+def _export(config: RunConfig, checkpoint_uri: str, folder: str) -> ExportResult:
+    """The export stage (`python -m lmyard.stages export`, on config.launch.backend: torch stays out of the
+    flow's process) into the local `folder`."""
+    if config.launch.backend == "docker":  # the stage image's user writes into this folder (bind-mounted)
+        os.chmod(os.path.dirname(folder), 0o777)
+    spec = ExportSpec(config=config, source=checkpoint_uri, dest=folder)
+    return launch_stage(spec, get_run_logger().info)

@@ -1,20 +1,17 @@
-"""Tokenize a text source into token shards in the store (or reuse them)."""
+"""Tokenize a text source into token shards in the store (or reuse them): the shard stage, launched."""
 
 from __future__ import annotations
-
-from uuid import UUID
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from lmyard.config import RunConfig
-from lmyard.data import sharding
-from lmyard.data.shards import ShardSet
-from tasks._common import artifact_key, not_a_user_error
+from lmyard.contracts import ShardProgress, ShardSet, ShardSpec
+from tasks._common import artifact_key, launch_stage, not_a_user_error
 
 
-def _describe(p: sharding.Progress) -> str:
+def _describe(p: ShardProgress) -> str:
     return (
         f"{p.documents:,} documents, {p.tokens:,} tokens tokenized, {p.shards} shards; "
         f"{p.docs_per_s:,.0f} docs/s, {p.tokens_per_s:,.0f} tokens/s"
@@ -29,14 +26,13 @@ def _describe(p: sharding.Progress) -> str:
     retry_condition_fn=not_a_user_error,
 )
 def tokenize_and_shard(config: RunConfig) -> ShardSet:
-    """Token shards + manifest for config.data at their content address."""
-    artifact_id: UUID = create_progress_artifact(  # type: ignore[assignment]  # a UUID when called from sync code
+    """Token shards + manifest for config.data at their content address (`python -m lmyard.stages shard`)."""
+    artifact_id = create_progress_artifact(
         0.0, key=artifact_key(config.run_name, "shard-progress"), description="tokenize-and-shard: starting"
     )
 
-    def progress(p: sharding.Progress) -> None:
+    def progress(p: ShardProgress) -> None:
         if p.fraction is not None:  # a source of unknown size (hub) shows its rates in the log only
             update_progress_artifact(artifact_id, 100.0 * p.fraction, description=_describe(p))
 
-    shards, _reused = sharding.tokenize_and_shard(config, log=get_run_logger().info, progress=progress)
-    return shards
+    return launch_stage(ShardSpec(config=config), get_run_logger().info, on_progress=progress).shards

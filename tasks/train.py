@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import time
-from uuid import UUID
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -12,12 +11,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
 from lmyard.config import RunConfig
-from lmyard.contracts import Progress, Started, TrainSpec
-from lmyard.data.shards import ShardSet
+from lmyard.contracts import Progress, ShardSet, Started, TrainResult, TrainSpec
 from lmyard.errors import retryable
 from lmyard.launch.follower import stop_all
 from lmyard.tracking.lineage import Lineage
-from tasks._common import artifact_key
+from tasks._common import artifact_key, launch_stage
 
 
 def retry_if_it_can_help(task, task_run, state) -> bool:
@@ -28,7 +26,7 @@ def retry_if_it_can_help(task, task_run, state) -> bool:
 
 # The flow sets the retry count from config.launch.retries.
 @task(name="train", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5, retry_condition_fn=retry_if_it_can_help)
-def train(config: RunConfig, shards: ShardSet, lineage: Lineage) -> dict:
+def train(config: RunConfig, shards: ShardSet, lineage: Lineage) -> TrainResult:
     """Run torchrun with the trainer; resumes from the newest complete checkpoint, as a new attempt."""
     logger = get_run_logger()
     lineage = lineage.record_attempt(
@@ -44,9 +42,7 @@ def train(config: RunConfig, shards: ShardSet, lineage: Lineage) -> dict:
         },
     )
     # the flow evaluates every checkpoint: retention keeps each one until its evaluation has ended
-    spec = TrainSpec(
-        config=config.model_dump(mode="json"), shards=shards.to_dict(), lineage=lineage.to_dict(), hold_for_eval=True
-    )
+    spec = TrainSpec(config=config, shards=shards, lineage=lineage, hold_for_eval=True)
 
     def started(s: Started) -> None:
         """What the trainer actually loaded (after any fallback) becomes the attempt's record."""
@@ -58,33 +54,17 @@ def train(config: RunConfig, shards: ShardSet, lineage: Lineage) -> dict:
         )
 
     try:
-        result = _launch(config, spec, logger.info, on_progress=_progress_artifact(config), on_started=started)
+        result = launch_stage(spec, logger.info, on_progress=_progress_artifact(config), on_started=started)
     except BaseException as e:
         lineage.end_attempt("failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         raise
     lineage.end_attempt("finished", f"step {result.step}")
-    return {**result.model_dump(), "attempt": lineage.attempt}
-
-
-def _launch(config: RunConfig, spec: TrainSpec, on_line, **callbacks):
-    """torchrun here (`local`), in one container per node (`docker`), or in one Ray actor per node (`ray`): one
-    follower for all."""
-    if config.launch.backend == "docker":
-        from lmyard.launch.containers import run_docker
-
-        return run_docker(config, spec, on_line=on_line, flow_run_id=flow_run.get_id(), **callbacks)
-    if config.launch.backend == "ray":
-        from lmyard.launch.ray import run_ray
-
-        return run_ray(config, spec, on_line=on_line, **callbacks)
-    from lmyard.launch.follower import run_local
-
-    return run_local(config, spec, on_line=on_line, **callbacks)
+    return result
 
 
 def _progress_artifact(config: RunConfig):
     """A Prefect progress artifact fed by the trainer's progress file (at most every 2 s, and the last step)."""
-    artifact_id: UUID = create_progress_artifact(  # type: ignore[assignment]  # a UUID when called from sync code
+    artifact_id = create_progress_artifact(
         0.0, key=artifact_key(config.run_name, "train-progress"), description="train: starting"
     )
     last = 0.0
@@ -105,5 +85,5 @@ def _progress_artifact(config: RunConfig):
 
 def stop_training() -> int:
     """Stop the trainers this process follows (SIGTERM: each checkpoints and ends as preempted), e.g. when the
-    flow fails while the train task runs in a worker thread. Local, Docker and Ray jobs alike."""
+    flow fails while the train task runs in a worker thread. Local and Docker jobs alike."""
     return stop_all()

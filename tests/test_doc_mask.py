@@ -98,7 +98,7 @@ def test_the_mask_is_recorded_in_the_model_spec_and_rebuilt_from_it():
 
 def test_shard_set_separators_follow_the_manifest_tokenizer():
     def sep(tokenizer):
-        return ShardSet("a", "u", {"tokenizer": tokenizer, "shards": []}).separators
+        return ShardSet(address="a", uri="u", manifest={"tokenizer": tokenizer, "shards": []}).separators
 
     assert sep({"name": "bytes", "n_vocab": 257, "eot": 256}) == (256, None)  # <|endoftext|> before each
     assert sep({"name": "r50k_base", "eot": 50256, "bos": None, "eos": 50256}) == (None, 50256)

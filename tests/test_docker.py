@@ -17,8 +17,10 @@ import pytest
 from conftest import free_port, tiny_overrides
 
 from lmyard.checkpoint.catalog import complete_steps
+from lmyard.contracts import EvalResult, EvalSpec, ExportResult, ExportSpec, ShardResult, ShardSpec, TrainSpec
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.launch.containers import remove_leftovers, run_docker
+from lmyard.launch.follower import run_local
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.slow
 IMAGE_UID = 1000  # the stage image's non-root user
 # This sandbox's engine lacks CAP_SYS_RESOURCE: it cannot raise memlock to the production default (unlimited).
 NO_MEMLOCK = {"launch.docker.ulimits": "{stack: 67108864}"}
+NO_MEMLOCK_SET = [f"{k}={v}" for k, v in NO_MEMLOCK.items()]
 
 
 @pytest.fixture(scope="session")
@@ -65,23 +68,6 @@ def _writable_by_image(path):
     return path
 
 
-def _stage(client, image, tmp_path, *args):
-    """Run `python -m lmyard.stages ARGS` in the image with tmp_path mounted; returns (exit code, output).
-    The stage's result file goes to tmp_path/stage-result.json."""
-    out = ["--out", str(tmp_path / "stage-result.json")]
-    c = client.containers.run(
-        image,
-        ["python", "-m", "lmyard.stages", *args, *out],
-        detach=True,
-        volumes={str(tmp_path): {"bind": str(tmp_path), "mode": "rw"}},
-    )
-    try:
-        code = c.wait(timeout=300)["StatusCode"]
-        return code, c.logs().decode()
-    finally:
-        c.remove(force=True)
-
-
 def test_image_runs_as_a_non_root_user_and_is_labelled_with_its_sources(docker_client, stage_image):
     from lmyard.launch.images import SOURCE_LABEL, source_digest
 
@@ -100,13 +86,15 @@ def image_sharded(docker_client, stage_image, tmp_path_factory):
 
     corpus = tmp / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for _, t in sorted(topics.items())))
+    (tmp / "store").mkdir()  # mounted by the launcher: made here, or the engine makes it for root
     _writable_by_image(tmp)
-    overrides = tiny_overrides(tmp, **{"data.source": str(corpus)})
-    code, out = _stage(docker_client, stage_image, tmp, "shard", "smoke", *sum((["--set", o] for o in overrides), []))
-    assert code == 0, out
-    cfg = load_recipe("smoke", overrides)
+    overrides = tiny_overrides(tmp, **{"data.source": str(corpus), **NO_MEMLOCK})
+    # the source is a file here: mounted into the container (launch.docker.volumes), as docs/docker.md says
+    cfg = load_recipe("smoke", [*overrides, "launch.backend=docker", f"launch.docker.volumes=['{tmp}:{tmp}:ro']"])
+    lines: list[str] = []
+    written = run_docker(cfg, ShardSpec(config=cfg), on_line=lines.append, image=stage_image)
     shards, reused = tokenize_and_shard(cfg, log=lambda s: None)
-    return tmp, shards, reused, out
+    return tmp, shards, reused, written
 
 
 def test_prune_keeps_the_newest_images_and_any_a_container_was_made_from(docker_client, stage_image):
@@ -134,12 +122,11 @@ def test_prune_keeps_the_newest_images_and_any_a_container_was_made_from(docker_
 
 
 def test_tokenize_stage_runs_in_the_image_and_writes_a_shard_set_the_host_reuses(image_sharded):
-    tmp, shards, reused, out = image_sharded
-    from lmyard.contracts import ShardResult, read_model
+    tmp, shards, reused, written = image_sharded
 
     assert reused, "the host found no complete shard set where the container wrote it"
-    written = read_model(str(tmp / "stage-result.json"), ShardResult)
-    assert written.address == shards.address and written.train_tokens == shards.tokens("train") > 100_000
+    assert isinstance(written, ShardResult) and not written.reused
+    assert written.shards.address == shards.address and written.train_tokens == shards.tokens("train") > 100_000
 
 
 def test_two_containers_on_a_bridge_network_train_and_checkpoint_to_a_mounted_store(
@@ -235,11 +222,18 @@ def test_leftovers_of_the_same_flow_run_are_removed_and_others_kept(docker_clien
     other = docker_client.containers.create(
         stage_image, ["true"], labels={"lmyard.run_name": "left", "lmyard.flow_run_id": "fr-other"}
     )
+    training = docker_client.containers.create(
+        stage_image,
+        ["true"],
+        labels={"lmyard.run_name": "left", "lmyard.flow_run_id": "fr-left", "lmyard.stage": "train"},
+    )
     try:
-        assert remove_leftovers(docker_client, "fr-left", log=lambda s: None) == 1
+        # an evaluation of the same flow run starting while training runs leaves the trainer alone
+        assert remove_leftovers(docker_client, "fr-left", log=lambda s: None, stage="evaluate") == 0
+        assert remove_leftovers(docker_client, "fr-left", log=lambda s: None) == 2
         assert [c.id for c in _ours(docker_client, "left")[0]] == [other.id]
     finally:
-        for c in (mine, other):
+        for c in (mine, other, training):
             try:
                 c.remove(force=True)
             except Exception:
@@ -304,7 +298,7 @@ def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_che
             time.sleep(0.2)
 
     @flow(name="train-only")
-    def train_only() -> dict:
+    def train_only():
         return train.with_options(retries=1, retry_delay_seconds=0)(cfg, shards, lineage)
 
     records = _Records()
@@ -323,7 +317,7 @@ def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_che
     assert len(resumed) == 1
     start = int(resumed[0].split("at step ")[1].split()[0])
     assert 20 <= start < 100
-    assert result["step"] == 100 and complete_steps(store, "killed")[-1] == 100
+    assert result.step == 100 and complete_steps(store, "killed")[-1] == 100
     assert _ours(docker_client, "killed") == ([], [])
     for secret in (s3_server.env["AWS_SECRET_ACCESS_KEY"], s3_server.env["AWS_ACCESS_KEY_ID"]):
         assert secret not in text
@@ -374,10 +368,10 @@ def test_the_watchdog_ends_a_stalled_two_container_job_and_the_retry_resumes(
     assert result.start_step == 4 and result.step == 10
 
 
-def test_evaluate_stage_runs_in_the_image_as_docs_docker_md_shows(docker_client, stage_image, image_sharded):
-    """`python -m lmyard.stages evaluate` in the stage image, on a checkpoint of a run the host trained."""
-    from lmyard.contracts import EvalResult, read_model
-    from lmyard.launch.follower import run_local
+def test_evaluate_and_export_run_in_the_image_through_the_launcher(docker_client, stage_image, image_sharded):
+    """On the Docker backend every stage runs in the stage image, through the same launcher and follower as
+    training: here the evaluation and the export of a checkpoint the host trained."""
+    from lmyard.launch.launcher import launch
 
     tmp, shards, _, _ = image_sharded
     overrides = tiny_overrides(
@@ -391,14 +385,22 @@ def test_evaluate_stage_runs_in_the_image_as_docs_docker_md_shows(docker_client,
         },
     )
     cfg = load_recipe("smoke", overrides)
-    run_local(cfg, {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict()}, on_line=lambda s: None)
+    run_local(cfg, TrainSpec(config=cfg, shards=shards), on_line=lambda s: None)
     _writable_by_image(tmp / "store")
-    code, out = _stage(
-        docker_client, stage_image, tmp, "evaluate", "smoke", *sum((["--set", o] for o in overrides), [])
+    in_docker = load_recipe(
+        "smoke", [*overrides, "launch.backend=docker", f"launch.docker.image={stage_image}", *NO_MEMLOCK_SET]
     )
-    assert code == 0, out
-    result = read_model(str(tmp / "stage-result.json"), EvalResult)
+    lines: list[str] = []
+    result = launch(EvalSpec(config=in_docker, shards=shards), on_line=lines.append)
+    assert isinstance(result, EvalResult)
     assert result.step == 2 and result.checkpoint.endswith("step_00000002") and result.val_loss > 0
+    assert any(f"image={stage_image}" in line and "lmyard.stages evaluate" in line for line in lines)
+    exported = launch(
+        ExportSpec(config=in_docker, source=f"{cfg.store}/runs/evaluated", dest=str(tmp / "hf")), on_line=lines.append
+    )
+    assert isinstance(exported, ExportResult) and exported.step == 2
+    assert (tmp / "hf" / "model.safetensors").stat().st_uid == IMAGE_UID  # written in the container
+    assert _ours(docker_client, "evaluated") == ([], [])
 
 
 @pytest.fixture(scope="session")
@@ -436,7 +438,11 @@ def test_devices_mode_without_device_nodes_is_refused_before_any_container_and_l
             f"launch.docker.driver_dir={driver_dir}",
         ],
     )
-    spec = {"config": cfg.model_dump(mode="json"), "shards": {"address": "none"}, "lineage": None}
+    spec = {
+        "config": cfg.model_dump(mode="json"),
+        "shards": {"address": "none", "uri": "none", "manifest": {}},
+        "lineage": None,
+    }
     lines: list[str] = []
     with pytest.raises(UserError) as e:
         run_docker(cfg, spec, on_line=lines.append, image=base_image, flow_run_id="test-no-gpus")
@@ -470,7 +476,7 @@ def test_devices_mode_keeps_the_images_library_path_after_the_drivers(docker_cli
                 f"launch.docker.driver_dir={tmp_path}",
             ],
         )
-        spec = TrainSpec(config=cfg.model_dump(mode="json"), shards={"address": "none"})
+        spec = TrainSpec(config=cfg.model_dump(mode="json"), shards={"address": "none", "uri": "none", "manifest": {}})
         job = DockerJob(cfg, spec, on_line=lambda s: None, image="lmyard-test-ldpath:1")
         assert job.plan.nodes[0].kwargs["environment"]["LD_LIBRARY_PATH"] == f"{tmp_path}/lib64"
         try:

@@ -13,7 +13,7 @@ from lmyard.errors import UserError
 from lmyard.launch.containers import connect, describe, plan
 from lmyard.recipes import load_recipe
 
-SPEC = {"config": None, "shards": {"address": "a"}, "lineage": None}
+SPEC = {"config": None, "shards": {"address": "a", "uri": "file:///s/shards/a", "manifest": {}}, "lineage": None}
 ENV = {
     "AWS_ACCESS_KEY_ID": "AKIDEXAMPLEKEY",
     "AWS_SECRET_ACCESS_KEY": "s3cr3t-value-123",
@@ -101,7 +101,12 @@ def test_bridge_network_puts_the_rendezvous_on_node_zeros_container_name(tmp_pat
     assert [n.kwargs["hostname"] for n in p.nodes] == names
     cmd = p.nodes[1].kwargs["command"]
     assert cmd[cmd.index("--rdzv_endpoint") + 1] == f"{names[0]}:29400" and "--local_addr" not in cmd
-    assert p.labels == {"lmyard.run_name": "smoke", "lmyard.flow_run_id": "fr-1", "lmyard.launch_id": "abc123"}
+    assert p.labels == {
+        "lmyard.run_name": "smoke",
+        "lmyard.flow_run_id": "fr-1",
+        "lmyard.launch_id": "abc123",
+        "lmyard.stage": "train",
+    }
 
 
 def test_bridge_across_engines_and_wrong_node_counts_are_refused():
@@ -142,10 +147,11 @@ def test_credentials_reach_the_environment_but_never_the_description(tmp_path):
 def test_a_local_store_and_sqlite_tracking_are_mounted_at_their_own_absolute_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_recipe("smoke", ["store=rel/store", "launch.backend=docker"])
-    lineage = {"tracking_uri": "sqlite:///db/mlflow.db", "mlflow_run_id": "r"}
+    lineage = {"tracking_uri": "sqlite:///db/mlflow.db", "mlflow_run_id": "r", "run_name": "smoke"}
+    lineage |= {"experiment_id": "1", "attempt": 1, "resumed_from": None, "start_step": 0}
     p = plan(
         cfg,
-        {"config": cfg.model_dump(mode="json"), "shards": {}, "lineage": lineage},
+        {**SPEC, "config": cfg.model_dump(mode="json"), "lineage": lineage},
         image="i",
         environ={},
         launch_id="x",

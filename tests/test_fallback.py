@@ -34,18 +34,18 @@ def test_fallback_moves_the_damaged_checkpoint_aside_and_the_attempt_names_what_
     lineage = Lineage.open(cfg, store, shard_address=shards.address, code_version="test")
 
     @flow(name="train-only")
-    def train_only(config) -> dict:
+    def train_only(config):
         return train.with_options(retries=0)(config, shards, lineage)
 
-    assert train_only(cfg)["step"] == 8 and complete_steps(store, "fallback") == [4, 8]
+    assert train_only(cfg).step == 8 and complete_steps(store, "fallback") == [4, 8]
     damaged = store.local_path(f"{step_prefix('fallback', 8)}/model.pt")
     data = bytearray(open(damaged, "rb").read())
     data[-20] ^= 0xFF
     open(damaged, "wb").write(bytes(data))
 
     result = train_only(load_recipe("smoke", [*overrides, "train.max_steps=12"]))
-    assert result["step"] == 12 and result["start_step"] == 4
-    assert result["resumed_from"] == store.uri(step_prefix("fallback", 4))
+    assert result.step == 12 and result.start_step == 4
+    assert result.resumed_from == store.uri(step_prefix("fallback", 4))
     attempt = lineage.attempts()[-1]
     assert attempt["resumed_from"] == store.uri(step_prefix("fallback", 4)) and attempt["start_step"] == "4"
     # the damaged files, byte for byte, moved aside; step 8 trained again into a fresh folder

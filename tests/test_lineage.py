@@ -96,13 +96,13 @@ def test_killed_training_is_retried_as_one_mlflow_run_with_two_attempts(
     assert 50 <= resumed_at < 200
 
     client = MlflowClient(mlflow_server.uri)
-    run = client.get_run(summary["mlflow_run_id"])
+    run = client.get_run(summary.mlflow_run_id)
     assert run.info.status == "FINISHED"
     assert len(client.search_runs([run.info.experiment_id], f"tags.`lmyard.run_name` = '{run_name}'")) == 1
 
     # two attempts of the same flow run: the second resumed from the checkpoint the first left
     tags = run.data.tags
-    assert tags["lmyard.attempts"] == "2" and summary["attempts"] == 2
+    assert tags["lmyard.attempts"] == "2" and summary.attempts == 2
     assert tags["lmyard.attempt.1.start_step"] == "0" and tags["lmyard.attempt.1.resumed_from"] == ""
     assert tags["lmyard.attempt.1.outcome"].startswith("failed")
     assert tags["lmyard.attempt.2.start_step"] == str(resumed_at)
@@ -147,7 +147,7 @@ def test_killed_training_is_retried_as_one_mlflow_run_with_two_attempts(
     # passed, so it is the candidate
     version = client.get_model_version_by_alias(run_name, "candidate")
     assert version.source.startswith("models:/m-")
-    assert version.tags["lmyard.checkpoint"] == store.uri(step_prefix(run_name, 200)) == summary["checkpoint"]
+    assert version.tags["lmyard.checkpoint"] == store.uri(step_prefix(run_name, 200)) == summary.checkpoint
     assert version.run_id == run.info.run_id
     assert json.loads(store.read_bytes(f"runs/{run_name}/protected.json")) == {"steps": [200]}
 

@@ -50,11 +50,11 @@ def served_run(prefect_api_url, mlflow_server, tmp_path_factory):
 
 def test_local_store_with_mlflow_server_finishes_and_registers_a_version(served_run):
     cfg, summary, client = served_run
-    assert summary["registered_model"] == f"{NAME}/1" and summary["alias"] == "candidate"
+    assert summary.registered_model == f"{NAME}/1" and summary.alias == "candidate"
     version = client.get_model_version_by_alias(NAME, "candidate")
-    assert version.source.startswith("models:/m-") and version.run_id == summary["mlflow_run_id"]
+    assert version.source.startswith("models:/m-") and version.run_id == summary.mlflow_run_id
     checkpoint_uri = f"{cfg.store}/runs/smoke/checkpoints/step_00000006"
-    assert version.tags["lmyard.checkpoint"] == summary["checkpoint"] == checkpoint_uri
+    assert version.tags["lmyard.checkpoint"] == summary.checkpoint == checkpoint_uri
     model_id = version.source.removeprefix("models:/")
     model = client.get_logged_model(model_id)
     # registered as mlflow.register_model does it: the logged model's page lists its version
@@ -106,11 +106,11 @@ def test_every_familys_export_loads_as_pyfunc_and_generates_text(tmp_path, arch)
 
 def test_run_has_its_dataset_input_and_logged_models(served_run):
     cfg, summary, client = served_run
-    run = client.get_run(summary["mlflow_run_id"])
+    run = client.get_run(summary.mlflow_run_id)
     [dataset_input] = run.inputs.dataset_inputs
     ds = dataset_input.dataset
-    assert ds.digest == summary["shard_address"][:36] and ds.name == f"shards-{summary['shard_address'][:12]}"
-    assert f"shards/{summary['shard_address']}" in ds.source
+    assert ds.digest == summary.shard_address[:36] and ds.name == f"shards-{summary.shard_address[:12]}"
+    assert f"shards/{summary.shard_address}" in ds.source
     assert {t.key: t.value for t in dataset_input.tags} == {"mlflow.data.context": "training"}
 
     models = client.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{run.info.run_id}'")
@@ -157,12 +157,12 @@ def _dom(url: str) -> str:
 )
 def test_mlflow_ui_shows_the_runs_dataset_logged_model_and_registered_version(served_run, mlflow_server):
     cfg, summary, client = served_run
-    run = client.get_run(summary["mlflow_run_id"])
+    run = client.get_run(summary.mlflow_run_id)
     exp, model_id = run.info.experiment_id, client.get_model_version(NAME, "1").source.removeprefix("models:/")
     view = "workflowType=machine_learning"  # MLflow 3's model-training view
     page = _dom(f"{mlflow_server.uri}/#/experiments/{exp}/runs/{run.info.run_id}?{view}")
     text = re.sub(r"<[^>]+>", " ", page)
-    assert f"shards-{summary['shard_address'][:12]}" in text, text[-3000:]  # Datasets
+    assert f"shards-{summary.shard_address[:12]}" in text, text[-3000:]  # Datasets
     assert f'href="#/experiments/{exp}/models/{model_id}"' in page  # the logged model, beside its metrics
     assert f'href="#/models/{NAME}/versions/1"' in page and re.search(rf"{NAME}\s*v1", text)  # Registered models
     models = re.sub(r"<[^>]+>", " ", _dom(f"{mlflow_server.uri}/#/experiments/{exp}/models?{view}"))

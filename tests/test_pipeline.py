@@ -26,13 +26,13 @@ def test_flow_runs_end_to_end_and_tracks_the_run(prefect_api_url, tmp_path, monk
     cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=6, **{"eval.gates.val_loss_max": 0.01}))
     summary = pretrain(config=cfg)
 
-    assert summary["steps"] == 6
+    assert summary.steps == 6
     assert complete_steps(open_store(cfg.store), cfg.run_name) == [3, 6]
     client = MlflowClient(cfg.tracking.uri)
-    run = client.get_run(summary["mlflow_run_id"])
+    run = client.get_run(summary.mlflow_run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["train.max_steps"] == "6"
-    assert run.data.tags["lmyard.shard_address"] == summary["shard_address"]
+    assert run.data.tags["lmyard.shard_address"] == summary.shard_address
     losses = client.get_metric_history(run.info.run_id, "train/loss")
     assert [m.step for m in losses] == [1, 2, 3, 4, 5, 6]
     val = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val/loss")}
@@ -48,10 +48,10 @@ def test_flow_runs_end_to_end_and_tracks_the_run(prefect_api_url, tmp_path, monk
     assert version.source.startswith("models:/m-")  # the exported model, logged in MLflow
     assert (
         version.tags["lmyard.checkpoint"]
-        == summary["checkpoint"]
+        == summary.checkpoint
         == open_store(cfg.store).uri("runs/smoke/checkpoints/step_00000006")
     )
-    assert summary["alias"] is None and client.get_registered_model("smoke").aliases == {}
+    assert summary.alias is None and client.get_registered_model("smoke").aliases == {}
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -112,3 +112,24 @@ def test_empty_corpus_fails_with_one_line_and_no_traceback(cli_env, tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith("lmyard: error: data.source")
     assert "holds no documents" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_a_failed_evaluation_is_recorded_and_does_not_fail_a_finished_training(prefect_api_url, tmp_path, monkeypatch):
+    """Issue 23: every evaluation fails (its HellaSwag file is missing); training finishes, the model is
+    registered, and the failures are on the MLflow run and in the flow's result."""
+    from flows.pretrain import pretrain
+
+    monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
+    missing = tmp_path / "no-such-hellaswag.jsonl"
+    cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=6, **{"eval.hellaswag": str(missing)}))
+    summary = pretrain(config=cfg)
+
+    assert summary.steps == 6 and sorted(summary.failed_evaluations) == [3, 6]
+    assert all("UserError" in e and "does not exist" in e for e in summary.failed_evaluations.values())
+    assert summary.val_loss is not None  # the trainer's own, since the final evaluation failed
+    client = MlflowClient(cfg.tracking.uri)
+    run = client.get_run(summary.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert "does not exist" in run.data.tags["lmyard.eval_failed.step_00000006"]
+    assert client.get_metric_history(run.info.run_id, "eval/val_loss") == []
+    assert client.get_model_version("smoke", "1").tags["lmyard.checkpoint"] == summary.checkpoint

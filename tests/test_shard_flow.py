@@ -34,4 +34,4 @@ def test_shard_flow_publishes_a_progress_artifact_that_ends_at_100(prefect_api_u
     assert len(artifacts) == 1 and artifacts[0].type == "progress"
     assert float(artifacts[0].data) == 100.0
     assert "60 documents" in artifacts[0].description and "tokens/s" in artifacts[0].description
-    assert result["manifest"]["documents"] == 60
+    assert result.manifest["documents"] == 60

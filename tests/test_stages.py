@@ -1,4 +1,5 @@
-"""`python -m lmyard.stages` and `python -m lmyard.evaluate`: results and failures come back as files."""
+"""The stage protocol: `python -m lmyard.stages STAGE --spec`, run through the one launcher; results and failures
+come back as typed files."""
 
 from __future__ import annotations
 
@@ -9,85 +10,115 @@ import sys
 import pytest
 from conftest import REPO, tiny_overrides
 
-from lmyard.contracts import EvalResult, ShardResult, StageError, read_model
-from lmyard.data.sharding import tokenize_and_shard
-from lmyard.errors import StageFailed, UserError
-from lmyard.launch.follower import run_local
+from lmyard.contracts import (
+    EvalResult,
+    EvalSpec,
+    ExportResult,
+    ExportSpec,
+    ShardResult,
+    ShardSpec,
+    StageError,
+    TrainResult,
+    TrainSpec,
+    read_model,
+    read_result,
+)
+from lmyard.errors import Diverged, StageFailed, TrainingFailed, UserError
+from lmyard.launch.follower import Follower, LocalJob
+from lmyard.launch.launcher import launch
 from lmyard.recipes import load_recipe
 
 pytestmark = pytest.mark.slow
 
 
-def _stage(*args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "lmyard.stages", *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=300
-    )
-
-
-def _sets(overrides):
-    return [x for o in overrides for x in ("--set", o)]
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
+    """A run of 4 steps (checkpoints 2 and 4), every stage launched like the flow launches it."""
     tmp = tmp_path_factory.mktemp("stages")
     overrides = tiny_overrides(
         tmp, steps=4, **{"run_name": "staged", "checkpoint.interval": 2, "launch.nproc_per_node": 1}
     )
     cfg = load_recipe("smoke", overrides)
-    shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
-    run_local(cfg, {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict()}, on_line=lambda s: None)
-    return tmp, overrides
+    sharded = launch(ShardSpec(config=cfg), on_line=lambda s: None)
+    result = launch(TrainSpec(config=cfg, shards=sharded.shards), on_line=lambda s: None)
+    assert isinstance(result, TrainResult) and result.step == 4
+    return tmp, cfg, sharded
 
 
-def test_shard_stage_writes_its_result_file(trained, monkeypatch):
-    tmp, overrides = trained
-    done = _stage("shard", "smoke", *_sets(overrides), "--out", str(tmp / "shard.json"))
-    assert done.returncode == 0, done.stderr
-    result = read_model(str(tmp / "shard.json"), ShardResult)
-    assert result.reused and result.train_tokens > 10_000 and result.uri.endswith(result.address)
+def test_shard_stage_returns_the_shard_set_and_reuses_it(trained):
+    tmp, cfg, first = trained
+    assert isinstance(first, ShardResult) and not first.reused and first.train_tokens > 10_000
+    again = launch(ShardSpec(config=cfg), on_line=lambda s: None)
+    assert again.reused and again.shards == first.shards and again.shards.uri.endswith(again.shards.address)
 
 
 def test_evaluate_stage_scores_the_newest_checkpoint_or_a_given_step(trained):
-    tmp, overrides = trained
-    done = _stage("evaluate", "smoke", *_sets(overrides), "--out", str(tmp / "eval.json"))
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    newest = read_model(str(tmp / "eval.json"), EvalResult)
+    _, cfg, sharded = trained
+    newest = launch(EvalSpec(config=cfg, shards=sharded.shards), on_line=lambda s: None)
+    assert isinstance(newest, EvalResult)
     assert newest.step == 4 and newest.checkpoint.endswith("step_00000004") and newest.val_loss > 0
     assert newest.val_loss == pytest.approx(newest.trainer_val_loss, rel=1e-6)
-    done = _stage("evaluate", "smoke", *_sets(overrides), "--step", "2", "--out", str(tmp / "eval2.json"))
-    assert done.returncode == 0 and read_model(str(tmp / "eval2.json"), EvalResult).step == 2
+    assert launch(EvalSpec(config=cfg, shards=sharded.shards, step=2), on_line=lambda s: None).step == 2
 
 
-def test_a_failing_stage_writes_its_error_and_exits_with_its_code(trained):
-    tmp, overrides = trained
-    done = _stage(
-        "evaluate", "smoke", *_sets(overrides), "--set", "run_name=never-trained", "--out", str(tmp / "failed.json")
+def test_export_stage_writes_the_folder_and_returns_where(trained):
+    tmp, cfg, _ = trained
+    spec = ExportSpec(config=cfg, source=f"{cfg.store}/runs/staged", dest=str(tmp / "hf"))
+    result = launch(spec, on_line=lambda s: None)
+    assert isinstance(result, ExportResult) and result.step == 4 and result.hf_architecture == "GPT2LMHeadModel"
+    assert result.uri == str(tmp / "hf") and (tmp / "hf" / "model.safetensors").exists()
+
+
+def test_a_failing_stage_raises_the_error_its_exit_code_names_with_its_one_line(trained):
+    _, cfg, sharded = trained
+    never = cfg.model_copy(update={"run_name": "never-trained"})
+    with pytest.raises(UserError, match="has no complete checkpoint"):
+        launch(EvalSpec(config=never, shards=sharded.shards), on_line=lambda s: None)
+    with pytest.raises(UserError, match="no GPU is visible; set eval.device=cpu"):
+        gpu = load_recipe("smoke", [f"store={cfg.store}", "run_name=staged", "eval.device=cuda:0"])
+        launch(EvalSpec(config=gpu, shards=sharded.shards, step=2), on_line=lambda s: None)
+
+
+def test_the_command_line_reads_its_spec_and_writes_its_result_or_its_error(trained):
+    tmp, cfg, sharded = trained
+    for name, run_name, step in (("ok", "staged", 2), ("failed", "never-trained", None)):
+        spec = EvalSpec(config=cfg.model_copy(update={"run_name": run_name}), shards=sharded.shards, step=step)
+        (tmp / f"{name}-spec.json").write_text(spec.model_dump_json())
+    cmd = [sys.executable, "-m", "lmyard.stages", "evaluate", "--spec"]
+    ok = subprocess.run([*cmd, str(tmp / "ok-spec.json"), "--out", str(tmp / "ok.json")], cwd=REPO, timeout=300)
+    assert ok.returncode == 0 and read_model(str(tmp / "ok.json"), EvalResult).step == 2
+    failed = subprocess.run(
+        [*cmd, str(tmp / "failed-spec.json"), "--out", str(tmp / "failed.json")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    assert done.returncode == 2
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr
     failure = read_model(str(tmp / "failed.json"), StageError)
     assert failure.status == "user_error" and "has no complete checkpoint" in failure.message
-    assert "Traceback" not in done.stderr
 
 
-def test_the_evaluate_task_reads_the_evaluators_result_and_errors_from_files(trained):
-    from tasks.evaluate import _run_evaluator
-
-    tmp, overrides = trained
-    cfg = load_recipe("smoke", overrides)
-    shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
-    assert _run_evaluator(cfg, shards, 2)["step"] == 2
-    with pytest.raises(UserError, match="no GPU is visible; set eval.device=cpu"):
-        _run_evaluator(load_recipe("smoke", [*overrides, "eval.device=cuda:0"]), shards, 2)
+def test_a_result_file_with_a_nonzero_exit_code_is_the_failure_it_names(tmp_path):
+    train_failed = TrainResult.ended(3, "loss is nan", step=7).model_dump_json()
+    assert read_result(train_failed, TrainResult) == StageError(status="diverged", exit_code=3, message="loss is nan")
+    with pytest.raises(Diverged, match="nan"):
+        raw = json.dumps({"status": "diverged", "exit_code": 3, "message": "nan"})
+        _follow_a_job_that_wrote(raw, tmp_path)
 
 
 def test_a_stage_that_dies_without_a_result_is_a_crash_with_its_last_lines(tmp_path):
-    from lmyard.contracts import read_stage_result
+    with pytest.raises(TrainingFailed, match="exited with code 1.*Last lines:\nboom") as failed:
+        _follow_a_job_that_wrote(None, tmp_path, exit_code=1, lines=["boom"])
+    assert isinstance(failed.value, StageFailed)
 
-    with pytest.raises(StageFailed, match="exited with code 1 without writing .*last lines:\nboom"):
-        read_stage_result(str(tmp_path / "none.json"), EvalResult, 1, "boom")
-    (tmp_path / "err.json").write_text(json.dumps({"status": "diverged", "exit_code": 3, "message": "nan"}))
-    from lmyard.errors import Diverged
 
-    with pytest.raises(Diverged, match="nan"):
-        read_stage_result(str(tmp_path / "err.json"), EvalResult, 3)
+def _follow_a_job_that_wrote(raw: str | None, tmp_path, exit_code: int = 3, lines: tuple = ()):
+    """A LocalJob whose process prints `lines`, leaves `raw` as its result file and exits with `exit_code`."""
+    cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}"])
+    job = LocalJob(cfg, ShardSpec(config=cfg))
+    if raw is not None:
+        job.exchange.write("result.json", json.loads(raw))
+    script = "".join(f"print({line!r});" for line in lines) + f"raise SystemExit({exit_code})"
+    job.cmd = [sys.executable, "-c", script]
+    return Follower(job, cfg, on_line=lambda s: None).run()

@@ -72,7 +72,7 @@ def test_flow_retries_the_killed_training_task_and_finishes(prefect_api_url, tmp
     monkeypatch.setenv("LMYARD_FAULTS_STATE", str(tmp_path / "faults"))
     monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
     state = pretrain(config=_cfg(tmp_path), return_state=True)
-    assert state.is_completed() and state.result()["steps"] == 12
+    assert state.is_completed() and state.result().steps == 12
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))

@@ -39,6 +39,7 @@ import torch
 
 from lmyard.data.shards import ShardSet, read_header, read_shard, sha256_file
 from lmyard.errors import UserError
+from lmyard.layout import ShardLayout
 from lmyard.paths import cache_root, confined
 from lmyard.store import open_store
 
@@ -49,7 +50,7 @@ class ShardFiles:
     def __init__(self, shards: ShardSet, store_uri: str, split: str, cache_dir: str):
         self.store = open_store(store_uri)
         self.files = shards.files(split)
-        self.layout = shards.layout
+        self.layout = ShardLayout(shards.address)
         self.cache_dir = cache_dir
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-fetch")
         self.futures: dict[int, Future] = {}

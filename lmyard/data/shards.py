@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from lmyard.contracts import ShardSet
 from lmyard.errors import UserError
 from lmyard.layout import ShardLayout
 
@@ -92,43 +92,10 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-@dataclass(frozen=True)
-class ShardSet:
-    """A complete shard set: where it lives and what its manifest says."""
+def shard_prefix(address: str) -> str:
+    from lmyard.layout import ShardLayout
 
-    address: str
-    uri: str
-    manifest: dict
-
-    def files(self, split: str) -> list[dict]:
-        return [s for s in self.manifest["shards"] if s["split"] == split]
-
-    def tokens(self, split: str) -> int:
-        return sum(s["tokens"] for s in self.files(split))
-
-    @property
-    def layout(self) -> ShardLayout:
-        return ShardLayout(self.address)
-
-    @property
-    def n_vocab(self) -> int:
-        return int(self.manifest["tokenizer"]["n_vocab"])
-
-    @property
-    def separators(self) -> tuple[int | None, int | None]:
-        """(id written before each document, id written after it), as the manifest's tokenizer records them
-        (lmyard.data.tokenizer.identity): its bos/eos where set, else tiktoken's <|endoftext|> before each."""
-        t = self.manifest["tokenizer"]
-        if "bos" in t or "eos" in t:
-            return t.get("bos"), t.get("eos")
-        return t.get("eot"), None
-
-    def to_dict(self) -> dict:
-        return {"address": self.address, "uri": self.uri, "manifest": self.manifest}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ShardSet:
-        return cls(address=d["address"], uri=d["uri"], manifest=d["manifest"])
+    return ShardLayout(address).root
 
 
 def load_manifest(store, address: str) -> ShardSet | None:

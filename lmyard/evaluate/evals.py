@@ -1,6 +1,6 @@
 """Evaluation of one checkpoint: val loss, HellaSwag-format multiple choice, samples.
 
-    python -m lmyard.evaluate --spec spec.json --step 600 --out result.json
+    python -m lmyard.stages evaluate --spec spec.json     (an EvalSpec; see lmyard.stages)
 
 Runs in its own process on its own device (`eval.device`: cpu, or a spare
 GPU), independent of the trainer: it reads the checkpoint and the shards
@@ -17,10 +17,7 @@ from the store, so training keeps its devices to itself.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
 import time
 
 import torch
@@ -28,7 +25,7 @@ import torch.nn.functional as F
 
 from lmyard.checkpoint import catalog, resume
 from lmyard.config import EvalConfig, RunConfig
-from lmyard.contracts import EvalResult, run_stage
+from lmyard.contracts import EvalResult
 from lmyard.data.loader import default_cache_dir, split_stream, val_sequences
 from lmyard.data.shards import ShardSet
 from lmyard.data.tokenizer import get_tokenizer
@@ -180,23 +177,3 @@ def evaluate_latest(cfg: RunConfig, shards: ShardSet, step: int | None = None) -
             )
         step = steps[-1]
     return EvalResult.model_validate(evaluate_checkpoint(cfg, shards, step))
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lmyard.evaluate", description=__doc__.splitlines()[0])
-    p.add_argument("--spec", required=True, help="JSON file: {config, shards}")
-    p.add_argument("--step", type=int, required=True, help="the checkpoint's step")
-    p.add_argument("--out", required=True, help="where to write the result (EvalResult) or the failure (StageError)")
-    args = p.parse_args(argv)
-    with open(args.spec) as f:
-        spec = json.load(f)
-    return run_stage(
-        args.out,
-        lambda: EvalResult.model_validate(
-            evaluate_checkpoint(RunConfig.model_validate(spec["config"]), ShardSet.from_dict(spec["shards"]), args.step)
-        ),
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

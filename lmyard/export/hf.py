@@ -287,24 +287,3 @@ def init_from_hf(path: str, cache_dir: str | None = None) -> tuple[dict, dict]:
         return adapter.from_hf(load_file(weights), config)
     except KeyError as e:
         raise UserError(f"model.init_from {path}: {WEIGHTS} lacks tensor {e} for its config") from None
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m lmyard.export SOURCE [--step N] --to DEST --out result.json`: what the register stage runs, in a
-    process of its own (the flow's process never loads torch). The result (ExportResult: lmyard_export.json's
-    fields and the destination's URI) or the failure (StageError) goes to `--out`; exit 0, or 2 for bad input."""
-    import argparse
-
-    from lmyard.contracts import ExportResult, run_stage
-
-    p = argparse.ArgumentParser(prog="python -m lmyard.export", description=__doc__.splitlines()[0])
-    p.add_argument("source")
-    p.add_argument("--step", type=int, default=None)
-    p.add_argument("--to", dest="dest", required=True)
-    p.add_argument("--out", required=True, help="where the result (or the failure) is written")
-    args = p.parse_args(argv)
-    return run_stage(args.out, lambda: ExportResult.model_validate(export(args.source, args.dest, args.step)))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,10 @@
-"""The Docker backend of lmyard.launch: one container per node, torchrun in each, c10d rendezvous on node 0.
+"""The Docker backend of lmyard.launch: one container per node in the stage image.
 
     run_docker(cfg, spec, on_line=log, flow_run_id=id)
+
+Training runs torchrun in each container, c10d rendezvous on node 0; every other
+stage (shard, evaluate, export) runs `python -m lmyard.stages STAGE` in one
+container, its spec in LMYARD_SPEC.
 
 `plan()` turns the config into one container definition per node (pure: unit
 tested without an engine). `DockerJob` connects to each node's engine, removes
@@ -39,12 +43,12 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from lmyard.config import DockerConfig, RayConfig, RunConfig
-from lmyard.contracts import EXCHANGE_ENV, TrainResult, TrainSpec
+from lmyard.contracts import EXCHANGE_ENV, SPEC_ENV, StageSpec, TrainSpec
 from lmyard.errors import UserError
-from lmyard.launch.follower import Follower, stage_env, torchrun_command
+from lmyard.launch.follower import Follower, stage_command, stage_env
 from lmyard.launch.gpus import check_engine, node_gpus
 
-LABEL = "lmyard"  # label keys: lmyard.run_name, lmyard.flow_run_id, lmyard.launch_id, lmyard.node
+LABEL = "lmyard"  # label keys: lmyard.run_name, lmyard.flow_run_id, lmyard.launch_id, lmyard.stage, lmyard.node
 EXCHANGE_DIR = "/tmp/lmyard-exchange"  # inside each container
 
 
@@ -115,9 +119,13 @@ def _sqlite_dir(uri: str) -> tuple[str, str] | None:
 
 def _mounted(cfg: RunConfig, spec: dict) -> tuple[dict, dict[str, dict]]:
     """The spec as the containers see it (absolute paths for what is bind-mounted at the same path: a local
-    store, a sqlite tracking folder) and the bind mounts, launch.docker.volumes included."""
+    store, a sqlite tracking folder, an export's local destination folder's parent) and the bind mounts,
+    launch.docker.volumes included."""
     spec = copy.deepcopy(spec)
     mounts: dict[str, dict] = {}
+    if spec.get("dest") and "://" not in spec["dest"]:  # an export to a folder here: its parent, writable
+        spec["dest"] = dest = os.path.abspath(spec["dest"])
+        mounts[os.path.dirname(dest)] = {"bind": os.path.dirname(dest), "mode": "rw"}
     store_root = _local_store_root(cfg.store)
     if store_root is not None:
         spec["config"]["store"] = store_root
@@ -137,18 +145,20 @@ def _mounted(cfg: RunConfig, spec: dict) -> tuple[dict, dict[str, dict]]:
 
 def plan(
     cfg: RunConfig,
-    spec: dict,
+    spec: StageSpec | dict,
     *,
     image: str,
     flow_run_id: str | None = None,
     environ: Mapping[str, str] | None = None,
     launch_id: str | None = None,
 ) -> LaunchPlan:
-    """The containers of one launch: commands, environment, mounts, devices, network, labels."""
+    """The containers of one launch (a dict spec is a TrainSpec): commands, environment, mounts, devices,
+    network, labels."""
     environ = os.environ if environ is None else environ
     launch, dc = cfg.launch, cfg.launch.docker
     launch_id = launch_id or uuid.uuid4().hex[:12]
-    nnodes = launch.nnodes
+    stage = spec if isinstance(spec, StageSpec) else TrainSpec.model_validate(spec)
+    nnodes = stage.nodes()
     urls = dc.nodes if len(dc.nodes) == nnodes else dc.nodes * nnodes
     base_name = f"lmyard-{cfg.run_name}-{launch_id}"[:50]
     names = [f"{base_name}-node{i}" for i in range(nnodes)]
@@ -157,9 +167,10 @@ def plan(
         f"{LABEL}.run_name": cfg.run_name,
         f"{LABEL}.flow_run_id": flow_run_id or "",
         f"{LABEL}.launch_id": launch_id,
+        f"{LABEL}.stage": stage.stage,
     }
 
-    spec, mounts = _mounted(cfg, spec)
+    spec, mounts = _mounted(cfg, stage.model_dump(mode="json"))
 
     # torchrun: c10d rendezvous hosted by node 0's agent; a fresh rendezvous id per launch, so a
     # straggler from an earlier attempt cannot join this one.
@@ -168,8 +179,9 @@ def plan(
     gpus = node_gpus(launch, urls[:nnodes])  # devices, mounts, namespaces per node (lmyard.launch.gpus)
     nodes = []
     for i in range(nnodes):
-        command = torchrun_command(
+        command = stage_command(
             cfg,
+            stage,
             python="python",
             rdzv_endpoint=rdzv,
             rdzv_id=launch_id,
@@ -202,7 +214,7 @@ def _environment(cfg: RunConfig, spec: dict, environ: Mapping[str, str]) -> tupl
     env = {
         **stage_env(cfg),
         EXCHANGE_ENV: EXCHANGE_DIR,
-        "LMYARD_SPEC": json.dumps(spec, separators=(",", ":")),
+        SPEC_ENV: json.dumps(spec, separators=(",", ":")),
         **dc.env,
     }
     if dc.socket_ifname:
@@ -225,7 +237,7 @@ def describe(node: NodePlan) -> str:
     """One line for the log: where the node runs and what; secrets masked, the spec abbreviated."""
     k = node.kwargs
     env = {
-        name: ("***" if name in node.secrets else "<spec>" if name == "LMYARD_SPEC" else v)
+        name: ("***" if name in node.secrets else "<spec>" if name == SPEC_ENV else v)
         for name, v in k["environment"].items()
     }
     gpus = [dict(r) for r in k.get("device_requests", [])]
@@ -279,11 +291,12 @@ def connect(url: str, dc: DockerConfig):
         raise UserError(f"cannot reach the Docker engine {url}: {e}") from None
 
 
-def remove_leftovers(client, flow_run_id: str, log: Callable[[str], None]) -> int:
-    """Remove containers and networks an earlier attempt of this flow run left behind."""
+def remove_leftovers(client, flow_run_id: str, log: Callable[[str], None], stage: str | None = None) -> int:
+    """Remove containers and networks an earlier attempt of this flow run left behind (of one stage only when
+    given: training goes on while the same flow run evaluates a checkpoint)."""
     import docker
 
-    selector = {"label": f"{LABEL}.flow_run_id={flow_run_id}"}
+    selector = {"label": [f"{LABEL}.flow_run_id={flow_run_id}", *([f"{LABEL}.stage={stage}"] if stage else [])]}
     n = 0
     for c in client.containers.list(all=True, filters=selector):
         log(f"removing leftover container {c.name} of this flow run")
@@ -304,12 +317,12 @@ def remove_leftovers(client, flow_run_id: str, log: Callable[[str], None]) -> in
 
 
 class DockerJob:
-    """One container per node, followed through the engines (see lmyard.launch.Job)."""
+    """One container per node, followed through the engines (see lmyard.launch.follower.Job)."""
 
     def __init__(
         self,
         cfg: RunConfig,
-        spec: TrainSpec,
+        spec: StageSpec,
         on_line: Callable[[str], None],
         *,
         image: str | None = None,
@@ -319,8 +332,8 @@ class DockerJob:
             from lmyard.launch.images import image_tag
 
             image = cfg.launch.docker.image or image_tag()
-        self.cfg, self.on_line, self.image, self.flow_run_id = cfg, on_line, image, flow_run_id
-        self.plan = plan(cfg, spec.model_dump(mode="json"), image=image, flow_run_id=flow_run_id)
+        self.cfg, self.spec, self.on_line, self.image, self.flow_run_id = cfg, spec, on_line, image, flow_run_id
+        self.plan = plan(cfg, spec, image=image, flow_run_id=flow_run_id)
         self.nodes = len(self.plan.nodes)
         self.mask = _Masker([v for n in self.plan.nodes for k, v in n.kwargs["environment"].items() if k in n.secrets])
         self.clients: dict = {}
@@ -335,7 +348,7 @@ class DockerJob:
         self.clients = {url: connect(url, dc) for url in dict.fromkeys(n.url for n in self.plan.nodes)}
         for url, client in self.clients.items():
             if self.flow_run_id:
-                remove_leftovers(client, self.flow_run_id, self.on_line)
+                remove_leftovers(client, self.flow_run_id, self.on_line, self.spec.stage)
             try:
                 image = client.images.get(self.image)
             except docker.errors.ImageNotFound:
@@ -449,14 +462,15 @@ class DockerJob:
 
 def run_docker(
     cfg: RunConfig,
-    spec: TrainSpec | dict,
+    spec: StageSpec | dict,
     on_line: Callable[[str], None] = print,
     *,
     image: str | None = None,
     flow_run_id: str | None = None,
     **callbacks,
-) -> TrainResult:
-    """Run the trainer in one container per node and follow it (lmyard.launch.Follower)."""
-    spec = TrainSpec.model_validate(spec)
+):
+    """Run a stage in the stage image (training: one container per node) and follow it (a dict is a TrainSpec);
+    its result, or the error its exit code names (lmyard.launch.follower.Follower)."""
+    spec = spec if isinstance(spec, StageSpec) else TrainSpec.model_validate(spec)
     job = DockerJob(cfg, spec, on_line, image=image, flow_run_id=flow_run_id)
     return Follower(job, cfg, on_line, **callbacks).run()

@@ -1,20 +1,27 @@
-"""Launchers: start torchrun on every node, follow the job, and turn its end into a result or an error.
+"""Launchers: start a stage on every node, follow the job, and turn its end into a result or an error.
 
-One interface, three backends. A `Job` starts the nodes and reports what they
-print and how they exit; `LocalJob` runs torchrun as a process group here,
-`lmyard.launch.containers.DockerJob` one container per node, `lmyard.launch.ray.RayJob`
-one Ray actor per node (each runs a `LocalJob` on its node). Everything else is
-shared, in `follow()`:
+Every stage (shard, train, evaluate, export; lmyard.stages) is launched the
+same way: a spec (lmyard.contracts.StageSpec) in, its result type out. One
+interface, three backends. A `Job` starts the nodes and reports what they print
+and how they exit; `LocalJob` runs the stage as a process group here (torchrun
+for training, one `python -m lmyard.stages STAGE` otherwise),
+`lmyard.launch.containers.DockerJob` one container per node in the stage
+image, `lmyard.launch.ray.RayJob` one Ray actor per node (each runs a `LocalJob`
+on its node; training only). `lmyard.launch.launcher.launch` picks the backend (`launch.backend`).
+Everything else is shared, in `Follower`:
 
 - output: every line reaches `on_line`, prefixed `[node i]` when there are several nodes;
-- progress and resume: `started.json` and `progress.json` from the job's exchange folder
-  (lmyard.contracts), never parsed from the log;
-- the heartbeat watchdog (`launch.watchdog_s`): stalled ranks get the job killed;
+- progress (training, tokenize-and-shard: the spec's `progress` type) and resume (training):
+  `progress.json` and `started.json` from the job's exchange folder (lmyard.contracts), never parsed
+  from the log;
+- the heartbeat watchdog (`launch.watchdog_s`): stalled ranks get the job killed (stages that write no
+  heartbeats are not watched);
 - cancellation and cleanup: an interrupt (Ctrl-C, Prefect's cancellation) or `stop_all()` sends
   SIGTERM to every node, waits `launch.grace_s` for the checkpoint, then kills; the job's
   processes, containers and networks are removed whatever happens;
-- the result: `result.json` of rank 0 (or a failing rank's own file) and the exit codes become a
-  `TrainResult`, or the exception of lmyard.errors that its exit code names.
+- the result: `result.json` (rank 0's, or a failing rank's own file) and the exit codes become the
+  spec's result (a `TrainResult`, `EvalResult`, ...), or the exception of lmyard.errors that its exit
+  code names (lmyard.contracts.read_result).
 """
 
 from __future__ import annotations
@@ -34,8 +41,19 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from pydantic import BaseModel
+
 from lmyard.config import RunConfig
-from lmyard.contracts import EXCHANGE_ENV, Exchange, Progress, Started, TrainResult, TrainSpec, write_json
+from lmyard.contracts import (
+    EXCHANGE_ENV,
+    Exchange,
+    StageError,
+    StageSpec,
+    Started,
+    TrainSpec,
+    read_result,
+    write_json,
+)
 from lmyard.errors import ExitCode, TrainingFailed, UserError, error_for
 from lmyard.paths import cache_root
 from lmyard.train import watchdog
@@ -47,9 +65,10 @@ _ACTIVE_LOCK = threading.Lock()
 
 
 class Job(Protocol):
-    """One launch of the trainer on `nodes` nodes."""
+    """One launch of a stage on `nodes` nodes."""
 
     nodes: int
+    spec: StageSpec
 
     def start(self, events: queue.Queue) -> None:
         """Start every node; then put ("line", node, text), ("exit", node, code), ("error", node, exc) on `events`."""
@@ -108,7 +127,15 @@ def torchrun_command(
             cmd += ["--rdzv_conf", f"is_host={int(node == 0)},join_timeout={RDZV_TIMEOUT_S}"]
         if local_addr:
             cmd += ["--local_addr", local_addr]
-    return [*cmd, "-m", "lmyard.train", *(["--spec", spec_path] if spec_path else [])]
+    return [*cmd, "-m", "lmyard.stages", "train", *(["--spec", spec_path] if spec_path else [])]
+
+
+def stage_command(cfg: RunConfig, spec: StageSpec, *, python: str = sys.executable, **torchrun) -> list[str]:
+    """The command of one node: torchrun for training (see torchrun_command), one process for the others."""
+    if isinstance(spec, TrainSpec):
+        return torchrun_command(cfg, python=python, **torchrun)
+    spec_path = torchrun.get("spec_path")
+    return [python, "-m", "lmyard.stages", spec.stage, *(["--spec", spec_path] if spec_path else [])]
 
 
 def stage_env(cfg: RunConfig) -> dict[str, str]:
@@ -128,7 +155,7 @@ class Follower:
         job: Job,
         cfg: RunConfig,
         on_line: Callable[[str], None],
-        on_progress: Callable[[Progress], None] | None = None,
+        on_progress: Callable[[BaseModel], None] | None = None,
         on_started: Callable[[Started], None] | None = None,
         tail_lines: int = 40,
     ):
@@ -140,7 +167,8 @@ class Follower:
         self.exits: dict[int, int] = {}
         self.started_seen, self.progress_seen = False, b""
 
-    def run(self) -> TrainResult:
+    def run(self):
+        """The stage's result (of the spec's result type), or the exception its exit code names."""
         events: queue.Queue = queue.Queue()
         with _ACTIVE_LOCK:
             _ACTIVE.add(self)
@@ -214,7 +242,7 @@ class Follower:
         if raw and raw != self.progress_seen:
             self.progress_seen = raw
             if self.on_progress:
-                self.on_progress(Progress.model_validate_json(raw))
+                self.on_progress(type(self.job.spec).progress.model_validate_json(raw))
         beats = {name: data.decode().strip() for name, data in self.job.read_all("heartbeat").items()}
         return self.dog.check(beats)
 
@@ -231,33 +259,34 @@ class Follower:
         finally:
             self.job.kill()
 
-    def _result(self, stalled: str | None) -> TrainResult:
+    def _result(self, stalled: str | None):
         if stalled:
             raise TrainingFailed(stalled + "; a retry resumes from the last checkpoint")
         raw = self.job.read("result.json")
-        result = TrainResult.model_validate_json(raw) if raw else None
-        if result is None or result.exit_code == ExitCode.DONE and any(self.exits.values()):
-            failures = [TrainResult.model_validate_json(b) for _, b in sorted(self.job.read_all("failures").items())]
+        result = read_result(raw, type(self.job.spec).result) if raw else None
+        if result is None or not isinstance(result, StageError) and any(self.exits.values()):
+            failures = [read_result(b, StageError) for _, b in sorted(self.job.read_all("failures").items())]
             result = failures[0] if failures else result
-        if result is not None and result.exit_code == ExitCode.DONE:
+        if result is not None and not isinstance(result, StageError):
             return result
         if result is not None and result.exit_code != ExitCode.CRASHED:
-            raise error_for(result.exit_code, result.message or result.status)
-        return self._crashed(result)
+            raise error_for(result.exit_code, result.message)
+        self._crashed(result)
 
-    def _crashed(self, result: TrainResult | None) -> TrainResult:
+    def _crashed(self, failure: StageError | None) -> None:
+        stage = self.job.spec.stage
         failed = {i: c for i, c in self.exits.items() if c != 0}
-        if not failed and result is None:
-            raise TrainingFailed("training exited without a result; last lines:\n" + "\n".join(self.tails[0]))
+        if not failed and failure is None:
+            raise TrainingFailed(f"{stage} exited without a result; last lines:\n" + "\n".join(self.tails[0]))
         i, code = next(iter(failed.items())) if failed else (0, 1)
         others = [ln for j, t in enumerate(self.tails) if j != i for ln in list(t)[-5:]]
         what = (
             f"node {i} exited with code {code}{self.job.why(i, code)}"
             if self.job.nodes > 1
-            else f"training exited with code {code}{self.job.why(i, code)}"
+            else f"{stage} exited with code {code}{self.job.why(i, code)}"
         )
-        if result is not None and result.message:
-            what += f": {result.message}"
+        if failure is not None and failure.message and failure.message != failure.status:
+            what += f": {failure.message}"
         raise TrainingFailed(
             what
             + (" ; stopped the others" if self.job.nodes > 1 else "")
@@ -288,17 +317,19 @@ def _die_with_parent() -> None:
 
 
 class LocalJob:
-    """torchrun as a child process group of this process (one node, or one of several with rdzv_endpoint;
-    `torchrun` takes torchrun_command's keywords: a Ray node's actor names its rendezvous and address)."""
+    """The stage as a child process group of this process: torchrun for training (one node, or one of several
+    with rdzv_endpoint), `python -m lmyard.stages STAGE` for the others. `torchrun` takes torchrun_command's keywords: a
+    Ray node's actor names its rendezvous and address."""
 
     nodes = 1
 
-    def __init__(self, cfg: RunConfig, spec: TrainSpec, **torchrun):
+    def __init__(self, cfg: RunConfig, spec: StageSpec, **torchrun):
         os.makedirs(cache_root(), exist_ok=True)
-        self.folder = tempfile.mkdtemp(prefix="lmyard-launch-", dir=cache_root())
+        self.spec = spec
+        self.folder = tempfile.mkdtemp(prefix=f"lmyard-{spec.stage}-", dir=cache_root())
         self.exchange = Exchange(self.folder)
         write_json(self.exchange.path("spec.json"), spec)
-        self.cmd = torchrun_command(cfg, spec_path=self.exchange.path("spec.json"), **torchrun)
+        self.cmd = stage_command(cfg, spec, spec_path=self.exchange.path("spec.json"), **torchrun)
         self.env = {**os.environ, **stage_env(cfg), EXCHANGE_ENV: self.folder}
         self.proc: subprocess.Popen | None = None
 
@@ -320,7 +351,7 @@ class LocalJob:
                 events.put(("line", 0, raw.rstrip("\n")))
             events.put(("exit", 0, self.proc.wait()))
 
-        threading.Thread(target=pump, daemon=True, name="torchrun-output").start()
+        threading.Thread(target=pump, daemon=True, name=f"{self.spec.stage}-output").start()
 
     def read(self, name: str) -> bytes | None:
         try:
@@ -366,9 +397,7 @@ class LocalJob:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def run_local(
-    cfg: RunConfig, spec: TrainSpec | dict, on_line: Callable[[str], None] = print, **callbacks
-) -> TrainResult:
-    """Run the trainer with torchrun here and follow it; its TrainResult, or the error its exit code names."""
-    spec = TrainSpec.model_validate(spec)
+def run_local(cfg: RunConfig, spec: StageSpec | dict, on_line: Callable[[str], None] = print, **callbacks):
+    """Run a stage here and follow it (a dict is a TrainSpec); its result, or the error its exit code names."""
+    spec = spec if isinstance(spec, StageSpec) else TrainSpec.model_validate(spec)
     return Follower(LocalJob(cfg, spec), cfg, on_line, **callbacks).run()

@@ -20,12 +20,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from lmyard.config import redact_uri
-
-if TYPE_CHECKING:
-    from lmyard.tracking.lineage import Lineage
+from lmyard.contracts import LineageRef
 
 
 class MetricsSink(Protocol):
@@ -166,7 +164,7 @@ class MLflowSink:
 
 
 @contextmanager
-def system_metrics(lineage: Lineage, node_id: str, interval_s: float = 10.0) -> Iterator[None]:
+def system_metrics(lineage: LineageRef, node_id: str, interval_s: float = 10.0) -> Iterator[None]:
     """Log CPU, memory, disk, network (and GPU, with nvidia-ml-py) metrics of this node meanwhile.
 
     Keys are `system/<node_id>/...`; a resumed attempt continues the series' steps.
@@ -188,7 +186,7 @@ def system_metrics(lineage: Lineage, node_id: str, interval_s: float = 10.0) -> 
         monitor.finish()
 
 
-def metrics_sink(lineage: Lineage | None, is_main: bool) -> MetricsSink:
+def metrics_sink(lineage: LineageRef | None, is_main: bool) -> MetricsSink:
     """The sink of one rank: an MLflowSink on the lineage's run for the job's rank 0, else a NullSink."""
     if is_main and lineage is not None:
         return MLflowSink(lineage.tracking_uri, lineage.mlflow_run_id)

@@ -13,35 +13,35 @@ from __future__ import annotations
 
 from lmyard.checkpoint import catalog
 from lmyard.config import RunConfig
-from lmyard.data.shards import ShardSet
+from lmyard.contracts import RetrainDecision, ShardSet
 from lmyard.store import open_store
 
 
-def plan(config: RunConfig, shards: ShardSet, extra_steps: int) -> dict:
+def plan(config: RunConfig, shards: ShardSet, extra_steps: int) -> RetrainDecision:
     store = open_store(config.store)
     steps = catalog.complete_steps(store, config.run_name)
     if not steps:
-        return {
-            "action": "train",
-            "reason": f"lineage {config.run_name} has no checkpoint yet",
-            "max_steps": config.train.max_steps,
-            "from_step": 0,
-        }
+        return RetrainDecision(
+            action="train",
+            reason=f"lineage {config.run_name} has no checkpoint yet",
+            max_steps=config.train.max_steps,
+            from_step=0,
+        )
     state = catalog.read_state(store, config.run_name, steps[-1])
     if state.shard_address == shards.address:
-        return {
-            "action": "none",
-            "from_step": steps[-1],
-            "max_steps": steps[-1],
-            "reason": f"no new data: shard set {shards.address} is what step {steps[-1]} was trained on",
-        }
-    return {
-        "action": "continue",
-        "from_step": steps[-1],
-        "max_steps": steps[-1] + extra_steps,
-        "reason": f"new data: shard set {state.shard_address} -> {shards.address}; "
+        return RetrainDecision(
+            action="none",
+            from_step=steps[-1],
+            max_steps=steps[-1],
+            reason=f"no new data: shard set {shards.address} is what step {steps[-1]} was trained on",
+        )
+    return RetrainDecision(
+        action="continue",
+        from_step=steps[-1],
+        max_steps=steps[-1] + extra_steps,
+        reason=f"new data: shard set {state.shard_address} -> {shards.address}; "
         f"{extra_steps} more steps from step {steps[-1]}",
-    }
+    )
 
 
 def with_max_steps(config: RunConfig, max_steps: int) -> RunConfig:

@@ -1,6 +1,6 @@
 """The training loop: the torchrun entrypoint run on every node.
 
-    torchrun --nproc_per_node=8 -m lmyard.train --spec spec.json
+    torchrun --nproc_per_node=8 -m lmyard.stages train --spec spec.json
 
 The spec (lmyard.contracts.TrainSpec: a JSON file, or the LMYARD_SPEC
 environment variable) holds the run config, the shard set, the lineage and
@@ -24,7 +24,6 @@ import os
 import random
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +35,16 @@ from lmyard.checkpoint.catalog import quarantine
 from lmyard.checkpoint.checkpointer import make_checkpointer
 from lmyard.checkpoint.state import Loaded, rng_state, set_rng_state
 from lmyard.config import RunConfig, TrainConfig
-from lmyard.contracts import CheckpointState, Exchange, Started, TrainResult, TrainSpec
+from lmyard.contracts import (
+    CheckpointState,
+    Exchange,
+    LineageRef,
+    Started,
+    TrainResult,
+    TrainSpec,
+    read_spec,
+    run_stage,
+)
 from lmyard.data.loader import Prefetcher, TrainBatches, default_cache_dir, split_stream, val_sequences
 from lmyard.data.shards import ShardSet
 from lmyard.errors import Diverged, ExitCode, Preempted, StoreOutage, UserError, exit_code_of  # noqa: F401
@@ -45,7 +53,6 @@ from lmyard.layout import RunLayout
 from lmyard.models.base import LanguageModel
 from lmyard.models.registry import build_model, doc_fields, flops_per_token, model_from_spec, model_spec
 from lmyard.store import open_store
-from lmyard.tracking.lineage import Lineage
 from lmyard.tracking.sink import MetricsSink, NullSink, metrics_sink, system_metrics
 from lmyard.train.components import (
     Checkpointing,
@@ -161,7 +168,7 @@ class Trainer:
         self,
         cfg: RunConfig,
         shards: ShardSet,
-        lineage: Lineage | None,
+        lineage: LineageRef | None,
         d: Dist,
         sink: MetricsSink,
         hold_for_eval: bool = False,
@@ -545,19 +552,7 @@ def train_step(
     return loss_sum / accum, grad_norm
 
 
-def read_spec(argv: list[str] | None) -> TrainSpec:
-    parser = argparse.ArgumentParser(prog="python -m lmyard.train", description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", help="run spec JSON file (default: the LMYARD_SPEC environment variable)")
-    args = parser.parse_args(argv)
-    if args.spec:
-        with open(args.spec) as f:
-            return TrainSpec.model_validate_json(f.read())
-    if "LMYARD_SPEC" in os.environ:
-        return TrainSpec.model_validate_json(os.environ["LMYARD_SPEC"])
-    parser.error("give --spec PATH or set LMYARD_SPEC")
-
-
-def node_system_metrics(cfg: RunConfig, lineage: Lineage | None, d: Dist):
+def node_system_metrics(cfg: RunConfig, lineage: LineageRef | None, d: Dist):
     """On each node's local rank 0: CPU, memory, disk, network and GPU metrics of this node, as
     `system/node<N>/...` in the lineage's run (N: torchrun's node rank, stable across attempts)."""
     if lineage is None or d.local_rank != 0 or not cfg.tracking.system_metrics:
@@ -567,59 +562,61 @@ def node_system_metrics(cfg: RunConfig, lineage: Lineage | None, d: Dist):
     )
 
 
-def _report(result: TrainResult, d: Dist | None) -> None:
-    """Rank 0 writes result.json; any other rank that fails writes failures/rank-R.json."""
+def _train(spec_path: str | None, run: dict) -> TrainResult:
+    """The stage's body on one rank: setup, the Trainer, its result (`run` keeps what the failure path needs)."""
+    spec = read_spec(TrainSpec, spec_path)
+    cfg, lineage = spec.config, spec.lineage
+    run["d"] = d = setup_distributed(cfg)
+    if d.world > 1 and d.local_rank == 0:  # one line per node: which ranks run where
+        import socket
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        print(f"{socket.gethostname()}: ranks {d.rank}-{d.rank + local - 1} of {d.world} joined", flush=True)
+    run["sink"] = metrics_sink(lineage, d.is_main)  # rank 0 logs to MLflow; the others to nothing
+    with node_system_metrics(cfg, lineage, d):
+        run["trainer"] = trainer = Trainer(cfg, spec.shards, lineage, d, run["sink"], hold_for_eval=spec.hold_for_eval)
+        try:
+            result = trainer.train()
+        except Exception as e:
+            oom = out_of_memory(e, cfg, trainer.state.step)
+            if oom is None:
+                raise
+            raise oom from None
+    print(f"training finished at step {result.step}", flush=True)
+    return result
+
+
+def train_stage(spec_path: str | None = None) -> int:
+    """`python -m lmyard.stages train` on every rank: rank 0 writes result.json, any other rank that fails
+    writes failures/rank-R.json (lmyard.contracts.run_stage, the one path from an exception to an exit code)."""
+    run: dict = {"d": None, "trainer": None, "sink": NullSink()}
     exchange = Exchange.from_env()
-    rank = d.rank if d else int(os.environ.get("RANK", 0))
-    if exchange is None:
-        return
-    if rank == 0:
-        exchange.write("result.json", result)
-    elif result.exit_code:
-        exchange.write(f"failures/rank-{rank}.json", result)
+    rank = int(os.environ.get("RANK", 0))  # torchrun's; the same as the process group's once it is set up
+
+    def failed(code: ExitCode, message: str) -> TrainResult:
+        trainer = run["trainer"]
+        return trainer.result(code, message) if trainer else TrainResult.ended(code, message)
+
+    try:
+        return run_stage(
+            lambda: _train(spec_path, run),
+            exchange.path("result.json") if exchange and rank == 0 else None,
+            failure_out=exchange and exchange.path("result.json" if rank == 0 else f"failures/rank-{rank}.json"),
+            failed=failed,
+            quiet=rank != 0,  # a bad config fails every rank alike: rank 0 says it once
+        )
+    finally:
+        with contextlib.suppress(Exception):
+            run["sink"].close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
-    spec = read_spec(argv)
-    d, trainer = None, None
-    sink: MetricsSink = NullSink()
-    try:
-        cfg = RunConfig.model_validate(spec.config)
-        shards = ShardSet.from_dict(spec.shards)
-        lineage = Lineage.from_dict(spec.lineage) if spec.lineage else None
-        d = setup_distributed(cfg)
-        if d.world > 1 and d.local_rank == 0:  # one line per node: which ranks run where
-            import socket
-
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-            print(f"{socket.gethostname()}: ranks {d.rank}-{d.rank + local - 1} of {d.world} joined", flush=True)
-        sink = metrics_sink(lineage, d.is_main)
-        with node_system_metrics(cfg, lineage, d):
-            trainer = Trainer(cfg, shards, lineage, d, sink, hold_for_eval=spec.hold_for_eval)
-            try:
-                result = trainer.train()
-            except Exception as e:
-                oom = out_of_memory(e, cfg, trainer.state.step)
-                if oom is None:
-                    raise
-                raise oom from None
-        _report(result, d)
-        print(f"training finished at step {result.step}", flush=True)
-        return 0
-    except BaseException as e:
-        code = exit_code_of(e) if not isinstance(e, KeyboardInterrupt) else ExitCode.PREEMPTED
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if code == ExitCode.CRASHED:
-            traceback.print_exc()
-        elif d is None or d.is_main or code != ExitCode.USER_ERROR:
-            print(f"lmyard: error: {message}", file=sys.stderr, flush=True)
-        _report(trainer.result(code, message) if trainer else TrainResult.ended(code, message), d)
-        return int(code)
-    finally:
-        with contextlib.suppress(Exception):
-            sink.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    """`python -m lmyard.train [--spec spec.json]`: the same as `python -m lmyard.stages train`."""
+    parser = argparse.ArgumentParser(prog="python -m lmyard.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", help="run spec JSON file (default: the LMYARD_SPEC environment variable)")
+    return train_stage(parser.parse_args(argv).spec)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""The one launcher: run a stage on the configured backend and follow it to its result.
+
+    result = launch(EvalSpec(config=config, shards=shards, step=600), on_line=log.info)
+
+`launch.backend` picks the `Job` (`local`: lmyard.launch.follower.LocalJob, a process group here;
+`docker`: lmyard.launch.containers.DockerJob, the stage image; `ray`: lmyard.launch.ray.RayJob for
+training, one actor per node of a placement group, the other stages here); the same `Follower` follows every
+stage on every backend, so output, the watchdog, cancellation, cleanup and result reading exist
+once. Nothing in flows/ or tasks/ starts a process any other way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lmyard.contracts import StageSpec, TrainSpec
+from lmyard.launch.follower import Follower, LocalJob
+
+
+def launch(
+    spec: StageSpec,
+    on_line: Callable[[str], None] = print,
+    *,
+    flow_run_id: str | None = None,
+    **callbacks,
+):
+    """Run `spec`'s stage on its config's launch.backend; its result (`type(spec).result`), or the error of
+    lmyard.errors that its exit code names. `callbacks`: on_progress, on_started (training)."""
+    config = spec.config
+    if config.launch.backend == "docker":
+        from lmyard.launch.containers import DockerJob
+
+        job = DockerJob(config, spec, on_line, flow_run_id=flow_run_id)
+    elif config.launch.backend == "ray" and isinstance(spec, TrainSpec):
+        from lmyard.launch.ray import RayJob
+
+        job = RayJob(config, spec, on_line)
+    else:
+        job = LocalJob(config, spec)
+    return Follower(job, config, on_line, **callbacks).run()
