@@ -95,6 +95,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from lmyard.contracts import ShardSet
     from lmyard.errors import Diverged, Preempted, StoreOutage, UserError
     from lmyard.recipes import load_recipe
 
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             f"(MLflow run {result.mlflow_run_id}){failed}"
         )
     else:
+        assert isinstance(result, ShardSet)  # `lmyard shard` returns the shard set
         print(f"lmyard: shard set {result.address} at {result.uri}")
     return 0
 

@@ -25,6 +25,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel
 
 from lmyard.contracts import (
     EXCHANGE_ENV,
@@ -36,6 +40,7 @@ from lmyard.contracts import (
     ShardProgress,
     ShardResult,
     ShardSpec,
+    StageSpec,
     read_spec,
     run_stage,
 )
@@ -79,7 +84,12 @@ def export(spec: ExportSpec) -> ExportResult:
     return result
 
 
-STAGES = {"shard": (ShardSpec, shard), "evaluate": (EvalSpec, evaluate), "export": (ExportSpec, export)}
+# stage name -> (its spec type, its body); training runs under torchrun (lmyard.train.trainer.train_stage)
+STAGES: dict[str, tuple[type[StageSpec], Callable[[Any], BaseModel]]] = {
+    "shard": (ShardSpec, shard),
+    "evaluate": (EvalSpec, evaluate),
+    "export": (ExportSpec, export),
+}
 
 
 def main(argv: list[str] | None = None) -> int:

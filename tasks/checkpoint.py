@@ -21,7 +21,7 @@ def record_checkpoint(config: RunConfig, lineage: Lineage, step: int) -> Checkpo
     """Verify checkpoint `step` against its manifest in the store; its place, size and upload time to
     MLflow (checkpoint/* at its step) and to a Prefect artifact. The upload itself ran on the training node."""
     report = CheckpointReport.model_validate(catalog.verify(open_store(config.store), config.run_name, step))
-    metrics = {"checkpoint/bytes": report.bytes}
+    metrics: dict[str, float] = {"checkpoint/bytes": report.bytes}
     if report.serialize_s is not None:
         metrics["checkpoint/serialize_s"] = report.serialize_s
     if report.upload_s is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from uuid import UUID
+
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
@@ -27,7 +29,7 @@ def _describe(p: ShardProgress) -> str:
 )
 def tokenize_and_shard(config: RunConfig) -> ShardSet:
     """Token shards + manifest for config.data at their content address (`python -m lmyard.stages shard`)."""
-    artifact_id = create_progress_artifact(
+    artifact_id: UUID = create_progress_artifact(  # type: ignore[assignment]  # a UUID when called from sync code
         0.0, key=artifact_key(config.run_name, "shard-progress"), description="tokenize-and-shard: starting"
     )
 

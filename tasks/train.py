@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from uuid import UUID
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -64,7 +65,7 @@ def train(config: RunConfig, shards: ShardSet, lineage: Lineage) -> TrainResult:
 
 def _progress_artifact(config: RunConfig):
     """A Prefect progress artifact fed by the trainer's progress file (at most every 2 s, and the last step)."""
-    artifact_id = create_progress_artifact(
+    artifact_id: UUID = create_progress_artifact(  # type: ignore[assignment]  # a UUID when called from sync code
         0.0, key=artifact_key(config.run_name, "train-progress"), description="train: starting"
     )
     last = 0.0

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lmyard.contracts import StageSpec, TrainSpec
-from lmyard.launch.follower import Follower, LocalJob
+from lmyard.launch.follower import Follower, Job, LocalJob
 
 
 def launch(
@@ -27,6 +27,7 @@ def launch(
     """Run `spec`'s stage on its config's launch.backend; its result (`type(spec).result`), or the error of
     lmyard.errors that its exit code names. `callbacks`: on_progress, on_started (training)."""
     config = spec.config
+    job: Job
     if config.launch.backend == "docker":
         from lmyard.launch.containers import DockerJob
 

@@ -50,7 +50,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from lmyard.config import RunConfig
-from lmyard.contracts import TrainResult, TrainSpec
+from lmyard.contracts import StageSpec, TrainResult, TrainSpec
 from lmyard.errors import TrainingFailed, UserError
 from lmyard.launch.containers import _local_store_root, _Masker, _sqlite_dir, secret_names
 from lmyard.launch.follower import Follower, LocalJob
@@ -272,6 +272,7 @@ class RayJob:
                 f"{cfg.launch.nproc_per_node} ranks less than a GPU each: make them equal"
             )
         self.cfg, self.on_line, self.nodes = cfg, on_line, n
+        self.spec: StageSpec = spec
         self.address, self.bundle = address(cfg, environ), bundle(cfg)
         self.spec_json = _on_cluster(cfg, spec)
         secrets = secret_names(rc, environ)

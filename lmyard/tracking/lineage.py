@@ -27,6 +27,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
+from typing import Any
 
 from lmyard.config import RunConfig, redact_uri
 from lmyard.errors import UserError
@@ -239,7 +240,7 @@ class Lineage:
     def log_dict(self, data: dict | list, artifact_file: str) -> None:
         self.client.log_dict(self.mlflow_run_id, data, artifact_file)
 
-    def log_table(self, columns: dict[str, list], artifact_file: str) -> None:
+    def log_table(self, columns: dict[str, Any], artifact_file: str) -> None:
         """Append rows (given as columns) to a table artifact the MLflow UI renders (e.g. evals/checkpoints.json)."""
         self.client.log_table(self.mlflow_run_id, data=columns, artifact_file=artifact_file)
 

@@ -601,7 +601,9 @@ def train_stage(spec_path: str | None = None) -> int:
         return run_stage(
             lambda: _train(spec_path, run),
             exchange.path("result.json") if exchange and rank == 0 else None,
-            failure_out=exchange and exchange.path("result.json" if rank == 0 else f"failures/rank-{rank}.json"),
+            failure_out=exchange.path("result.json" if rank == 0 else f"failures/rank-{rank}.json")
+            if exchange
+            else None,
             failed=failed,
             quiet=rank != 0,  # a bad config fails every rank alike: rank 0 says it once
         )
