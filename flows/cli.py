@@ -121,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from flows.shard import shard as flow_fn  # type: ignore[assignment]  # both take config=, return a dict
         _quiet_user_errors()
+        from flows.prefect_server import start_temporary_server
         from lmyard.tracking.credentials import credentials_to_env
 
+        start_temporary_server()  # out of reach of the terminal's Ctrl-C, so the run can record how it ended
         # the tracking password goes to the environment before the config becomes the flow run's parameter
         result = flow_fn(config=credentials_to_env(config))
     except (UserError, Diverged, StoreOutage, Preempted) as e:  # one line each, with its exit code
