@@ -17,6 +17,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 
+from lmyard import console
 from lmyard.checkpoint import catalog
 from lmyard.config import RunConfig
 from lmyard.contracts import EvalResult, read_stage_result
@@ -49,7 +50,7 @@ def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: Lineage, s
         + f" in {result['eval_s']:.1f} s on {result['device']} ({result['checkpoint']})"
     )
     for sample in result.get("samples", []):
-        logger.info(f"step {step} sample: {sample['prompt']!r} -> {sample['completion'][:160]!r}")
+        logger.info(console.sample_text(step, sample["prompt"], sample["completion"]))
     return result
 
 

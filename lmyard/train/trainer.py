@@ -470,7 +470,7 @@ class Trainer:
                 flush=True,
             )
             if warning := self.data.repeat_warning(self.t.max_steps):
-                print(f"warning: {warning}", flush=True)
+                print(warning, flush=True)  # it says "warning:" itself
 
     def result(self, code: ExitCode, message: str | None = None) -> TrainResult:
         s = self.state
@@ -601,7 +601,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 raise oom from None
         _report(result, d)
-        print(f"training finished at step {result.step}", flush=True)
+        if d.is_main:  # one line, not one per rank
+            print(f"training finished at step {result.step}", flush=True)
         return 0
     except BaseException as e:
         code = exit_code_of(e) if not isinstance(e, KeyboardInterrupt) else ExitCode.PREEMPTED
