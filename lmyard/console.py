@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import sys
 import textwrap
 import threading
@@ -94,7 +95,17 @@ class Console(logging.Handler):
             bar = self._bars.get(name)
             if bar is None:
                 unit = "step" if name == "train" else "%"
-                bar = tqdm(total=total, initial=done, desc=name, unit=unit, file=self.stream, dynamic_ncols=True)
+                # the terminal's size, else COLUMNS/LINES or 80x24: tqdm draws nothing on one that reports 0 rows
+                size = shutil.get_terminal_size()
+                bar = tqdm(
+                    total=total,
+                    initial=done,
+                    desc=name,
+                    unit=unit,
+                    file=self.stream,
+                    ncols=size.columns,
+                    nrows=size.lines,
+                )
                 self._bars[name] = bar
             bar.update(done - bar.n)
             if text:
