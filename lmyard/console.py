@@ -95,6 +95,8 @@ class Console(logging.Handler):
             bar = self._bars.get(name)
             if bar is None:
                 unit = "step" if name == "train" else "%"
+                # a share of the input: the percentage and the ETA, not "37.5/100.0 [..., 2.1%/s]"
+                shape = "{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]" if unit == "%" else None
                 # the terminal's size, else COLUMNS/LINES or 80x24: tqdm draws nothing on one that reports 0 rows
                 size = shutil.get_terminal_size()
                 bar = tqdm(
@@ -102,6 +104,7 @@ class Console(logging.Handler):
                     initial=done,
                     desc=name,
                     unit=unit,
+                    bar_format=shape if total is not None else None,
                     file=self.stream,
                     ncols=size.columns,
                     nrows=size.lines,
