@@ -9,8 +9,9 @@ a flow here, it installs `Console` as the handler of what Prefect prints, and th
 - paths under the run's store print relative to it (the first line names the store);
 - a message of several lines (a sample of generated text) prints as indented lines, not `\\n` escapes;
 - other tools' chatter is left out: Prefect's own INFO lines (the temporary server, its hints), each task's
-  "Finished in state Completed()", and MLflow's INFO and WARNING lines, in this process and in the trainer's
-  and evaluator's processes (MLFLOW_LOGGING_LEVEL, which they inherit); errors always print;
+  "Finished in state Completed()", MLflow's INFO and WARNING lines, in this process and in the trainer's
+  and evaluator's processes (MLFLOW_LOGGING_LEVEL, which they inherit), and Python warnings that libraries
+  raise in this process; errors always print;
 - on a terminal (a TTY) tokenization and training get progress bars with an ETA (tqdm), fed by the progress
   both stages already report as typed records (`progress()`); lines print above the bars. Elsewhere (a file,
   CI, a pipe) no bars: the plain lines are the record;
@@ -29,6 +30,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from typing import TextIO
 
 _console: Console | None = None
@@ -152,6 +154,8 @@ def install(store: str, stream: TextIO | None = None) -> Console:
     tools here and in the processes this one starts. For the command line, before it runs a flow."""
     global _console
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "ERROR")  # read by MLflow here and in the trainer's processes
+    # Python warnings of libraries (MLflow's, colored, when the final model is logged): lmyard's own still print
+    warnings.filterwarnings("ignore", module=r"(?!(lmyard|flows|tasks)\b)")
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     root = logging.getLogger()

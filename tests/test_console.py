@@ -76,3 +76,20 @@ def test_the_last_line_names_the_mlflow_ui_and_the_model():
     assert "mlflow ui --backend-store-uri sqlite:///.lmyard/mlflow.db" in local and "models:/smoke/1" in local
     remote = console.where_next("https://user:secret@mlflow.internal", "abc", None)
     assert "secret" not in remote and "mlflow.internal" in remote and "abc" in remote
+
+
+def test_installed_libraries_warnings_are_filtered_and_lmyards_are_not():
+    """In a process of its own: install() changes the process's logging and warning filters."""
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings\n"
+        "from lmyard import console\n"
+        "console.install('/s')\n"
+        "warnings.warn_explicit('from mlflow', UserWarning, 'x.py', 1, module='mlflow.pyfunc')\n"
+        "warnings.warn_explicit('from lmyard', UserWarning, 'y.py', 1, module='lmyard.models.parallel')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "from lmyard" in done.stderr and "from mlflow" not in done.stderr

@@ -91,7 +91,9 @@ def test_killed_run_resumes_from_its_checkpoint_without_retokenizing(cli_env, tm
     # what a person reads (lmyard/console.py): no torchrun banner, no doubled words, no escapes, no absolute store
     # paths; the last line says where to look next
     assert out.count("training finished at step 20") == 1 and "warning: warning:" not in out
-    assert "OMP_NUM_THREADS" not in out and "\x1b[" not in out and str(tmp_path / "store") not in out
+    assert "OMP_NUM_THREADS" not in out
+    assert "\x1b[" not in out
+    assert str(tmp_path / "store") not in out
     last = second.stdout.strip().splitlines()[-1]
     assert last.startswith("lmyard: look at it: mlflow ui --backend-store-uri sqlite:///") and "models:/smoke/" in last
     assert complete_steps(store, "smoke")[-1] == 20
