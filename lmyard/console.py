@@ -10,8 +10,8 @@ a flow here, it installs `Console` as the handler of what Prefect prints, and th
 - a message of several lines (a sample of generated text) prints as indented lines, not `\\n` escapes;
 - other tools' chatter is left out: Prefect's own INFO lines (the temporary server, its hints), each task's
   "Finished in state Completed()", MLflow's INFO and WARNING lines, in this process and in the trainer's
-  and evaluator's processes (MLFLOW_LOGGING_LEVEL, which they inherit), and Python warnings that libraries
-  raise in this process; errors always print;
+  and evaluator's processes (MLFLOW_LOGGING_LEVEL, which they inherit), MLflow's download bars, and Python
+  warnings that libraries raise in this process; errors always print;
 - on a terminal (a TTY) tokenization and training get progress bars with an ETA (tqdm), fed by the progress
   both stages already report as typed records (`progress()`); lines print above the bars. Elsewhere (a file,
   CI, a pipe) no bars: the plain lines are the record;
@@ -30,7 +30,6 @@ import sys
 import textwrap
 import threading
 import time
-import warnings
 from typing import TextIO
 
 _console: Console | None = None
@@ -38,6 +37,8 @@ _console: Console | None = None
 # Prefect's task run names are the task's name with a random suffix (`train-6b9`); named runs keep their name
 _RUN_SUFFIX = re.compile(r"-[0-9a-f]{3}$")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OWN_CODE = tuple(os.path.join(_ROOT, package) + os.sep for package in ("lmyard", "flows", "tasks"))
 _QUIET_LOGGERS = ("mlflow", "alembic", "urllib3", "botocore", "httpx")
 
 
@@ -64,6 +65,8 @@ class Console(logging.Handler):
     def line(self, record: logging.LogRecord) -> str | None:
         """The record as printed, or None for chatter a person does not need."""
         message = _ANSI.sub("", record.getMessage())
+        if record.name == "py.warnings" and not message.startswith(_OWN_CODE):
+            return None  # a library's warning ("path.py:12: UserWarning: ...")
         if record.levelno < logging.WARNING and _is_chatter(record, message):
             return None
         if record.exc_info:  # a crash's traceback (the command line drops those of user errors)
@@ -154,8 +157,10 @@ def install(store: str, stream: TextIO | None = None) -> Console:
     tools here and in the processes this one starts. For the command line, before it runs a flow."""
     global _console
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "ERROR")  # read by MLflow here and in the trainer's processes
-    # Python warnings of libraries (MLflow's, colored, when the final model is logged): lmyard's own still print
-    warnings.filterwarnings("ignore", module=r"(?!(lmyard|flows|tasks)\b)")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # MLflow's own bars, in a log too
+    # Python warnings become records of `py.warnings`, and `line` keeps only lmyard's own: a filter would not do,
+    # as MLflow shows its (colored) UserWarnings under a "once" filter of its own
+    logging.captureWarnings(True)
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     root = logging.getLogger()
