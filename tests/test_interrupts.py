@@ -18,7 +18,7 @@ import pytest
 from conftest import lmyard_cmd, tiny_overrides
 from mlflow.tracking import MlflowClient
 
-from lmyard.checkpoint.full import complete_steps
+from lmyard.checkpoint.catalog import complete_steps
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
