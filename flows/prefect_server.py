@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import signal
 import subprocess
+from typing import Any
 
 STARTUP_TIMEOUT_S = 90
 
@@ -30,8 +31,9 @@ def _die_with_parent() -> None:
 
 
 class _OwnSession(subprocess.Popen):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs, start_new_session=True, preexec_fn=_die_with_parent)
+    def __init__(self, *args: Any, **kwargs: Any):
+        # Prefect's own arguments, passed on as they come (mypy cannot match them to one of Popen's overloads)
+        super().__init__(*args, **kwargs, start_new_session=True, preexec_fn=_die_with_parent)  # type: ignore[call-overload]
 
 
 def start_temporary_server() -> None:
@@ -49,9 +51,10 @@ def start_temporary_server() -> None:
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return
     server = SubprocessASGIServer()  # the instance Prefect's clients use when no API URL is set
-    popen, subprocess.Popen = subprocess.Popen, _OwnSession  # only for Prefect's one Popen call in start()
+    # only for Prefect's one Popen call in start()
+    popen, subprocess.Popen = subprocess.Popen, _OwnSession  # type: ignore[misc]
     try:
         # Prefect's default 20 s is short for a machine busy training; a server that is slow to start is no error
         server.start(timeout=max(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value(), STARTUP_TIMEOUT_S))
     finally:
-        subprocess.Popen = popen
+        subprocess.Popen = popen  # type: ignore[misc]

@@ -30,7 +30,7 @@ import sys
 import textwrap
 import threading
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 _console: Console | None = None
 
@@ -50,7 +50,7 @@ class Console(logging.Handler):
         self.stream = stream or sys.stderr
         self.bars_on = self.stream.isatty() if bars is None else bars
         self._stores = _store_prefixes(store)
-        self._bars: dict[str, object] = {}
+        self._bars: dict[str, Any] = {}  # tqdm bars by name
         self._lock = threading.RLock()
 
     # ---- lines
