@@ -34,7 +34,7 @@ class _NoTracebackForUserErrors(logging.Filter):
 
 def _quiet_user_errors() -> None:
     f = _NoTracebackForUserErrors()
-    for name in ("prefect", "prefect.flow_runs", "prefect.task_runs"):
+    for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs"):  # "": the console (lmyard.console)
         for handler in logging.getLogger(name).handlers:
             handler.addFilter(f)
 
@@ -122,9 +122,13 @@ def main(argv: list[str] | None = None) -> int:
             from flows.pretrain import pretrain as flow_fn
         else:
             from flows.shard import shard as flow_fn  # type: ignore[assignment]  # both take config=, return a dict
-        _quiet_user_errors()
+        from flows.prefect_server import start_temporary_server
+        from lmyard import console
         from lmyard.tracking.credentials import credentials_to_env
 
+        console.install(config.store)  # what a person reads: lmyard/console.py
+        _quiet_user_errors()
+        start_temporary_server()  # out of reach of the terminal's Ctrl-C, so the run can record how it ended
         # the tracking password goes to the environment before the config becomes the flow run's parameter
         result = flow_fn(config=credentials_to_env(config))
     except (UserError, Diverged, StoreOutage, Preempted) as e:  # one line each, with its exit code
@@ -134,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         print("lmyard: interrupted; run the same command again to resume from the latest checkpoint", file=sys.stderr)
         return 130
     if args.command == "run":
+        from lmyard.console import where_next
+
         val = f"val loss {result.val_loss:.4f}" if result.val_loss is not None else "no val loss"
         failed = (
             f"; evaluation failed at steps {sorted(result.failed_evaluations)}" if result.failed_evaluations else ""
@@ -142,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             f"lmyard: {result.run_name} finished at step {result.steps}: {val} "
             f"(MLflow run {result.mlflow_run_id}){failed}"
         )
+        print(f"lmyard: {where_next(config.tracking.uri, result.mlflow_run_id, result.registered_model)}")
     else:
         assert isinstance(result, ShardSet)  # `lmyard shard` returns the shard set
         print(f"lmyard: shard set {result.address} at {result.uri}")

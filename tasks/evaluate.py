@@ -11,6 +11,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 
+from lmyard import console
 from lmyard.checkpoint import catalog
 from lmyard.config import RunConfig
 from lmyard.contracts import EvalResult, EvalSpec, Evaluation, ShardSet, one_line
@@ -59,7 +60,7 @@ def _record(config: RunConfig, lineage: Lineage, result: EvalResult) -> None:
         + f" in {result.eval_s:.1f} s on {result.device} ({result.checkpoint})"
     )
     for sample in result.samples:
-        logger.info(f"step {step} sample: {sample.prompt!r} -> {sample.completion[:160]!r}")
+        logger.info(console.sample_text(step, sample.prompt, sample.completion))
 
 
 def _record_failure(lineage: Lineage, step: int, error: str, warn) -> None:

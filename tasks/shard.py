@@ -8,6 +8,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
+from lmyard import console
 from lmyard.config import RunConfig
 from lmyard.contracts import ShardProgress, ShardSet, ShardSpec
 from tasks._common import artifact_key, launch_stage, not_a_user_error
@@ -34,6 +35,8 @@ def tokenize_and_shard(config: RunConfig) -> ShardSet:
     )
 
     def progress(p: ShardProgress) -> None:
+        rates = f"{p.tokens_per_s:,.0f} tokens/s"
+        console.progress("tokenize", 100.0 * (p.fraction or 0), 100.0 if p.fraction is not None else None, rates)
         if p.fraction is not None:  # a source of unknown size (hub) shows its rates in the log only
             update_progress_artifact(artifact_id, 100.0 * p.fraction, description=_describe(p))
 

@@ -11,6 +11,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
+from lmyard import console
 from lmyard.config import RunConfig
 from lmyard.contracts import Progress, ShardSet, Started, TrainResult, TrainSpec
 from lmyard.errors import retryable
@@ -72,13 +73,13 @@ def _progress_artifact(config: RunConfig):
 
     def on_progress(p: Progress) -> None:
         nonlocal last
+        figures = (f"loss {p.loss:.4f}" if p.loss is not None else "") + (
+            f", {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else ""
+        )
+        console.progress("train", p.step, p.max_steps, figures)  # a bar with an ETA on a terminal
         if time.monotonic() - last > 2.0 or p.step == p.max_steps:
             last = time.monotonic()
-            text = (
-                f"step {p.step}/{p.max_steps}"
-                + (f", loss {p.loss:.4f}" if p.loss is not None else "")
-                + (f", {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else "")
-            )
+            text = f"step {p.step}/{p.max_steps}" + (f", {figures}" if figures else "")
             update_progress_artifact(artifact_id, 100.0 * p.step / p.max_steps, description=text)
 
     return on_progress

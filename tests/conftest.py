@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -265,6 +266,38 @@ def s3_bucket(s3_server):
     name = s3_server.new_bucket()
     yield name
     s3_server.remove_bucket(name)
+
+
+# ---------------------------------------------------------------- Prefect: a real server of its own
+
+
+@contextlib.contextmanager
+def prefect_server(tmp: Path):
+    """`prefect server start` (sqlite under tmp) in its own process group; yields the environment of its clients
+    (PREFECT_API_URL, a private PREFECT_HOME, PYTHONPATH with this checkout). Ends the whole group at the end."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp / "prefect-home"),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "LMYARD_CACHE": str(tmp / "cache"),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    with open(tmp / "server.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            wait_for_http(f"http://127.0.0.1:{port}/api/health", proc, 120, tmp / "server.log")
+            yield env
+        finally:
+            stop_group(proc, 20)
 
 
 # ---------------------------------------------------------------- MLflow: a real tracking server

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, stop_group, wait_for_http
+from conftest import REPO, prefect_server, stop_group
 
 from lmyard.checkpoint.catalog import complete_steps
 from lmyard.store import open_store
@@ -22,66 +21,50 @@ PREFECT = [sys.executable, "-m", "prefect"]
 def prefect_stack(tmp_path_factory):
     """A Prefect server (sqlite) and a worker on the lmyard-process pool, with the repo's deployments."""
     tmp = tmp_path_factory.mktemp("prefect-stack")
-    port = free_port()
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp / "prefect-home"),
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_WORKER_QUERY_SECONDS": "1",
-        "PREFECT_WORKER_PREFETCH_SECONDS": "1",
-        "LMYARD_CACHE": str(tmp / "cache"),
-        "PYTHONUNBUFFERED": "1",
-        "LMYARD_IMAGE": "lmyard-stage:test",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
     procs = []
-    server_log = open(tmp / "server.log", "w")
-    procs.append(
-        subprocess.Popen(
-            [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            env=env,
-            stdout=server_log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+    with prefect_server(tmp) as env:
+        env.update(
+            {
+                "PREFECT_WORKER_QUERY_SECONDS": "1",
+                "PREFECT_WORKER_PREFETCH_SECONDS": "1",
+                "LMYARD_IMAGE": "lmyard-stage:test",
+            }
         )
-    )
-    try:
-        wait_for_http(f"http://127.0.0.1:{port}/api/health", procs[0], 120, tmp / "server.log")
-        run = lambda *args: subprocess.run(
-            [*PREFECT, *args],
-            env=env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        for pool, kind in (("lmyard-process", "process"), ("lmyard-docker", "docker")):
-            created = run("work-pool", "create", pool, "--type", kind)
-            assert created.returncode == 0, created.stdout + created.stderr
-        deployed = run("--no-prompt", "deploy", "--all", "--prefect-file", "deploy/prefect.yaml")
-        assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
-        automations = run("automation", "create", "--from-file", "deploy/automations.yaml")
-        assert automations.returncode == 0, automations.stdout[-3000:] + automations.stderr[-3000:]
-        worker_log = tmp / "worker.log"
-
-        def start_worker() -> subprocess.Popen:
-            worker = subprocess.Popen(
-                [*PREFECT, "worker", "start", "--pool", "lmyard-process"],
+        try:
+            run = lambda *args: subprocess.run(
+                [*PREFECT, *args],
                 env=env,
                 cwd=REPO,
-                stdout=open(worker_log, "a"),
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+                capture_output=True,
+                text=True,
+                timeout=300,
             )
-            procs.append(worker)
-            return worker
+            for pool, kind in (("lmyard-process", "process"), ("lmyard-docker", "docker")):
+                created = run("work-pool", "create", pool, "--type", kind)
+                assert created.returncode == 0, created.stdout + created.stderr
+            deployed = run("--no-prompt", "deploy", "--all", "--prefect-file", "deploy/prefect.yaml")
+            assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
+            automations = run("automation", "create", "--from-file", "deploy/automations.yaml")
+            assert automations.returncode == 0, automations.stdout[-3000:] + automations.stderr[-3000:]
+            worker_log = tmp / "worker.log"
 
-        start_worker()
-        yield tmp, run, worker_log, start_worker, env
-    finally:
-        for p in reversed(procs):
-            stop_group(p, 20)
+            def start_worker() -> subprocess.Popen:
+                worker = subprocess.Popen(
+                    [*PREFECT, "worker", "start", "--pool", "lmyard-process"],
+                    env=env,
+                    cwd=REPO,
+                    stdout=open(worker_log, "a"),
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+                procs.append(worker)
+                return worker
+
+            start_worker()
+            yield tmp, run, worker_log, start_worker, env
+        finally:
+            for p in reversed(procs):
+                stop_group(p, 20)
 
 
 def test_every_deployment_names_a_recipe_that_loads_and_sets_nothing_that_disagrees_with_it():

@@ -4,16 +4,14 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import lmyard_cmd, tiny_overrides
+from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
 from lmyard.checkpoint.catalog import complete_steps, step_prefix
@@ -164,42 +162,3 @@ def test_killed_training_is_retried_as_one_mlflow_run_with_two_attempts(
             found[a.key] = a
     assert set(found) == set(keys)
     assert found[f"{run_name}-train-progress"].data == 100.0
-
-
-def test_interrupted_run_ends_killed(cli_env, tmp_path):
-    overrides = tiny_overrides(
-        tmp_path,
-        steps=2000,
-        **{
-            "checkpoint.interval": 5,
-            "launch.nproc_per_node": 1,
-            "train.threads_per_rank": 1,
-            "tracking.system_metrics": False,
-        },
-    )
-    store = open_store(str(tmp_path / "store"))
-    proc = subprocess.Popen(
-        lmyard_cmd("run", "smoke", *[a for o in overrides for a in ("--set", o)]),
-        cwd=tmp_path,
-        env=cli_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.time() + 240
-        while not complete_steps(store, "smoke") and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-        os.kill(proc.pid, signal.SIGINT)  # Ctrl-C
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, out[-3000:]
-    run_id = json.loads(store.read_bytes("runs/smoke/lineage.json"))["mlflow_run_id"]
-    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id)
-    assert run.info.status == "KILLED"
-    # the trainer was stopped with the flow, not left running: no checkpoint appears afterwards
-    after_exit = complete_steps(store, "smoke")
-    time.sleep(3)
-    assert complete_steps(store, "smoke") == after_exit and after_exit[-1] < 2000

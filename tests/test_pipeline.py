@@ -85,10 +85,17 @@ def test_killed_run_resumes_from_its_checkpoint_without_retokenizing(cli_env, tm
     )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     out = second.stdout + second.stderr
-    assert (
-        f"resuming from {store.uri(f'runs/smoke/checkpoints/step_{killed_at[-1]:08d}')} at step {killed_at[-1]}" in out
-    )
+    # the console prints paths relative to the store (lmyard/console.py)
+    assert f"resuming from runs/smoke/checkpoints/step_{killed_at[-1]:08d} at step {killed_at[-1]}" in out
     assert "already complete" in out and "tokenizing" not in out
+    # what a person reads (lmyard/console.py): no torchrun banner, no doubled words, no escapes, no absolute store
+    # paths; the last line says where to look next
+    assert out.count("training finished at step 20") == 1 and "warning: warning:" not in out
+    assert "OMP_NUM_THREADS" not in out
+    assert "\x1b[" not in out
+    assert str(tmp_path / "store") not in out
+    last = second.stdout.strip().splitlines()[-1]
+    assert last.startswith("lmyard: look at it: mlflow ui --backend-store-uri sqlite:///") and "models:/smoke/" in last
     assert complete_steps(store, "smoke")[-1] == 20
     lineage = json.loads(store.read_bytes("runs/smoke/lineage.json"))
     run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(lineage["mlflow_run_id"])

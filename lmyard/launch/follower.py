@@ -140,8 +140,14 @@ def stage_command(cfg: RunConfig, spec: StageSpec, *, python: str = sys.executab
 
 def stage_env(cfg: RunConfig) -> dict[str, str]:
     """Environment every launch gives torchrun: unbuffered output, and torchrun's own grace after SIGTERM
-    a little longer than the trainer's, so the checkpoint is written before anything is killed."""
-    return {"PYTHONUNBUFFERED": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(cfg.launch.grace_s) + 10)}
+    a little longer than the trainer's, so the checkpoint is written before anything is killed.
+    OMP_NUM_THREADS: torchrun sets 1 itself when it is unset, with a 4-line banner; set, it says nothing (the
+    trainer sets its threads itself: train.threads_per_rank)."""
+    return {
+        "PYTHONUNBUFFERED": "1",
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(cfg.launch.grace_s) + 10),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
 
 
 # ---------------------------------------------------------------- following (every backend)

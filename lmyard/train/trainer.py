@@ -478,7 +478,7 @@ class Trainer:
                 flush=True,
             )
             if warning := self.data.repeat_warning(self.t.max_steps):
-                print(f"warning: {warning}", flush=True)
+                print(warning, flush=True)  # it says "warning:" itself
 
     def result(self, code: ExitCode, message: str | None = None) -> TrainResult:
         s = self.state
@@ -582,7 +582,8 @@ def _train(spec_path: str | None, run: dict) -> TrainResult:
             if oom is None:
                 raise
             raise oom from None
-    print(f"training finished at step {result.step}", flush=True)
+    if d.is_main:  # one line, not one per rank
+        print(f"training finished at step {result.step}", flush=True)
     return result
 
 

@@ -1,0 +1,198 @@
+"""What `lmyard run` and `lmyard shard` print for a person at a terminal: the one place that shapes it.
+
+The log is for people (no code parses it: stages speak typed files), and the trainer, the launcher and the
+tasks log plain facts wherever they run: a terminal, a Prefect worker, a container. When the command line runs
+a flow here, it installs `Console` as the handler of what Prefect prints, and this module decides the form:
+
+- one line per record, `HH:MM:SS task: message`: Prefect's `| INFO    | Task run 'train-6b9' -` becomes the
+  task's name; a level shows only for warnings and errors, and only once (`warning: warning:` was twice);
+- paths under the run's store print relative to it (the first line names the store);
+- a message of several lines (a sample of generated text) prints as indented lines, not `\\n` escapes;
+- other tools' chatter is left out: Prefect's own INFO lines (the temporary server, its hints), each task's
+  "Finished in state Completed()", MLflow's INFO and WARNING lines, in this process and in the trainer's
+  and evaluator's processes (MLFLOW_LOGGING_LEVEL, which they inherit), MLflow's download bars, and Python
+  warnings that libraries raise in this process; errors always print;
+- on a terminal (a TTY) tokenization and training get progress bars with an ETA (tqdm), fed by the progress
+  both stages already report as typed records (`progress()`); lines print above the bars. Elsewhere (a file,
+  CI, a pipe) no bars: the plain lines are the record;
+- the last line says where to look next: the MLflow UI and the registered model (`where_next`).
+
+`progress()` is a no-op where no console is installed (a deployment run by a Prefect worker).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import sys
+import textwrap
+import threading
+import time
+from typing import Any, TextIO
+
+_console: Console | None = None
+
+# Prefect's task run names are the task's name with a random suffix (`train-6b9`); named runs keep their name
+_RUN_SUFFIX = re.compile(r"-[0-9a-f]{3}$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OWN_CODE = tuple(os.path.join(_ROOT, package) + os.sep for package in ("lmyard", "flows", "tasks"))
+_QUIET_LOGGERS = ("mlflow", "alembic", "urllib3", "botocore", "httpx")
+
+
+class Console(logging.Handler):
+    """A logging handler that prints records for a person (see the module docstring)."""
+
+    def __init__(self, store: str, stream: TextIO | None = None, bars: bool | None = None):
+        super().__init__()
+        self.stream = stream or sys.stderr
+        self.bars_on = self.stream.isatty() if bars is None else bars
+        self._stores = _store_prefixes(store)
+        self._bars: dict[str, Any] = {}  # tqdm bars by name
+        self._lock = threading.RLock()
+
+    # ---- lines
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = self.line(record)
+            if text is not None:
+                self.write(text)
+        except Exception:
+            self.handleError(record)
+
+    def line(self, record: logging.LogRecord) -> str | None:
+        """The record as printed, or None for chatter a person does not need."""
+        message = _ANSI.sub("", record.getMessage())
+        if record.name == "py.warnings" and not message.startswith(_OWN_CODE):
+            return None  # a library's warning ("path.py:12: UserWarning: ...")
+        if record.levelno < logging.WARNING and _is_chatter(record, message):
+            return None
+        if record.exc_info:  # a crash's traceback (the command line drops those of user errors)
+            message += "\n" + logging.Formatter().formatException(record.exc_info)
+        for prefix in self._stores:
+            message = message.replace(prefix, "")
+        level = record.levelname.lower()
+        if record.levelno >= logging.WARNING and not message.lower().startswith(level):
+            message = f"{level}: {message}"
+        head = f"{time.strftime('%H:%M:%S', time.localtime(record.created))} {_who(record)}: "
+        first, *rest = message.splitlines() or [""]
+        return head + first + "".join("\n" + " " * 4 + ln for ln in rest)
+
+    def write(self, text: str) -> None:
+        with self._lock:
+            if self._bars:
+                from tqdm import tqdm
+
+                tqdm.write(text, file=self.stream)
+            else:
+                self.stream.write(text + "\n")
+                self.stream.flush()
+
+    # ---- bars
+    def progress(self, name: str, done: float, total: float | None, text: str = "") -> None:
+        if not self.bars_on:
+            return
+        from tqdm import tqdm
+
+        with self._lock:
+            bar = self._bars.get(name)
+            if bar is None:
+                unit = "step" if name == "train" else "%"
+                # a share of the input: the percentage and the ETA, not "37.5/100.0 [..., 2.1%/s]"
+                shape = "{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]" if unit == "%" else None
+                # the terminal's size, else COLUMNS/LINES or 80x24: tqdm draws nothing on one that reports 0 rows
+                size = shutil.get_terminal_size()
+                bar = tqdm(
+                    total=total,
+                    initial=done,
+                    desc=name,
+                    unit=unit,
+                    bar_format=shape if total is not None else None,
+                    file=self.stream,
+                    ncols=size.columns,
+                    nrows=size.lines,
+                )
+                self._bars[name] = bar
+            bar.update(done - bar.n)
+            if text:
+                bar.set_postfix_str(text, refresh=False)
+            bar.refresh()
+            if total is not None and done >= total:
+                bar.close()
+                del self._bars[name]
+
+    def close(self) -> None:
+        with self._lock:
+            for bar in self._bars.values():
+                bar.close()
+            self._bars.clear()
+        super().close()
+
+
+def _store_prefixes(store: str) -> list[str]:
+    """The forms a store's location takes in messages, longest first, each with its trailing slash."""
+    if "://" in store and not store.startswith("file://"):
+        return [store.rstrip("/") + "/"]
+    path = os.path.abspath(store.removeprefix("file://"))
+    return sorted({f"file://{path}/", f"{path}/", store.rstrip("/") + "/"}, key=len, reverse=True)
+
+
+def _who(record: logging.LogRecord) -> str:
+    task, run = getattr(record, "task_name", None), getattr(record, "task_run_name", None)
+    if run:
+        return task if task and _RUN_SUFFIX.sub("", run) == task else run
+    return getattr(record, "flow_name", None) or "lmyard"
+
+
+def _is_chatter(record: logging.LogRecord, message: str) -> bool:
+    if not record.name.startswith(("prefect.flow_runs", "prefect.task_runs")):
+        return True  # Prefect's own INFO lines (the temporary server and its hints), libraries' INFO lines
+    return message.startswith("Finished in state Completed(")
+
+
+def install(store: str, stream: TextIO | None = None) -> Console:
+    """Print what Prefect's loggers print through a Console (in place of Prefect's console handler), quiet other
+    tools here and in the processes this one starts. For the command line, before it runs a flow."""
+    global _console
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "ERROR")  # read by MLflow here and in the trainer's processes
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # MLflow's own bars, in a log too
+    # Python warnings become records of `py.warnings`, and `line` keeps only lmyard's own: a filter would not do,
+    # as MLflow shows its (colored) UserWarnings under a "once" filter of its own
+    logging.captureWarnings(True)
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if type(handler).__name__ == "PrefectConsoleHandler":
+            root.removeHandler(handler)
+    _console = Console(store, stream)
+    root.addHandler(_console)
+    return _console
+
+
+def progress(name: str, done: float, total: float | None, text: str = "") -> None:
+    """Report progress of `name` (`tokenize`, `train`): a bar on a terminal, nothing elsewhere."""
+    if _console is not None:
+        _console.progress(name, done, total, text)
+
+
+def sample_text(step: int, prompt: str, completion: str, max_chars: int = 400) -> str:
+    """A generated sample as text a person reads: the prompt, then the completion as it came, on indented lines."""
+    text = completion if len(completion) <= max_chars else completion[:max_chars] + " ..."
+    return f"step {step} sample after {prompt!r}:\n" + textwrap.indent(prompt + text, "| ", lambda _: True)
+
+
+def where_next(tracking_uri: str, run_id: str, model: str | None) -> str:
+    """The last line of a run: the MLflow UI to open (the command that starts it, for a local database) and the
+    registered model's URI."""
+    from lmyard.config import redact_uri
+
+    uri = redact_uri(tracking_uri)
+    ui = (
+        f"open {uri} (run {run_id})"
+        if uri.startswith(("http://", "https://"))
+        else f"mlflow ui --backend-store-uri {uri}"
+    )
+    return f"look at it: {ui}" + (f"; the model: models:/{model}" if model else "")

@@ -1,0 +1,97 @@
+"""lmyard.console: what `lmyard run` prints for a person (records as Prefect's loggers make them; no services)."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+from lmyard import console
+
+
+def _record(message: str, level: int = logging.INFO, logger: str = "prefect.task_runs", **extra) -> logging.LogRecord:
+    record = logging.LogRecord(logger, level, __file__, 1, message, None, None)
+    record.__dict__.update(extra)
+    return record
+
+
+def test_a_task_line_names_the_task_once_and_paths_relative_to_the_store(tmp_path):
+    c = console.Console(str(tmp_path / "store"), io.StringIO())
+    line = c.line(
+        _record(
+            f"checkpoint step 25 committed -> {tmp_path}/store/runs/smoke/checkpoints/step_00000025",
+            task_name="train",
+            task_run_name="train-6b9",
+        )
+    )
+    assert line.endswith(" train: checkpoint step 25 committed -> runs/smoke/checkpoints/step_00000025")
+    assert "INFO" not in line and str(tmp_path) not in line
+    named = c.line(
+        _record("step 100: val loss 2.1", task_name="evaluate-checkpoint", task_run_name="evaluate-step-100")
+    )
+    assert " evaluate-step-100: step 100" in named
+
+
+def test_a_warning_says_warning_once():
+    c = console.Console("/s", io.StringIO())
+    assert c.line(_record("warning: data repeats", logging.WARNING)).count("warning:") == 1
+    assert c.line(_record("data repeats", logging.WARNING)).count("warning:") == 1
+    assert "\x1b[" not in c.line(_record("\x1b[33mcolored\x1b[0m", logging.WARNING))
+
+
+def test_chatter_is_left_out_and_errors_are_not():
+    c = console.Console("/s", io.StringIO())
+    assert c.line(_record("Starting temporary server on http://127.0.0.1:8000", logger="prefect")) is None
+    assert c.line(_record("Finished in state Completed()", task_name="train", task_run_name="train-6b9")) is None
+    assert c.line(_record("Creating initial MLflow database tables...", logger="mlflow.store.db.utils")) is None
+    assert c.line(_record("Finished in state Failed('x')", logging.ERROR, task_name="t", task_run_name="t-abc"))
+
+
+def test_a_sample_prints_as_text_on_indented_lines():
+    c = console.Console("/s", io.StringIO())
+    text = console.sample_text(100, "Exceptions are", " raised\nby the code.\n\nThe value")
+    line = c.line(_record(text, task_name="evaluate-checkpoint", task_run_name="evaluate-step-100"))
+    lines = line.splitlines()
+    assert "\\n" not in line and len(lines) == 5
+    assert lines[1].strip() == "| Exceptions are raised" and lines[2].strip() == "| by the code."
+
+
+def test_progress_draws_a_bar_with_an_eta_on_a_terminal_only():
+    plain = io.StringIO()
+    console.Console("/s", plain, bars=False).progress("train", 10, 50, "loss 3.2")
+    assert plain.getvalue() == ""
+    tty = io.StringIO()
+    c = console.Console("/s", tty, bars=True)
+    c.progress("train", 10, 50, "loss 3.2")
+    c.progress("train", 20, 50, "loss 3.0")
+    drawn = tty.getvalue()
+    assert "20/50" in drawn and "<" in drawn and "loss 3.0" in drawn  # elapsed<remaining: the ETA
+    c.write("a line printed meanwhile")
+    assert "a line printed meanwhile" in tty.getvalue()
+    c.progress("train", 50, 50)
+    assert not c._bars  # a finished bar is closed
+
+
+def test_the_last_line_names_the_mlflow_ui_and_the_model():
+    local = console.where_next("sqlite:///.lmyard/mlflow.db", "abc", "smoke/1")
+    assert "mlflow ui --backend-store-uri sqlite:///.lmyard/mlflow.db" in local and "models:/smoke/1" in local
+    remote = console.where_next("https://user:secret@mlflow.internal", "abc", None)
+    assert "secret" not in remote and "mlflow.internal" in remote and "abc" in remote
+
+
+def test_installed_libraries_warnings_are_filtered_and_lmyards_are_not():
+    """In a process of its own: install() changes the process's logging and warning filters."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, warnings, mlflow, lmyard\n"
+        "from lmyard import console\n"
+        "console.install('/s')\n"
+        "theirs = os.path.join(os.path.dirname(mlflow.__file__), 'pyfunc', '__init__.py')\n"
+        "ours = os.path.join(os.path.dirname(lmyard.__file__), 'models', 'parallel.py')\n"
+        "warnings.warn_explicit('from mlflow', UserWarning, theirs, 1, module='mlflow.pyfunc')\n"
+        "warnings.warn_explicit('from lmyard', UserWarning, ours, 1, module='lmyard.models.parallel')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "from lmyard" in done.stderr and "from mlflow" not in done.stderr

@@ -1,0 +1,211 @@
+"""The commands the README and docs/*.md show, run as written against a real Prefect server.
+
+Every line of a ```bash block in README.md and docs/*.md is either run verbatim (each block as
+one bash script, its skipped lines left out, so variables such as `IMAGE=$(...)` carry to the
+next line) or matched by SKIP, which says why it is not. A command that neither runs nor
+appears in SKIP fails the test: a new documented command needs a decision here. Skipped
+`lmyard run|shard` lines still have their recipe and `--set`s checked by `lmyard config`, and
+every `python -m MODULE` and `*.py` script any fenced block names must exist.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import REPO, prefect_server
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+# (regex matched at the start of a command, why the test does not run it). Every entry must match
+# some documented command, so that the list cannot go stale.
+SKIP: list[tuple[str, str]] = [
+    (r"python3 -m venv ", "creates a virtualenv and installs packages; the tests run in an installed one"),
+    (r"apt-get install ", "changes the machine's packages"),
+    (r"\.venv/bin/ruff check ", "the checks CI runs (.ci/run), in the virtualenv the line before creates"),
+    (r"\.venv/bin/python -m pytest", "the test suite itself (26+ minutes; CI runs it)"),
+    (r"prefect worker start ", "blocks: a worker serves until stopped (tests/test_deployments.py starts one)"),
+    (r"prefect deployment run ", "starts a training run (tests/test_deployments.py runs the deployments)"),
+    (r"(\.venv/bin/)?mlflow (ui|server) ", "blocks: a server runs until stopped"),
+    (r"lmyard (run|shard) ", "a training run; its recipe and --set overrides are checked with `lmyard config`"),
+    (r"lmyard export ", "needs a trained checkpoint (tests/test_export.py exports one)"),
+    (r"python -m lmyard\.launch\.images build", "builds the stage image for minutes (tests/test_docker.py)"),
+    (r"python -m lmyard\.launch\.images prune", "removes Docker images of this machine"),
+    (r"docker run ", "runs the stage image (tests/test_docker.py builds it and runs the stages in it)"),
+    (r"docker pull ", "needs an image registry; none is reachable here"),
+    (r"TIKTOKEN_CACHE_DIR=\S+ \S*python tests/benchmarks/", "a benchmark: long, prints figures"),
+]
+
+
+@dataclass(frozen=True)
+class Command:
+    doc: str
+    line: int
+    text: str  # continuation lines joined, as bash reads them
+
+    def skip_reason(self) -> str | None:
+        return next((why for pattern, why in SKIP if re.match(pattern, self.text)), None)
+
+
+def fenced_blocks(path: Path, langs: tuple[str, ...]) -> list[list[Command]]:
+    """The commands of every fenced block of `path` whose info string is in `langs` ("" for none)."""
+    blocks: list[list[Command]] = []
+    block: list[Command] | None = None  # the commands of the open block, when it is one of `langs`
+    fenced, pending, start = False, "", 0
+    for n, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        if line.startswith("```"):
+            fenced = not fenced
+            if block is not None:
+                blocks.append(block)
+            block = [] if fenced and line[3:].strip() in langs else None
+            continue
+        if block is None or (not pending and (not line or line.startswith("#"))):
+            continue
+        start = start if pending else n
+        pending = f"{pending} {line[:-1].strip()}" if line.endswith("\\") else f"{pending} {line}"
+        if not line.endswith("\\"):
+            block.append(Command(path.name, start, pending.strip()))
+            pending = ""
+    return blocks
+
+
+def bash_blocks() -> list[list[Command]]:
+    return [b for doc in DOCS for b in fenced_blocks(doc, ("bash",)) if b]
+
+
+def test_every_documented_command_runs_in_the_test_or_is_skipped_for_a_stated_reason():
+    commands = [c for block in bash_blocks() for c in block]
+    assert any(c.text.startswith("prefect deploy ") for c in commands)
+    for pattern, _ in SKIP:
+        assert any(re.match(pattern, c.text) for c in commands), f"SKIP entry {pattern!r} matches no command"
+
+
+def test_documented_modules_and_scripts_exist():
+    """`python -m X` and `path/x.py` in any command-like line of a fenced block name what the tree holds."""
+    starts = re.compile(r"^(\S+=\S+ )*(\S*/)?(python3?|torchrun|lmyard) ")  # commands among untagged blocks' diagrams
+    missing = []
+    for doc in DOCS:
+        bash = [c for block in fenced_blocks(doc, ("bash",)) for c in block]
+        untagged = [c for block in fenced_blocks(doc, ("",)) for c in block if starts.match(c.text)]
+        for c in bash + untagged:
+            text = c.text.split(" # ")[0]
+            for module in re.findall(r"\bpython3?\s+-m\s+([\w.]+)", text):
+                if module not in ("venv", "pip") and importlib.util.find_spec(module) is None:
+                    missing.append(f"{c.doc}:{c.line}: module {module}")
+            for script in re.findall(r"(?<![\w/.])((?:tests|lmyard|flows|tasks)/[\w/]+\.py)\b", text):
+                if not (REPO / script).is_file():
+                    missing.append(f"{c.doc}:{c.line}: script {script}")
+    assert not missing, "documented commands name what does not exist:\n" + "\n".join(missing)
+
+
+def test_documented_training_commands_have_a_valid_recipe_and_overrides():
+    """A `lmyard run|shard RECIPE --set ...` of the docs resolves: `lmyard config` accepts the same arguments."""
+    checked = 0
+    for block in bash_blocks():
+        for c in block:
+            words = shlex.split(c.text.split(" # ")[0])
+            if words[:2] in (["lmyard", "run"], ["lmyard", "shard"]):
+                args = [sys.executable, "-m", "flows.cli", "config", *words[2:]]
+                done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
+                assert done.returncode == 0, f"{c.doc}:{c.line}: {c.text}\n{done.stderr[-2000:]}"
+                checked += 1
+    assert checked >= 2
+
+
+def _reset(api_url: str) -> None:
+    """Remove what a block deployed, so the next block meets an empty server as an operator's first run does."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        for d in client.read_deployments():
+            client.delete_deployment(d.id)
+        for a in client.read_automations():
+            client.delete_automation(a.id)
+        for pool in client.read_work_pools():
+            client.delete_work_pool(pool.name)
+
+
+def _deployed(api_url: str) -> tuple[dict[str, dict], list]:
+    """{'flow/deployment': {id, work_pool, image}} and the automations on the server."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        flows = {f.id: f.name for f in client.read_flows()}
+        deployments = {
+            f"{flows[d.flow_id]}/{d.name}": {
+                "id": d.id,
+                "work_pool": d.work_pool_name,
+                "image": (d.job_variables or {}).get("image"),
+            }
+            for d in client.read_deployments()
+        }
+        return deployments, client.read_automations()
+
+
+def _expected_deployments() -> dict[str, str]:
+    """{'flow/deployment': work pool} of deploy/prefect.yaml (the flow's name is its entrypoint's flow's)."""
+    import importlib
+
+    import yaml
+
+    spec = yaml.safe_load((REPO / "deploy" / "prefect.yaml").read_text())
+    expected = {}
+    for d in spec["deployments"]:
+        path, function = d["entrypoint"].split(":")
+        flow = getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), function)
+        expected[f"{flow.name}/{d['name']}"] = d["work_pool"]["name"]
+    return expected
+
+
+def _assert_everything_deployed(api_url: str, where: str) -> None:
+    deployments, automations = _deployed(api_url)
+    for name, pool in _expected_deployments().items():
+        assert name in deployments, f"{where}: deployment {name} of deploy/prefect.yaml was not deployed"
+        assert deployments[name]["work_pool"] == pool
+    docker = [d for d in deployments.values() if d["work_pool"] == "lmyard-docker"]
+    assert docker and all(d["image"] for d in docker), f"{where}: a Docker deployment has no image"
+    by_id = {d["id"]: name for name, d in deployments.items()}
+    targets = [a.deployment_id for x in automations for a in x.actions if a.type == "run-deployment"]
+    assert targets and all(t in by_id for t in targets), f"{where}: an automation runs a deployment that is missing"
+    assert "lineage-crashed/close" in {by_id[t] for t in targets}
+    names = {a.name for a in automations}
+    assert "lmyard-crash-silent-flow-runs" in names, f"{where}: deploy/automations.yaml was not installed"
+
+
+@pytest.mark.slow
+def test_documented_command_blocks_run_as_written_and_deploy_every_deployment(tmp_path):
+    """Each ```bash block's runnable lines, as one bash script from the repository root, exit 0; a block
+    that deploys leaves every deployment of deploy/prefect.yaml and the crashed-run automation's target."""
+    runnable = [(b[0], [c.text for c in b if not c.skip_reason()]) for b in bash_blocks()]
+    runnable = [(first, lines) for first, lines in runnable if lines]
+    assert any("prefect deploy" in "\n".join(lines) for _, lines in runnable)
+    with prefect_server(tmp_path) as env:
+        env.pop("LMYARD_IMAGE", None)  # the block itself must say which image the Docker deployment runs
+        # `prefect`, `python` and `lmyard` as an operator's activated virtualenv gives them
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+        for first, lines in runnable:
+            where = f"{first.doc}:{first.line}"
+            script = "set -e\n" + "\n".join(lines)
+            done = subprocess.run(
+                ["bash", "-c", script],
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert done.returncode == 0, f"{where}:\n{script}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+            if any(line.startswith("prefect deploy ") for line in lines):
+                _assert_everything_deployed(env["PREFECT_API_URL"], where)
+                _reset(env["PREFECT_API_URL"])
