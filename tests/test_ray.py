@@ -17,9 +17,9 @@ import pytest
 from conftest import free_port, lmyard_cmd, tiny_overrides
 from mlflow.tracking import MlflowClient
 
-from lmyard.checkpoint.full import complete_steps
-from lmyard.config import load_recipe
+from lmyard.checkpoint.catalog import complete_steps
 from lmyard.errors import UserError
+from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 
 ray = pytest.importorskip("ray")

@@ -112,8 +112,8 @@ def test_registered_version_is_listed_on_its_logged_model_and_its_alias_resolves
 
 def test_retention_retires_the_logged_models_of_the_checkpoints_it_deletes(tmp_path, prefect_api_url):
     import torch
+    from checkpoint_helpers import save_full
 
-    from lmyard.checkpoint import full as checkpoint
     from lmyard.store import open_store
     from lmyard.tracking.lineage import DELETED_TAG
     from tasks.retention import retain_checkpoints
@@ -124,7 +124,7 @@ def test_retention_retires_the_logged_models_of_the_checkpoints_it_deletes(tmp_p
     for step in (1, 2, 3, 4):
         state = {"step": step, "val_loss": None, "cursor": step, "tokens_seen": step, "world_size": 1}
         state |= {"shard_address": "a", "config": {}, "model": {}}
-        uri = checkpoint.save(store, "smoke", step, {"w": torch.zeros(2)}, {}, [], state, str(tmp_path / "stage"))
+        uri = save_full(store, "smoke", step, {"w": torch.zeros(2)}, {}, [], state, str(tmp_path / "stage"))
         ids[step] = lineage.log_checkpoint_model(step, uri, {"checkpoint": uri, "step": step})
 
     assert retain_checkpoints(cfg, 4, True, final=True) == [1, 2]

@@ -5,6 +5,9 @@
         --volume /usr/local:/usr/local:ro --volume /opt:/opt:ro --env PATH=/opt/torch/.venv/bin:/usr/bin:/bin
     python tests/benchmarks/bench_docker.py ... --drill sigterm    # SIGTERM to one container, then the retry
     python tests/benchmarks/bench_docker.py ... --drill kill       # `docker kill` of one container, then the retry
+    python tests/benchmarks/bench_docker.py --device cpu --image lmyard-stage:TAG --preset tiny --seq 64 \
+        --batch 2 --steps 20 --volume $(python -c "import site; print(site.getsitepackages()[0])"):/venv:ro \
+        --env PYTHONPATH=$PWD:/venv                                 # a check of the script on CPU
 
 For each backend it runs the same config through the follower (lmyard.launch): `local` is one node of
 nodes x GPUs ranks (torchrun here), `docker` is `--nodes` containers of the stage image (or any image with
@@ -45,7 +48,7 @@ STEP = re.compile(r"step (\d+)/\d+ \| loss ([\d.]+) .*\| ([\d,]+) tok/s")
 
 
 def config(a: argparse.Namespace, store: Path, backend: str, run_name: str):
-    ranks = len(a.node_gpus[0].split(","))
+    ranks = len(a.node_gpus[0].split(",")) if a.device == "cuda" else a.ranks
     sets = [
         f"store={store}",
         f"run_name={run_name}",
@@ -56,7 +59,7 @@ def config(a: argparse.Namespace, store: Path, backend: str, run_name: str):
         f"train.micro_batch={a.batch}",
         f"train.batch_tokens={a.batch * a.seq * ranks * a.nodes}",
         f"train.log_interval={a.log_interval}",
-        "train.device=cuda",
+        f"train.device={a.device}",
         "eval.interval=100000",
         f"checkpoint.interval={a.checkpoint_interval}",
         f"launch.backend={backend}",
@@ -70,11 +73,11 @@ def config(a: argparse.Namespace, store: Path, backend: str, run_name: str):
             f"launch.docker.nodes=[{a.engine}]",
             f"launch.docker.image={a.image}",
             "launch.docker.gpus=0",
-            "launch.docker.gpu_mode=devices",
-            f"launch.docker.node_gpus={json.dumps(a.node_gpus)}",
             f"launch.docker.volumes={json.dumps([*a.volume, f'{REPO}:{REPO}:ro'])}",
             f"launch.docker.env={json.dumps({'PYTHONPATH': str(REPO), **dict(e.split('=', 1) for e in a.env)})}",
         ]
+        if a.device == "cuda":  # GPUs as device nodes: no container toolkit needed (lmyard.launch.gpus)
+            sets += ["launch.docker.gpu_mode=devices", f"launch.docker.node_gpus={json.dumps(a.node_gpus)}"]
     return load_recipe("smoke", [*sets, *a.overrides])
 
 
@@ -132,6 +135,8 @@ def main() -> None:
     ap.add_argument("--image", required=True, help="an image with torch; lmyard comes from the mounted checkout")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--node-gpus", nargs="+", default=["0", "1"], help="GPU indices of each node, e.g. 0,1 2,3")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a check of the script itself")
+    ap.add_argument("--ranks", type=int, default=1, help="ranks per node with --device cpu")
     ap.add_argument("--preset", default="gpt2-124m")
     ap.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp")
     ap.add_argument("--seq", type=int, default=1024)
@@ -147,7 +152,7 @@ def main() -> None:
     ap.add_argument("--drill-step", type=int, default=20)
     ap.add_argument("--store", type=Path, help="a local store folder (default: a new temporary one)")
     a = ap.parse_args()
-    if len(a.node_gpus) != a.nodes:
+    if a.device == "cuda" and len(a.node_gpus) != a.nodes:
         ap.error(f"--node-gpus names {len(a.node_gpus)} nodes' GPUs; --nodes is {a.nodes}")
     a.store = a.store or Path(tempfile.mkdtemp(prefix="lmyard-bench-docker-"))
     shards = make_shards(a.store, 32 * 1024 * 1024)
