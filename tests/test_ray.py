@@ -112,7 +112,7 @@ def test_a_lost_node_fails_the_attempt_and_the_retry_resumes_from_the_checkpoint
     from prefect import flow
 
     from lmyard.data.sharding import tokenize_and_shard
-    from lmyard.tracking import lineage as tracking
+    from lmyard.tracking.lineage import Lineage
     from tasks.train import train
 
     # every rank pauses 30 s after step 10 (the retry resumes after it): the node is lost in that window
@@ -133,7 +133,7 @@ def test_a_lost_node_fails_the_attempt_and_the_retry_resumes_from_the_checkpoint
     )
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     store = open_store(cfg.store)
-    lineage = tracking.open_lineage(cfg, store, shard_address=shards.address, code_version="test")
+    lineage = Lineage.open(cfg, store, shard_address=shards.address, code_version="test")
     outcome: list = []
 
     @flow(name="train-only")
@@ -150,10 +150,10 @@ def test_a_lost_node_fails_the_attempt_and_the_retry_resumes_from_the_checkpoint
     flow_thread.join(timeout=600)
     assert outcome, "the flow did not finish"
     result = outcome[0]
-    assert result["attempt"] == 2
-    assert result["start_step"] == 10 and result["step"] == 30
+    assert len(lineage.attempts()) == 2
+    assert result.start_step == 10 and result.step == 30
     assert complete_steps(store, run_name)[-1] == 30
-    first = tracking.attempts(lineage)[0]["outcome"]
+    first = lineage.attempts()[0]["outcome"]
     assert re.match(r"failed: TrainingFailed: lost node \d: its Ray actor is gone", first), first
     actors = _actors(run_name)
     assert len(actors) == 4  # two launches of two nodes
@@ -173,7 +173,7 @@ def test_a_request_the_cluster_can_never_fit_fails_in_one_line_naming_the_resour
     from lmyard.launch.ray import run_ray
 
     cfg = _ray_cfg(tmp_path, **{"run_name": "unfit", "launch.ray.address": ray_cluster.address, **sets})
-    spec = {"config": cfg.model_dump(mode="json"), "shards": {}, "lineage": None}
+    spec = {"config": cfg.model_dump(mode="json"), "shards": {"address": "none", "uri": "none", "manifest": {}}, "lineage": None}
     t0 = time.monotonic()
     with pytest.raises(UserError) as e:
         run_ray(cfg, spec, on_line=lambda s: None)
@@ -186,7 +186,7 @@ def test_no_cluster_at_the_address_fails_in_one_line(ray_cluster, tmp_path):
     from lmyard.launch.ray import run_ray
 
     cfg = _ray_cfg(tmp_path, **{"run_name": "nocluster", "launch.ray.address": f"127.0.0.1:{free_port()}"})
-    spec = {"config": cfg.model_dump(mode="json"), "shards": {}, "lineage": None}
+    spec = {"config": cfg.model_dump(mode="json"), "shards": {"address": "none", "uri": "none", "manifest": {}}, "lineage": None}
     with pytest.raises(UserError, match=r"^launch.ray.address: no Ray cluster at 127.0.0.1:\d+ ") as e:
         run_ray(cfg, spec, on_line=lambda s: None)
     assert "\n" not in str(e.value)
