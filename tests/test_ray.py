@@ -173,7 +173,11 @@ def test_a_request_the_cluster_can_never_fit_fails_in_one_line_naming_the_resour
     from lmyard.launch.ray import run_ray
 
     cfg = _ray_cfg(tmp_path, **{"run_name": "unfit", "launch.ray.address": ray_cluster.address, **sets})
-    spec = {"config": cfg.model_dump(mode="json"), "shards": {"address": "none", "uri": "none", "manifest": {}}, "lineage": None}
+    spec = {
+        "config": cfg.model_dump(mode="json"),
+        "shards": {"address": "none", "uri": "none", "manifest": {}},
+        "lineage": None,
+    }
     t0 = time.monotonic()
     with pytest.raises(UserError) as e:
         run_ray(cfg, spec, on_line=lambda s: None)
@@ -186,7 +190,11 @@ def test_no_cluster_at_the_address_fails_in_one_line(ray_cluster, tmp_path):
     from lmyard.launch.ray import run_ray
 
     cfg = _ray_cfg(tmp_path, **{"run_name": "nocluster", "launch.ray.address": f"127.0.0.1:{free_port()}"})
-    spec = {"config": cfg.model_dump(mode="json"), "shards": {"address": "none", "uri": "none", "manifest": {}}, "lineage": None}
+    spec = {
+        "config": cfg.model_dump(mode="json"),
+        "shards": {"address": "none", "uri": "none", "manifest": {}},
+        "lineage": None,
+    }
     with pytest.raises(UserError, match=r"^launch.ray.address: no Ray cluster at 127.0.0.1:\d+ ") as e:
         run_ray(cfg, spec, on_line=lambda s: None)
     assert "\n" not in str(e.value)
