@@ -1,4 +1,4 @@
-"""The import direction of DESIGN.md: lmyard never imports prefect; flows never import torch; no import cycle
+"""The import direction of docs/architecture.md: lmyard never imports prefect; flows never import torch; no import cycle
 among lmyard's modules; no module imports a part above its own in docs/architecture.md's layer order; only
 lmyard.layout formats store keys."""
 
