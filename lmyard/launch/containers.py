@@ -143,6 +143,16 @@ def _mounted(cfg: RunConfig, spec: dict) -> tuple[dict, dict[str, dict]]:
     return spec, mounts
 
 
+def _labels(run_name: str, flow_run_id: str | None, launch_id: str, stage: str) -> dict[str, str]:
+    """What finds a launch's containers again (cleanup of a retry, of one stage only; the drills)."""
+    return {
+        f"{LABEL}.run_name": run_name,
+        f"{LABEL}.flow_run_id": flow_run_id or "",
+        f"{LABEL}.launch_id": launch_id,
+        f"{LABEL}.stage": stage,
+    }
+
+
 def plan(
     cfg: RunConfig,
     spec: StageSpec | dict,
@@ -163,13 +173,7 @@ def plan(
     base_name = f"lmyard-{cfg.run_name}-{launch_id}"[:50]
     names = [f"{base_name}-node{i}" for i in range(nnodes)]
     network = f"{base_name}-net" if dc.network == "bridge" and nnodes > 1 else None
-    labels = {
-        f"{LABEL}.run_name": cfg.run_name,
-        f"{LABEL}.flow_run_id": flow_run_id or "",
-        f"{LABEL}.launch_id": launch_id,
-        f"{LABEL}.stage": stage.stage,
-    }
-
+    labels = _labels(cfg.run_name, flow_run_id, launch_id, stage.stage)
     spec, mounts = _mounted(cfg, stage.model_dump(mode="json"))
 
     # torchrun: c10d rendezvous hosted by node 0's agent; a fresh rendezvous id per launch, so a
