@@ -7,7 +7,9 @@ from prefect import flow
 
 from lmyard.config import RunConfig
 from lmyard.contracts import RunSummary
+from lmyard.evaluate.harness import check_tasks
 from lmyard.recipes import with_recipe
+from lmyard.tracking.credentials import credentials_to_env
 from tasks.checkpoint import record_checkpoint
 from tasks.evaluate import evaluate_checkpoint, new_checkpoints
 from tasks.finish import finish
@@ -23,7 +25,8 @@ def pretrain(config: RunConfig = RunConfig(), recipe: str | None = None) -> RunS
     """Pretrain a GPT on config.data; resumes the lineage config.run_name if it exists.
 
     `recipe` (a name under deploy/recipes): its config, with `config`'s explicitly set fields on top."""
-    config = with_recipe(config, recipe)
+    config = credentials_to_env(with_recipe(config, recipe))  # the tracking password: environment only
+    check_tasks(config.eval)  # an lm-eval task that cannot load would fail every evaluation, after all the training
     with lineage_lease(config):  # one run writes a lineage at a time; others wait, then refuse
         shards = tokenize_and_shard(config)
         lineage = open_lineage(config, shards)

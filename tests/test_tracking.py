@@ -32,6 +32,7 @@ def test_resumed_sink_does_not_log_a_step_twice(tmp_path):
 
 
 def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_model(tmp_path):
+    from lmyard.contracts import EvalResult
     from lmyard.recipes import load_recipe
     from lmyard.store import open_store
     from lmyard.tracking.lineage import Lineage
@@ -42,16 +43,18 @@ def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_m
     ckpt = f"{cfg.store}/runs/smoke/checkpoints/step_00000003"
     _log_to_mlflow(
         lineage,
-        {
-            "step": 3,
-            "checkpoint": ckpt,
-            "tokens_seen": 12288,
-            "val_loss": 2.5,
-            "trainer_val_loss": 2.5,
-            "eval_s": 1.0,
-            "samples": [{"prompt": "A class is", "completion": " a"}],
-            "harness": {"metrics": {"hellaswag_local/acc": 0.5, "hellaswag_local/acc_norm": 0.75}},
-        },
+        EvalResult.model_validate(
+            {
+                "step": 3,
+                "checkpoint": ckpt,
+                "tokens_seen": 12288,
+                "val_loss": 2.5,
+                "trainer_val_loss": 2.5,
+                "eval_s": 1.0,
+                "samples": [{"prompt": "A class is", "completion": " a"}],
+                "harness": {"metrics": {"hellaswag_local/acc": 0.5, "hellaswag_local/acc_norm": 0.75}},
+            }
+        ),
     )
 
     client = MlflowClient(cfg.tracking.uri)
