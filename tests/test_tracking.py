@@ -51,6 +51,7 @@ def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_m
                 "val_loss": 2.5,
                 "trainer_val_loss": 2.5,
                 "eval_s": 1.0,
+                "device": "cpu",
                 "samples": [{"prompt": "A class is", "completion": " a"}],
                 "harness": {"metrics": {"hellaswag_local/acc": 0.5, "hellaswag_local/acc_norm": 0.75}},
             }
