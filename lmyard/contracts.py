@@ -242,6 +242,7 @@ class CheckpointReport(_Contract):
 
     step: int
     uri: str
+    format: str = Field(description="The checkpoint's format: `full` (one state dict) or `dcp` (shards per rank).")
     files: int
     bytes: int
     serialize_s: float | None = None

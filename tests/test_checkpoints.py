@@ -194,6 +194,17 @@ def test_damaged_newest_checkpoint_makes_the_loader_fall_back_and_say_which(tmp_
     assert f"checkpoint {uri} is damaged" in capsys.readouterr().out
 
 
+def test_a_verified_checkpoint_is_the_report_the_checkpoint_task_records(tmp_path):
+    from lmyard.checkpoint.catalog import verify
+    from lmyard.contracts import CheckpointReport
+
+    store = open_store(str(tmp_path / "store"))
+    uri = _save_local(store, "r", 4, staging=str(tmp_path / "stage"))
+    report = CheckpointReport.model_validate(verify(store, "r", 4))
+    assert report.step == 4 and report.uri == uri and report.format == "full"
+    assert report.files >= 3 and report.bytes > 0
+
+
 class _Payload:
     def __reduce__(self):
         return (os.system, ("touch pwned-marker",))
