@@ -253,11 +253,15 @@ class ShardedCheckpointer:
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Make the staging buffers (pinned host memory: seconds for GBs) in the background, so the first save
-        blocks no longer than later ones. Call once the optimizer has its state (after the first step)."""
-        if self.stager is None:  # the writer makes its buffers at the first save
-            return
-        stager, prepared = self.stager, Future[None]()
-        sd = state_dict(model, optimizer)
+        blocks no longer than later ones. Call once the optimizer has its state (after the first step).
+
+        With DCP's stager (torch >= 2.12) a throwaway staging fills its buffer cache; before, the writer's
+        cache (`state_dict_cache`, what `cache_staged_state_dict` keeps between saves) is made directly:
+        pinned tensors of the state's shapes, with no copy of their values."""
+        writer, stager = self.writer, self.stager
+        if writer is not None and (not writer.cache_staged_state_dict or writer.state_dict_cache is not None):
+            return  # the writer keeps no cache (CPU) or has made it already
+        sd, prepared = state_dict(model, optimizer), Future[None]()
         self.prepared = prepared
         device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
@@ -265,9 +269,14 @@ class ShardedCheckpointer:
             try:
                 if device is not None:  # a new thread starts on GPU 0: a context there would cost memory
                     torch.cuda.set_device(device)
-                staged = stager.stage(sd)  # a throwaway copy: it only fills the stager's buffer cache
-                if isinstance(staged, Future):
-                    staged.result()
+                if writer is not None:
+                    from torch.distributed._state_dict_utils import _create_cpu_state_dict
+
+                    writer.state_dict_cache = _create_cpu_state_dict(sd, pin_memory=True)
+                elif stager is not None:
+                    staged = stager.stage(sd)  # a throwaway copy: it only fills the stager's buffer cache
+                    if isinstance(staged, Future):
+                        staged.result()
                 prepared.set_result(None)
             except BaseException as e:
                 prepared.set_exception(e)

@@ -145,7 +145,7 @@ def async_saves(model, opt, loss_fn, store, staging: str, stream: bool, a, rank:
     )
     t0 = time.perf_counter()
     ckpt.prepare(model, opt)  # as a trainer does after its first step: the pinned buffers, in the background
-    if ckpt.prepared is not None:  # torch before 2.12: the writer makes its buffers at the first save
+    if ckpt.prepared is not None:  # None on CPU: nothing pinned, nothing kept between saves
         ckpt.prepared.result()
     rows = [worst({"prepare_s": time.perf_counter() - t0})]
     for i in range(a.saves):

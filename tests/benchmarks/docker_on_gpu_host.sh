@@ -1,5 +1,5 @@
 #!/bin/bash
-# bench_docker.py on a GPU host that has no Docker engine and no container toolkit (docs/docker.md):
+# bench_backends.py on a GPU host that has no Docker engine and no container toolkit (docs/docker.md):
 #   ENGINE_TAR=engine.tar.xz WHEELS=wheels/ bash tests/benchmarks/docker_on_gpu_host.sh run --preset llama-1b ...
 # ENGINE_TAR: Debian's docker.io, containerd and runc binaries in eng/bin and the libraries they need in eng/lib
 # (apt-get download, dpkg -x); WHEELS: cp312 wheels of what lmyard needs that the host's Python lacks (pydantic,
@@ -21,7 +21,7 @@ fi
 [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEELS"/*.whl >/dev/null 2>&1
 export PYTHONPATH=$R:/tmp/site TIKTOKEN_CACHE_DIR=$WHEELS/tiktoken NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 run() {
-  python3 $R/tests/benchmarks/bench_docker.py --engine unix:///tmp/d.sock --image hostroot --nodes 2 --node-gpus 0 1 \
+  python3 $R/tests/benchmarks/bench_backends.py --engine unix:///tmp/d.sock --image hostroot --nodes 2 --node-gpus 0 1 \
     --volume /usr/local:/usr/local:ro --volume /opt:/opt:ro --volume /tmp/site:/tmp/site:ro \
     --env PATH=/opt/torch/.venv/bin:/usr/local/bin:/usr/bin:/bin --env PYTHONPATH=$R:/tmp/site \
     --env TIKTOKEN_CACHE_DIR=$WHEELS/tiktoken --set launch.docker.user=root --set "launch.docker.ulimits={}" "$@"

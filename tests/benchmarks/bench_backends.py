@@ -1,18 +1,23 @@
-"""The Docker backend against the local backend on the same GPUs, through lmyard's own launcher.
+"""The Docker and Ray backends against the local backend on the same GPUs, through lmyard's one launcher.
 
-    python tests/benchmarks/bench_docker.py --engine unix:///tmp/d.sock --image hostroot \
+    python tests/benchmarks/bench_backends.py --engine unix:///tmp/d.sock --image hostroot \
         --nodes 2 --node-gpus 0,1 2,3 --preset llama-1b --parallel fsdp --seq 2048 --batch 4 \
         --volume /usr/local:/usr/local:ro --volume /opt:/opt:ro --env PATH=/opt/torch/.venv/bin:/usr/bin:/bin
-    python tests/benchmarks/bench_docker.py ... --drill sigterm    # SIGTERM to one container, then the retry
-    python tests/benchmarks/bench_docker.py ... --drill kill       # `docker kill` of one container, then the retry
-    python tests/benchmarks/bench_docker.py --device cpu --image lmyard-stage:TAG --preset tiny --seq 64 \
+    python tests/benchmarks/bench_backends.py ... --drill sigterm    # SIGTERM to one container, then the retry
+    python tests/benchmarks/bench_backends.py ... --drill kill       # `docker kill` of one container, then the retry
+    python tests/benchmarks/bench_backends.py --device cpu --image lmyard-stage:TAG --preset tiny --seq 64 \
         --batch 2 --steps 20 --volume $(python -c "import site; print(site.getsitepackages()[0])"):/venv:ro \
         --env PYTHONPATH=$PWD:/venv                                 # a check of the script on CPU
+    python tests/benchmarks/bench_backends.py --backends local ray --nodes 2 --node-gpus 0 1 \
+        --preset llama-1b --parallel fsdp --seq 2048 --batch 4     # Ray: a local cluster of 2 nodes, 1 GPU each
 
-For each backend it runs the same config through the follower (lmyard.launch): `local` is one node of
+For each backend it runs the same config through lmyard.launch.launcher.launch: `local` is one node of
 nodes x GPUs ranks (torchrun here), `docker` is `--nodes` containers of the stage image (or any image with
 torch, lmyard on PYTHONPATH) on one engine, GPUs given as device nodes (launch.docker.gpu_mode=devices,
-launch.docker.node_gpus), c10d rendezvous across them. Data: uniformly random GPT-2 token ids in a local
+launch.docker.node_gpus), c10d rendezvous across them; `ray` is `--nodes` Ray nodes (`--ray-address`, or a
+local cluster that this script starts with ray.cluster_utils.Cluster: one raylet per node, each seeing only
+its `--node-gpus` through CUDA_VISIBLE_DEVICES, so Ray hands each node actor its own GPUs), one bundle of
+`launch.ray.gpus_per_node` GPUs per node in a STRICT_SPREAD placement group. Data: uniformly random GPT-2 token ids in a local
 store (random_shards.py), read through the trainer's real data path. Prints one JSON line per run: tokens/s
 (median of the log intervals after the first two), the loss at every log step, and the ratio docker/local.
 
@@ -24,6 +29,7 @@ no container of it is left, and the step the retry resumed from.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
@@ -40,8 +46,8 @@ from random_shards import make_shards  # noqa: E402
 
 from lmyard.contracts import ShardSet, TrainSpec  # noqa: E402
 from lmyard.errors import StageFailed, UserError  # noqa: E402
-from lmyard.launch.containers import LABEL, run_docker  # noqa: E402
-from lmyard.launch.follower import run_local  # noqa: E402
+from lmyard.launch.containers import LABEL  # noqa: E402
+from lmyard.launch.launcher import launch  # noqa: E402
 from lmyard.recipes import load_recipe  # noqa: E402
 
 STEP = re.compile(r"step (\d+)/\d+ \| loss ([\d.]+) .*\| ([\d,]+) tok/s")
@@ -66,6 +72,15 @@ def config(a: argparse.Namespace, store: Path, backend: str, run_name: str):
     ]
     if backend == "local":
         sets += ["launch.nnodes=1", f"launch.nproc_per_node={ranks * a.nodes}"]
+    elif backend == "ray":
+        gpus = ranks if a.device == "cuda" else 0
+        sets += [
+            f"launch.nnodes={a.nodes}",
+            f"launch.nproc_per_node={ranks}",
+            f"launch.ray.address={a.ray_address}",
+            f"launch.ray.gpus_per_node={gpus}",
+            f"launch.ray.cpus_per_node={a.ray_cpus}",
+        ]
     else:
         sets += [
             f"launch.nnodes={a.nodes}",
@@ -93,9 +108,8 @@ def run(a, cfg, shards: dict, on_step=None) -> dict:
                 on_step(int(m[1]))
 
     spec = TrainSpec(config=cfg, shards=ShardSet.model_validate(shards))
-    launch = run_local if cfg.launch.backend == "local" else run_docker
     try:
-        result = launch(cfg, spec, line)
+        result = launch(spec, line)
         ended = {"status": result.status, "start_step": result.start_step, "step": result.step}
     except (StageFailed, UserError) as e:
         ended = {"status": type(e).__name__, "message": str(e).splitlines()[0]}
@@ -132,7 +146,7 @@ def drill(a, store: Path, shards: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", default="unix:///var/run/docker.sock")
-    ap.add_argument("--image", required=True, help="an image with torch; lmyard comes from the mounted checkout")
+    ap.add_argument("--image", help="docker: an image with torch; lmyard comes from the mounted checkout")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--node-gpus", nargs="+", default=["0", "1"], help="GPU indices of each node, e.g. 0,1 2,3")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a check of the script itself")
@@ -147,23 +161,54 @@ def main() -> None:
     ap.add_argument("--volume", action="append", default=[], help="host:container[:ro] for the containers")
     ap.add_argument("--env", action="append", default=[], help="K=V in the containers")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="dotted.key=value, both backends")
-    ap.add_argument("--backends", nargs="+", default=["local", "docker"], choices=["local", "docker"])
+    ap.add_argument("--backends", nargs="+", default=["local", "docker"], choices=["local", "docker", "ray"])
+    ap.add_argument("--ray-address", help="a Ray cluster to use (default: start a local one of --nodes nodes)")
+    ap.add_argument("--ray-cpus", type=float, default=4, help="CPUs of each Ray node (and of its bundle)")
     ap.add_argument("--drill", choices=["sigterm", "kill"])
     ap.add_argument("--drill-step", type=int, default=20)
     ap.add_argument("--store", type=Path, help="a local store folder (default: a new temporary one)")
     a = ap.parse_args()
+    if "docker" in a.backends and not a.image:
+        ap.error("--image is needed for the docker backend")
     if a.device == "cuda" and len(a.node_gpus) != a.nodes:
         ap.error(f"--node-gpus names {len(a.node_gpus)} nodes' GPUs; --nodes is {a.nodes}")
-    a.store = a.store or Path(tempfile.mkdtemp(prefix="lmyard-bench-docker-"))
+    a.store = a.store or Path(tempfile.mkdtemp(prefix="lmyard-bench-backends-"))
     shards = make_shards(a.store, 32 * 1024 * 1024)
     if a.drill:
         return drill(a, a.store, shards)
     rows = {}
-    for backend in a.backends:
-        rows[backend] = run(a, config(a, a.store, backend, f"bench-{backend}"), shards)
-        print(json.dumps(rows[backend]), flush=True)
-    if {"local", "docker"} <= rows.keys() and rows["local"]["tok_s"]:
-        print(json.dumps({"docker_over_local": round(rows["docker"]["tok_s"] / rows["local"]["tok_s"], 4)}))
+    with contextlib.ExitStack() as stack:
+        if "ray" in a.backends and not a.ray_address:
+            a.ray_address = stack.enter_context(ray_cluster(a))
+        for backend in a.backends:
+            rows[backend] = run(a, config(a, a.store, backend, f"bench-{backend}"), shards)
+            print(json.dumps(rows[backend]), flush=True)
+    for backend in ("docker", "ray"):
+        if {"local", backend} <= rows.keys() and rows["local"]["tok_s"] and rows[backend]["tok_s"]:
+            print(json.dumps({f"{backend}_over_local": round(rows[backend]["tok_s"] / rows["local"]["tok_s"], 4)}))
+
+
+@contextlib.contextmanager
+def ray_cluster(a: argparse.Namespace):
+    """A local Ray cluster of --nodes nodes on this host, node i seeing only --node-gpus[i]; its address."""
+    from ray.cluster_utils import Cluster
+
+    def node(i: int) -> dict:
+        args: dict = {"num_cpus": a.ray_cpus, "include_dashboard": False}
+        if a.device == "cuda":
+            gpus = a.node_gpus[i]
+            args |= {"num_gpus": len(gpus.split(",")), "env_vars": {"CUDA_VISIBLE_DEVICES": gpus}}
+        return args
+
+    cluster = Cluster(initialize_head=True, head_node_args=node(0))
+    try:
+        for i in range(1, a.nodes):
+            cluster.add_node(**node(i))
+        cluster.wait_for_nodes()
+        print(f"ray: a local cluster of {a.nodes} nodes at {cluster.address}", flush=True)
+        yield cluster.address
+    finally:
+        cluster.shutdown()
 
 
 if __name__ == "__main__":
