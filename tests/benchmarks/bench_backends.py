@@ -188,10 +188,26 @@ def main() -> None:
             print(json.dumps({f"{backend}_over_local": round(rows[backend]["tok_s"] / rows["local"]["tok_s"], 4)}))
 
 
+CLUSTER = """
+import json, sys
+from ray.cluster_utils import Cluster
+nodes = json.loads(sys.argv[1])
+cluster = Cluster(initialize_head=True, head_node_args=nodes[0])
+for node in nodes[1:]:
+    cluster.add_node(**node)
+cluster.wait_for_nodes()
+print(cluster.address, flush=True)
+sys.stdin.read()  # until the benchmark closes it
+cluster.shutdown()
+"""
+
+
 @contextlib.contextmanager
 def ray_cluster(a: argparse.Namespace):
-    """A local Ray cluster of --nodes nodes on this host, node i seeing only --node-gpus[i]; its address."""
-    from ray.cluster_utils import Cluster
+    """A local Ray cluster of --nodes nodes on this host, node i seeing only --node-gpus[i]; its address.
+
+    The cluster lives in a process of its own, as a real one would, and ends when this context does."""
+    import subprocess
 
     def node(i: int) -> dict:
         args: dict = {"num_cpus": a.ray_cpus, "include_dashboard": False}
@@ -200,15 +216,20 @@ def ray_cluster(a: argparse.Namespace):
             args |= {"num_gpus": len(gpus.split(",")), "env_vars": {"CUDA_VISIBLE_DEVICES": gpus}}
         return args
 
-    cluster = Cluster(initialize_head=True, head_node_args=node(0))
+    nodes = json.dumps([node(i) for i in range(a.nodes)])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLUSTER, nodes], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
-        for i in range(1, a.nodes):
-            cluster.add_node(**node(i))
-        cluster.wait_for_nodes()
-        print(f"ray: a local cluster of {a.nodes} nodes at {cluster.address}", flush=True)
-        yield cluster.address
+        address = proc.stdout.readline().strip() if proc.stdout else ""
+        if not address:
+            raise SystemExit(f"the local Ray cluster did not start (exit {proc.wait()})")
+        print(f"ray: a local cluster of {a.nodes} nodes at {address}", flush=True)
+        yield address
     finally:
-        cluster.shutdown()
+        if proc.stdin:
+            proc.stdin.close()
+        proc.wait(timeout=120)
 
 
 if __name__ == "__main__":
