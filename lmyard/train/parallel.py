@@ -54,9 +54,9 @@ def apply_float8(model: nn.Module, device: torch.device, recipe: str = "tensorwi
         return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
     if recipe == "rowwise":  # as torchtitan does: inductor's casts otherwise lose precision (pytorch#150859)
-        import torch._inductor.config
+        from torch._inductor import config as inductor_config
 
-        torch._inductor.config.emulate_precision_casts = True
+        inductor_config.emulate_precision_casts = True
     config = Float8LinearConfig.from_recipe_name(recipe)
     convert_to_float8_training(_blocks(model), config=config, module_filter_fn=dims_ok)
     return True
