@@ -37,6 +37,19 @@ import time
 from pathlib import Path
 
 EOT = 50256  # GPT-2's <|endoftext|>: begins each document, as lmyard's shards write it
+WORKER_ARGS = (
+    "preset",
+    "seq",
+    "batch",
+    "ac",
+    "float8",
+    "steps",
+    "warmup",
+    "device",
+    "attention",
+    "doc_mask",
+    "doc_len",
+)
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path[:0] = [str(REPO), str(HERE)]
@@ -93,7 +106,8 @@ def worker(a: argparse.Namespace) -> None:
             "train.parallel=fsdp",
             f"train.activation_checkpointing={a.ac}",
             f"train.compile={a.compile}",
-            f"train.float8={a.float8}",
+            f"train.float8={a.float8 != 'none'}",
+            f"train.float8_recipe={'tensorwise' if a.float8 == 'none' else a.float8}",
             f"train.fsdp_reshard_after_forward={not a.no_reshard}",
             f"train.device={a.device}",
             f"model.doc_mask={a.doc_mask == 'on'}",
@@ -172,14 +186,8 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def run_lmyard(a: argparse.Namespace, gpus: int, shard: Path) -> dict:
-    args = [
-        f"--{k.replace('_', '-')}={v}"
-        for k, v in vars(a).items()
-        if k in ("preset", "seq", "batch", "ac", "steps", "warmup", "device", "attention", "doc_mask", "doc_len")
-    ]
-    args += [f"--shard={shard}"] + [
-        f"--{f.replace('_', '-')}" for f in ("compile", "float8", "no_reshard") if getattr(a, f)
-    ]
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k in WORKER_ARGS]
+    args += [f"--shard={shard}"] + [f"--{f.replace('_', '-')}" for f in ("compile", "no_reshard") if getattr(a, f)]
     cmd = [
         sys.executable,
         "-m",
@@ -217,6 +225,8 @@ def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
         f"model.attention={a.attention}",
         f"model.doc_mask={str(a.doc_mask == 'on').lower()}",  # on the shard as it is (see the docstring)
         f"train.fsdp_reshard_after_forward={str(not a.no_reshard).lower()}",
+        f"train.float8={str(a.float8 != 'none').lower()}",
+        f"train.float8_recipe={'tensorwise' if a.float8 == 'none' else a.float8}",
         "eval.val_tokens=16384",
         "checkpoint.interval=100000",
     ]
@@ -226,7 +236,67 @@ def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
     return {"impl": "lmyard-trainer", **out}
 
 
-def main() -> None:
+def run_titan(a: argparse.Namespace, gpus: int, ours: dict) -> dict:
+    """torchtitan 0.2.2 (run_torchtitan.py) on the same shard, shape and precision as `ours` (lmyard's row),
+    with lmyard's MFU formula applied to its tokens/s and the ratio lmyard / torchtitan."""
+    import run_torchtitan
+
+    titan = argparse.Namespace(
+        **{k: getattr(a, k) for k in ("preset", "seq", "batch", "ac", "compile", "float8", "device", "data")},
+        attn=a.titan_attn,
+        steps=max(a.warmup + a.steps, 25),  # torchtitan logs every 5 steps; its first two intervals are left out
+        log_freq=5,
+        warmup_logs=2,
+        log=a.titan_log,
+    )
+    peer = run_torchtitan.run(titan, gpus)
+    peer["mfu"] = round(ours["mfu"] * peer["tok_s"] / ours["tok_s"], 4) if ours["mfu"] else None  # the same F
+    print(json.dumps(peer), flush=True)
+    return {**peer, "lmyard_over_titan": round(ours["tok_s"] / peer["tok_s"], 3)}
+
+
+def run_all(a: argparse.Namespace) -> list[dict]:
+    """Per GPU count and per precision (--float8): lmyard's rows, then its trainer's and torchtitan's."""
+    from run_torchtitan import ensure_shards
+
+    rows: list[dict] = []
+    steps = a.warmup + a.steps
+    shard = ensure_shards(a.data, (max(steps, 25) + 1) * a.batch * (a.seq + 1) * max(a.gpus))
+    modes = ["off", "on"] if a.doc_mask == "both" else [a.doc_mask]
+    for gpus in a.gpus:
+        for float8 in a.float8:
+            p = argparse.Namespace(**{**vars(a), "float8": float8})
+            for mode in modes:  # causal first: torchtitan's ratio is to the first
+                rows.append(run_lmyard(argparse.Namespace(**{**vars(p), "doc_mask": mode}), gpus, shard))
+                print(json.dumps(rows[-1]), flush=True)
+            ours = rows[-len(modes)]
+            if a.trainer:
+                trainer = run_trainer(p, gpus)
+                trainer.update(tok_s_per_gpu=round(trainer["tok_s"] / gpus), float8=float8)
+                print(json.dumps(trainer), flush=True)
+                rows.append(trainer)
+            if a.titan:
+                rows.append(run_titan(p, gpus, ours))
+                if a.trainer:
+                    rows[-1]["trainer_over_titan"] = round(trainer["tok_s"] / rows[-1]["tok_s"], 3)
+    return rows
+
+
+def summary(rows: list[dict]) -> None:
+    print(
+        "\nimpl               GPUs  float8         tok/s  tok/s/GPU     MFU  peak reserved GiB/GPU  lmyard/torchtitan"
+    )
+    for r in rows:
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
+        ratio = f"{r['lmyard_over_titan']:.3f}x" if "lmyard_over_titan" in r else ""
+        ratio += f" (trainer {r['trainer_over_titan']:.3f}x)" if "trainer_over_titan" in r else ""
+        print(
+            f"{r['impl']:<17} {r['world']:>5}  {r.get('float8', 'none'):<10} {r['tok_s']:>10,} {r['tok_s_per_gpu']:>10,}"
+            f" {mfu:>7}  {r.get('peak_reserved_gib', '-')!s:>21}  {ratio}"
+        )
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, nargs="+", default=[1], help="GPU counts (ranks, with --device cpu)")
     ap.add_argument("--preset", default="llama-1b")
@@ -234,7 +304,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
     ap.add_argument("--ac", choices=["none", "selective", "full"], default="none")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (and torchtitan's loss)")
-    ap.add_argument("--float8", action="store_true", help="lmyard only (torchao)")
+    ap.add_argument(
+        "--float8",
+        nargs="+",
+        choices=["none", "tensorwise", "rowwise"],
+        default=["none"],
+        help="precisions, each run on both sides: none (bf16), or torchao float8 with this scaling recipe "
+        "(lmyard's train.float8_recipe, torchtitan's quantize.linear.float8.recipe_name); e.g. `none rowwise`",
+    )
     ap.add_argument("--no-reshard", action="store_true", help="fsdp_reshard_after_forward=false (lmyard only)")
     ap.add_argument(
         "--attention",
@@ -253,67 +330,25 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30, help="timed steps")
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--titan", action="store_true", help="also run torchtitan 0.3.0 (run_torchtitan.py)")
+    ap.add_argument("--titan", action="store_true", help="also run torchtitan 0.2.2 (run_torchtitan.py)")
     ap.add_argument("--trainer", action="store_true", help="also run lmyard's trainer (torchrun -m lmyard.train)")
     ap.add_argument("--titan-attn", default="sdpa", help="torchtitan's attention: sdpa (as lmyard) or flex")
-    ap.add_argument(
-        "--titan-no-cuda-graphs",
-        action="store_true",
-        help="torchtitan without its default CUDA graph of forward + backward",
-    )
+    ap.add_argument("--titan-log", help="append torchtitan's whole output to this file")
+    ap.add_argument("--json", type=Path, help="also write every row to this file (a JSON list)")
     ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "lmyard-bench-llama")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shard", help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.worker:
-        return worker(a)
-    from run_torchtitan import ensure_shards
-    from run_torchtitan import run as run_titan
+    return ap
 
-    rows = []
-    for gpus in a.gpus:
-        steps = a.warmup + a.steps
-        shard = ensure_shards(a.data, (steps + 1) * a.batch * (a.seq + 1) * max(a.gpus))
-        modes = ["off", "on"] if a.doc_mask == "both" else [a.doc_mask]
-        for mode in modes:  # causal first: torchtitan's ratio is to the first
-            row = run_lmyard(argparse.Namespace(**{**vars(a), "doc_mask": mode}), gpus, shard)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-        ours = rows[-len(modes)]
-        if a.trainer:
-            trainer = run_trainer(a, gpus)
-            trainer["tok_s_per_gpu"] = round(trainer["tok_s"] / gpus)
-            print(json.dumps(trainer), flush=True)
-            rows.append(trainer)
-        if a.titan:
-            # torchtitan logs every 5 steps; its first two intervals (compilation, warm-up) are left out
-            peer = run_titan(
-                gpus,
-                a.preset,
-                a.seq,
-                a.batch,
-                a.ac,
-                a.compile,
-                max(steps, 25),
-                2,
-                a.data,
-                a.titan_attn,
-                cuda_graphs=not a.titan_no_cuda_graphs,
-            )
-            peer["mfu"] = round(ours["mfu"] * peer["tok_s"] / ours["tok_s"], 4) if ours["mfu"] else None  # same F
-            print(json.dumps(peer), flush=True)
-            rows.append({**peer, "lmyard_over_titan": round(ours["tok_s"] / peer["tok_s"], 3)})
-            if a.trainer:
-                rows[-1]["trainer_over_titan"] = round(trainer["tok_s"] / peer["tok_s"], 3)
-    print("\nimpl              GPUs      tok/s  tok/s/GPU     MFU  peak reserved GiB/GPU  lmyard/torchtitan")
-    for r in rows:
-        mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
-        ratio = f"{r['lmyard_over_titan']:.3f}x" if "lmyard_over_titan" in r else ""
-        ratio += f" (trainer {r['trainer_over_titan']:.3f}x)" if "trainer_over_titan" in r else ""
-        print(
-            f"{r['impl']:<16} {r['world']:>5} {r['tok_s']:>10,} {r['tok_s_per_gpu']:>10,} {mfu:>7}  "
-            f"{r.get('peak_reserved_gib', '-')!s:>21}  {ratio}"
-        )
+
+def main() -> None:
+    a = parser().parse_args()
+    if a.worker:  # one precision per worker
+        return worker(argparse.Namespace(**{**vars(a), "float8": a.float8[0]}))
+    rows = run_all(a)
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+    summary(rows)
 
 
 if __name__ == "__main__":
