@@ -1,7 +1,9 @@
-"""lmyard's Llama under FSDP2 on 1..N GPUs, beside torchtitan 0.3.0 on the same shape, tokens and settings.
+"""lmyard's Llama under FSDP2 on 1..N GPUs, beside torchtitan 0.2.2 on the same shape, tokens and settings.
 
+    . .whl/titan/INSTALL.sh    # --titan on the GPU machines: torchtitan 0.2.2 and torchao 0.17 as wheels
     python tests/benchmarks/bench_llama.py --gpus 1 4 --preset llama-1b --seq 2048 --batch 4 --compile --titan
-    python tests/benchmarks/bench_llama.py --gpus 4 --preset llama-8b --seq 8192 --batch 1 --ac full --compile
+    python tests/benchmarks/bench_llama.py --gpus 1 --preset llama-1b --compile --titan --float8 none rowwise
+    python tests/benchmarks/bench_llama.py --gpus 4 --preset llama-8b --seq 8192 --batch 1 --ac full --compile --titan
     python tests/benchmarks/bench_llama.py --device cpu --gpus 2 --preset llama-tiny --seq 64 --batch 2 --steps 3 --warmup 1
     python tests/benchmarks/bench_llama.py --gpus 1 --preset llama-1b --seq 2048 --batch 4 --compile --doc-mask both
 
@@ -10,7 +12,15 @@ lmyard.models.build_model (made on the GPU, seeded), lmyard.parallel.parallelize
 checkpointing -> torch.compile per block -> FSDP2 with bf16 parameters and fp32 reduction), fused AdamW,
 gradient clipping at 1.0, one micro-batch per step, reading uniformly random GPT-2 token ids from a shard
 file (tests/benchmarks/random_shards.py): rank r, step s takes sequences (s * world + r) * batch ... of
-seq + 1 tokens. With `--titan` it then runs torchtitan on the same shard (run_torchtitan.py).
+seq + 1 tokens. With `--titan` it then runs torchtitan 0.2.2's own trainer on the same shard, in the same
+order, at the same shape, activation checkpointing, compile and precision (run_torchtitan.py).
+
+`--float8` names one or more precisions, each run on both sides in turn: `none` (bf16), `tensorwise` or
+`rowwise` (torchao float8 linears in the blocks with that scaling recipe: lmyard's train.float8 +
+train.float8_recipe, torchtitan's float8 converter with the same recipe, its output head left in bf16 as
+lmyard's). `--float8 none rowwise` gives a bf16 row and a float8 row per side and GPU count, each with its
+lmyard / torchtitan ratio. On a GPU without float8 matmuls (compute capability < 8.9) lmyard skips float8 with
+a warning; with `--device cpu` torchtitan emulates it (a dry run of the code path, not a measurement).
 
 `--doc-mask on` trains with model.doc_mask (block-causal FlexAttention over packed documents,
 lmyard.models.attention) instead of causal SDPA, `--doc-mask both` runs causal then doc-masked for each GPU
@@ -21,8 +31,10 @@ and so does `--trainer` (with `--doc-mask on`: the mask's cost with nearly one d
 
 Prints one JSON line per run and a summary: tokens/s, tokens/s per GPU, MFU = tokens/s * F / (peak * GPUs)
 with F = lmyard.models.registry.flops_per_token = 6 * (parameters - input embedding) + 12 * layers * width * seq
-(torchtitan's formula; peak dense bf16 989 TFLOP/s on H100/H200, lmyard.components.PEAK_FLOPS), peak memory per
-GPU (max allocated and max reserved, GiB) beside lmyard.memory's estimate, and lmyard / torchtitan.
+(torchtitan's formula; peak dense bf16 989 TFLOP/s on H100/H200, lmyard.components.PEAK_FLOPS; a float8 row's
+MFU is against the same bf16 peak), peak memory per GPU (max allocated and max reserved, GiB) beside
+lmyard.memory's estimate, and lmyard / torchtitan per precision. `--json PATH` writes the rows to a file,
+`--titan-log PATH` keeps torchtitan's whole output.
 """
 
 from __future__ import annotations
