@@ -248,9 +248,10 @@ def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
     return {"impl": "lmyard-trainer", **out}
 
 
-def run_titan(a: argparse.Namespace, gpus: int, ours: dict) -> dict:
+def run_titan(a: argparse.Namespace, gpus: int, ours: dict) -> dict | None:
     """torchtitan 0.2.2 (run_torchtitan.py) on the same shard, shape and precision as `ours` (lmyard's row),
-    with lmyard's MFU formula applied to its tokens/s and the ratio lmyard / torchtitan."""
+    with lmyard's MFU formula applied to its tokens/s and the ratio lmyard / torchtitan; None, with its
+    output's end on stderr, where torchtitan failed (the other rows still run)."""
     import run_torchtitan
 
     titan = argparse.Namespace(
@@ -261,7 +262,11 @@ def run_titan(a: argparse.Namespace, gpus: int, ours: dict) -> dict:
         warmup_logs=2,
         log=a.titan_log,
     )
-    peer = run_torchtitan.run(titan, gpus)
+    try:
+        peer = run_torchtitan.run(titan, gpus)
+    except SystemExit as failed:  # run_torchtitan's one-message failure: report it, keep lmyard's rows going
+        print(f"torchtitan {gpus} GPU(s), float8 {a.float8}: {failed}", file=sys.stderr, flush=True)
+        return None
     peer["mfu"] = round(ours["mfu"] * peer["tok_s"] / ours["tok_s"], 4) if ours["mfu"] else None  # the same F
     print(json.dumps(peer), flush=True)
     return {**peer, "lmyard_over_titan": round(ours["tok_s"] / peer["tok_s"], 3)}
@@ -287,10 +292,13 @@ def run_all(a: argparse.Namespace) -> list[dict]:
                 trainer.update(tok_s_per_gpu=round(trainer["tok_s"] / gpus), float8=float8)
                 print(json.dumps(trainer), flush=True)
                 rows.append(trainer)
-            if a.titan:
-                rows.append(run_titan(p, gpus, ours))
+            peer = run_titan(p, gpus, ours) if a.titan else None
+            if peer is not None:
                 if a.trainer:
-                    rows[-1]["trainer_over_titan"] = round(trainer["tok_s"] / rows[-1]["tok_s"], 3)
+                    peer["trainer_over_titan"] = round(trainer["tok_s"] / peer["tok_s"], 3)
+                rows.append(peer)
+            if a.json:  # after each GPU count and precision: a run cut short keeps what it measured
+                a.json.write_text(json.dumps(rows, indent=1))
     return rows
 
 
@@ -357,10 +365,7 @@ def main() -> None:
     a = parser().parse_args()
     if a.worker:  # one precision per worker
         return worker(argparse.Namespace(**{**vars(a), "float8": a.float8[0]}))
-    rows = run_all(a)
-    if a.json:
-        a.json.write_text(json.dumps(rows, indent=1))
-    summary(rows)
+    summary(run_all(a))
 
 
 if __name__ == "__main__":
