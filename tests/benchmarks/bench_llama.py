@@ -20,7 +20,7 @@ order, at the same shape, activation checkpointing, compile and precision (run_t
 train.float8_recipe, torchtitan's float8 converter with the same recipe, its output head left in bf16 as
 lmyard's). `--float8 none rowwise` gives a bf16 row and a float8 row per side and GPU count, each with its
 lmyard / torchtitan ratio. On a GPU without float8 matmuls (compute capability < 8.9) lmyard skips float8 with
-a warning; with `--device cpu` torchtitan emulates it (a dry run of the code path, not a measurement).
+a warning; with `--device cpu` torchtitan runs it on the CPU (a dry run of the code path, not a measurement).
 
 `--doc-mask on` trains with model.doc_mask (block-causal FlexAttention over packed documents,
 lmyard.models.attention) instead of causal SDPA, `--doc-mask both` runs causal then doc-masked for each GPU

@@ -37,8 +37,9 @@ blocks' linears.
 
 `datasets` and torch.utils.tensorboard are imported by torchtitan at module level; where either fails to import
 (a pyarrow older than datasets 5 wants, say) it is stubbed: this run reads no HF dataset and logs no
-tensorboard. `--device cpu` (a dry run on a CPU machine, gloo, float32, no compile) points torchtitan's
-device helpers at the CPU: torchtitan assumes an accelerator there.
+tensorboard. `--device cpu` (a dry run on a CPU machine: gloo, float32) points torchtitan's device helpers at
+the CPU (torchtitan assumes an accelerator) and leaves FSDP's gradient divide factor alone (gloo has no
+PREMUL_SUM).
 
 Prints one JSON line per GPU count: tokens/s per GPU (torchtitan's `tps`, median of the logged intervals after
 warm-up), tokens/s, MFU (torchtitan's own; its FLOP formula is lmyard's), peak reserved memory, last loss.
@@ -260,7 +261,9 @@ def titan_flags(a: argparse.Namespace, flavor: str, shard: Path, work: Path) -> 
     if a.float8 != "none":
         flags += ["--model.converters", "quantize.linear.float8"]
         flags += ["--quantize.linear.float8.recipe_name", a.float8, "--quantize.linear.float8.filter_fqns", "output"]
-    if a.device == "cpu":  # a dry run: float32, float8 emulated (without compile)
+    # a dry run on the CPU: float32; float8 passes torchtitan's SM89 check only with `emulate` (which its recipes
+    # then ignore: torch's CPU float8 matmul runs them)
+    if a.device == "cpu":
         flags += ["--optimizer.implementation", "foreach", "--training.mixed_precision_param", "float32"]
         flags += ["--quantize.linear.float8.emulate"] if a.float8 != "none" else []
     return flags
