@@ -374,6 +374,11 @@ class TrainConfig(_Section):
         description="torchao float8 linears in the blocks (GPUs of compute capability 8.9+ "
         "with torchao installed; otherwise skipped with a warning).",
     )
+    float8_recipe: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise",
+        description="train.float8's torchao scaling recipe: `tensorwise` (one scale per tensor: fastest) or "
+        "`rowwise` (one scale per row: closer to bf16's loss, a little slower).",
+    )
     guard: GuardConfig = Field(default_factory=GuardConfig)
 
 

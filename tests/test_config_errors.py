@@ -41,6 +41,7 @@ def test_recipe_file_is_read_and_overridden(tmp_path):
         (["config", "--set", "noequals"], "expected dotted.key=value"),
         (["config", "--set", "model.n_embd=100", "--set", "model.n_head=3"], "multiple of model.n_head"),
         (["config", "--set", "train.lr=.inf"], "train.lr: Input should be a finite number"),
+        (["config", "--set", "train.float8_recipe=rowwize"], "train.float8_recipe: Input should be 'tensorwise'"),
         (["config", "--set", "eval.poll_s=.nan"], "eval.poll_s: Input should be a finite number"),
         (["config", "--set", f"run_name={'r' * 300}"], "run_name: 300 characters, at most 100"),
         (["config", "--set", "store=s3://"], "store: 's3://' names no bucket"),

@@ -35,9 +35,10 @@ def _blocks(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def apply_float8(model: nn.Module, device: torch.device) -> bool:
-    """Swap the blocks' linears for torchao's float8 training linears (tensorwise scaling); False, with a
-    warning, where torchao is missing or the device has no float8 matmuls (CUDA compute capability < 8.9)."""
+def apply_float8(model: nn.Module, device: torch.device, recipe: str = "tensorwise") -> bool:
+    """Swap the blocks' linears for torchao's float8 training linears (`recipe`: tensorwise or rowwise scaling,
+    torchao's recipes); False, with a warning, where torchao is missing or the device has no float8 matmuls
+    (CUDA compute capability < 8.9)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
         warnings.warn(
             "train.float8 skipped: float8 matmuls need a CUDA GPU of compute capability 8.9+ (H100, L40S)", stacklevel=2
@@ -52,7 +53,12 @@ def apply_float8(model: nn.Module, device: torch.device) -> bool:
     def dims_ok(module: nn.Module, fqn: str) -> bool:  # float8 GEMMs need both sizes divisible by 16
         return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
-    convert_to_float8_training(_blocks(model), config=Float8LinearConfig(), module_filter_fn=dims_ok)
+    if recipe == "rowwise":  # as torchtitan does: inductor's casts otherwise lose precision (pytorch#150859)
+        from torch._inductor import config as inductor_config
+
+        inductor_config.emulate_precision_casts = True
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(_blocks(model), config=config, module_filter_fn=dims_ok)
     return True
 
 
@@ -163,7 +169,7 @@ def parallelize(raw_model: nn.Module, cfg: RunConfig, world: int, device: torch.
     on `device`, so build the optimizer after this call."""
     t = cfg.train
     if t.float8:
-        apply_float8(raw_model, device)
+        apply_float8(raw_model, device, t.float8_recipe)
     apply_activation_checkpointing(raw_model, t.activation_checkpointing)
     if t.compile if t.compile is not None else device.type == "cuda":
         compile_blocks(raw_model)

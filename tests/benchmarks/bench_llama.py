@@ -1,7 +1,9 @@
-"""lmyard's Llama under FSDP2 on 1..N GPUs, beside torchtitan 0.3.0 on the same shape, tokens and settings.
+"""lmyard's Llama under FSDP2 on 1..N GPUs, beside torchtitan 0.2.2 on the same shape, tokens and settings.
 
+    . .whl/titan/INSTALL.sh    # --titan on the GPU machines: torchtitan 0.2.2 and torchao 0.17 as wheels
     python tests/benchmarks/bench_llama.py --gpus 1 4 --preset llama-1b --seq 2048 --batch 4 --compile --titan
-    python tests/benchmarks/bench_llama.py --gpus 4 --preset llama-8b --seq 8192 --batch 1 --ac full --compile
+    python tests/benchmarks/bench_llama.py --gpus 1 --preset llama-1b --compile --titan --float8 none rowwise
+    python tests/benchmarks/bench_llama.py --gpus 4 --preset llama-8b --seq 8192 --batch 1 --ac full --compile --titan
     python tests/benchmarks/bench_llama.py --device cpu --gpus 2 --preset llama-tiny --seq 64 --batch 2 --steps 3 --warmup 1
     python tests/benchmarks/bench_llama.py --gpus 1 --preset llama-1b --seq 2048 --batch 4 --compile --doc-mask both
 
@@ -10,7 +12,15 @@ lmyard.models.build_model (made on the GPU, seeded), lmyard.parallel.parallelize
 checkpointing -> torch.compile per block -> FSDP2 with bf16 parameters and fp32 reduction), fused AdamW,
 gradient clipping at 1.0, one micro-batch per step, reading uniformly random GPT-2 token ids from a shard
 file (tests/benchmarks/random_shards.py): rank r, step s takes sequences (s * world + r) * batch ... of
-seq + 1 tokens. With `--titan` it then runs torchtitan on the same shard (run_torchtitan.py).
+seq + 1 tokens. With `--titan` it then runs torchtitan 0.2.2's own trainer on the same shard, in the same
+order, at the same shape, activation checkpointing, compile and precision (run_torchtitan.py).
+
+`--float8` names one or more precisions, each run on both sides in turn: `none` (bf16), `tensorwise` or
+`rowwise` (torchao float8 linears in the blocks with that scaling recipe: lmyard's train.float8 +
+train.float8_recipe, torchtitan's float8 converter with the same recipe, its output head left in bf16 as
+lmyard's). `--float8 none rowwise` gives a bf16 row and a float8 row per side and GPU count, each with its
+lmyard / torchtitan ratio. On a GPU without float8 matmuls (compute capability < 8.9) lmyard skips float8 with
+a warning; with `--device cpu` torchtitan runs it on the CPU (a dry run of the code path, not a measurement).
 
 `--doc-mask on` trains with model.doc_mask (block-causal FlexAttention over packed documents,
 lmyard.models.attention) instead of causal SDPA, `--doc-mask both` runs causal then doc-masked for each GPU
@@ -21,8 +31,10 @@ and so does `--trainer` (with `--doc-mask on`: the mask's cost with nearly one d
 
 Prints one JSON line per run and a summary: tokens/s, tokens/s per GPU, MFU = tokens/s * F / (peak * GPUs)
 with F = lmyard.models.registry.flops_per_token = 6 * (parameters - input embedding) + 12 * layers * width * seq
-(torchtitan's formula; peak dense bf16 989 TFLOP/s on H100/H200, lmyard.components.PEAK_FLOPS), peak memory per
-GPU (max allocated and max reserved, GiB) beside lmyard.memory's estimate, and lmyard / torchtitan.
+(torchtitan's formula; peak dense bf16 989 TFLOP/s on H100/H200, lmyard.components.PEAK_FLOPS; a float8 row's
+MFU is against the same bf16 peak), peak memory per GPU (max allocated and max reserved, GiB) beside
+lmyard.memory's estimate, and lmyard / torchtitan per precision. `--json PATH` writes the rows to a file,
+`--titan-log PATH` keeps torchtitan's whole output.
 """
 
 from __future__ import annotations
@@ -37,6 +49,19 @@ import time
 from pathlib import Path
 
 EOT = 50256  # GPT-2's <|endoftext|>: begins each document, as lmyard's shards write it
+WORKER_ARGS = (
+    "preset",
+    "seq",
+    "batch",
+    "ac",
+    "float8",
+    "steps",
+    "warmup",
+    "device",
+    "attention",
+    "doc_mask",
+    "doc_len",
+)
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path[:0] = [str(REPO), str(HERE)]
@@ -93,7 +118,8 @@ def worker(a: argparse.Namespace) -> None:
             "train.parallel=fsdp",
             f"train.activation_checkpointing={a.ac}",
             f"train.compile={a.compile}",
-            f"train.float8={a.float8}",
+            f"train.float8={a.float8 != 'none'}",
+            f"train.float8_recipe={'tensorwise' if a.float8 == 'none' else a.float8}",
             f"train.fsdp_reshard_after_forward={not a.no_reshard}",
             f"train.device={a.device}",
             f"model.doc_mask={a.doc_mask == 'on'}",
@@ -172,14 +198,8 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def run_lmyard(a: argparse.Namespace, gpus: int, shard: Path) -> dict:
-    args = [
-        f"--{k.replace('_', '-')}={v}"
-        for k, v in vars(a).items()
-        if k in ("preset", "seq", "batch", "ac", "steps", "warmup", "device", "attention", "doc_mask", "doc_len")
-    ]
-    args += [f"--shard={shard}"] + [
-        f"--{f.replace('_', '-')}" for f in ("compile", "float8", "no_reshard") if getattr(a, f)
-    ]
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k in WORKER_ARGS]
+    args += [f"--shard={shard}"] + [f"--{f.replace('_', '-')}" for f in ("compile", "no_reshard") if getattr(a, f)]
     cmd = [
         sys.executable,
         "-m",
@@ -217,6 +237,8 @@ def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
         f"model.attention={a.attention}",
         f"model.doc_mask={str(a.doc_mask == 'on').lower()}",  # on the shard as it is (see the docstring)
         f"train.fsdp_reshard_after_forward={str(not a.no_reshard).lower()}",
+        f"train.float8={str(a.float8 != 'none').lower()}",
+        f"train.float8_recipe={'tensorwise' if a.float8 == 'none' else a.float8}",
         "eval.val_tokens=16384",
         "checkpoint.interval=100000",
     ]
@@ -226,7 +248,75 @@ def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
     return {"impl": "lmyard-trainer", **out}
 
 
-def main() -> None:
+def run_titan(a: argparse.Namespace, gpus: int, ours: dict) -> dict | None:
+    """torchtitan 0.2.2 (run_torchtitan.py) on the same shard, shape and precision as `ours` (lmyard's row),
+    with lmyard's MFU formula applied to its tokens/s and the ratio lmyard / torchtitan; None, with its
+    output's end on stderr, where torchtitan failed (the other rows still run)."""
+    import run_torchtitan
+
+    titan = argparse.Namespace(
+        **{k: getattr(a, k) for k in ("preset", "seq", "batch", "ac", "compile", "float8", "device", "data")},
+        attn=a.titan_attn,
+        steps=max(a.warmup + a.steps, 25),  # torchtitan logs every 5 steps; its first two intervals are left out
+        log_freq=5,
+        warmup_logs=2,
+        log=a.titan_log,
+    )
+    try:
+        peer = run_torchtitan.run(titan, gpus)
+    except SystemExit as failed:  # run_torchtitan's one-message failure: report it, keep lmyard's rows going
+        print(f"torchtitan {gpus} GPU(s), float8 {a.float8}: {failed}", file=sys.stderr, flush=True)
+        return None
+    peer["mfu"] = round(ours["mfu"] * peer["tok_s"] / ours["tok_s"], 4) if ours["mfu"] else None  # the same F
+    print(json.dumps(peer), flush=True)
+    return {**peer, "lmyard_over_titan": round(ours["tok_s"] / peer["tok_s"], 3)}
+
+
+def run_all(a: argparse.Namespace) -> list[dict]:
+    """Per GPU count and per precision (--float8): lmyard's rows, then its trainer's and torchtitan's."""
+    from run_torchtitan import ensure_shards
+
+    rows: list[dict] = []
+    steps = a.warmup + a.steps
+    shard = ensure_shards(a.data, (max(steps, 25) + 1) * a.batch * (a.seq + 1) * max(a.gpus))
+    modes = ["off", "on"] if a.doc_mask == "both" else [a.doc_mask]
+    for gpus in a.gpus:
+        for float8 in a.float8:
+            p = argparse.Namespace(**{**vars(a), "float8": float8})
+            for mode in modes:  # causal first: torchtitan's ratio is to the first
+                rows.append(run_lmyard(argparse.Namespace(**{**vars(p), "doc_mask": mode}), gpus, shard))
+                print(json.dumps(rows[-1]), flush=True)
+            ours = rows[-len(modes)]
+            if a.trainer:
+                trainer = run_trainer(p, gpus)
+                trainer.update(tok_s_per_gpu=round(trainer["tok_s"] / gpus), float8=float8)
+                print(json.dumps(trainer), flush=True)
+                rows.append(trainer)
+            peer = run_titan(p, gpus, ours) if a.titan else None
+            if peer is not None:
+                if a.trainer:
+                    peer["trainer_over_titan"] = round(trainer["tok_s"] / peer["tok_s"], 3)
+                rows.append(peer)
+            if a.json:  # after each GPU count and precision: a run cut short keeps what it measured
+                a.json.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def summary(rows: list[dict]) -> None:
+    print(
+        "\nimpl               GPUs  float8         tok/s  tok/s/GPU     MFU  peak reserved GiB/GPU  lmyard/torchtitan"
+    )
+    for r in rows:
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
+        ratio = f"{r['lmyard_over_titan']:.3f}x" if "lmyard_over_titan" in r else ""
+        ratio += f" (trainer {r['trainer_over_titan']:.3f}x)" if "trainer_over_titan" in r else ""
+        print(
+            f"{r['impl']:<17} {r['world']:>5}  {r.get('float8', 'none'):<10} {r['tok_s']:>10,} {r['tok_s_per_gpu']:>10,}"
+            f" {mfu:>7}  {r.get('peak_reserved_gib', '-')!s:>21}  {ratio}"
+        )
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, nargs="+", default=[1], help="GPU counts (ranks, with --device cpu)")
     ap.add_argument("--preset", default="llama-1b")
@@ -234,7 +324,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
     ap.add_argument("--ac", choices=["none", "selective", "full"], default="none")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (and torchtitan's loss)")
-    ap.add_argument("--float8", action="store_true", help="lmyard only (torchao)")
+    ap.add_argument(
+        "--float8",
+        nargs="+",
+        choices=["none", "tensorwise", "rowwise"],
+        default=["none"],
+        help="precisions, each run on both sides: none (bf16), or torchao float8 with this scaling recipe "
+        "(lmyard's train.float8_recipe, torchtitan's quantize.linear.float8.recipe_name); e.g. `none rowwise`",
+    )
     ap.add_argument("--no-reshard", action="store_true", help="fsdp_reshard_after_forward=false (lmyard only)")
     ap.add_argument(
         "--attention",
@@ -253,67 +350,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30, help="timed steps")
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--titan", action="store_true", help="also run torchtitan 0.3.0 (run_torchtitan.py)")
+    ap.add_argument("--titan", action="store_true", help="also run torchtitan 0.2.2 (run_torchtitan.py)")
     ap.add_argument("--trainer", action="store_true", help="also run lmyard's trainer (torchrun -m lmyard.train)")
     ap.add_argument("--titan-attn", default="sdpa", help="torchtitan's attention: sdpa (as lmyard) or flex")
-    ap.add_argument(
-        "--titan-no-cuda-graphs",
-        action="store_true",
-        help="torchtitan without its default CUDA graph of forward + backward",
-    )
+    ap.add_argument("--titan-log", help="append torchtitan's whole output to this file")
+    ap.add_argument("--json", type=Path, help="also write every row to this file (a JSON list)")
     ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "lmyard-bench-llama")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shard", help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.worker:
-        return worker(a)
-    from run_torchtitan import ensure_shards
-    from run_torchtitan import run as run_titan
+    return ap
 
-    rows = []
-    for gpus in a.gpus:
-        steps = a.warmup + a.steps
-        shard = ensure_shards(a.data, (steps + 1) * a.batch * (a.seq + 1) * max(a.gpus))
-        modes = ["off", "on"] if a.doc_mask == "both" else [a.doc_mask]
-        for mode in modes:  # causal first: torchtitan's ratio is to the first
-            row = run_lmyard(argparse.Namespace(**{**vars(a), "doc_mask": mode}), gpus, shard)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-        ours = rows[-len(modes)]
-        if a.trainer:
-            trainer = run_trainer(a, gpus)
-            trainer["tok_s_per_gpu"] = round(trainer["tok_s"] / gpus)
-            print(json.dumps(trainer), flush=True)
-            rows.append(trainer)
-        if a.titan:
-            # torchtitan logs every 5 steps; its first two intervals (compilation, warm-up) are left out
-            peer = run_titan(
-                gpus,
-                a.preset,
-                a.seq,
-                a.batch,
-                a.ac,
-                a.compile,
-                max(steps, 25),
-                2,
-                a.data,
-                a.titan_attn,
-                cuda_graphs=not a.titan_no_cuda_graphs,
-            )
-            peer["mfu"] = round(ours["mfu"] * peer["tok_s"] / ours["tok_s"], 4) if ours["mfu"] else None  # same F
-            print(json.dumps(peer), flush=True)
-            rows.append({**peer, "lmyard_over_titan": round(ours["tok_s"] / peer["tok_s"], 3)})
-            if a.trainer:
-                rows[-1]["trainer_over_titan"] = round(trainer["tok_s"] / peer["tok_s"], 3)
-    print("\nimpl              GPUs      tok/s  tok/s/GPU     MFU  peak reserved GiB/GPU  lmyard/torchtitan")
-    for r in rows:
-        mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
-        ratio = f"{r['lmyard_over_titan']:.3f}x" if "lmyard_over_titan" in r else ""
-        ratio += f" (trainer {r['trainer_over_titan']:.3f}x)" if "trainer_over_titan" in r else ""
-        print(
-            f"{r['impl']:<16} {r['world']:>5} {r['tok_s']:>10,} {r['tok_s_per_gpu']:>10,} {mfu:>7}  "
-            f"{r.get('peak_reserved_gib', '-')!s:>21}  {ratio}"
-        )
+
+def main() -> None:
+    a = parser().parse_args()
+    if a.worker:  # one precision per worker
+        return worker(argparse.Namespace(**{**vars(a), "float8": a.float8[0]}))
+    summary(run_all(a))
 
 
 if __name__ == "__main__":

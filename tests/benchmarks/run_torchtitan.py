@@ -1,35 +1,48 @@
-"""torchtitan 0.3.0's Llama 3 trainer on lmyard's shape and tokens: the peer of bench_llama.py.
+"""torchtitan 0.2.2's Llama 3 trainer on lmyard's shape and tokens: the peer of bench_llama.py.
 
+    . .whl/titan/INSTALL.sh    # on the GPU machines: torchtitan 0.2.2, its missing needs, torchao 0.17
     python tests/benchmarks/run_torchtitan.py --gpus 4 --preset llama-1b --seq 2048 --batch 4 --ac none --compile
+    python tests/benchmarks/run_torchtitan.py --gpus 1 --preset llama-1b --compile --float8 rowwise
 
-It writes a local tokenizer folder (a 3-entry WordLevel vocab.json and tokenizer_config.json: the
-tokens come already tokenized, torchtitan only needs to load one), makes the random-token shard
-bench_llama.py reads (tests/benchmarks/random_shards.py) when missing, then runs
-`torchrun ... run_torchtitan.py --worker`, which starts torchtitan's own entry point
-(torchtitan.train.main) with `--module run_torchtitan --config lmyard_bench`: a Trainer.Config built here with
+Why 0.2.2: it is the last torchtitan that runs on the GPU machines' torch 2.11 (0.3.0 imports FSDP2 names
+that only newer torch has). Its wheel and what the GPU image lacks (torchdata, tyro with docstring-parser,
+typeguard and shtab, tomli, datasets 5 with dill and multiprocess, typing_extensions, and torchao 0.17 for
+float8) are carried as wheels: .whl/titan/INSTALL.sh installs them into /tmp/site (see docs/benchmarks.md).
 
-- the model: torchtitan's Llama3Model built from its own config helpers (its initialisation, fused qkv,
-  RMSNorm, SwiGLU, RoPE theta 500000 with Llama scaling, as its 1B/8B flavors) at lmyard's preset's
-  dimensions, untied embeddings (lmyard's Llama is untied; torchtitan's 1B flavor ties them), and
-  F.scaled_dot_product_attention with is_causal (lmyard's attention; torchtitan's default is FlexAttention
-  with per-document masks: `--attn flex` runs that instead);
-- its parallelize_llama: activation checkpointing (SelectiveAC = its op-level policy, FullAC), per-block
-  torch.compile (model and loss), FSDP2 with bf16 parameters and fp32 reduction, on its `partial_dtensor`
-  backend (FSDP2 over a data-parallel mesh, as lmyard; its default `spmd_types` backend passes
-  fully_shard a `dp_mesh_dims` argument that torch 2.11 does not have);
-- its chunked cross-entropy loss, AdamW (fused), warmup + decay schedule; checkpoints and validation off;
-- its default CUDA graph of the forward + backward (`training.disable_cuda_graphs` false); should that
-  capture fail under torch 2.11, the run is made again without it and the JSON says `"cuda_graphs": false`;
-- a data loader reading the same shard file lmyard reads: rank r, step s takes sequences
-  (s * world + r) * batch ... + batch of seq + 1 tokens, as bench_llama.py does.
+How it runs torchtitan unchanged: `torchrun ... run_torchtitan.py --worker <torchtitan flags>` starts, in each
+rank, torchtitan's own entry point `torchtitan.train.main(Trainer)` after three registrations:
 
-On the GPU machine (torch 2.11) three names torchtitan 0.3.0 uses do not exist yet (nor in torch 2.13):
-torch.distributed.fsdp.DataParallelMeshDims and ..._fsdp_common.ShardPlacementResult, imported at module
-level and used only by its full-DTensor and expert-parallel paths, get placeholders; and
-torch.distributed.set_timeout, with which it shortens the collectives' timeout after the first step,
-becomes a no-op (the timeout stays torch's default). torch.utils.tensorboard and `datasets` are stubbed when missing
-(torchtitan imports them at module level; this run logs no tensorboard and reads no HF dataset). Prints one JSON line: tokens/s per GPU (torchtitan's `tps`, median
-of the logged steps after warm-up), tokens/s, MFU (torchtitan's own and lmyard's formula), peak memory.
+- sys.argv is set to the torchtitan flags first: its ConfigManager.parse_args binds `sys.argv[1:]` as a default
+  argument when torchtitan.config is imported;
+- the model: a flavor `lmyard-<preset>` (lmyard's preset dimensions: layers, width, heads, kv heads,
+  multiple_of, ffn_dim_multiplier, RoPE theta, norm eps, vocabulary) is added to
+  `torchtitan.models.llama3.llama3_args`; everything else is torchtitan's Llama 3 (its initialisation, RoPE with
+  Llama 3 scaling, RMSNorm, SwiGLU, untied output head as lmyard's). llama-8b's dimensions are those of its
+  built-in `8B` flavor;
+- the data: the `llama3` TrainSpec is registered again with one change, its data loader: `ShardLoader` reads
+  the random-token shard bench_llama.py reads (tests/benchmarks/random_shards.py; `--training.dataset_path`),
+  rank r, step s taking sequences (s * world + r) * batch ... + batch of seq + 1 tokens, as bench_llama.py
+  does, so both sides see the same tokens. A tokenizer folder is still written (a 3-entry WordLevel vocab.json
+  and tokenizer_config.json naming bos/eos, for `--model.hf_assets_path`): torchtitan builds one; the ids come
+  already tokenized.
+
+The rest is torchtitan's, set by its own flags: parallelize_llama (activation checkpointing: `selective` is its
+op-level policy, `--activation_checkpoint.selective_ac_option op`, as lmyard's; per-block torch.compile of the
+model and the loss; FSDP2 with bf16 parameters and fp32 reduction on more than one GPU; on one GPU it trains
+under torch.autocast bf16 without FSDP, where lmyard wraps in FSDP2 anyway), AdamW (fused, lr 3e-4, 2 warm-up
+steps), gradient clipping at 1.0, checkpoints and validation off. `--float8 tensorwise|rowwise` adds its float8
+converter (`--model.converters quantize.linear.float8 --quantize.linear.float8.recipe_name R`, torchao's
+recipe) with the output head left in bf16 (`filter_fqns output`), as lmyard's train.float8 converts only the
+blocks' linears.
+
+`datasets` and torch.utils.tensorboard are imported by torchtitan at module level; where either fails to import
+(a pyarrow older than datasets 5 wants, say) it is stubbed: this run reads no HF dataset and logs no
+tensorboard. `--device cpu` (a dry run on a CPU machine: gloo, float32) points torchtitan's device helpers at
+the CPU (torchtitan assumes an accelerator) and leaves FSDP's gradient divide factor alone (gloo has no
+PREMUL_SUM).
+
+Prints one JSON line per GPU count: tokens/s per GPU (torchtitan's `tps`, median of the logged intervals after
+warm-up), tokens/s, MFU (torchtitan's own; its FLOP formula is lmyard's), peak reserved memory, last loss.
 """
 
 from __future__ import annotations
@@ -47,9 +60,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
+VERSION = "0.2.2"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP = re.compile(
-    r"step:\s*(\d+)\s+loss:\s*([\d.]+).*memory:\s*([\d.]+)GiB.*tps:\s*([\d,]+)\s+tflops:\s*([\d,.]+)\s+mfu:\s*([\d.]+)%"
+    r"step:\s*(\d+)\s+loss:\s*([\d.]+).*memory:\s*(-?[\d.]+)GiB.*tps:\s*([\d,]+)\s+tflops:\s*([\d,.]+)\s+mfu:\s*([\d.]+)%"
 )
 
 
@@ -87,40 +101,15 @@ def ensure_shards(data_dir: Path, tokens: int) -> Path:
 # ------------------------------------------------------------------ inside torchrun: torchtitan itself
 
 
-def _shim_torch() -> None:
-    """Placeholders for the FSDP2 names torchtitan 0.3.0 imports that torch 2.11 lacks, and for the packages it
-    imports but this run does not use (see the docstring)."""
-    import dataclasses
-
-    import torch.distributed as dist
-    import torch.distributed.fsdp as fsdp
-    from torch.distributed.fsdp._fully_shard import _fsdp_common
-
-    if not hasattr(dist, "set_timeout"):  # after step 1 torchtitan shortens its collectives' timeout: kept as is
-        dist.set_timeout = lambda timeout, group=None: None
-
-    if not hasattr(fsdp, "DataParallelMeshDims"):
-
-        @dataclasses.dataclass
-        class DataParallelMeshDims:  # only constructed on torchtitan's full_dtensor path
-            shard: object = None
-            replicate: object = None
-
-        fsdp.DataParallelMeshDims = DataParallelMeshDims
-    if not hasattr(_fsdp_common, "ShardPlacementResult"):
-
-        @dataclasses.dataclass
-        class ShardPlacementResult:  # only used for expert parallelism
-            placement: object = None
-            mesh_info: object = None
-
-        _fsdp_common.ShardPlacementResult = ShardPlacementResult
+def _stub_unused_imports() -> None:
+    """Stand-ins for the packages torchtitan imports at module level that this run does not use, where they
+    fail to import (see the docstring)."""
 
     def unavailable(*a, **k):
-        raise RuntimeError("not installed: this benchmark reads lmyard's shard file, without tensorboard")
+        raise RuntimeError("not importable here: this benchmark reads lmyard's shard file, without tensorboard")
 
     stubs = {
-        "tensorboard": {"torch.utils.tensorboard": ["SummaryWriter"]},
+        "torch.utils.tensorboard": {"torch.utils.tensorboard": ["SummaryWriter"]},
         "datasets": {
             "datasets": ["Dataset", "load_dataset", "IterableDataset"],
             "datasets.distributed": ["split_dataset_by_node"],
@@ -129,7 +118,7 @@ def _shim_torch() -> None:
     for package, modules in stubs.items():
         try:
             __import__(package)
-        except ImportError:  # imported by modules this run does not use (tensorboard logging, HF datasets)
+        except Exception:  # ImportError, or an incompatible installed dependency failing at import
             for module, names in modules.items():
                 stub = types.ModuleType(module)
                 stub.__path__ = []
@@ -138,30 +127,57 @@ def _shim_torch() -> None:
                 sys.modules[module] = stub
 
 
-def _shard_loader_class():
-    from dataclasses import dataclass
+def _point_at_cpu() -> None:
+    """--device cpu: torchtitan's device helpers fall back to "cuda" when no accelerator is present; point
+    them at the CPU (a dry run of its code path; float32, gloo)."""
+    import torch
+    from torchtitan.tools import utils
 
+    class CPUModule:
+        """torch.cuda's calls torchtitan makes, answered for the CPU: no memory statistics to report."""
+
+        def get_device_name(self, *a):
+            return "cpu"
+
+        def get_device_properties(self, *a):
+            return types.SimpleNamespace(total_memory=1 << 40, name="cpu")
+
+        def memory_stats(self, *a):
+            return {}
+
+        def __getattr__(self, name):  # set_device, current_device, synchronize, empty_cache, reset_peak_...
+            return lambda *a, **k: 0
+
+    utils.device_type, utils.device_module = "cpu", CPUModule()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torchtitan") and getattr(module, "device_type", None) == "cuda":
+            module.device_type, module.device_module = "cpu", utils.device_module
+    torch.distributed.Backend.default_device_backend_map.setdefault("cpu", "gloo")
+    # torchtitan sets FSDP's gradient divide factor to 1 (it scales the loss itself), which reduce-scatters
+    # with PREMUL_SUM, an op gloo lacks: on the CPU the gradients are averaged by FSDP as well (a dry run)
+    from torch.distributed.fsdp import FSDPModule
+
+    FSDPModule.set_gradient_divide_factor = lambda self, factor: None
+
+
+def _shard_loader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **_):
+    """torchtitan's data loader builder, reading lmyard's shard file (see the docstring)."""
     import numpy as np
     import torch
     from torchtitan.components.dataloader import BaseDataLoader
 
+    sys.path.insert(0, str(REPO))
+    from lmyard.data.shards import read_shard
+
     class ShardLoader(BaseDataLoader):
-        """lmyard's shard file, sequence by sequence: rank r of w, step s takes sequences (s*w + r)*B ..."""
-
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseDataLoader.Config):
-            pass
-
-        def __init__(self, config, *, dp_world_size, dp_rank, seq_len, local_batch_size, **_):
-            sys.path.insert(0, str(REPO))
-            from lmyard.data.shards import read_shard
-
-            self.tokens, self.T, self.B = read_shard(config.dataset_path), seq_len, local_batch_size
-            self.rank, self.world, self.step = dp_rank, dp_world_size, 0
+        def __init__(self):
+            self.tokens = read_shard(job_config.training.dataset_path)
+            self.T, self.B = job_config.training.seq_len, job_config.training.local_batch_size
+            self.step = 0
 
         def __iter__(self):
             while True:
-                first = (self.step * self.world + self.rank) * self.B * (self.T + 1)
+                first = (self.step * dp_world_size + dp_rank) * self.B * (self.T + 1)
                 rows = np.asarray(self.tokens[first : first + self.B * (self.T + 1)], dtype=np.int64)
                 rows = torch.from_numpy(rows).view(self.B, self.T + 1)
                 self.step += 1
@@ -170,115 +186,54 @@ def _shard_loader_class():
         def state_dict(self):
             return {"step": self.step}
 
-        def load_state_dict(self, state):
-            self.step = state.get("step", 0)
+        def load_state_dict(self, state_dict):
+            self.step = state_dict.get("step", 0)
 
-    return ShardLoader
-
-
-def _layers(m: dict, attn: str):
-    from torchtitan.models.common import ComplexRoPE, RMSNorm, compute_ffn_hidden_dim
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.common.config_utils import get_attention_config, make_ffn_config, make_gqa_config
-    from torchtitan.models.llama3 import _LINEAR_INIT, _NORM_INIT, _depth_init
-    from torchtitan.models.llama3.model import Llama3TransformerBlock
-
-    dim, heads = m["n_embd"], m["n_head"]
-    hidden = compute_ffn_hidden_dim(dim, multiple_of=m["multiple_of"], ffn_dim_multiplier=m["ffn_dim_multiplier"])
-    rope = ComplexRoPE.Config(dim=dim // heads, max_seq_len=m["block_size"], theta=m["rope_theta"], scaling="llama")
-    inner = ScaledDotProductAttention.Config() if attn == "sdpa" else get_attention_config(attn)
-    return [
-        Llama3TransformerBlock.Config(
-            attention_norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
-            ffn_norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
-            attention=make_gqa_config(
-                dim=dim,
-                n_heads=heads,
-                n_kv_heads=m["n_kv_head"],
-                wqkv_param_init=_LINEAR_INIT,
-                wo_param_init=_depth_init(i),
-                inner_attention=inner,
-                fuse_qkv=True,
-                rope=rope,
-            ),
-            feed_forward=make_ffn_config(
-                dim=dim, hidden_dim=hidden, w1_param_init=_LINEAR_INIT, w2w3_param_init=_depth_init(i)
-            ),
-        )
-        for i in range(m["n_layer"])
-    ]
+    return ShardLoader()
 
 
-def lmyard_bench():
-    """The Trainer.Config of this benchmark (read by torchtitan's ConfigManager: --config lmyard_bench)."""
-    from torchtitan.components.checkpointer import CheckpointManager
-    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.components.metrics import MetricsProcessor
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-    from torchtitan.components.validate import Validator
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
-    from torchtitan.distributed.pipeline_parallel import pipeline_llm
-    from torchtitan.models.common import Embedding, Linear, RMSNorm
-    from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _output_linear_init, parallelize_llama
-    from torchtitan.models.llama3.model import Llama3Model
-    from torchtitan.protocols.model_spec import ModelSpec
-    from torchtitan.trainer import Trainer
+def register(model: dict, flavor: str, attn: str) -> None:
+    """Add lmyard's preset as a torchtitan llama3 flavor, and the llama3 TrainSpec reading lmyard's shard."""
+    import dataclasses
 
-    a = json.loads(os.environ["LMYARD_TITAN"])
-    m, dim, V = a["model"], a["model"]["n_embd"], a["model"]["vocab_size"]
-    model = Llama3Model.Config(
-        dim=dim,
-        vocab_size=V,
-        enable_weight_tying=False,
-        tok_embeddings=Embedding.Config(num_embeddings=V, embedding_dim=dim, param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=V, param_init=_output_linear_init(dim)),
-        layers=_layers(m, a["attn"]),
+    import torchtitan.models.llama3 as llama3
+    from torchtitan.protocols.train_spec import register_train_spec
+
+    llama3.llama3_args[flavor] = llama3.TransformerModelArgs(
+        dim=model["n_embd"],
+        n_layers=model["n_layer"],
+        n_heads=model["n_head"],
+        n_kv_heads=model["n_kv_head"],
+        vocab_size=model["vocab_size"],
+        multiple_of=model["multiple_of"],
+        ffn_dim_multiplier=model["ffn_dim_multiplier"],
+        norm_eps=model["norm_eps"],
+        rope_theta=model["rope_theta"],
+        attn_type=attn,
+        attn_mask_type="causal" if attn == "sdpa" else "block_causal",
     )
-    spec = ModelSpec(
-        name="llama3",
-        flavor="lmyard",
-        model=model,
-        parallelize_fn=parallelize_llama,
-        pipelining_fn=pipeline_llm,
-        post_optimizer_build_fn=None,
-        state_dict_adapter=None,
-    )
-    ac = {"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}[a["ac"]]
-    return Trainer.Config(
-        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=V)),
-        hf_assets_path=a["tokenizer"],
-        dump_folder=a["dump"],
-        model_spec=spec,
-        optimizer=default_adamw(lr=3e-4),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2),
-        training=TrainingConfig(
-            local_batch_size=a["batch"], seq_len=a["seq"], steps=a["steps"], disable_cuda_graphs=not a["cuda_graphs"]
-        ),
-        dataloader=_shard_loader_class().Config(dataset_path=a["shard"]),
-        metrics=MetricsProcessor.Config(log_freq=a["log_freq"]),
-        parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
-        checkpoint=CheckpointManager.Config(enable=False),
-        activation_checkpoint=ac,
-        compile=CompileConfig(enable=a["compile"], components=["model", "loss"]),
-        validator=Validator.Config(enable=False),
-    )
+    spec = dataclasses.replace(llama3.get_train_spec(), build_dataloader_fn=_shard_loader)
+    register_train_spec("llama3", spec)  # user-registered specs come before torchtitan's own
 
 
 def worker() -> None:
-    _shim_torch()
-    from torchtitan.train import main
+    """One rank: torchtitan's main with the flags after --worker (LMYARD_TITAN: the model and options)."""
+    a = json.loads(os.environ["LMYARD_TITAN"])
+    sys.argv = [sys.argv[0], *sys.argv[sys.argv.index("--worker") + 1 :]]  # before torchtitan.config is imported
+    _stub_unused_imports()
+    register(a["model"], a["flavor"], a["attn"])
+    if a["device"] == "cpu":
+        _point_at_cpu()
+    from torchtitan.train import Trainer, main
 
-    sys.path.insert(0, str(HERE))  # torchtitan imports the config function from this file as a module
-    sys.argv = [sys.argv[0], "--module", "run_torchtitan", "--config", "lmyard_bench"]
-    main()
+    main(Trainer)
 
 
 # ------------------------------------------------------------------ the launcher
 
 
 def titan_settings(preset: str, seq: int, n_vocab: int = 50257) -> dict:
+    """lmyard's model settings for `preset` (a vocabulary of its own, or GPT-2's padded to 64)."""
     sys.path.insert(0, str(REPO))
     from lmyard.config import ModelConfig
     from lmyard.models import llama
@@ -288,73 +243,66 @@ def titan_settings(preset: str, seq: int, n_vocab: int = 50257) -> dict:
     return d
 
 
-def run(
-    gpus: int,
-    preset: str,
-    seq: int,
-    batch: int,
-    ac: str,
-    compile: bool,
-    steps: int,
-    warmup_logs: int,
-    data_dir: Path,
-    attn: str = "sdpa",
-    log_freq: int = 5,
-    cuda_graphs: bool = True,
-) -> dict:
-    """One torchtitan run on `gpus` GPUs; its parsed figures. With `cuda_graphs` (torchtitan's default: the
-    forward + backward captured in a CUDA graph) a failed run is tried once more without them."""
-    m = titan_settings(preset, seq)
-    shard = ensure_shards(data_dir, (steps + 1) * batch * (seq + 1) * gpus)
-    work = Path(tempfile.mkdtemp(prefix="titan-"))
-    settings = {
-        "model": m,
-        "attn": attn,
-        "ac": ac,
-        "compile": compile,
-        "batch": batch,
-        "seq": seq,
-        "steps": steps,
-        "log_freq": log_freq,
-        "shard": str(shard),
-        "tokenizer": str(tokenizer_folder(work / "tokenizer")),
-        "dump": str(work / "outputs"),
-        "cuda_graphs": cuda_graphs,
-    }
-    env = {**os.environ, "LMYARD_TITAN": json.dumps(settings), "PYTHONUNBUFFERED": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={gpus}",
-        str(Path(__file__).resolve()),
-        "--worker",
+def titan_flags(a: argparse.Namespace, flavor: str, shard: Path, work: Path) -> list[str]:
+    """torchtitan 0.2.2's own command-line flags for this run."""
+    flags = [
+        *("--model.name", "llama3", "--model.flavor", flavor),
+        *("--model.hf_assets_path", str(tokenizer_folder(work / "tokenizer"))),
+        *("--job.dump_folder", str(work / "outputs")),
+        *("--training.dataset", "lmyard_shard", "--training.dataset_path", str(shard)),
+        *("--training.local_batch_size", str(a.batch), "--training.seq_len", str(a.seq)),
+        *("--training.steps", str(a.steps), "--training.max_norm", "1.0"),
+        *("--optimizer.lr", "3e-4", "--lr_scheduler.warmup_steps", "2"),
+        *("--metrics.log_freq", str(a.log_freq), "--debug.seed", "0"),
+        *("--activation_checkpoint.mode", a.ac, "--activation_checkpoint.selective_ac_option", "op"),
     ]
+    if a.compile:
+        flags += ["--compile.enable", "--compile.components", "model,loss"]
+    if a.float8 != "none":
+        flags += ["--model.converters", "quantize.linear.float8"]
+        flags += ["--quantize.linear.float8.recipe_name", a.float8, "--quantize.linear.float8.filter_fqns", "output"]
+    # a dry run on the CPU: float32; float8 passes torchtitan's SM89 check only with `emulate` (which its recipes
+    # then ignore: torch's CPU float8 matmul runs them)
+    if a.device == "cpu":
+        flags += ["--optimizer.implementation", "foreach", "--training.mixed_precision_param", "float32"]
+        flags += ["--quantize.linear.float8.emulate"] if a.float8 != "none" else []
+    return flags
+
+
+def parse_log(out: str, warmup_logs: int) -> list[tuple[str, ...]]:
+    """torchtitan's logged intervals after the first `warmup_logs`: (step, loss, GiB, tps, tflops, mfu%)."""
+    logs = [m.groups() for m in map(STEP.search, ANSI.sub("", out).splitlines()) if m]
+    return logs[warmup_logs:]
+
+
+def run(a: argparse.Namespace, gpus: int) -> dict:
+    """One torchtitan run on `gpus` GPUs (ranks, with --device cpu); its parsed figures."""
+    flavor = f"lmyard-{a.preset}"
+    shard = ensure_shards(a.data, (a.steps + 1) * a.batch * (a.seq + 1) * gpus)
+    work = Path(tempfile.mkdtemp(prefix="titan-"))
+    settings = {"model": titan_settings(a.preset, a.seq), "flavor": flavor, "attn": a.attn, "device": a.device}
+    env = {**os.environ, "LMYARD_TITAN": json.dumps(settings), "PYTHONUNBUFFERED": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
+    torchrun += ["--local-ranks-filter", "0", "--role", "rank", "--tee", "3"]  # rank 0's log: one line a step
+    cmd = [*torchrun, str(Path(__file__).resolve()), "--worker", *titan_flags(a, flavor, shard, work)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    out = ANSI.sub("", proc.stdout + proc.stderr)
-    logs = [m_.groups() for m_ in map(STEP.search, out.splitlines()) if m_]
-    if proc.returncode or len(logs) <= warmup_logs:
-        if cuda_graphs:
-            print(
-                f"torchtitan with CUDA graphs failed (rc {proc.returncode}); again without them. Its last lines:\n"
-                + "\n".join(out.splitlines()[-15:]),
-                file=sys.stderr,
-                flush=True,
-            )
-            return run(gpus, preset, seq, batch, ac, compile, steps, warmup_logs, data_dir, attn, log_freq, False)
-        raise SystemExit(f"torchtitan run failed (rc {proc.returncode}):\n{out[-6000:]}")
-    timed = logs[warmup_logs:]
+    out = proc.stdout + proc.stderr
+    if a.log:
+        Path(a.log).open("a").write(out)
+    timed = parse_log(out, a.warmup_logs)
+    if proc.returncode or not timed:
+        raise SystemExit(f"torchtitan run failed (rc {proc.returncode}):\n{ANSI.sub('', out)[-6000:]}")
     tps = statistics.median(float(t[3].replace(",", "")) for t in timed)
     return {
-        "impl": "torchtitan-0.3.0",
+        "impl": f"torchtitan-{VERSION}",
+        "preset": a.preset,
         "world": gpus,
-        "B": batch,
-        "T": seq,
-        "ac": ac,
-        "compile": compile,
-        "attn": attn,
-        "cuda_graphs": cuda_graphs,
+        "B": a.batch,
+        "T": a.seq,
+        "ac": a.ac,
+        "compile": a.compile,
+        "float8": a.float8,
+        "attn": a.attn,
         "tok_s": round(tps * gpus),
         "tok_s_per_gpu": round(tps),
         "mfu_titan": statistics.median(float(t[5]) for t in timed) / 100,
@@ -364,41 +312,31 @@ def run(
     }
 
 
-def main() -> None:
-    if "--worker" in sys.argv:
-        return worker()
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gpus", type=int, nargs="+", default=[1])
+    ap.add_argument("--gpus", type=int, nargs="+", default=[1], help="GPU counts (ranks, with --device cpu)")
     ap.add_argument("--preset", default="llama-1b")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
     ap.add_argument("--ac", choices=["none", "selective", "full"], default="none")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--float8", choices=["none", "tensorwise", "rowwise"], default="none", help="torchao recipe")
     ap.add_argument("--attn", default="sdpa", help="sdpa (lmyard's attention) or torchtitan's flex / varlen")
-    ap.add_argument("--no-cuda-graphs", action="store_true", help="torchtitan's training.disable_cuda_graphs")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--warmup-logs", type=int, default=2, help="logged intervals (of 5 steps) left out")
+    ap.add_argument("--log-freq", type=int, default=5, help="torchtitan's metrics.log_freq (steps)")
+    ap.add_argument("--warmup-logs", type=int, default=2, help="logged intervals left out (compilation, warm-up)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "lmyard-bench-llama")
-    a = ap.parse_args()
-    for g in a.gpus:
-        print(
-            json.dumps(
-                run(
-                    g,
-                    a.preset,
-                    a.seq,
-                    a.batch,
-                    a.ac,
-                    a.compile,
-                    a.steps,
-                    a.warmup_logs,
-                    a.data,
-                    a.attn,
-                    cuda_graphs=not a.no_cuda_graphs,
-                )
-            ),
-            flush=True,
-        )
+    ap.add_argument("--log", help="append torchtitan's whole output to this file")
+    return ap
+
+
+def main() -> None:
+    if "--worker" in sys.argv:
+        return worker()
+    a = parser().parse_args()
+    for gpus in a.gpus:
+        print(json.dumps(run(a, gpus)), flush=True)
 
 
 if __name__ == "__main__":
