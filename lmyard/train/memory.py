@@ -24,7 +24,7 @@ UserError naming the changes that would fit: fsdp, activation checkpointing, a s
 `train.activation_checkpointing=auto` is settled here before the first step (`resolve`): the lightest policy
 whose plan fits, in order of recomputation: none; selective (every second matmul and the pointwise ops
 run again); full on the fewest first blocks that fit (each such block runs its whole forward twice); full
-on every block. The order is the brief's by design, not measured: a few fully recomputed blocks may cost
+on every block. The order is fixed, not measured: a few fully recomputed blocks may cost
 less than selective everywhere (docs/benchmarks.md, to be measured). Memory is what decides, never speed: a plan that fits without recomputation keeps
 every activation. On CPU there is no device to plan against, and auto is none.
 """
