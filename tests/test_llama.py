@@ -316,3 +316,10 @@ def test_auto_without_a_gpu_is_none_and_says_so(capsys):
     planned = plan_memory(cfg, 257, Dist(0, 0, 1, torch.device("cpu")))
     assert planned.train.activation_checkpointing == "none" and cfg.train.activation_checkpointing == "auto"
     assert "activation checkpointing: none (auto without a GPU" in capsys.readouterr().out
+
+
+def test_more_checkpointed_blocks_than_the_model_has_is_a_user_error_before_training():
+    """The config validator cannot see an init_from model's blocks; the plan refuses them in one line."""
+    full = TrainConfig(activation_checkpointing="full", activation_checkpointing_blocks=3)
+    with pytest.raises(UserError, match=r"activation_checkpointing_blocks is 3 but the model has 2 blocks"):
+        resolve(ModelConfig(preset="llama-tiny"), full, 1, None, 257)
