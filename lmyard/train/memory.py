@@ -260,8 +260,8 @@ def choose(
 def resolve(
     model_cfg: ModelConfig, train_cfg: TrainConfig, world: int, device_bytes: int | None, n_vocab: int = 50257
 ) -> tuple[TrainConfig, str | None]:
-    """The train config with its checkpointing settled, and the startup line when auto chose it. device_bytes
-    None (no GPU): auto is none, there is nothing to plan against. A UserError when the blocks exceed the model's
+    """The train config with its checkpointing settled, and the startup line when auto chose it on a GPU.
+    device_bytes None (no GPU): auto is none, there is nothing to plan against. A UserError when the blocks exceed the model's
     (a config validator checks this too, but not against an init_from model's sizes)."""
     L = n_layer(model_cfg, n_vocab)
     blocks = train_cfg.activation_checkpointing_blocks
@@ -271,8 +271,7 @@ def resolve(
         )
     if train_cfg.activation_checkpointing != "auto":
         return train_cfg, None
-    if device_bytes is None:
-        none = train_cfg.model_copy(update={"activation_checkpointing": "none"})
-        return none, "activation checkpointing: none (auto without a GPU: no device memory to plan against)"
+    if device_bytes is None:  # silent: on CPU nothing is planned, and the smoke run's output stays as it was
+        return train_cfg.model_copy(update={"activation_checkpointing": "none"}), None
     plan, line = choose(model_cfg, train_cfg, world, device_bytes, n_vocab)
     return plan.train_cfg, line
