@@ -363,11 +363,19 @@ class TrainConfig(_Section):
         description="fsdp: free each block's gathered parameters after its forward (gather again for backward); "
         "false keeps them until backward: less communication, more memory.",
     )
-    activation_checkpointing: Literal["none", "selective", "full"] = Field(
-        "none",
+    activation_checkpointing: Literal["auto", "none", "selective", "full"] = Field(
+        "auto",
         description="Recompute activations in backward instead of keeping them: `full` recomputes every "
-        "block; `selective` keeps matmul and attention outputs except every second matmul's (torchtitan's op-level "
-        "policy).",
+        "block (or the first train.activation_checkpointing_blocks); `selective` keeps matmul and attention outputs "
+        "except every second matmul's (torchtitan's op-level policy); `auto`: before the first step, the lightest "
+        "that the memory plan fits on the GPU, in order none, selective, full on the fewest first blocks, full on "
+        "every block (none on CPU).",
+    )
+    activation_checkpointing_blocks: int | None = Field(
+        None,
+        gt=0,
+        description="With activation_checkpointing=full: recompute only the first N blocks (the rest keep their "
+        "activations); default every block.",
     )
     float8: bool = Field(
         False,
@@ -380,6 +388,15 @@ class TrainConfig(_Section):
         "`rowwise` (one scale per row: closer to bf16's loss, a little slower).",
     )
     guard: GuardConfig = Field(default_factory=GuardConfig)
+
+    @model_validator(mode="after")
+    def _checkpointing_blocks(self) -> TrainConfig:
+        if self.activation_checkpointing_blocks is not None and self.activation_checkpointing != "full":
+            raise ValueError(
+                f"train.activation_checkpointing_blocks applies to activation_checkpointing=full, not "
+                f"{self.activation_checkpointing}: set train.activation_checkpointing=full or unset the blocks"
+            )
+        return self
 
 
 class EvalGates(_Section):
@@ -678,6 +695,16 @@ class RunConfig(_Section):
         if problem:
             raise ValueError(problem)
         return v
+
+    @model_validator(mode="after")
+    def _checkpointing_blocks_within_layers(self) -> RunConfig:
+        blocks, n_layer = self.train.activation_checkpointing_blocks, self.model.dims()["n_layer"]
+        if blocks is not None and n_layer is not None and not self.model.init_from and blocks > n_layer:
+            raise ValueError(
+                f"train.activation_checkpointing_blocks is {blocks} but the model has {n_layer} blocks: "
+                f"set at most {n_layer} ({n_layer} is every block, as leaving it unset)"
+            )
+        return self
 
     @field_validator("run_name")
     @classmethod

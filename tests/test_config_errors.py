@@ -47,6 +47,31 @@ def test_recipe_file_is_read_and_overridden(tmp_path):
         (["config", "--set", "store=s3://"], "store: 's3://' names no bucket"),
         (["shard", "smoke", "--set", "store=s3:///prefix"], "store: 's3:///prefix' names no bucket"),
         (["config", "--set", "store=gs://bucket/x"], "is not a store URI"),
+        (["config", "--set", "train.activation_checkpointing=some"], "train.activation_checkpointing: Input should be"),
+        (
+            [
+                "config",
+                "--set",
+                "train.activation_checkpointing=selective",
+                "--set",
+                "train.activation_checkpointing_blocks=2",
+            ],
+            "train.activation_checkpointing_blocks applies to activation_checkpointing=full, not selective",
+        ),
+        (
+            [
+                "config",
+                "--set",
+                "train.activation_checkpointing=full",
+                "--set",
+                "train.activation_checkpointing_blocks=9",
+            ],
+            "train.activation_checkpointing_blocks is 9 but the model has 4 blocks: set at most 4",
+        ),
+        (
+            ["config", "--set", "train.activation_checkpointing_blocks=0"],
+            "train.activation_checkpointing_blocks: Input should be greater than 0",
+        ),
     ],
 )
 def test_bad_config_prints_one_line_and_exits_2(args, message):

@@ -10,13 +10,16 @@ import torch.nn.functional as F
 
 from lmyard.config import ModelConfig, TrainConfig
 from lmyard.errors import UserError
+from lmyard.models import registry
 from lmyard.models.gpt2.model import GPT
 from lmyard.models.llama import ffn_hidden_size
 from lmyard.models.llama.model import Llama, LlamaConfig
 from lmyard.models.registry import build_model, flops_per_token, model_config, model_from_spec, model_spec
 from lmyard.recipes import load_recipe
-from lmyard.train.memory import check, estimate
+from lmyard.train.memory import check, describe, estimate, resolve
 from lmyard.train.parallel import apply_activation_checkpointing, compile_blocks
+from lmyard.train.parallelism import prepare_model
+from lmyard.train.trainer import Dist, plan_memory
 
 GB80 = 80 * 10**9
 
@@ -156,6 +159,47 @@ def test_activation_checkpointing_changes_no_loss_or_gradient(mode):
         assert torch.allclose(p.grad, grads[name].grad, atol=1e-6), name
 
 
+def test_checkpointing_the_first_blocks_trains_exactly_as_without():
+    """float64 on CPU: three AdamW steps with the first 2 of 4 blocks recomputed give the very same losses,
+    gradients and weights as keeping every activation (recomputation must not change the numerics)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        runs = []
+        for blocks in (None, 2):
+            model = _tiny(n_layer=4)
+            if blocks:
+                apply_activation_checkpointing(model, "full", blocks)
+                wrapped = [type(b).__name__ == "CheckpointWrapper" for b in model.layers]
+                assert wrapped == [True, True, False, False]
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            torch.manual_seed(1)
+            losses, grads = [], []
+            for _ in range(3):
+                x, y = torch.randint(0, 257, (2, 64)), torch.randint(0, 257, (2, 64))
+                loss = model(x, y)
+                loss.backward()
+                losses.append(loss.item())
+                grads.append([p.grad.clone() for p in model.parameters()])
+                opt.step()
+                opt.zero_grad()
+            runs.append((losses, grads, model.state_dict()))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    (l0, g0, s0), (l1, g1, s1) = runs
+    assert l0 == l1
+    assert all(torch.equal(a, b) for step0, step1 in zip(g0, g1) for a, b in zip(step0, step1, strict=True))
+    assert s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
+
+
+def test_ddp_path_checkpoints_the_configured_blocks():
+    """train.parallel=ddp applies activation checkpointing too (it used to be planned for, not applied)."""
+    cfg = load_recipe("smoke", ["model.preset=llama-tiny", "train.activation_checkpointing=full"])
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"activation_checkpointing_blocks": 1})})
+    model = _tiny()
+    prepare_model(model, cfg, Dist(0, 0, 1, torch.device("cpu")))
+    assert [type(b).__name__ for b in model.layers] == ["CheckpointWrapper", "Block"]
+
+
 def test_compiled_blocks_keep_their_parameter_names():
     model = _tiny()
     names = set(model.state_dict())
@@ -207,3 +251,75 @@ def test_float8_is_skipped_with_a_warning_where_the_device_has_no_float8_matmuls
     with pytest.warns(UserWarning, match="train.float8 skipped"):
         assert apply_float8(model, torch.device("cpu")) is False
     assert not any("Float8" in type(m).__name__ for m in model.modules())
+
+
+def _wide_llama(n_layer: int) -> ModelConfig:
+    """Llama-8B's width and sequence (4096, 8192 tokens) at n_layer blocks."""
+    return ModelConfig(preset=None, arch="llama", n_layer=n_layer, n_head=32, n_embd=4096, block_size=8192)
+
+
+@pytest.mark.parametrize(
+    "n_layer, chosen",
+    [(16, "none"), (40, "selective"), (56, "full on 45 of 56 blocks"), (72, "full on all 72 blocks")],
+)
+def test_auto_checkpointing_is_the_lightest_that_fits_as_the_model_grows(n_layer, chosen):
+    """On four 80 GB GPUs under fsdp: none while it fits, then selective, then full on the fewest first blocks,
+    then full everywhere; what auto chose fits, and the next lighter setting does not."""
+    model, auto = _wide_llama(n_layer), TrainConfig(parallel="fsdp", micro_batch=1)
+    train, line = resolve(model, auto, 4, GB80)
+    assert describe(train, n_layer) == chosen
+    assert line is not None and line.startswith(f"activation checkpointing: {chosen} (plan ")
+    assert check(estimate(model, train, 4, GB80)).fits
+    assert estimate(model, auto, 4, GB80).train_cfg == train  # a plan of `auto` is the plan of what it chooses
+    lighter = {
+        "none": None,
+        "selective": {"activation_checkpointing": "none"},
+        "full on 45 of 56 blocks": {"activation_checkpointing": "full", "activation_checkpointing_blocks": 44},
+        "full on all 72 blocks": {"activation_checkpointing": "full", "activation_checkpointing_blocks": 71},
+    }[chosen]
+    if lighter is not None:
+        assert not estimate(model, auto.model_copy(update=lighter), 4, GB80).fits
+
+
+def test_partial_checkpointing_is_costed_with_the_per_block_terms():
+    """Each block recomputed trades its whole activations for its input; all blocks is `full`, as before."""
+    model = _wide_llama(32)
+
+    def act(ac="full", blocks=None):
+        t = TrainConfig(
+            parallel="fsdp", micro_batch=1, activation_checkpointing=ac, activation_checkpointing_blocks=blocks
+        )
+        return estimate(model, t, 4, GB80).activations
+
+    per_token = registry.spec("llama").terms(registry.resolve(model, 50257)).activations
+    step = act(blocks=10) - act(blocks=11)
+    assert step == 8192 * (per_token["none"] - per_token["full"])  # micro_batch 1 x 8192 tokens
+    assert act(blocks=11) - act(blocks=12) == step  # linear in the blocks
+    assert act(blocks=32) == act()
+    assert act(blocks=1) > act("none")  # one block recomputed costs its recomputation: it never helps alone
+
+
+def test_explicit_checkpointing_that_does_not_fit_names_the_fewest_blocks_that_would():
+    with pytest.raises(
+        UserError, match=r"train\.activation_checkpointing=full with train\.activation_checkpointing_blocks=45"
+    ):
+        check(
+            estimate(
+                _wide_llama(56), TrainConfig(parallel="fsdp", micro_batch=1, activation_checkpointing="none"), 4, GB80
+            )
+        )
+
+
+def test_auto_without_a_gpu_is_none_and_the_smoke_output_stays_as_it_was(capsys):
+    cfg = load_recipe("smoke", ["model.preset=llama-tiny"])
+    assert cfg.train.activation_checkpointing == "auto"  # the default
+    planned = plan_memory(cfg, 257, Dist(0, 0, 1, torch.device("cpu")))
+    assert planned.train.activation_checkpointing == "none" and cfg.train.activation_checkpointing == "auto"
+    assert capsys.readouterr().out == ""
+
+
+def test_more_checkpointed_blocks_than_the_model_has_is_a_user_error_before_training():
+    """The config validator cannot see an init_from model's blocks; the plan refuses them in one line."""
+    full = TrainConfig(activation_checkpointing="full", activation_checkpointing_blocks=3)
+    with pytest.raises(UserError, match=r"activation_checkpointing_blocks is 3 but the model has 2 blocks"):
+        resolve(ModelConfig(preset="llama-tiny"), full, 1, None, 257)

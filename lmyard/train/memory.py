@@ -12,17 +12,27 @@
 - activations: what backward keeps, bf16, for micro_batch x block_size tokens: per block and token the
   family's figure (its spec's `terms`, e.g. GPT-2 34d eager, Korthikanti et al. 2022 with flash attention);
   `selective` keeps matmul and attention outputs but every second matmul's; `full` keeps each block's input
-  (2d) plus one block's worth during its recomputation. Plus the logits (bf16, their gradient is written
-  in place).
+  (2d) plus one block's worth during its recomputation; `full` on the first n of L blocks
+  (train.activation_checkpointing_blocks) keeps n inputs, L - n blocks' whole activations and the one
+  block being recomputed, so n = L is `full` and the step from n to n + 1 saves none - full per token.
+  Plus the logits (bf16, their gradient is written in place).
 - reserve: 10% of the device for the CUDA context, NCCL buffers and allocator fragmentation.
 
 The figures are estimates (an upper end for eager, torch.compile saves a little); `check(plan)` raises a
 UserError naming the changes that would fit: fsdp, activation checkpointing, a smaller micro-batch, more GPUs.
+
+`train.activation_checkpointing=auto` is settled here before the first step (`resolve`): the lightest policy
+whose plan fits, in order of recomputation: none; selective (every second matmul and the pointwise ops
+run again); full on the fewest first blocks that fit (each such block runs its whole forward twice); full
+on every block. The order is fixed, not measured: a few fully recomputed blocks may cost
+less than selective everywhere (docs/benchmarks.md, to be measured). Memory is what decides, never speed: a plan that fits without recomputation keeps
+every activation. On CPU there is no device to plan against, and auto is none.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from lmyard.config import ModelConfig, TrainConfig
 from lmyard.errors import UserError
@@ -85,11 +95,27 @@ def _shape(model_cfg: ModelConfig, n_vocab: int) -> dict:
     }
 
 
+def _kept_per_token(s: dict, train_cfg: TrainConfig) -> int:
+    """Bytes the blocks keep for backward per token (the module docstring's activations, without the logits)."""
+    ac, act, L = train_cfg.activation_checkpointing, s["act"], s["L"]
+    assert ac != "auto", "estimate() settles auto before the activations are counted"
+    if ac != "full":
+        return L * act[ac]
+    n = min(train_cfg.activation_checkpointing_blocks or L, L)
+    return n * act["full"] + (L - n) * act["none"] + act["none"]  # + the one block being recomputed
+
+
+def n_layer(model_cfg: ModelConfig, n_vocab: int = 50257) -> int:
+    return _shape(model_cfg, n_vocab)["L"]
+
+
 def estimate(
     model_cfg: ModelConfig, train_cfg: TrainConfig, world: int, device_bytes: int, n_vocab: int = 50257
 ) -> Plan:
     """Per-GPU bytes of a training step (see the module docstring); n_vocab: the tokenizer's, for models
-    whose vocab_size is not fixed by the config."""
+    whose vocab_size is not fixed by the config. activation_checkpointing=auto: the plan of what auto chooses."""
+    if train_cfg.activation_checkpointing == "auto":
+        return choose(model_cfg, train_cfg, world, device_bytes, n_vocab)[0]
     s = _shape(model_cfg, n_vocab)
     fsdp = train_cfg.parallel == "fsdp"
     shards = world if fsdp else 1
@@ -99,10 +125,8 @@ def estimate(
         working = gathered + 4 * s["block"] + 6 * s["root"]  # + a block's fp32 grads, the root's bf16 + fp32
     else:
         working = 2 * n  # autocast's bf16 copies of the weights
-    ac = train_cfg.activation_checkpointing
     tokens = train_cfg.micro_batch * s["T"]
-    per_block = s["act"][ac]
-    activations = tokens * (s["L"] * per_block + (s["act"]["none"] if ac == "full" else 0) + 2 * s["V"])
+    activations = tokens * (_kept_per_token(s, train_cfg) + 2 * s["V"])
     return Plan(
         params=4 * n // shards,
         grads=4 * n // shards,
@@ -117,10 +141,52 @@ def estimate(
     )
 
 
-def _with(plan: Plan, world: int | None = None, **train) -> Plan:
+def _with(plan: Plan, world: int | None = None, **train: Any) -> Plan:
     return estimate(
         plan.model_cfg, plan.train_cfg.model_copy(update=train), world or plan.world, plan.device_bytes, plan.n_vocab
     )
+
+
+def _fewest_blocks(plan: Plan, **train: Any) -> Plan | None:
+    """The plan of full checkpointing on the fewest first blocks (fewer than all) that fits, else None.
+    Each block checkpointed saves the same bytes, so the first n that fits is the lightest."""
+    L = n_layer(plan.model_cfg, plan.n_vocab)
+    for n in range(1, L):
+        partial = _with(plan, activation_checkpointing="full", activation_checkpointing_blocks=n, **train)
+        if partial.fits:
+            return partial
+    return None
+
+
+def describe(train_cfg: TrainConfig, L: int) -> str:
+    """The checkpointing of a resolved train config in words: `none`, `selective`, `full on 12 of 32 blocks`,
+    `full on all 32 blocks`."""
+    ac, n = train_cfg.activation_checkpointing, train_cfg.activation_checkpointing_blocks
+    if ac == "full":
+        return f"full on {n} of {L} blocks" if n is not None and n < L else f"full on all {L} blocks"
+    return ac
+
+
+def _checkpointing_alternative(plan: Plan) -> str | None:
+    """The lightest checkpointing heavier than the plan's that fits, as `--set` assignments (with fsdp under ddp
+    when only that fits)."""
+    t, L = plan.train_cfg, n_layer(plan.model_cfg, plan.n_vocab)
+    weight = {"none": 0, "selective": 1, "full": 3 if (t.activation_checkpointing_blocks or L) >= L else 2}
+    extras: list[dict[str, Any]] = [{}, {"parallel": "fsdp"}] if t.parallel == "ddp" else [{}]
+    for extra in extras:
+        heavier: list[Plan | None] = [
+            _with(plan, activation_checkpointing="selective", **extra),
+            _fewest_blocks(plan, **extra),
+            _with(plan, activation_checkpointing="full", activation_checkpointing_blocks=None, **extra),
+        ]
+        fit = next((c for c in heavier[weight[t.activation_checkpointing] :] if c is not None and c.fits), None)
+        if fit is not None:
+            ct = fit.train_cfg
+            sets = f"train.activation_checkpointing={ct.activation_checkpointing}"
+            if ct.activation_checkpointing_blocks is not None:
+                sets += f" with train.activation_checkpointing_blocks={ct.activation_checkpointing_blocks}"
+            return f"train.parallel=fsdp with {sets}" if extra else sets
+    return None
 
 
 def alternatives(plan: Plan) -> list[str]:
@@ -128,14 +194,8 @@ def alternatives(plan: Plan) -> list[str]:
     t, out = plan.train_cfg, []
     if t.parallel == "ddp" and _with(plan, parallel="fsdp").fits:
         out.append("train.parallel=fsdp")
-    for ac in ("selective", "full"):
-        if t.activation_checkpointing != ac and (ac == "full" or t.activation_checkpointing == "none"):
-            if _with(plan, activation_checkpointing=ac).fits:
-                out.append(f"train.activation_checkpointing={ac}")
-                break
-            if t.parallel == "ddp" and _with(plan, parallel="fsdp", activation_checkpointing=ac).fits:
-                out.append(f"train.parallel=fsdp with train.activation_checkpointing={ac}")
-                break
+    if (ac := _checkpointing_alternative(plan)) is not None:
+        out.append(ac)
     mb = t.micro_batch // 2
     while mb >= 1 and not _with(plan, micro_batch=mb).fits:
         mb //= 2
@@ -157,9 +217,10 @@ def check(plan: Plan) -> Plan:
         return plan
     t = plan.train_cfg
     options = alternatives(plan)
+    ac = describe(t, n_layer(plan.model_cfg, plan.n_vocab))
     what = (
         f"{plan.model_cfg.preset or 'the model'} with train.parallel={t.parallel}, "
-        f"activation_checkpointing={t.activation_checkpointing}, micro_batch={t.micro_batch} on {plan.world} GPU(s)"
+        f"activation_checkpointing={ac}, micro_batch={t.micro_batch} on {plan.world} GPU(s)"
     )
     fix = (
         ("; it would fit with " + " or ".join(options))
@@ -167,3 +228,50 @@ def check(plan: Plan) -> Plan:
         else "; nothing tried fits (fsdp, activation checkpointing, micro_batch 1, up to 1024 GPUs): choose a smaller model"
     )
     raise UserError(f"{what} will not fit: {plan.summary()}{fix}")
+
+
+def _gib(plan: Plan) -> str:
+    return f"{plan.total / GIB:.1f} GiB"
+
+
+def choose(
+    model_cfg: ModelConfig, train_cfg: TrainConfig, world: int, device_bytes: int, n_vocab: int = 50257
+) -> tuple[Plan, str]:
+    """For activation_checkpointing=auto: the plan of the lightest checkpointing that fits (module docstring),
+    full on every block when none does (check() then names what would), and the startup line saying why."""
+    none = estimate(
+        model_cfg, train_cfg.model_copy(update={"activation_checkpointing": "none"}), world, device_bytes, n_vocab
+    )
+    L, tried = n_layer(model_cfg, n_vocab), [none]
+    if not none.fits:
+        tried.append(_with(none, activation_checkpointing="selective"))
+    if not tried[-1].fits:
+        partial = _fewest_blocks(none)
+        if partial is None and L > 1:  # the most blocks short of all, to say why all
+            tried.append(_with(none, activation_checkpointing="full", activation_checkpointing_blocks=L - 1))
+        tried.append(partial or _with(none, activation_checkpointing="full"))
+    chosen = tried[-1]
+    why = f"plan {_gib(chosen)} of {chosen.usable / GIB:.1f} GiB usable per GPU" + "".join(
+        f"; {describe(p.train_cfg, L)} would need {_gib(p)}" for p in tried[:-1]
+    )
+    return chosen, f"activation checkpointing: {describe(chosen.train_cfg, L)} ({why})"
+
+
+def resolve(
+    model_cfg: ModelConfig, train_cfg: TrainConfig, world: int, device_bytes: int | None, n_vocab: int = 50257
+) -> tuple[TrainConfig, str | None]:
+    """The train config with its checkpointing settled, and the startup line when auto chose it on a GPU.
+    device_bytes None (no GPU): auto is none, there is nothing to plan against. A UserError when the blocks exceed the model's
+    (a config validator checks this too, but not against an init_from model's sizes)."""
+    L = n_layer(model_cfg, n_vocab)
+    blocks = train_cfg.activation_checkpointing_blocks
+    if blocks is not None and blocks > L:
+        raise UserError(
+            f"train.activation_checkpointing_blocks is {blocks} but the model has {L} blocks: set at most {L}"
+        )
+    if train_cfg.activation_checkpointing != "auto":
+        return train_cfg, None
+    if device_bytes is None:  # silent: on CPU nothing is planned, and the smoke run's output stays as it was
+        return train_cfg.model_copy(update={"activation_checkpointing": "none"}), None
+    plan, line = choose(model_cfg, train_cfg, world, device_bytes, n_vocab)
+    return plan.train_cfg, line

@@ -8,7 +8,9 @@ The parameters stay fp32 and sharded (the optimizer updates fp32 shards); on CUD
 parameters are gathered in bf16 for its forward and backward, and gradients are reduce-scattered in
 fp32 (MixedPrecisionPolicy). On CPU everything stays fp32.
 
-Activation checkpointing: `full` recomputes each whole block in backward; `selective` is torchtitan's
+Activation checkpointing (under ddp too, lmyard.train.parallelism): `full` recomputes each whole block in
+backward, or only the first train.activation_checkpointing_blocks of them (the rest keep their activations;
+lmyard.train.memory's `auto` picks that number); `selective` is torchtitan's
 op-level policy: inside each block the outputs of matmuls and attention are kept, except every second
 matmul's, and everything else (norms, RoPE, SwiGLU's pointwise ops) is recomputed; FlexAttention's output
 (model.doc_mask) is kept as SDPA's is.
@@ -93,18 +95,23 @@ def _selective_policy():
     return policy
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """Wrap each block for recomputation in backward: `none`, `full` or `selective` (see the module docstring).
-    The wrapper keeps the blocks' state_dict keys (checkpoint_wrapper strips its own prefix)."""
+def apply_activation_checkpointing(model: nn.Module, mode: str, blocks: int | None = None) -> None:
+    """Wrap blocks for recomputation in backward: `none`, `full` or `selective` (see the module docstring);
+    `blocks`: only the first so many (full only; default every block). The wrapper keeps the blocks'
+    state_dict keys (checkpoint_wrapper strips its own prefix)."""
     if mode == "none":
         return
     if mode not in ("full", "selective"):
-        raise ValueError(f"activation checkpointing mode {mode!r}: choose none, selective or full")
+        raise ValueError(
+            f"activation checkpointing mode {mode!r}: choose none, selective or full (auto is resolved before)"
+        )
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     layers = _blocks(model)
-    for i, block in enumerate(layers):
+    if blocks is not None and not (mode == "full" and 0 < blocks <= len(layers)):
+        raise ValueError(f"{blocks} blocks of full checkpointing: give 1 to {len(layers)}, with mode full")
+    for i, block in enumerate(layers[:blocks] if blocks is not None else layers):
         if mode == "full":
             layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
         else:
@@ -164,13 +171,13 @@ def fsdp_mesh(world: int, device: torch.device):
 
 def parallelize(raw_model: nn.Module, cfg: RunConfig, world: int, device: torch.device) -> nn.Module:
     """The model to train under train.parallel=fsdp: float8 (train.float8) -> activation checkpointing
-    (train.activation_checkpointing) -> torch.compile per block (train.compile; default on CUDA) -> FSDP2
+    (train.activation_checkpointing, resolved: not auto; lmyard.train.memory.resolve) -> torch.compile per block (train.compile; default on CUDA) -> FSDP2
     (train.fsdp_reshard_after_forward). Modifies and returns raw_model; its parameters become DTensor shards
     on `device`, so build the optimizer after this call."""
     t = cfg.train
     if t.float8:
         apply_float8(raw_model, device, t.float8_recipe)
-    apply_activation_checkpointing(raw_model, t.activation_checkpointing)
+    apply_activation_checkpointing(raw_model, t.activation_checkpointing, t.activation_checkpointing_blocks)
     if t.compile if t.compile is not None else device.type == "cuda":
         compile_blocks(raw_model)
     if device.type == "cuda":

@@ -122,18 +122,23 @@ def grad_accum_steps(cfg: RunConfig, world: int, seq_len: int) -> int:
     return cfg.train.batch_tokens // per_micro
 
 
-def plan_memory(cfg: RunConfig, n_vocab: int, d: Dist) -> None:
-    """Before the first step on a GPU: each GPU's parameters, gradients, optimizer state and activations
+def plan_memory(cfg: RunConfig, n_vocab: int, d: Dist) -> RunConfig:
+    """Before the first step: the config with train.activation_checkpointing settled (auto: the lightest that
+    fits, said in one line) and, on a GPU, each GPU's parameters, gradients, optimizer state and activations
     (lmyard.train.memory); a UserError naming what would fit (fsdp, activation checkpointing, a smaller
     micro-batch, more GPUs) when they will not."""
-    if d.device.type != "cuda":
-        return
     from lmyard.train import memory
 
-    total = torch.cuda.get_device_properties(d.device).total_memory
-    plan = memory.check(memory.estimate(cfg.model, cfg.train, d.world, total, n_vocab))
-    if d.is_main:
-        print(f"memory plan per GPU: {plan.summary()}", flush=True)
+    cuda = d.device.type == "cuda"
+    total = torch.cuda.get_device_properties(d.device).total_memory if cuda else None
+    train, line = memory.resolve(cfg.model, cfg.train, d.world, total, n_vocab)
+    if d.is_main and line:
+        print(line, flush=True)
+    if total is not None:
+        plan = memory.check(memory.estimate(cfg.model, train, d.world, total, n_vocab))
+        if d.is_main:
+            print(f"memory plan per GPU: {plan.summary()}", flush=True)
+    return cfg.model_copy(update={"train": train})
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -202,7 +207,8 @@ class Trainer:
 
     # ---- set up ---------------------------------------------------------------------
     def _build_model(self) -> None:
-        plan_memory(self.cfg, self.shards.n_vocab, self.d)
+        # the config the model is built under: activation checkpointing settled (self.cfg keeps `auto`, as recorded)
+        self.planned = plan_memory(self.cfg, self.shards.n_vocab, self.d)
         with torch.device(self.d.device):
             if self.cfg.model.init_from:  # a Hugging Face folder: its sizes and weights (a checkpoint wins at resume)
                 self.raw_model = self._from_hf(self.cfg.model.init_from)
@@ -215,7 +221,7 @@ class Trainer:
                 f"({self.shards.n_vocab}, {self.shards.manifest['tokenizer']['name']}); unset it or raise it"
             )
         self.parallel = Parallelism.of(self.cfg)  # chosen once: the trainer never asks train.parallel again
-        self.parallel.shard(self.raw_model, self.cfg, self.d.world, self.d.device)  # before the optimizer is made
+        self.parallel.shard(self.raw_model, self.planned, self.d.world, self.d.device)  # before the optimizer is made
         self.optimizer = torch.optim.AdamW(
             self.raw_model.param_groups(self.t.weight_decay),
             lr=self.t.lr,
@@ -252,7 +258,7 @@ class Trainer:
     # ---- the run --------------------------------------------------------------------
     def train(self) -> TrainResult:
         self.resume()
-        self.model, self.autocast = self.parallel.wrap(self.raw_model, self.cfg, self.d)
+        self.model, self.autocast = self.parallel.wrap(self.raw_model, self.planned, self.d)
         self.params: list[torch.Tensor] = list(self.raw_model.parameters())
         self._describe()
         self.batches = Prefetcher(self.data, self.state.cursor, self.d.device)
