@@ -101,6 +101,7 @@ def worker(a: argparse.Namespace) -> None:
     from lmyard.models.registry import build_model, flops_per_token, model_spec
     from lmyard.recipes import load_recipe
     from lmyard.train.components import PEAK_FLOPS
+    from lmyard.train.memory import resolve
     from lmyard.train.parallel import parallelize
 
     rank, local, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
@@ -125,6 +126,12 @@ def worker(a: argparse.Namespace) -> None:
             f"model.doc_mask={a.doc_mask == 'on'}",
         ],
     )
+    # auto settles here as in the trainer (lmyard.train.memory.resolve), with its startup line; none on CPU
+    total = torch.cuda.get_device_properties(device).total_memory if cuda else None
+    train_cfg, line = resolve(cfg.model, cfg.train, world, total)
+    cfg = cfg.model_copy(update={"train": train_cfg})
+    if line and rank == 0:
+        print(line, flush=True)
     torch.manual_seed(0)
     with torch.device(device):
         model = build_model(cfg.model, 50257, (EOT, None))
@@ -167,6 +174,8 @@ def worker(a: argparse.Namespace) -> None:
         "B": B,
         "T": T,
         "ac": a.ac,
+        "ac_applied": cfg.train.activation_checkpointing,
+        "ac_blocks": cfg.train.activation_checkpointing_blocks,
         "compile": a.compile,
         "float8": a.float8,
         "doc_mask": a.doc_mask == "on",
@@ -322,7 +331,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--preset", default="llama-1b")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
-    ap.add_argument("--ac", choices=["none", "selective", "full"], default="none")
+    ap.add_argument(
+        "--ac",
+        choices=["none", "selective", "full", "auto"],
+        default="none",
+        help="activation checkpointing; auto: the lightest that lmyard's memory plan fits (lmyard only: "
+        "torchtitan gets what it settles to)",
+    )
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (and torchtitan's loss)")
     ap.add_argument(
         "--float8",
