@@ -117,6 +117,8 @@ def worker(a: argparse.Namespace) -> None:
             f"model.preset={a.preset}",
             f"model.block_size={a.seq}",
             "train.parallel=fsdp",
+            f"train.micro_batch={a.batch}",  # what the memory plan (and auto) counts activations for
+            f"train.batch_tokens={a.batch * a.seq * world}",
             f"train.activation_checkpointing={a.ac}",
             f"train.compile={a.compile}",
             f"train.float8={a.float8 != 'none'}",
