@@ -35,15 +35,17 @@ def pretrain(config: RunConfig = RunConfig(), recipe: str | None = None) -> RunS
             training = train.with_options(retries=config.launch.retries).submit(config, shards, lineage, held.ref)
             evaluations = []  # a failed evaluation is recorded in it and on the MLflow run; it never stops training
             for step in new_checkpoints(config, lineage, training):
+                held.check()  # LeaseLost once another run holds the lineage: this one writes nothing further
                 record_checkpoint(config, lineage, step, return_state=True)  # a failure does not stop training
                 evaluations.append(evaluate_checkpoint(config, shards, lineage, step))
                 # retention waits for each evaluation; a store hiccup only delays deletion, never stops training
                 retain_checkpoints(config, step, evaluations[-1].ok, return_state=True)
             trained = training.result()
+            held.check()
             record_checkpoint(config, lineage, trained.step, return_state=True)
             evaluations.append(final := evaluate_checkpoint(config, shards, lineage, trained.step))
             retain_checkpoints(config, trained.step, True, final=True, return_state=True)
-            held.check()  # a run that lost its lineage to another registers nothing
+            held.check()
             model = register_model(config, shards, lineage, final)
         except BaseException as exc:
             stop_training()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import threading
@@ -18,7 +20,7 @@ from conftest import lmyard_cmd, tiny_overrides
 from lmyard.checkpoint.catalog import complete_steps, read_manifest, step_prefix
 from lmyard.checkpoint.checkpointer import make_checkpointer
 from lmyard.config import RunConfig
-from lmyard.errors import LeaseLost, UserError
+from lmyard.errors import ExitCode, LeaseLost, UserError
 from lmyard.layout import RunLayout
 from lmyard.store import open_store
 from lmyard.tracking import lease
@@ -235,3 +237,52 @@ def test_a_corrupt_lease_or_lineage_file_stops_the_run_in_one_line(cli_env, tmp_
     line = _one_error_line(subprocess.run(args, cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300))
     assert "lineage.json is corrupt" in line and "delete it" in line
     assert not (run_dir / "lease.json").exists()  # the refused run gave its lease back
+
+
+@pytest.mark.slow
+def test_a_run_whose_flow_stalled_past_the_ttl_stops_and_nothing_is_written_twice(cli_env, tmp_path):
+    """The drill: the first run's flow process is paused (SIGSTOP) past the ttl while its trainer runs on; a second
+    run takes the lineage over. The first's trainer stops without committing, its flow registers nothing."""
+    from mlflow.tracking import MlflowClient
+
+    overrides = tiny_overrides(
+        tmp_path,
+        steps=9,
+        **{"tracking.lease_ttl_s": 6, "tracking.lease_wait_s": 60, "launch.nproc_per_node": 1},
+    )
+    args = lmyard_cmd("run", "smoke", *[a for o in overrides for a in ("--set", o)])
+    store, log = open_store(str(tmp_path / "store")), tmp_path / "first.log"
+    # the first trainer sleeps 20 s after step 4: it is still running when the second run takes over
+    first_env = {**cli_env, "LMYARD_FAULTS": "pause@4", "LMYARD_FAULT_PAUSE_S": "20"}
+    first = subprocess.Popen(args, cwd=tmp_path, env=first_env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while 3 not in complete_steps(store, "smoke"):
+            assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        os.kill(first.pid, signal.SIGSTOP)  # the flow stalls: no heartbeat; its trainer runs on
+        second_env = {**cli_env, "LMYARD_CACHE": str(tmp_path / "cache2")}
+        second = subprocess.run(args, cwd=tmp_path, env=second_env, capture_output=True, text=True, timeout=300)
+        os.kill(first.pid, signal.SIGCONT)
+        first_code = first.wait(timeout=180)
+    finally:
+        if first.poll() is None:
+            os.kill(first.pid, signal.SIGCONT)
+            first.kill()
+    first_out = log.read_text()
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert first_code == ExitCode.LEASE_LOST, first_out[-3000:]
+    assert "lease lost to" in first_out and "stopped without writing further" in first_out
+    assert not [line for line in first_out.splitlines() if line.startswith("Traceback")]  # the flow's: none
+    assert first_out.splitlines()[-1].startswith("lmyard: error: lineage smoke: lease lost to")
+
+    assert complete_steps(store, "smoke") == [3, 6, 9]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = json.loads(store.read_bytes("runs/smoke/lineage.json"))["mlflow_run_id"]
+    keys = list(client.get_run(run_id).data.metrics)
+    for key in [k for k in keys if k.startswith(("checkpoint/", "train/loss"))]:
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        assert len(steps) == len(set(steps)), (key, sorted(steps))  # no step logged twice
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == list(range(1, 10))
+    versions = client.search_model_versions()
+    assert len(versions) == 1, [(v.name, v.version, v.tags) for v in versions]  # only the second registered

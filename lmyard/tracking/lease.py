@@ -224,7 +224,11 @@ def verify(backend: _LocalLease | _S3Lease, run_name: str, ref: LeaseRef) -> Non
     current, _ = backend.read()
     stopped = "this run stopped without writing further"
     if current is None or current["token"] != ref.token or int(current["epoch"]) != ref.epoch:
-        holder = f"{describe(current)}, epoch {current['epoch']}" if current else "no one (it was released)"
+        holder = (
+            f"{describe(current)}, epoch {current['epoch']}"
+            if current
+            else "another run (its lease.json is gone: that run released it since, or it was deleted)"
+        )
         raise LeaseLost(f"lineage {run_name}: lease lost to {holder}; {stopped}")
     age = time.time() - float(current["heartbeat"])
     if age > STALE * ref.ttl_s:
@@ -272,8 +276,6 @@ class Lease:
 
     def check(self) -> None:
         """LeaseLost unless this process still holds the lease (before anything that must not happen twice)."""
-        if self.lost:
-            raise LeaseLost(f"lineage {self.run_name}: lease lost; this run stopped without writing further")
         verify(self.backend, self.run_name, self.ref)
 
     def _heartbeat(self) -> None:
