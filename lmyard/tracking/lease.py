@@ -251,8 +251,17 @@ class Fence:
         self.last = time.monotonic()
 
     def due_check(self) -> None:
-        if time.monotonic() - self.last >= self.every_s:
+        if time.monotonic() - self.last < self.every_s:
+            return
+        try:
             self.check()
+        except LeaseLost:
+            raise
+        except Exception as e:  # a store blip: the commit's fence still holds (under the upload retries)
+            self.last = time.monotonic()  # look again in ttl/6 s, not at every step
+            print(
+                f"lineage {self.run_name}: the lease could not be read ({type(e).__name__}); trying again", flush=True
+            )
 
 
 @dataclass
