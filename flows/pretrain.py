@@ -27,22 +27,25 @@ def pretrain(config: RunConfig = RunConfig(), recipe: str | None = None) -> RunS
     `recipe` (a name under deploy/recipes): its config, with `config`'s explicitly set fields on top."""
     config = credentials_to_env(with_recipe(config, recipe))  # the tracking password: environment only
     check_tasks(config.eval)  # an lm-eval task that cannot load would fail every evaluation, after all the training
-    with lineage_lease(config):  # one run writes a lineage at a time; others wait, then refuse
+    with lineage_lease(config) as held:  # one run writes a lineage at a time; others wait, then refuse
         shards = tokenize_and_shard(config)
         lineage = open_lineage(config, shards)
         try:
             # training runs in a worker thread; each new checkpoint is verified and evaluated meanwhile
-            training = train.with_options(retries=config.launch.retries).submit(config, shards, lineage)
+            training = train.with_options(retries=config.launch.retries).submit(config, shards, lineage, held.ref)
             evaluations = []  # a failed evaluation is recorded in it and on the MLflow run; it never stops training
             for step in new_checkpoints(config, lineage, training):
+                held.check()  # LeaseLost once another run holds the lineage: this one writes nothing further
                 record_checkpoint(config, lineage, step, return_state=True)  # a failure does not stop training
                 evaluations.append(evaluate_checkpoint(config, shards, lineage, step))
                 # retention waits for each evaluation; a store hiccup only delays deletion, never stops training
                 retain_checkpoints(config, step, evaluations[-1].ok, return_state=True)
             trained = training.result()
+            held.check()
             record_checkpoint(config, lineage, trained.step, return_state=True)
             evaluations.append(final := evaluate_checkpoint(config, shards, lineage, trained.step))
             retain_checkpoints(config, trained.step, True, final=True, return_state=True)
+            held.check()
             model = register_model(config, shards, lineage, final)
         except BaseException as exc:
             stop_training()

@@ -99,6 +99,16 @@ class LineageRef(_Contract):
         return cls.model_validate(d)
 
 
+class LeaseRef(_Contract):
+    """The lineage's lease as its holder took it (lmyard.tracking.lease), as it travels to the trainer: the
+    trainer's rank 0 stops, and its commits are refused, once the lease record is no longer this one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    token: str
+    epoch: int = Field(description="One more than the lease record it replaced (1 for a fresh lease).")
+    ttl_s: float
+
+
 # ---------------------------------------------------------------- what stages write back
 
 
@@ -341,6 +351,7 @@ class TrainSpec(StageSpec):
     result: ClassVar[type[BaseModel]] = TrainResult
     shards: ShardSet
     lineage: LineageRef | None = None
+    lease: LeaseRef | None = Field(None, description="The flow's lease of the lineage; None: nothing is fenced.")
     hold_for_eval: bool = Field(False, description="The flow evaluates every checkpoint and applies retention.")
 
     def nodes(self) -> int:

@@ -11,6 +11,8 @@ exception, and the train task's retry policy follows `retryable()`:
     3  diverged       the loss went non-finite or spiked beyond the guard's policy: never retried
     4  store_outage   checkpoints could not reach the store in time: retried (the store may come back)
     5  preempted      SIGTERM (a spot reclaim, `docker stop`, a cancelled run): checkpointed, retried
+    6  lease_lost     another run took over the lineage's lease (lmyard.tracking.lease): this one stopped
+                      without writing further; never retried (the lineage has its writer)
 
 Every message is one line that names the problem and the fix; the command
 line prints it alone, without a traceback.
@@ -29,6 +31,7 @@ class ExitCode(IntEnum):
     DIVERGED = 3
     STORE_OUTAGE = 4
     PREEMPTED = 5
+    LEASE_LOST = 6
 
 
 class UserError(ValueError):
@@ -65,9 +68,16 @@ class Preempted(StageFailed):
     exit_code = ExitCode.PREEMPTED
 
 
-Status = Literal["done", "crashed", "user_error", "diverged", "store_outage", "preempted"]
+class LeaseLost(StageFailed):
+    """The lineage's lease is no longer this run's (taken over, or its heartbeat too old to keep): it stops
+    writing (no checkpoint, no metric) and ends; the lineage's new holder carries on."""
+
+    exit_code = ExitCode.LEASE_LOST
+
+
+Status = Literal["done", "crashed", "user_error", "diverged", "store_outage", "preempted", "lease_lost"]
 _BY_CODE: dict[int, type[Exception]] = {
-    e.exit_code: e for e in (UserError, Diverged, StoreOutage, Preempted, TrainingFailed)
+    e.exit_code: e for e in (UserError, Diverged, StoreOutage, Preempted, LeaseLost, TrainingFailed)
 }
 STATUS: dict[ExitCode, Status] = {
     ExitCode.DONE: "done",
@@ -76,6 +86,7 @@ STATUS: dict[ExitCode, Status] = {
     ExitCode.DIVERGED: "diverged",
     ExitCode.STORE_OUTAGE: "store_outage",
     ExitCode.PREEMPTED: "preempted",
+    ExitCode.LEASE_LOST: "lease_lost",
 }
 
 
@@ -92,5 +103,6 @@ def exit_code_of(exc: BaseException) -> ExitCode:
 
 
 def retryable(exc: BaseException | None) -> bool:
-    """Whether rerunning can help: not for bad input or divergence (the guard already had its say)."""
-    return not isinstance(exc, (UserError, Diverged))
+    """Whether rerunning can help: not for bad input, divergence (the guard already had its say) or a lost lease
+    (another run writes the lineage now)."""
+    return not isinstance(exc, (UserError, Diverged, LeaseLost))

@@ -11,6 +11,8 @@ from prefect.cache_policies import NO_CACHE
 
 from lmyard.config import RunConfig
 from lmyard.data.shards import ShardSet
+from lmyard.errors import LeaseLost
+from lmyard.launch.follower import stop_all
 from lmyard.recipes import with_recipe
 from lmyard.store import open_store
 from lmyard.tracking import lease
@@ -32,15 +34,21 @@ def open_lineage(config: RunConfig, shards: ShardSet) -> Lineage:
 
 
 @task(name="close-lineage", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
-def close_lineage(lineage: Lineage, status: str) -> None:
-    """Mark the lineage's MLflow run FINISHED, FAILED or KILLED."""
+def close_lineage(lineage: Lineage, status: str | None) -> None:
+    """Mark the lineage's MLflow run FINISHED, FAILED or KILLED; None: leave it (another run holds the lineage)."""
+    if status is None:
+        get_run_logger().info(f"lineage {lineage.run_name}: another run holds it now; its MLflow run stays open")
+        return
     lineage.close(status)
 
 
-def ended_status(exc: BaseException) -> str:
-    """The MLflow status of a run that ended with `exc`: KILLED for interrupts and cancellation, else FAILED."""
+def ended_status(exc: BaseException) -> str | None:
+    """The MLflow status of a run that ended with `exc`: KILLED for interrupts and cancellation, None for a lost
+    lease (the lineage's MLflow run is its new holder's now), else FAILED."""
     from prefect.exceptions import TerminationSignal
 
+    if isinstance(exc, LeaseLost):
+        return None
     return "KILLED" if isinstance(exc, (KeyboardInterrupt, SystemExit, TerminationSignal)) else "FAILED"
 
 
@@ -82,8 +90,9 @@ def lineage_crashed(flow, flow_run, state) -> None:
 
 @contextmanager
 def lineage_lease(config: RunConfig) -> Iterator[lease.Lease]:
-    """Hold the lease of runs/<run_name> meanwhile: one run writes a lineage at a time (see lmyard.lease).
-    Released at the end, on success, failure and cancellation alike."""
+    """Hold the lease of runs/<run_name> meanwhile: one run writes a lineage at a time (see lmyard.tracking.lease).
+    Released at the end, on success, failure and cancellation alike. Lost to another run (this process stalled
+    past its ttl), it stops the jobs this process follows: their trainers end with LeaseLost."""
     from prefect.runtime import flow_run
 
     held = lease.acquire(
@@ -92,6 +101,7 @@ def lineage_lease(config: RunConfig) -> Iterator[lease.Lease]:
         {"flow_run": f"{flow_run.name or '-'} ({flow_run.id or '-'})"},
         ttl_s=config.tracking.lease_ttl_s,
         wait_s=config.tracking.lease_wait_s,
+        on_lost=stop_all,
     )
     try:
         yield held

@@ -13,7 +13,7 @@ from prefect.runtime import flow_run, task_run
 
 from lmyard import console
 from lmyard.config import RunConfig
-from lmyard.contracts import Progress, ShardSet, Started, TrainResult, TrainSpec
+from lmyard.contracts import LeaseRef, Progress, ShardSet, Started, TrainResult, TrainSpec
 from lmyard.errors import retryable
 from lmyard.launch.follower import stop_all
 from lmyard.tracking.lineage import Lineage
@@ -22,14 +22,15 @@ from tasks._common import artifact_key, launch_stage
 
 def retry_if_it_can_help(task, task_run, state) -> bool:
     """Retry condition: a crash, a lost node, a store outage or a preemption is retried (each resumes from the
-    newest checkpoint); bad input and divergence (the guard already had its say) are not."""
+    newest checkpoint); bad input, divergence (the guard already had its say) and a lost lease are not."""
     return retryable(state.result(raise_on_failure=False))
 
 
 # The flow sets the retry count from config.launch.retries.
 @task(name="train", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5, retry_condition_fn=retry_if_it_can_help)
-def train(config: RunConfig, shards: ShardSet, lineage: Lineage) -> TrainResult:
-    """Run torchrun with the trainer; resumes from the newest complete checkpoint, as a new attempt."""
+def train(config: RunConfig, shards: ShardSet, lineage: Lineage, lease: LeaseRef | None = None) -> TrainResult:
+    """Run torchrun with the trainer; resumes from the newest complete checkpoint, as a new attempt. With the
+    flow's `lease`, the trainer stops (LeaseLost, not retried) once another run holds the lineage."""
     logger = get_run_logger()
     lineage = lineage.record_attempt(
         resumed_from=None,
@@ -44,7 +45,7 @@ def train(config: RunConfig, shards: ShardSet, lineage: Lineage) -> TrainResult:
         },
     )
     # the flow evaluates every checkpoint: retention keeps each one until its evaluation has ended
-    spec = TrainSpec(config=config, shards=shards, lineage=lineage, hold_for_eval=True)
+    spec = TrainSpec(config=config, shards=shards, lineage=lineage, lease=lease, hold_for_eval=True)
 
     def started(s: Started) -> None:
         """What the trainer actually loaded (after any fallback) becomes the attempt's record."""

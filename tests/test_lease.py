@@ -1,19 +1,26 @@
 """One writer per lineage: the lease on runs/<run_name>/lease.json, on a local store and on S3 (moto server),
-and two `lmyard run` of one lineage at once."""
+two `lmyard run` of one lineage at once, the fence that stops a holder which lost its lease, and corrupt lease and
+lineage files."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import threading
 import time
 
 import pytest
+import torch
 from conftest import lmyard_cmd, tiny_overrides
 
 from lmyard.checkpoint.catalog import complete_steps, read_manifest, step_prefix
-from lmyard.errors import UserError
+from lmyard.checkpoint.checkpointer import make_checkpointer
+from lmyard.config import RunConfig
+from lmyard.errors import ExitCode, LeaseLost, UserError
 from lmyard.layout import RunLayout
 from lmyard.store import open_store
 from lmyard.tracking import lease
@@ -129,3 +136,153 @@ def test_two_runs_of_one_lineage_one_refused_the_other_intact(cli_env, tmp_path)
         m.step for m in MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(run_id, "train/loss")
     ]
     assert sorted(history) == list(range(1, 7))
+
+
+def _stall(held: lease.Lease) -> None:
+    """The holder's flow process stops (SIGSTOP): no more heartbeats; its trainer runs on."""
+    held._stop.set()
+    assert held._thread is not None
+    held._thread.join()
+
+
+def _save(writer, step: int) -> None:
+    state = {"step": step, "cursor": 0, "tokens_seen": 0, "world_size": 1, "shard_address": "0" * 64}
+    writer.save_state({"w": torch.full((4,), float(step))}, {"state": {}, "param_groups": []}, state, [])
+
+
+def test_a_stale_holder_cannot_commit_a_checkpoint_once_its_lease_is_taken_over(store, tmp_path):
+    first = lease.acquire(store, "r", {"flow_run": "first-run"}, ttl_s=3, wait_s=0)
+    fence = lease.Fence(store, "r", first.ref)
+    writer = make_checkpointer(
+        RunConfig(run_name="r"), store, str(tmp_path / "cache"), 0, sharded=False, fence=fence.check
+    )
+    _save(writer, 1)
+    writer.flush()  # its own lease: committed
+    _stall(first)
+    time.sleep(3.2)  # past the ttl: the lease may be taken over
+    second = lease.acquire(store, "r", {"flow_run": "second-run"}, ttl_s=30, wait_s=0)
+    try:
+        assert second.ref.epoch == first.ref.epoch + 1 and second.ref.token != first.ref.token
+        _save(writer, 2)
+        with pytest.raises(LeaseLost, match="lease lost to .*second-run.*stopped without writing further"):
+            writer.flush()
+        assert complete_steps(store, "r") == [1]  # step 2 never exists
+        with pytest.raises(LeaseLost):
+            fence.check()
+    finally:
+        second.release()
+        with contextlib.suppress(LeaseLost):
+            writer.close(timeout_s=5)
+
+
+def test_a_holder_whose_heartbeat_stalled_stops_before_another_can_take_over(store):
+    held = lease.acquire(store, "r", {"flow_run": "first-run"}, ttl_s=3, wait_s=0)
+    fence = lease.Fence(store, "r", held.ref)
+    fence.check()  # fresh: its own
+    _stall(held)
+    time.sleep(2.2)  # older than 2/3 of the ttl, younger than the ttl
+    with pytest.raises(LeaseLost, match="heartbeat is 2 s old"):
+        fence.check()
+    with pytest.raises(UserError, match="in use by another run"):  # nobody can take it over yet
+        lease.acquire(store, "r", {"flow_run": "second-run"}, ttl_s=3, wait_s=0)
+    held.release()
+
+
+@pytest.mark.parametrize("content", [b"{not json", b'{"host": "h", "pid": 1}', b"[1, 2]", b"\xff\xfe"])
+def test_a_corrupt_lease_file_is_one_line_naming_it_and_the_fix(store, content):
+    key = RunLayout("r").lease
+    store.write_bytes(key, content)
+    with pytest.raises(UserError) as e:
+        lease.acquire(store, "r", {"flow_run": "new-run"}, ttl_s=3, wait_s=0)
+    msg = str(e.value)
+    assert f"lease {store.uri(key)} is corrupt" in msg and "delete it" in msg and "\n" not in msg
+    store.delete(key)  # the fix it names works
+    lease.acquire(store, "r", {"flow_run": "new-run"}, ttl_s=3, wait_s=0).release()
+
+
+def test_s3_lease_errors_name_the_key_once(s3_server):
+    bucket = "lmyard-no-such-bucket"
+    store = open_store(f"s3://{bucket}/prefix")
+    with pytest.raises(UserError) as e:
+        lease.acquire(store, "r", {}, ttl_s=3, wait_s=0)
+    assert f"s3://{bucket}/prefix/runs/r/lease.json" in str(e.value) and "prefix/prefix" not in str(e.value)
+
+
+def test_a_released_lease_leaves_no_lock_in_a_folder_made_for_it(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    lease.acquire(store, "r", {"flow_run": "refused-run"}, ttl_s=3, wait_s=0).release()
+    assert not (tmp_path / "store" / "runs" / "r").exists()
+    store.write_bytes("runs/kept/lineage.json", b"{}")  # a lineage that exists keeps its folder
+    lease.acquire(store, "kept", {}, ttl_s=3, wait_s=0).release()
+    assert (tmp_path / "store" / "runs" / "kept" / "lineage.json").exists()
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("lmyard: error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    return errors[0]
+
+
+@pytest.mark.slow
+def test_a_corrupt_lease_or_lineage_file_stops_the_run_in_one_line(cli_env, tmp_path):
+    args = lmyard_cmd("run", "smoke", *[a for o in tiny_overrides(tmp_path) for a in ("--set", o)])
+    run_dir = tmp_path / "store" / "runs" / "smoke"
+    run_dir.mkdir(parents=True)
+    (run_dir / "lease.json").write_text("{truncated")
+    line = _one_error_line(subprocess.run(args, cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300))
+    assert "lease.json is corrupt" in line and "delete it" in line
+    (run_dir / "lease.json").unlink()
+    (run_dir / "lineage.json").write_text('{"experiment_id": "1"}')
+    line = _one_error_line(subprocess.run(args, cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=300))
+    assert "lineage.json is corrupt" in line and "delete it" in line
+    assert not (run_dir / "lease.json").exists()  # the refused run gave its lease back
+
+
+@pytest.mark.slow
+def test_a_run_whose_flow_stalled_past_the_ttl_stops_and_nothing_is_written_twice(cli_env, tmp_path):
+    """The drill: the first run's flow process is paused (SIGSTOP) past the ttl while its trainer runs on; a second
+    run takes the lineage over. The first's trainer stops without committing, its flow registers nothing."""
+    from mlflow.tracking import MlflowClient
+
+    overrides = tiny_overrides(
+        tmp_path,
+        steps=9,
+        **{"tracking.lease_ttl_s": 6, "tracking.lease_wait_s": 60, "launch.nproc_per_node": 1},
+    )
+    args = lmyard_cmd("run", "smoke", *[a for o in overrides for a in ("--set", o)])
+    store, log = open_store(str(tmp_path / "store")), tmp_path / "first.log"
+    # the first trainer sleeps 20 s after step 4: it is still running when the second run takes over
+    first_env = {**cli_env, "LMYARD_FAULTS": "pause@4", "LMYARD_FAULT_PAUSE_S": "20"}
+    first = subprocess.Popen(args, cwd=tmp_path, env=first_env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while 3 not in complete_steps(store, "smoke"):
+            assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        os.kill(first.pid, signal.SIGSTOP)  # the flow stalls: no heartbeat; its trainer runs on
+        second_env = {**cli_env, "LMYARD_CACHE": str(tmp_path / "cache2")}
+        second = subprocess.run(args, cwd=tmp_path, env=second_env, capture_output=True, text=True, timeout=300)
+        os.kill(first.pid, signal.SIGCONT)
+        first_code = first.wait(timeout=180)
+    finally:
+        if first.poll() is None:
+            os.kill(first.pid, signal.SIGCONT)
+            first.kill()
+    first_out = log.read_text()
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert first_code == ExitCode.LEASE_LOST, first_out[-3000:]
+    assert "lease lost to" in first_out and "stopped without writing further" in first_out
+    assert not [line for line in first_out.splitlines() if line.startswith("Traceback")]  # the flow's: none
+    assert first_out.splitlines()[-1].startswith("lmyard: error: lineage smoke: lease lost to")
+
+    assert complete_steps(store, "smoke") == [3, 6, 9]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = json.loads(store.read_bytes("runs/smoke/lineage.json"))["mlflow_run_id"]
+    keys = list(client.get_run(run_id).data.metrics)
+    for key in [k for k in keys if k.startswith(("checkpoint/", "train/loss"))]:
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        assert len(steps) == len(set(steps)), (key, sorted(steps))  # no step logged twice
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == list(range(1, 10))
+    versions = client.search_model_versions()
+    assert len(versions) == 1, [(v.name, v.version, v.tags) for v in versions]  # only the second registered

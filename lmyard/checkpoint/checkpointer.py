@@ -58,20 +58,26 @@ def make_checkpointer(
     *,
     sharded: bool,
     on_commit: Callable[[int, str], None] | None = None,
+    fence: Callable[[], None] | None = None,
 ) -> Checkpointer:
     """The checkpointer for a model `sharded` over the ranks (train.parallel=fsdp, as lmyard.train.parallelism
-    decided) or not; every rank makes it at the same point (a collective for DCP)."""
+    decided) or not; every rank makes it at the same point (a collective for DCP). `fence` runs before each
+    manifest is written (lmyard.checkpoint.commit: the lineage's lease)."""
     c, staging = cfg.checkpoint, os.path.join(cache_dir, "staging")
+    checkpointer: ShardedCheckpointer | FullCheckpointer
     if sharded:
-        return ShardedCheckpointer(
+        checkpointer = ShardedCheckpointer(
             store, cfg.run_name, staging, max_pending=c.max_pending, retries=c.upload_retries, on_commit=on_commit
         )
-    return FullCheckpointer(
-        store,
-        cfg.run_name,
-        staging,
-        rank=rank,
-        max_pending=c.max_pending,
-        retries=c.upload_retries,
-        on_commit=on_commit,
-    )
+    else:
+        checkpointer = FullCheckpointer(
+            store,
+            cfg.run_name,
+            staging,
+            rank=rank,
+            max_pending=c.max_pending,
+            retries=c.upload_retries,
+            on_commit=on_commit,
+        )
+    checkpointer.policy.fence = fence  # both formats commit through the one policy
+    return checkpointer

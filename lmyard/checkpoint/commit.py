@@ -19,6 +19,11 @@ either format:
   (rollback, preemption), or when a round fails after close() (no more saves
   will come to retry it).
 
+Fencing: `RetryPolicy.fence` (the trainer's lmyard.tracking.lease.Fence, set by
+make_checkpointer when the run holds a lease) is called right before every
+manifest write, retries included: a run whose lease was taken over gets
+LeaseLost (final, like StepExists) and its checkpoint never exists.
+
 Fault injection (lmyard.faults) for checkpoints happens here only:
 `crash_in_upload@S` kills the process once the files of step S are uploaded and
 before its manifest (a checkpoint cut short, invisible).
@@ -35,7 +40,7 @@ from typing import TypeVar
 
 from lmyard import faults
 from lmyard.checkpoint.manifest import Manifest
-from lmyard.errors import StoreOutage
+from lmyard.errors import LeaseLost, StoreOutage
 from lmyard.layout import RunLayout
 from lmyard.store import Store
 
@@ -59,6 +64,7 @@ class RetryPolicy:
         self.failures = 0  # failed puts in a row, for the StoreOutage message
         self.wake = threading.Event()  # a save or flush: a parked checkpoint tries a new round now
         self.closing = threading.Event()  # no save will come: a spent round is final
+        self.fence: Callable[[], None] | None = None  # LeaseLost once the lineage's lease is not ours (module doc)
 
     def delay(self, attempt: int) -> float:
         return min(30.0, self.backoff_s * 2 ** min(attempt, 5))
@@ -71,7 +77,7 @@ class RetryPolicy:
                 result = put()
                 self.failures = 0
                 return result
-            except StepExists:
+            except (StepExists, LeaseLost):
                 raise
             except Exception as e:
                 self.failures += 1
@@ -148,7 +154,13 @@ def commit(store: Store, run_name: str, manifest: Manifest, policy: RetryPolicy,
     """Write the manifest of a checkpoint whose files are all in the store (the commit); returns its URI."""
     layout = RunLayout(run_name)
     manifest = manifest.model_copy(update={"committed": time.time()})
-    policy.run(manifest.step, staged, lambda: store.write_bytes(layout.manifest(manifest.step), manifest.to_bytes()))
+
+    def write() -> None:
+        if policy.fence is not None:
+            policy.fence()  # a stale holder's checkpoint never exists
+        store.write_bytes(layout.manifest(manifest.step), manifest.to_bytes())
+
+    policy.run(manifest.step, staged, write)
     return store.uri(layout.step(manifest.step))
 
 

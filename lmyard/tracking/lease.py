@@ -17,6 +17,31 @@ Every change is a compare-and-swap, so two runs cannot both win:
   tests both honour. A server that ignores these headers gives only best
   effort: the last writer wins, and the loser finds out at its next heartbeat
   (its renewal no longer matches) and says so.
+
+Fencing. Every acquire writes a fresh `token` and an `epoch` one more than the
+record it replaced (1 for a fresh lease); the holder's `LeaseRef` (token, epoch,
+ttl) travels to the trainer in its TrainSpec, so every backend carries it. A
+`Fence` on the trainer's side refuses to go on once the record is not that one
+any more, or once its heartbeat is older than 2/3 of the ttl:
+
+- the checkpoint commit calls it right before a manifest is written (both
+  formats commit through lmyard.checkpoint.commit): a stale holder's checkpoint
+  never becomes visible;
+- the trainer's rank 0 calls it at step boundaries, at most every ttl/6 s (one
+  small read, on S3 too), and stops before logging that step.
+
+Why 2/3: a takeover needs a heartbeat older than the ttl. A trainer that has
+seen a heartbeat younger than 2/3 ttl has at least ttl/3 before anyone can take
+over; it looks again within ttl/6 (plus one step), so it stops, with LeaseLost
+(exit 6, never retried), before the new holder can start. A manifest written
+right after the fence's read is covered the same way: the read-then-write is
+not atomic, the margin is what makes it safe. The flow's heartbeat thread,
+finding its renewal refused, calls `on_lost` (the flow stops its job), and the
+flow checks its lease before it registers anything. Clocks of the flow's host
+and the trainer's nodes must agree to well within ttl/3 (NTP does).
+
+A lease record that does not parse (or lacks a field) is a UserError naming the
+file and the fix, never a traceback that blocks the lineage for good.
 """
 
 from __future__ import annotations
@@ -30,11 +55,34 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lmyard.errors import UserError
+from lmyard.contracts import LeaseRef
+from lmyard.errors import LeaseLost, UserError
 from lmyard.layout import RunLayout
 from lmyard.store import LocalStore, Store
+
+FIELDS = ("token", "heartbeat", "ttl_s")  # what a lease record needs to be judged (no epoch: an older lmyard's, 0)
+STALE = 2 / 3  # of the ttl: a holder whose heartbeat is older stops writing (see the module doc)
+
+
+def parse(data: bytes, uri: str) -> dict:
+    """A lease record from the bytes of `uri`; a UserError naming the file and the fix when it is corrupt."""
+    try:
+        record = json.loads(data)
+        missing = [k for k in FIELDS if k not in record] if isinstance(record, dict) else list(FIELDS)
+        if not missing:
+            float(record["heartbeat"]), float(record["ttl_s"]), int(record.setdefault("epoch", 0))
+    except (ValueError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        missing, problem = [], f"not a lease record: {type(e).__name__}"
+    else:
+        problem = f"missing {', '.join(missing)}" if missing else ""
+    if problem:
+        raise UserError(
+            f"lease {uri} is corrupt ({problem}); delete it once no run of this lineage is running, then rerun"
+        )
+    return record
 
 
 class _LocalLease:
@@ -44,32 +92,46 @@ class _LocalLease:
         path = store.local_path(key)
         assert path is not None  # a local store maps every key to a file
         self.path: str = path
+        self.uri = store.uri(key)
         self.lock = os.path.join(os.path.dirname(self.path), ".lease.lock")
+        self.made_folder = False  # this process created the run's folder for its lease (see `release`)
 
     @contextlib.contextmanager
     def _locked(self):
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        with open(self.lock, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            yield
+        folder = os.path.dirname(self.path)
+        if not os.path.isdir(folder):
+            os.makedirs(folder, exist_ok=True)
+            self.made_folder = True
+        while True:
+            with open(self.lock, "a") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                try:  # a release may remove the lock file (`_tidy`): a lock on a removed file locks nothing
+                    current = os.stat(self.lock).st_ino == os.fstat(f.fileno()).st_ino
+                except FileNotFoundError:
+                    current = False
+                if current:
+                    yield
+                    return
+            os.makedirs(folder, exist_ok=True)
 
-    def _read(self) -> tuple[dict | None, str | None]:
+    def _raw(self) -> tuple[bytes | None, str | None]:
         try:
             with open(self.path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
             return None, None
-        return json.loads(data), hashlib.sha256(data).hexdigest()
+        return data, hashlib.sha256(data).hexdigest()
 
     def read(self) -> tuple[dict | None, str | None]:
         with self._locked():
-            return self._read()
+            data, tag = self._raw()
+        return (None, None) if data is None else (parse(data, self.uri), tag)
 
     def write(self, record: dict, tag: str | None) -> str | None:
         """Write `record` if the lease is absent (tag None) or still `tag`; the new tag, or None."""
         data = json.dumps(record).encode()
         with self._locked():
-            if self._read()[1] != tag:
+            if self._raw()[1] != tag:
                 return None
             if tag is None:  # an atomic create: fails if the file exists
                 try:
@@ -87,10 +149,20 @@ class _LocalLease:
 
     def delete(self, tag: str) -> bool:
         with self._locked():
-            if self._read()[1] != tag:
+            if self._raw()[1] != tag:
                 return False
             os.unlink(self.path)
+            self._tidy()
             return True
+
+    def _tidy(self) -> None:
+        """Under the lock: a run folder this process made for its lease alone goes again with the lease (a run
+        refused before it wrote anything leaves no `.lease.lock` behind); `_locked` re-checks the lock's inode."""
+        folder = os.path.dirname(self.path)
+        if self.made_folder and os.listdir(folder) == [".lease.lock"]:
+            os.unlink(self.lock)
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
 
 
 class _S3Lease:
@@ -99,14 +171,15 @@ class _S3Lease:
     LOST = ("412", "PreconditionFailed", "409", "ConditionalRequestConflict", "404", "NoSuchKey")
 
     def __init__(self, store, key: str):
-        self.store, self.key = store, store._key(key)
+        # the store's key (its error messages add the prefix) and the object's key in the bucket
+        self.store, self.key, self.object_key, self.uri = store, key, store._key(key), store.uri(key)
 
     def _call(self, fn, **kw):
         from botocore.exceptions import ClientError
 
         try:
             with self.store._errors(self.key):
-                return fn(Bucket=self.store.bucket, Key=self.key, **kw)
+                return fn(Bucket=self.store.bucket, Key=self.object_key, **kw)
         except ClientError as e:
             if str(e.response.get("Error", {}).get("Code")) in self.LOST:
                 return None
@@ -114,7 +187,7 @@ class _S3Lease:
 
     def read(self) -> tuple[dict | None, str | None]:
         got = self._call(self.store.client.get_object)
-        return (None, None) if got is None else (json.loads(got["Body"].read()), got["ETag"])
+        return (None, None) if got is None else (parse(got["Body"].read(), self.uri), got["ETag"])
 
     def write(self, record: dict, tag: str | None) -> str | None:
         cond = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
@@ -145,17 +218,74 @@ def describe(record: dict) -> str:
     )
 
 
+def verify(backend: _LocalLease | _S3Lease, run_name: str, ref: LeaseRef) -> None:
+    """LeaseLost unless the lease record is still `ref`'s (token and epoch) and its heartbeat younger than
+    STALE * ttl (see the module doc); one read of the record."""
+    current, _ = backend.read()
+    stopped = "this run stopped without writing further"
+    if current is None or current["token"] != ref.token or int(current["epoch"]) != ref.epoch:
+        holder = (
+            f"{describe(current)}, epoch {current['epoch']}"
+            if current
+            else "another run (its lease.json is gone: that run released it since, or it was deleted)"
+        )
+        raise LeaseLost(f"lineage {run_name}: lease lost to {holder}; {stopped}")
+    age = time.time() - float(current["heartbeat"])
+    if age > STALE * ref.ttl_s:
+        raise LeaseLost(
+            f"lineage {run_name}: lease lost to whichever run takes it over next (its heartbeat is {age:.0f} s "
+            f"old, ttl {ref.ttl_s:g} s: the flow holding it stalled); {stopped}"
+        )
+
+
+class Fence:
+    """The trainer's side of the lease (see the module doc): `check()` before a commit, `due_check()` at step
+    boundaries (a read at most every ttl/6 s); both raise LeaseLost once the lease is not `ref`'s any more."""
+
+    def __init__(self, store: Store, run_name: str, ref: LeaseRef):
+        self.backend, self.run_name, self.ref = _backend(store, run_name), run_name, ref
+        self.every_s, self.last = ref.ttl_s / 6, time.monotonic()
+
+    def check(self) -> None:
+        verify(self.backend, self.run_name, self.ref)
+        self.last = time.monotonic()
+
+    def due_check(self) -> None:
+        if time.monotonic() - self.last < self.every_s:
+            return
+        try:
+            self.check()
+        except LeaseLost:
+            raise
+        except Exception as e:  # a store blip: the commit's fence still holds (under the upload retries)
+            self.last = time.monotonic()  # look again in ttl/6 s, not at every step
+            print(
+                f"lineage {self.run_name}: the lease could not be read ({type(e).__name__}); trying again", flush=True
+            )
+
+
 @dataclass
 class Lease:
-    """A lease held by this process; `release()` gives it back (only if it is still ours)."""
+    """A lease held by this process; `release()` gives it back (only if it is still ours). `on_lost` runs in
+    the heartbeat thread when a renewal finds the lease taken over (the flow stops its job)."""
 
     backend: _LocalLease | _S3Lease
     uri: str
+    run_name: str
     record: dict
     tag: str
+    on_lost: Callable[[], object] | None = None
     lost: bool = False
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+
+    @property
+    def ref(self) -> LeaseRef:
+        return LeaseRef(token=self.record["token"], epoch=self.record["epoch"], ttl_s=self.record["ttl_s"])
+
+    def check(self) -> None:
+        """LeaseLost unless this process still holds the lease (before anything that must not happen twice)."""
+        verify(self.backend, self.run_name, self.ref)
 
     def _heartbeat(self) -> None:
         warned = False
@@ -170,6 +300,8 @@ class Lease:
             if tag is None:
                 self.lost = True
                 print(f"lease {self.uri}: lost (another run took it over after the heartbeat stalled)", flush=True)
+                if self.on_lost is not None:
+                    self.on_lost()
                 return
             self.tag = tag
 
@@ -195,13 +327,23 @@ class Lease:
         self.release()
 
 
+def _backend(store: Store, run_name: str) -> _LocalLease | _S3Lease:
+    key = RunLayout(run_name).lease
+    return _LocalLease(store, key) if isinstance(store, LocalStore) else _S3Lease(store, key)
+
+
 def acquire(
-    store: Store, run_name: str, holder: dict, ttl_s: float = 60.0, wait_s: float = 90.0, poll_s: float = 1.0
+    store: Store,
+    run_name: str,
+    holder: dict,
+    ttl_s: float = 60.0,
+    wait_s: float = 90.0,
+    poll_s: float = 1.0,
+    on_lost: Callable[[], object] | None = None,
 ) -> Lease:
     """Take the lease of lineage `run_name`, waiting up to `wait_s` for its holder to end (or its lease to
     expire); a UserError naming the holder when it does not. `holder` adds to host, pid and since."""
-    key = RunLayout(run_name).lease
-    backend = _LocalLease(store, key) if isinstance(store, LocalStore) else _S3Lease(store, key)
+    backend = _backend(store, run_name)
     record = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
@@ -218,9 +360,10 @@ def acquire(
         if current is None or _expired(current, now):
             if current is not None:
                 print(f"lineage {run_name}: taking over the expired lease of {describe(current)}", flush=True)
-            new = backend.write({**record, "heartbeat": now}, tag)
+            mine = {**record, "epoch": int(current["epoch"]) + 1 if current else 1, "heartbeat": now}
+            new = backend.write(mine, tag)
             if new is not None:
-                lease = Lease(backend, store.uri(key), record, new)
+                lease = Lease(backend, backend.uri, run_name, mine, new, on_lost)
                 lease._thread = threading.Thread(target=lease._heartbeat, daemon=True, name="lineage-lease")
                 lease._thread.start()
                 return lease
@@ -228,7 +371,7 @@ def acquire(
         if time.monotonic() >= deadline:
             raise UserError(
                 f"lineage {run_name!r} is in use by another run ({describe(current)}; lease "
-                f"{store.uri(key)}): wait for it to end, or choose another run_name. A holder that "
-                f"died gives it up {float(current.get('ttl_s', ttl_s)):g} s after its last heartbeat"
+                f"{backend.uri}): wait for it to end, or choose another run_name. A holder that "
+                f"died gives it up {float(current['ttl_s']):g} s after its last heartbeat"
             )
         time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))

@@ -78,8 +78,22 @@ def _experiment_id(client, cfg: RunConfig) -> str:
 
 
 def _saved_run_id(store, run_name: str) -> str | None:
+    """The MLflow run id in runs/<run_name>/lineage.json (None: no lineage yet); a UserError naming the file and
+    the fix when it does not parse, so a damaged file never blocks the lineage with a traceback."""
     key = RunLayout(run_name).lineage
-    return json.loads(store.read_bytes(key))["mlflow_run_id"] if store.exists(key) else None
+    if not store.exists(key):
+        return None
+    try:
+        run_id = json.loads(store.read_bytes(key))["mlflow_run_id"]
+        if not isinstance(run_id, str) or not run_id:
+            raise TypeError("mlflow_run_id is not an id")
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise UserError(
+            f"lineage file {store.uri(key)} is corrupt ({type(e).__name__}: {str(e).splitlines()[0][:80]}); "
+            'write back {"mlflow_run_id": "<the run id>"} from the MLflow UI, or delete it to record the lineage '
+            "in a new MLflow run (its checkpoints are kept)"
+        ) from None
+    return run_id
 
 
 @dataclass(frozen=True)

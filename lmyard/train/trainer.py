@@ -53,6 +53,7 @@ from lmyard.layout import RunLayout
 from lmyard.models.base import LanguageModel
 from lmyard.models.registry import build_model, doc_fields, flops_per_token, model_from_spec, model_spec
 from lmyard.store import open_store
+from lmyard.tracking.lease import Fence
 from lmyard.tracking.sink import MetricsSink, NullSink, metrics_sink, system_metrics
 from lmyard.train.components import (
     Checkpointing,
@@ -177,9 +178,10 @@ class Trainer:
         d: Dist,
         sink: MetricsSink,
         hold_for_eval: bool = False,
+        fence: Fence | None = None,
     ):
         self.cfg, self.t, self.shards, self.lineage, self.d, self.sink = cfg, cfg.train, shards, lineage, d, sink
-        self.hold_for_eval = hold_for_eval
+        self.hold_for_eval, self.fence = hold_for_eval, fence  # the lineage's lease (lmyard.tracking.lease)
         self.store, self.cache = open_store(cfg.store), default_cache_dir()
         self.exchange = Exchange.from_env() if d.is_main else None
         seed_everything(self.t.seed, d.rank)
@@ -201,7 +203,13 @@ class Trainer:
         self.validator, self.checkpointing = Validator(cfg), Checkpointing(cfg)
         self.guard, self.faults = DivergenceGuard(cfg), FaultHook(d.rank, d.world)
         self.checkpointer = make_checkpointer(
-            cfg, self.store, self.cache, d.rank, sharded=self.parallel.sharded, on_commit=self._committed
+            cfg,
+            self.store,
+            self.cache,
+            d.rank,
+            sharded=self.parallel.sharded,
+            on_commit=self._committed,
+            fence=fence.check if fence else None,
         )
         self.last_checkpoint: str | None = None
 
@@ -271,6 +279,8 @@ class Trainer:
                     self.checkpointer.prepare(self.raw_model, self.optimizer)
                 steps_run += 1
                 heartbeat.beat(self.state.step)
+                if self.fence and self.d.is_main:  # a lost lease: stop before this step logs or saves anything
+                    self.fence.due_check()
                 if self.guard_or_log(loss, grad_norm, lr):
                     continue  # rolled back
                 self.maybe_validate()
@@ -580,7 +590,10 @@ def _train(spec_path: str | None, run: dict) -> TrainResult:
         print(f"{socket.gethostname()}: ranks {d.rank}-{d.rank + local - 1} of {d.world} joined", flush=True)
     run["sink"] = metrics_sink(lineage, d.is_main)  # rank 0 logs to MLflow; the others to nothing
     with node_system_metrics(cfg, lineage, d):
-        run["trainer"] = trainer = Trainer(cfg, spec.shards, lineage, d, run["sink"], hold_for_eval=spec.hold_for_eval)
+        fence = Fence(open_store(cfg.store), cfg.run_name, spec.lease) if spec.lease else None
+        run["trainer"] = trainer = Trainer(
+            cfg, spec.shards, lineage, d, run["sink"], hold_for_eval=spec.hold_for_eval, fence=fence
+        )
         try:
             result = trainer.train()
         except Exception as e:
