@@ -259,6 +259,11 @@ def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
     return {"impl": "lmyard-trainer", **out}
 
 
+def titan_ac(ours: dict) -> str:
+    """torchtitan's checkpointing for lmyard's row: what lmyard applied (full on some blocks counts as full)."""
+    return ours.get("ac_applied") or ours["ac"]
+
+
 def run_titan(a: argparse.Namespace, gpus: int, ours: dict) -> dict | None:
     """torchtitan 0.2.2 (run_torchtitan.py) on the same shard, shape and precision as `ours` (lmyard's row),
     with lmyard's MFU formula applied to its tokens/s and the ratio lmyard / torchtitan; None, with its
@@ -268,6 +273,7 @@ def run_titan(a: argparse.Namespace, gpus: int, ours: dict) -> dict | None:
     titan = argparse.Namespace(
         **{k: getattr(a, k) for k in ("preset", "seq", "batch", "ac", "compile", "float8", "device", "data")},
         attn=a.titan_attn,
+        ac=a.titan_ac or titan_ac(ours),
         steps=max(a.warmup + a.steps, 25),  # torchtitan logs every 5 steps; its first two intervals are left out
         log_freq=5,
         warmup_logs=2,
@@ -370,6 +376,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--titan", action="store_true", help="also run torchtitan 0.2.2 (run_torchtitan.py)")
     ap.add_argument("--trainer", action="store_true", help="also run lmyard's trainer (torchrun -m lmyard.train)")
     ap.add_argument("--titan-attn", default="sdpa", help="torchtitan's attention: sdpa (as lmyard) or flex")
+    ap.add_argument(
+        "--titan-ac",
+        choices=["none", "selective", "full"],
+        help="torchtitan's activation checkpointing (default: what lmyard applied, full for some blocks)",
+    )
     ap.add_argument("--titan-log", help="append torchtitan's whole output to this file")
     ap.add_argument("--json", type=Path, help="also write every row to this file (a JSON list)")
     ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "lmyard-bench-llama")
