@@ -271,7 +271,7 @@ def run_titan(a: argparse.Namespace, gpus: int, ours: dict) -> dict | None:
     import run_torchtitan
 
     titan = argparse.Namespace(
-        **{k: getattr(a, k) for k in ("preset", "seq", "batch", "ac", "compile", "float8", "device", "data")},
+        **{k: getattr(a, k) for k in ("preset", "seq", "batch", "compile", "float8", "device", "data")},
         attn=a.titan_attn,
         ac=a.titan_ac or titan_ac(ours),
         steps=max(a.warmup + a.steps, 25),  # torchtitan logs every 5 steps; its first two intervals are left out
