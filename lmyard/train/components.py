@@ -197,7 +197,8 @@ class Preemption:
 
 
 class FaultHook:
-    """LMYARD_FAULTS drills after a step: `hang` stops the last rank, `crash` exits once checkpoints are in."""
+    """LMYARD_FAULTS drills around a step: `hang_before` and `hang` stop the last rank, `crash` exits once
+    checkpoints are in."""
 
     def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world
@@ -205,9 +206,13 @@ class FaultHook:
     def poison(self, step: int) -> bool:
         return faults.fires("nan_loss", step)
 
+    def before_step(self, step: int) -> None:
+        if self.rank == self.world - 1 and faults.fires("hang_before", step):
+            print(f"injected hang of rank {self.rank} before step {step}", flush=True)
+            time.sleep(1e6)
+
     def after_step(self, step: int, flush) -> None:
-        if faults.fires("pause", step):  # every rank: a window in which a drill can act at a known step
-            time.sleep(float(os.environ.get("LMYARD_FAULT_PAUSE_S", "5")))
+        faults.delay("pause", step, "LMYARD_FAULT_PAUSE_S", 5)  # every rank: a window in which a drill acts
         if self.rank == self.world - 1 and faults.fires("hang", step):
             print(f"injected hang of rank {self.rank} after step {step}", flush=True)
             time.sleep(1e6)

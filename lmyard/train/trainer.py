@@ -260,6 +260,7 @@ class Trainer:
         steps_run = 0
         try:
             while self.state.step < self.t.max_steps:
+                self.faults.before_step(self.state.step + 1)
                 loss, grad_norm, lr = self.step()
                 if steps_run == 0:  # the optimizer state exists now: make the checkpoint copy buffers
                     self.checkpointer.prepare(self.raw_model, self.optimizer)
