@@ -109,7 +109,7 @@ def torchrun_command(
     cmd = [
         python,
         "-m",
-        "torch.distributed.run",
+        "lmyard.launch.torchrun",  # torchrun whose every kill waits launch.grace_s (see that module)
         "--nnodes",
         str(n),
         "--nproc_per_node",
@@ -140,8 +140,9 @@ def stage_command(cfg: RunConfig, spec: StageSpec, *, python: str = sys.executab
 
 
 def stage_env(cfg: RunConfig) -> dict[str, str]:
-    """Environment every launch gives torchrun: unbuffered output, and torchrun's own grace after SIGTERM
-    a little longer than the trainer's, so the checkpoint is written before anything is killed.
+    """Environment every launch gives torchrun: unbuffered output, and torchrun's own grace before it kills its
+    ranks (after a signal, or after one rank exited: lmyard.launch.torchrun) a little longer than the trainer's,
+    so the checkpoint is committed before anything is killed.
     OMP_NUM_THREADS: torchrun sets 1 itself when it is unset, with a 4-line banner; set, it says nothing (the
     trainer sets its threads itself: train.threads_per_rank)."""
     return {

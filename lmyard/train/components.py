@@ -8,7 +8,8 @@
 - `DivergenceGuard`: checks the loss on log and checkpoint steps; non-finite or spiking means
   rollback or stop, by `train.guard.policy`.
 - `Preemption`: SIGTERM sets a flag; the ranks agree on it after every step (one tiny all-reduce
-  on a gloo group), so they all checkpoint the same step and exit as preempted.
+  on a gloo group), so they all checkpoint the same step, wait together for its commit (a barrier:
+  a rank that exits early makes torchrun stop the rest), and exit as preempted.
 - `FaultHook`: the injected failures of lmyard.faults, in one place.
 """
 
@@ -191,6 +192,12 @@ class Preemption:
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
+
+    def barrier(self) -> None:
+        """Every rank waits here for the others (collective): a preempted rank that has nothing to upload waits
+        for the ranks that commit, so no rank exits while a commit is under way."""
+        if self.world > 1:
+            dist.barrier(group=self.group)
 
     def close(self) -> None:
         signal.signal(signal.SIGTERM, self.previous)
