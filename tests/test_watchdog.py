@@ -12,6 +12,7 @@ from lmyard.data.sharding import tokenize_and_shard
 from lmyard.launch.follower import TrainingFailed, run_local
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store
+from lmyard.train.watchdog import Watchdog
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +61,22 @@ def test_hung_rank_is_detected_within_the_configured_time_and_the_job_killed(tmp
 
     result = run_local(cfg, spec, on_line=lambda line: None)  # the retry: resumes at step 4, the fault has fired
     assert result.step == 12
+
+
+def test_startup_timeout_names_the_ranks_without_a_first_step_and_ends_once_all_have_one():
+    now = [0.0]
+    dog = Watchdog(None, clock=lambda: now[0], startup_s=100, ranks=3)
+    now[0] = 50.0
+    dog.arm()  # the job has started (after image builds): the clock counts from here
+    now[0] = 149.0
+    assert dog.check({"rank-0": "1"}) is None
+    now[0] = 151.0
+    message = dog.check({"rank-0": "1"})
+    assert message and "rank-1, rank-2 completed no training step" in message
+    assert "launch.startup_timeout_s=100" in message and "rank-0" not in message
+    dog.check({"rank-0": "2", "rank-1": "1", "rank-2": "1"})
+    assert dog.check({}) is None  # every rank has started: a read that finds no files is not a stuck start
+    assert Watchdog(None, clock=lambda: now[0], startup_s=1, ranks=0).check({}) is None  # no heartbeats: unwatched
 
 
 def test_rank_hung_before_its_first_step_is_killed_after_the_startup_timeout_naming_it(tmp_path, monkeypatch):

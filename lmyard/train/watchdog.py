@@ -74,7 +74,7 @@ class Watchdog:
         self.startup_s, self.ranks = startup_s, ranks
         self.last: dict[str, str] = {}
         self.changed_at: float | None = None
-        self.started_at = clock()
+        self.started_at, self.all_started = clock(), False
 
     def arm(self) -> None:
         """The job has started (its nodes are up): the startup clock starts now."""
@@ -84,9 +84,11 @@ class Watchdog:
         return self._startup(beats) or self._stalled(beats)
 
     def _startup(self, beats: dict[str, str]) -> str | None:
-        if not self.startup_s or not self.ranks:
+        if not self.startup_s or not self.ranks or self.all_started:
             return None
         missing = [name for name in (f"rank-{r}" for r in range(self.ranks)) if name not in beats]
+        # once every rank has reported, done for good: a later read that misses files (an engine blip) is no start
+        self.all_started = not missing
         waited = self.clock() - self.started_at
         if not missing or waited <= self.startup_s:
             return None
