@@ -609,6 +609,12 @@ class LaunchConfig(_Section):
     watchdog_s: float | None = Field(
         900, gt=0, description="Kill the job when no step completes for this long (after the first); null: never."
     )
+    startup_timeout_s: float | None = Field(
+        1800,
+        gt=0,
+        description="Kill the job when a rank has not completed its first step this long after the job started "
+        "(stuck in rendezvous, resume or compile); raise it for big models; null: never.",
+    )
     grace_s: float = Field(
         120,
         gt=0,

@@ -1,4 +1,4 @@
-"""The watchdog: a rank that stops making progress gets the job killed, and the retry resumes."""
+"""The watchdog: a rank that stops making progress, or never starts, gets the job killed, and the retry resumes."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from lmyard.data.sharding import tokenize_and_shard
 from lmyard.launch.follower import TrainingFailed, run_local
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store
+from lmyard.train.watchdog import Watchdog
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,7 @@ def _ranks_of(tmp) -> list[int]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "lmyard.train" in cmd and str(tmp) in cmd and p.status() != psutil.STATUS_ZOMBIE:
+        if "lmyard.stages train" in cmd and str(tmp) in cmd and p.status() != psutil.STATUS_ZOMBIE:
             found.append(p.pid)
     return found
 
@@ -60,6 +61,46 @@ def test_hung_rank_is_detected_within_the_configured_time_and_the_job_killed(tmp
 
     result = run_local(cfg, spec, on_line=lambda line: None)  # the retry: resumes at step 4, the fault has fired
     assert result.step == 12
+
+
+def test_startup_timeout_names_the_ranks_without_a_first_step_and_ends_once_all_have_one():
+    now = [0.0]
+    dog = Watchdog(None, clock=lambda: now[0], startup_s=100, ranks=3)
+    now[0] = 50.0
+    dog.arm()  # the job has started (after image builds): the clock counts from here
+    now[0] = 149.0
+    assert dog.check({"rank-0": "1"}) is None
+    now[0] = 151.0
+    message = dog.check({"rank-0": "1"})
+    assert message and "rank-1, rank-2 completed no training step" in message
+    assert "launch.startup_timeout_s=100" in message and "rank-0" not in message
+    dog.check({"rank-0": "2", "rank-1": "1", "rank-2": "1"})
+    assert dog.check({}) is None  # every rank has started: a read that finds no files is not a stuck start
+    assert Watchdog(None, clock=lambda: now[0], startup_s=1, ranks=0).check({}) is None  # no heartbeats: unwatched
+
+
+def test_rank_hung_before_its_first_step_is_killed_after_the_startup_timeout_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMYARD_FAULTS", "hang_before@1")  # the last rank never starts step 1, so rank 0 waits too
+    monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
+    startup_s = 20  # more than a healthy start takes here, so the kill is the timeout's
+    cfg = _cfg(tmp_path, **{"launch.startup_timeout_s": startup_s})
+    shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
+    spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
+    seen: dict[str, float] = {}
+
+    def on_line(line):
+        for key in ("injected hang", "watchdog:"):
+            if key in line:
+                seen.setdefault(key, time.monotonic())
+
+    started = time.monotonic()
+    with pytest.raises(TrainingFailed, match=r"watchdog: rank-0, rank-1 completed no training step") as info:
+        run_local(cfg, spec, on_line=on_line)
+    assert "launch.startup_timeout_s=20" in str(info.value) and "\n" not in str(info.value)  # one line
+    assert "injected hang" in seen, "the fault did not fire: the test proves nothing"
+    assert startup_s <= seen["watchdog:"] - started < startup_s + 15  # from the job's start, + polling and kill slack
+    assert complete_steps(open_store(cfg.store), "smoke") == []
+    assert _ranks_of(tmp_path) == [], "a killed job left ranks running"
 
 
 def test_flow_retries_the_killed_training_task_and_finishes(prefect_api_url, tmp_path, monkeypatch):

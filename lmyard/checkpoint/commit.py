@@ -26,7 +26,8 @@ LeaseLost (final, like StepExists) and its checkpoint never exists.
 
 Fault injection (lmyard.faults) for checkpoints happens here only:
 `crash_in_upload@S` kills the process once the files of step S are uploaded and
-before its manifest (a checkpoint cut short, invisible).
+before its manifest (a checkpoint cut short, invisible); `slow_upload@S` delays
+the files of step S (a slow store).
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ def put(store: Store, path: str, key: str) -> None:
 def upload_files(store: Store, files: dict[str, str], step: int, policy: RetryPolicy, staged: str) -> float:
     """Put staged files (key -> local path) into the store, each under the retry policy; seconds it took."""
     t0 = time.perf_counter()
+    faults.delay("slow_upload", step, "LMYARD_FAULT_SLOW_S", 30)
     for key, path in files.items():
         policy.run(step, staged, functools.partial(put, store, path, key))
     if faults.fires("crash_in_upload", step):

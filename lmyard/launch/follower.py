@@ -14,8 +14,9 @@ Everything else is shared, in `Follower`:
 - progress (training, tokenize-and-shard: the spec's `progress` type) and resume (training):
   `progress.json` and `started.json` from the job's exchange folder (lmyard.contracts), never parsed
   from the log;
-- the heartbeat watchdog (`launch.watchdog_s`): stalled ranks get the job killed (stages that write no
-  heartbeats are not watched);
+- the heartbeat watchdog (`launch.watchdog_s`, and `launch.startup_timeout_s` from the job's start to
+  every rank's first step): stalled ranks, or ranks that never start, get the job killed (stages that
+  write no heartbeats are not watched);
 - cancellation and cleanup: an interrupt (Ctrl-C, Prefect's cancellation) or `stop_all()` sends
   SIGTERM to every node, waits `launch.grace_s` for the checkpoint, then kills; the job's
   processes, containers and networks are removed whatever happens;
@@ -108,7 +109,7 @@ def torchrun_command(
     cmd = [
         python,
         "-m",
-        "torch.distributed.run",
+        "lmyard.launch.torchrun",  # torchrun whose every kill waits launch.grace_s (see that module)
         "--nnodes",
         str(n),
         "--nproc_per_node",
@@ -139,8 +140,9 @@ def stage_command(cfg: RunConfig, spec: StageSpec, *, python: str = sys.executab
 
 
 def stage_env(cfg: RunConfig) -> dict[str, str]:
-    """Environment every launch gives torchrun: unbuffered output, and torchrun's own grace after SIGTERM
-    a little longer than the trainer's, so the checkpoint is written before anything is killed.
+    """Environment every launch gives torchrun: unbuffered output, and torchrun's own grace before it kills its
+    ranks (after a signal, or after one rank exited: lmyard.launch.torchrun) a little longer than the trainer's,
+    so the checkpoint is committed before anything is killed.
     OMP_NUM_THREADS: torchrun sets 1 itself when it is unset, with a 4-line banner; set, it says nothing (the
     trainer sets its threads itself: train.threads_per_rank)."""
     return {
@@ -168,7 +170,9 @@ class Follower:
         self.job, self.cfg, self.on_line = job, cfg, on_line
         self.on_progress, self.on_started = on_progress, on_started
         self.tails: list[collections.deque[str]] = [collections.deque(maxlen=tail_lines) for _ in range(job.nodes)]
-        self.dog = watchdog.Watchdog(cfg.launch.watchdog_s)
+        # every rank of a training writes heartbeats; the other stages write none and are not watched
+        ranks = cfg.launch.nnodes * cfg.launch.nproc_per_node if isinstance(job.spec, TrainSpec) else 0
+        self.dog = watchdog.Watchdog(cfg.launch.watchdog_s, startup_s=cfg.launch.startup_timeout_s, ranks=ranks)
         self.stop_requested = threading.Event()
         self.exits: dict[int, int] = {}
         self.started_seen, self.progress_seen = False, b""
@@ -180,6 +184,7 @@ class Follower:
             _ACTIVE.add(self)
         try:
             self.job.start(events)  # a refusal here (an image, an engine check) has nothing to stop: close() cleans
+            self.dog.arm()  # the startup timeout counts from here, not from image builds
             try:
                 stalled = self._follow(events)
                 self._poll()

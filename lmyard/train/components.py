@@ -8,7 +8,8 @@
 - `DivergenceGuard`: checks the loss on log and checkpoint steps; non-finite or spiking means
   rollback or stop, by `train.guard.policy`.
 - `Preemption`: SIGTERM sets a flag; the ranks agree on it after every step (one tiny all-reduce
-  on a gloo group), so they all checkpoint the same step and exit as preempted.
+  on a gloo group), so they all checkpoint the same step, wait together for its commit (a barrier:
+  a rank that exits early makes torchrun stop the rest), and exit as preempted.
 - `FaultHook`: the injected failures of lmyard.faults, in one place.
 """
 
@@ -192,12 +193,19 @@ class Preemption:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
+    def barrier(self) -> None:
+        """Every rank waits here for the others (collective): a preempted rank that has nothing to upload waits
+        for the ranks that commit, so no rank exits while a commit is under way."""
+        if self.world > 1:
+            dist.barrier(group=self.group)
+
     def close(self) -> None:
         signal.signal(signal.SIGTERM, self.previous)
 
 
 class FaultHook:
-    """LMYARD_FAULTS drills after a step: `hang` stops the last rank, `crash` exits once checkpoints are in."""
+    """LMYARD_FAULTS drills around a step: `hang_before` and `hang` stop the last rank, `crash` exits once
+    checkpoints are in."""
 
     def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world
@@ -205,9 +213,13 @@ class FaultHook:
     def poison(self, step: int) -> bool:
         return faults.fires("nan_loss", step)
 
+    def before_step(self, step: int) -> None:
+        if self.rank == self.world - 1 and faults.fires("hang_before", step):
+            print(f"injected hang of rank {self.rank} before step {step}", flush=True)
+            time.sleep(1e6)
+
     def after_step(self, step: int, flush) -> None:
-        if faults.fires("pause", step):  # every rank: a window in which a drill can act at a known step
-            time.sleep(float(os.environ.get("LMYARD_FAULT_PAUSE_S", "5")))
+        faults.delay("pause", step, "LMYARD_FAULT_PAUSE_S", 5)  # every rank: a window in which a drill acts
         if self.rank == self.world - 1 and faults.fires("hang", step):
             print(f"injected hang of rank {self.rank} after step {step}", flush=True)
             time.sleep(1e6)

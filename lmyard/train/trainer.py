@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lmyard.checkpoint import resume, retention
-from lmyard.checkpoint.catalog import quarantine
+from lmyard.checkpoint.catalog import complete_steps, quarantine
 from lmyard.checkpoint.checkpointer import make_checkpointer
 from lmyard.checkpoint.state import Loaded, rng_state, set_rng_state
 from lmyard.config import RunConfig, TrainConfig
@@ -274,6 +274,7 @@ class Trainer:
         steps_run = 0
         try:
             while self.state.step < self.t.max_steps:
+                self.faults.before_step(self.state.step + 1)
                 loss, grad_norm, lr = self.step()
                 if steps_run == 0:  # the optimizer state exists now: make the checkpoint copy buffers
                     self.checkpointer.prepare(self.raw_model, self.optimizer)
@@ -289,9 +290,11 @@ class Trainer:
                 self.faults.after_step(self.state.step, self.flush)
                 if self.preemption.due():
                     self.preempt()
-        except BaseException:
-            with contextlib.suppress(Exception):  # let committed-so-far uploads finish, but not hang on a dead store
-                self.checkpointer.close(timeout_s=60)
+        except BaseException as e:
+            # let committed-so-far uploads finish, but not hang on a dead store; preempted, the grace is spent
+            # and the message has said what is committed
+            with contextlib.suppress(Exception):
+                self.checkpointer.close(timeout_s=0 if isinstance(e, Preempted) else 60)
             raise
         finally:
             self.batches.close()
@@ -471,15 +474,33 @@ class Trainer:
         self.logger.restart(self.batches.waited_s)
 
     def preempt(self) -> None:
-        """Asked to stop: checkpoint this step (unless just saved), wait for it to commit, end as preempted."""
-        step = self.state.step
+        """Asked to stop: checkpoint this step (unless just saved); every rank waits until it is committed or
+        `launch.grace_s` is spent, then ends as preempted saying what the store holds (read back, not assumed)."""
+        step, grace = self.state.step, self.cfg.launch.grace_s
         if not self.checkpointing.due(step):
             self.save()
-        grace = self.cfg.launch.grace_s
         waited = time.monotonic() - (self.preemption.requested_at or time.monotonic())
-        self.flush(max(1.0, grace - waited))
+        try:
+            self.flush(max(1.0, grace - waited))
+        except StoreOutage:
+            pass  # not committed within the grace: the message below says so, from what the store holds
+        finally:
+            # no rank exits before the writers are done: torchrun stops every rank once one has exited
+            self.preemption.barrier()
+        committed = complete_steps(self.store, self.cfg.run_name)
+        if step in committed:
+            raise Preempted(
+                f"stopped by SIGTERM after step {step}; checkpoint step {step} is in the store, "
+                "and a rerun resumes from it"
+            )
+        last = (
+            f"the last committed checkpoint is step {committed[-1]}, where a rerun resumes"
+            if committed
+            else "no checkpoint is committed, and a rerun starts from step 0"
+        )
         raise Preempted(
-            f"stopped by SIGTERM after step {step}; checkpoint step {step} is in the store, and a rerun resumes from it"
+            f"stopped by SIGTERM after step {step}; checkpoint step {step} was not committed within "
+            f"launch.grace_s={grace:g} s; {last}"
         )
 
     # ---- reporting ------------------------------------------------------------------

@@ -9,8 +9,16 @@ rank's step has changed for `timeout_s` (a hung NCCL collective, a dead data
 source, a stuck filesystem) the check returns a message that says which ranks
 stopped where, and the launcher kills the job, so the task fails and a retry
 resumes from the last checkpoint. The clock is the launcher's own (no clock is
-compared across hosts), and it starts at the first heartbeat: loading,
-compiling and the first step are not timed.
+compared across hosts).
+
+The stall clock starts at the first heartbeat: loading, compiling and the first
+step are not timed by `launch.watchdog_s`, which is sized for one step. They have
+a clock of their own, `launch.startup_timeout_s` (generous: a big model compiles
+and resumes for minutes): it starts when the job has started (`Watchdog.arm`,
+after the launcher's image builds and container starts) and ends once every rank
+has written its first heartbeat. A rank stuck in rendezvous, in resume or before
+step 1 gets the job killed the same way, with a message naming the ranks that
+never reported and the setting to raise.
 """
 
 from __future__ import annotations
@@ -58,20 +66,46 @@ def read_beats(folder: str) -> dict[str, str]:
 
 
 class Watchdog:
-    """The launcher's side: `check(beats)` returns a message once no step has completed for `timeout_s`."""
+    """The launcher's side: `check(beats)` returns a message once no step has completed for `timeout_s`, or
+    once `startup_s` have passed since `arm()` and one of the `ranks` ranks has not completed its first step."""
 
-    def __init__(self, timeout_s: float | None, clock=time.monotonic):
+    def __init__(self, timeout_s: float | None, clock=time.monotonic, *, startup_s: float | None = None, ranks=0):
         self.timeout_s, self.clock = timeout_s, clock
+        self.startup_s, self.ranks = startup_s, ranks
         self.last: dict[str, str] = {}
         self.changed_at: float | None = None
+        self.started_at, self.all_started = clock(), False
+
+    def arm(self) -> None:
+        """The job has started (its nodes are up): the startup clock starts now."""
+        self.started_at = self.clock()
 
     def check(self, beats: dict[str, str]) -> str | None:
+        return self._startup(beats) or self._stalled(beats)
+
+    def _startup(self, beats: dict[str, str]) -> str | None:
+        if not self.startup_s or not self.ranks or self.all_started:
+            return None
+        missing = [name for name in (f"rank-{r}" for r in range(self.ranks)) if name not in beats]
+        # once every rank has reported, done for good: a later read that misses files (an engine blip) is no start
+        self.all_started = not missing
+        waited = self.clock() - self.started_at
+        if not missing or waited <= self.startup_s:
+            return None
+        return (
+            f"watchdog: {', '.join(missing)} completed no training step {waited:.0f}s after the start "
+            f"(stuck in rendezvous, resume or step 1); launch.startup_timeout_s={self.startup_s:g}: "
+            "raise it when loading or compiling takes longer"
+        )
+
+    def _stalled(self, beats: dict[str, str]) -> str | None:
         if not self.timeout_s or not beats:
             return None
         now = self.clock()
         if beats != self.last:
             self.last, self.changed_at = dict(beats), now
             return None
+        assert self.changed_at is not None
         idle = now - self.changed_at
         if idle <= self.timeout_s:
             return None

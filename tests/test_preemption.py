@@ -1,0 +1,112 @@
+"""SIGTERM to one rank of a 2-rank local run while checkpoint uploads are slow (a spot reclaim of one node's
+process, a drill): every rank waits for the preemption checkpoint's commit within `launch.grace_s`, the job ends
+preempted (exit 5) saying only what the store holds, and a rerun resumes from what is committed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+from conftest import tiny_overrides
+
+from lmyard.checkpoint.catalog import complete_steps
+from lmyard.data.sharding import tokenize_and_shard
+from lmyard.errors import ExitCode, Preempted
+from lmyard.launch.follower import run_local, stage_env, torchrun_command
+from lmyard.recipes import load_recipe
+from lmyard.store import open_store
+
+pytestmark = pytest.mark.slow
+# torchrun kills the ranks left 30 s after one exits unless told otherwise: an upload slower than that
+SLOW_UPLOAD_S = 33
+
+
+def _sigterm_rank(tmp, rank: int) -> None:
+    """SIGTERM to one rank process of the job whose files lie under `tmp` (torchrun and the other rank get none)."""
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "lmyard.stages train" in cmd and str(tmp) in cmd:
+            with contextlib.suppress(psutil.Error):
+                if p.environ().get("RANK") == str(rank):
+                    p.send_signal(signal.SIGTERM)
+                    return
+    raise AssertionError(f"no rank {rank} process found")
+
+
+def _run(tmp, monkeypatch, grace_s: float, slow_s: float):
+    """Train to step 4 (checkpoints every 2 steps); the ranks pause after step 3, when rank 1 gets SIGTERM and
+    checkpoint 3's upload is slowed by `slow_s`. Returns (config, spec, the error, seconds from SIGTERM to end)."""
+    monkeypatch.setenv("LMYARD_FAULTS", "pause@3,slow_upload@3")
+    monkeypatch.setenv("LMYARD_FAULT_SLOW_S", str(slow_s))
+    monkeypatch.setenv("LMYARD_CACHE", str(tmp / "cache"))
+    cfg = load_recipe(
+        "smoke",
+        tiny_overrides(tmp, steps=4, **{"checkpoint.interval": 2, "eval.interval": 100, "launch.grace_s": grace_s}),
+    )
+    shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
+    spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
+    sent: list[float] = []
+
+    def on_line(line: str) -> None:
+        if line.startswith("step 3/4") and not sent:  # the ranks pause after step 3 (a fault): a known step
+            _sigterm_rank(tmp, 1)
+            sent.append(time.monotonic())
+
+    with pytest.raises(Preempted) as info:
+        run_local(cfg, spec, on_line=on_line)
+    monkeypatch.setenv("LMYARD_FAULTS", "")
+    return cfg, spec, info.value, time.monotonic() - sent[0]
+
+
+def test_sigterm_to_one_rank_with_a_slow_upload_commits_the_step_before_exit_and_the_rerun_resumes_it(
+    tmp_path, monkeypatch
+):
+    grace_s = 60
+    cfg, spec, err, took = _run(tmp_path, monkeypatch, grace_s, SLOW_UPLOAD_S)
+    assert err.exit_code == ExitCode.PREEMPTED
+    assert "stopped by SIGTERM after step 3; checkpoint step 3 is in the store" in str(err)
+    assert complete_steps(open_store(cfg.store), "smoke") == [2, 3]  # committed, manifest last
+    assert SLOW_UPLOAD_S <= took < grace_s + 30  # waited for the upload, within the grace (+ exit slack)
+    result = run_local(cfg, spec, on_line=lambda line: None)
+    assert result.start_step == 3 and result.resumed_from.endswith("step_00000003") and result.step == 4
+
+
+def test_preempted_step_not_committed_within_the_grace_is_named_with_the_last_committed_one(tmp_path, monkeypatch):
+    cfg, spec, err, _ = _run(tmp_path, monkeypatch, grace_s=8, slow_s=20)
+    assert err.exit_code == ExitCode.PREEMPTED
+    assert "checkpoint step 3 was not committed within launch.grace_s=8 s" in str(err)
+    assert "the last committed checkpoint is step 2, where a rerun resumes" in str(err)
+    assert "is in the store" not in str(err)
+    assert 3 not in complete_steps(open_store(cfg.store), "smoke")
+    result = run_local(cfg, spec, on_line=lambda line: None)
+    assert result.start_step == 2 and result.step == 4
+
+
+RANK_SCRIPT = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: None)  # the trainer's handler: the stop is already under way
+if os.environ["RANK"] == "1":
+    time.sleep(2)  # rank 0 has its handler by now
+    sys.exit(5)  # preempted: nothing of its own to upload
+time.sleep({busy_s})  # still committing the checkpoint
+open({done!r}, "w").close()
+sys.exit(5)
+"""
+
+
+def test_torchrun_waits_launch_grace_s_not_30_s_before_killing_the_ranks_left_after_one_exited(tmp_path):
+    cfg = load_recipe("smoke", tiny_overrides(tmp_path, **{"launch.grace_s": 60}))
+    done = tmp_path / "rank0-done"
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT.format(busy_s=SLOW_UPLOAD_S, done=str(done)))
+    cmd = torchrun_command(cfg)
+    cmd = [*cmd[: cmd.index("-m", 3)], str(script)]  # the launcher's torchrun, running the script as its ranks
+    proc = subprocess.run(
+        cmd, env={**os.environ, **stage_env(cfg)}, capture_output=True, text=True, timeout=SLOW_UPLOAD_S + 60
+    )
+    assert done.exists(), "torchrun killed rank 0 before launch.grace_s:\n" + proc.stderr[-2000:]
