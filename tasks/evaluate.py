@@ -92,7 +92,7 @@ def _mark_damaged_evaluation(config: RunConfig, lineage: Lineage, step: int, war
     """The evaluation logged earlier at `step` was of a checkpoint since moved aside as damaged: say so on the
     run and retire its logged model, before the new checkpoint's results are logged at the same step."""
     moved = catalog.damaged(open_store(config.store), config.run_name).get(step, [])
-    where = moved[-1] if moved else "runs/<run>/damaged/"
+    where = moved[-1] if moved else "the damaged folder"
     warn(f"step {step} was trained again after its checkpoint was found damaged ({where}); evaluating the new one")
     note = f"the results logged at step {step} before {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} are of a "
     lineage.set_tags({DAMAGED_EVALUATION.format(step): note + f"damaged checkpoint, moved to {where}"})
