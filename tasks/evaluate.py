@@ -20,6 +20,7 @@ from prefect.futures import PrefectFuture
 
 from lmyard import console
 from lmyard.checkpoint import catalog
+from lmyard.checkpoint.manifest import DamagedCheckpoint
 from lmyard.config import RunConfig
 from lmyard.contracts import EvalResult, EvalSpec, Evaluation, ShardSet, one_line
 from lmyard.layout import RunLayout
@@ -52,8 +53,12 @@ def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: Lineage, s
 
 
 def commit_id(store: Store, run_name: str, step: int) -> str:
-    """Which checkpoint of `step` the store holds now: its manifest's commit time ("" in a manifest without)."""
-    committed = catalog.read_manifest(store, run_name, step).committed
+    """Which checkpoint of `step` the store holds now: its manifest's commit time ("" in a manifest without, or
+    in one that is not a manifest: its evaluation, not this look, says that it is damaged)."""
+    try:
+        committed = catalog.read_manifest(store, run_name, step).committed
+    except DamagedCheckpoint:
+        return ""
     return "" if committed is None else repr(committed)
 
 

@@ -100,3 +100,5 @@ def test_a_step_trained_again_after_a_fallback_is_evaluated_again_and_its_damage
     third = pretrain(config=load_recipe("smoke", [*overrides, "train.max_steps=12"]))
     assert third.steps == 12
     assert sorted(m.step for m in client.get_metric_history(first.mlflow_run_id, "eval/val_loss")) == [4, 8, 8, 12]
+    # and records each checkpoint once: step 8 twice (two checkpoints), the final step 12 not again
+    assert sorted(m.step for m in client.get_metric_history(first.mlflow_run_id, "checkpoint/bytes")) == [4, 8, 8, 12]
