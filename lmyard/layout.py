@@ -21,6 +21,7 @@ from dataclasses import dataclass
 MANIFEST = "manifest.json"
 EVALUATED = "evaluated.json"
 _STEP_DIR = re.compile(r"(?:^|/)step_(\d{8})(?:/|$)")
+_DAMAGED_DIR = re.compile(r"/damaged/step_(\d{8})-[^/]+/")
 _RUN_URI = re.compile(
     r"^(?P<root>.+?)/runs/(?P<run>[A-Za-z0-9][A-Za-z0-9._-]*)(?:/checkpoints(?:/step_(?P<step>\d{8}))?)?/?$"
 )
@@ -71,8 +72,18 @@ class RunLayout:
     def rank_marker(self, step: int, rank: int) -> str:
         return f"{self.rank_markers(step)}/rank_{rank:05d}.json"
 
+    @property
+    def damaged_root(self) -> str:
+        return f"{self.root}/damaged"
+
     def damaged(self, step: int, stamp: str) -> str:
-        return f"{self.root}/damaged/step_{step:08d}-{stamp}"
+        return f"{self.damaged_root}/step_{step:08d}-{stamp}"
+
+    @staticmethod
+    def damaged_step_of(key: str) -> tuple[int, str] | None:
+        """(step, folder) of a key inside a moved-aside checkpoint (`runs/<run>/damaged/step_N-<time>/...`)."""
+        m = _DAMAGED_DIR.search(key)
+        return (int(m.group(1)), key[: m.end() - 1]) if m else None
 
     @staticmethod
     def locate(uri: str) -> tuple[str, str, int | None] | None:

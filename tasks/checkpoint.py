@@ -1,4 +1,10 @@
-"""Checkpoint-to-store as a stage of its own in the flow's timeline: verify what landed, and record it."""
+"""Checkpoint-to-store as a stage of its own in the flow's timeline: verify what landed, and record it.
+
+A checkpoint is recorded once per lineage: a task retry, or a rerun of the lineage that meets a checkpoint an
+earlier attempt recorded, logs nothing again. A checkpoint is its step *and* its commit time
+(`checkpoint/committed`, from its manifest): a step trained again after a fallback (the damaged checkpoint
+moved to runs/<run>/damaged/) is another checkpoint, recorded at the same step.
+"""
 
 from __future__ import annotations
 
@@ -21,12 +27,17 @@ def record_checkpoint(config: RunConfig, lineage: Lineage, step: int) -> Checkpo
     """Verify checkpoint `step` against its manifest in the store; its place, size and upload time to
     MLflow (checkpoint/* at its step) and to a Prefect artifact. The upload itself ran on the training node."""
     report = CheckpointReport.model_validate(catalog.verify(open_store(config.store), config.run_name, step))
+    if _recorded(lineage, report):
+        get_run_logger().info(f"checkpoint step {step} was recorded by an earlier attempt; not logged again")
+        return report
     metrics: dict[str, float] = {"checkpoint/bytes": report.bytes}
     if report.serialize_s is not None:
         metrics["checkpoint/serialize_s"] = report.serialize_s
     if report.upload_s is not None:
         metrics["checkpoint/upload_s"] = report.upload_s
-    lineage.log_metrics(metrics, step)
+    if report.committed is not None:
+        metrics["checkpoint/committed"] = report.committed  # which checkpoint of this step (see the module doc)
+    lineage.log_metrics(metrics, step)  # one batch: all of them or none
     lineage.set_tags({"lmyard.latest_checkpoint": report.uri})
     create_table_artifact(
         key=artifact_key(config.run_name, f"checkpoint-step-{step:08d}"),
@@ -38,3 +49,13 @@ def record_checkpoint(config: RunConfig, lineage: Lineage, step: int) -> Checkpo
         f"{report.uri} (uploaded in {report.upload_s} s)"
     )
     return report
+
+
+def _recorded(lineage: Lineage, report: CheckpointReport) -> bool:
+    """Whether this checkpoint's metrics are on the lineage's run already: its step has checkpoint/bytes and,
+    when its manifest has a commit time, checkpoint/committed holds that time at its step."""
+    history = lineage.client.get_metric_history
+    if all(m.step != report.step for m in history(lineage.mlflow_run_id, "checkpoint/bytes")):
+        return False
+    committed = {m.value for m in history(lineage.mlflow_run_id, "checkpoint/committed") if m.step == report.step}
+    return report.committed is None or not committed or report.committed in committed

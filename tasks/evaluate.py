@@ -1,5 +1,12 @@
 """Evaluate checkpoints (the evaluate stage, launched on config.launch.backend) and log the results to the
-lineage's MLflow run. An evaluation that fails is recorded, never raised: it does not fail the training run."""
+lineage's MLflow run. An evaluation that fails is recorded, never raised: it does not fail the training run.
+
+Each checkpoint is evaluated and logged once per lineage. A checkpoint is its step and its manifest's commit
+time: the run tag `lmyard.evaluated.step_N` holds the commit time of the checkpoint evaluated at step N. After
+a fallback (a damaged checkpoint moved to runs/<run>/damaged/, its step trained again) the step holds another
+checkpoint: it is evaluated again, its results logged at the same step after the damaged one's, which is marked
+(the run tag `lmyard.eval_of_damaged.step_N`, its logged model FAILED with `lmyard.checkpoint_damaged`).
+"""
 
 from __future__ import annotations
 
@@ -13,14 +20,17 @@ from prefect.futures import PrefectFuture
 
 from lmyard import console
 from lmyard.checkpoint import catalog
+from lmyard.checkpoint.manifest import DamagedCheckpoint
 from lmyard.config import RunConfig
 from lmyard.contracts import EvalResult, EvalSpec, Evaluation, ShardSet, one_line
 from lmyard.layout import RunLayout
-from lmyard.store import open_store
-from lmyard.tracking.lineage import Lineage
+from lmyard.store import Store, open_store
+from lmyard.tracking.lineage import DAMAGED_TAG, Lineage
 from tasks._common import artifact_key, launch_stage
 
 EVALUATED = "eval/val_loss"  # the metric whose steps say which checkpoints have been evaluated
+EVALUATED_COMMIT = "lmyard.evaluated.step_{:08d}"  # run tag: the commit time of the checkpoint evaluated there
+DAMAGED_EVALUATION = "lmyard.eval_of_damaged.step_{:08d}"  # run tag: the step's earlier result was of a damaged one
 
 
 @task(name="evaluate-checkpoint", cache_policy=NO_CACHE, task_run_name="evaluate-step-{step}")
@@ -30,8 +40,9 @@ def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: Lineage, s
     in the Evaluation: an evaluation never turns a training run into a failed one (issue 23)."""
     logger = get_run_logger()
     try:
+        commit = commit_id(open_store(config.store), config.run_name, step)  # before: which checkpoint is read
         result = launch_stage(EvalSpec(config=config, shards=shards, step=step), logger.info)
-        _record(config, lineage, result)
+        _record(config, lineage, result, commit)
     except Exception as e:  # any failure of this evaluation: recorded below; interrupts and cancellation pass
         error = f"{type(e).__name__}: {one_line(e)}"
         logger.error(f"evaluation of step {step} failed; training goes on: {error}")
@@ -41,13 +52,32 @@ def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: Lineage, s
     return Evaluation(step=step, checkpoint=result.checkpoint, result=result)
 
 
-def _record(config: RunConfig, lineage: Lineage, result: EvalResult) -> None:
-    """The result to MLflow (once per step: a retried attempt's repeat is not logged again) and Prefect."""
+def commit_id(store: Store, run_name: str, step: int) -> str:
+    """Which checkpoint of `step` the store holds now: its manifest's commit time ("" in a manifest without, or
+    in one that is not a manifest: its evaluation, not this look, says that it is damaged)."""
+    try:
+        committed = catalog.read_manifest(store, run_name, step).committed
+    except DamagedCheckpoint:
+        return ""
+    return "" if committed is None else repr(committed)
+
+
+def evaluated_checkpoints(lineage: Lineage) -> dict[int, str | None]:
+    """step -> the commit id of the checkpoint evaluated at that step (None: logged before ids were)."""
+    tags = lineage.client.get_run(lineage.mlflow_run_id).data.tags
+    return {step: tags.get(EVALUATED_COMMIT.format(step)) for step in lineage.metric_history(EVALUATED)}
+
+
+def _record(config: RunConfig, lineage: Lineage, result: EvalResult, commit: str) -> None:
+    """The result to MLflow (once per checkpoint: a retried attempt's repeat is not logged again) and Prefect."""
     logger, step = get_run_logger(), result.step
-    if step in lineage.metric_history(EVALUATED):
+    earlier = evaluated_checkpoints(lineage)
+    if step in earlier and earlier[step] in (None, commit):
         logger.info(f"step {step} was evaluated by an earlier attempt; its results are not logged again")
         return
-    _log_to_mlflow(lineage, result)
+    if step in earlier:  # the step was trained again after a fallback: the earlier result is a damaged one's
+        _mark_damaged_evaluation(config, lineage, step, logger.warning)
+    _log_to_mlflow(lineage, result, commit)
     create_table_artifact(
         key=artifact_key(config.run_name, f"eval-step-{step:08d}"),
         table=_table(result),
@@ -63,6 +93,17 @@ def _record(config: RunConfig, lineage: Lineage, result: EvalResult) -> None:
         logger.info(console.sample_text(step, sample.prompt, sample.completion))
 
 
+def _mark_damaged_evaluation(config: RunConfig, lineage: Lineage, step: int, warn) -> None:
+    """The evaluation logged earlier at `step` was of a checkpoint since moved aside as damaged: say so on the
+    run and retire its logged model, before the new checkpoint's results are logged at the same step."""
+    moved = catalog.damaged(open_store(config.store), config.run_name).get(step, [])
+    where = moved[-1] if moved else "the damaged folder"
+    warn(f"step {step} was trained again after its checkpoint was found damaged ({where}); evaluating the new one")
+    note = f"the results logged at step {step} before {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} are of a "
+    lineage.set_tags({DAMAGED_EVALUATION.format(step): note + f"damaged checkpoint, moved to {where}"})
+    lineage.retire_checkpoint_models([step], tag=DAMAGED_TAG)
+
+
 def _record_failure(lineage: Lineage, step: int, error: str, warn) -> None:
     """The failed evaluation on the lineage's MLflow run: a tag per step and evals/failed_step_N.json."""
     try:
@@ -73,7 +114,8 @@ def _record_failure(lineage: Lineage, step: int, error: str, warn) -> None:
 
 
 def new_checkpoints(config: RunConfig, lineage: Lineage, training: PrefectFuture, log=None) -> Iterator[int]:
-    """Steps of complete checkpoints not yet evaluated, as they appear while `training` runs.
+    """Steps of complete checkpoints not yet evaluated, as they appear while `training` runs (a step trained
+    again after a fallback holds a new checkpoint: it comes again; see the module doc).
 
     Polls the store every eval.poll_s seconds. The final checkpoint (train.max_steps) is left out: the
     flow evaluates it itself, with the training result in hand. A look that fails (the store briefly
@@ -82,7 +124,7 @@ def new_checkpoints(config: RunConfig, lineage: Lineage, training: PrefectFuture
     """
     store = open_store(config.store)
     log = log or get_run_logger().warning
-    done = set(lineage.metric_history(EVALUATED))
+    done = evaluated_checkpoints(lineage)  # step -> commit id of the checkpoint evaluated there
     budget = outage_budget_s(config)
     failing_since: float | None = None
     while True:
@@ -90,7 +132,7 @@ def new_checkpoints(config: RunConfig, lineage: Lineage, training: PrefectFuture
         finished = training.state.is_final()  # read before listing: the last listing sees every checkpoint
         if config.eval.watch or finished:
             try:
-                steps = catalog.complete_steps(store, config.run_name)
+                fresh = _unevaluated(store, config.run_name, done, final=config.train.max_steps)
             except Exception as e:
                 now = time.monotonic()
                 failing_since = failing_since or now
@@ -102,12 +144,26 @@ def new_checkpoints(config: RunConfig, lineage: Lineage, training: PrefectFuture
                 )
                 continue
             failing_since = None
-            for step in steps:
-                if step not in done and step != config.train.max_steps:
-                    done.add(step)
-                    yield step
+            for step, commit in fresh:
+                done[step] = commit
+                yield step
         if finished:
             return
+
+
+def _unevaluated(store: Store, run_name: str, done: dict[int, str | None], final: int) -> list[tuple[int, str]]:
+    """(step, commit id) of the complete checkpoints not in `done`, or in it but of another commit where the step
+    was moved aside as damaged (only those manifests are read again); the `final` step is the flow's own."""
+    steps = catalog.complete_steps(store, run_name)
+    moved = catalog.damaged(store, run_name) if any(s in done for s in steps) else {}
+    fresh = []
+    for step in steps:
+        if step == final or (step in done and (step not in moved or done[step] is None)):
+            continue
+        commit = commit_id(store, run_name, step)
+        if done.get(step) != commit:
+            fresh.append((step, commit))
+    return fresh
 
 
 def outage_budget_s(config: RunConfig) -> float:
@@ -115,7 +171,7 @@ def outage_budget_s(config: RunConfig) -> float:
     return sum(min(30.0, 2.0**i) for i in range(config.checkpoint.upload_retries + 1)) + 30.0
 
 
-def _log_to_mlflow(lineage: Lineage, r: EvalResult) -> None:
+def _log_to_mlflow(lineage: Lineage, r: EvalResult, commit: str = "") -> None:
     step, hs = r.step, r.hellaswag
     metrics = {"eval/val_loss": r.val_loss, "eval/seconds": r.eval_s}
     if hs:
@@ -144,7 +200,7 @@ def _log_to_mlflow(lineage: Lineage, r: EvalResult) -> None:
     text = "\n\n".join(f"### {s.prompt}\n{s.prompt}{s.completion}" for s in r.samples)
     lineage.log_text(text, f"samples/step_{step:08d}.md")
     metrics.update({f"harness/{k}": v for k, v in (r.harness.metrics if r.harness else {}).items()})
-    lineage.set_tags({"lmyard.latest_evaluated_checkpoint": r.checkpoint})
+    lineage.set_tags({"lmyard.latest_evaluated_checkpoint": r.checkpoint, EVALUATED_COMMIT.format(step): commit})
     # the checkpoint as an MLflow logged model (a pointer, no weights), its metrics linked to it
     model_id = lineage.log_checkpoint_model(
         step,

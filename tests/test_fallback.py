@@ -53,3 +53,52 @@ def test_fallback_moves_the_damaged_checkpoint_aside_and_the_attempt_names_what_
     assert store.read_bytes(aside) == bytes(data)
     assert complete_steps(store, "fallback") == [4, 8, 12]
     assert store.read_bytes(f"{step_prefix('fallback', 8)}/model.pt") != bytes(data)
+
+
+def test_a_step_trained_again_after_a_fallback_is_evaluated_again_and_its_damaged_result_marked(
+    prefect_api_url, tmp_path, monkeypatch
+):
+    """Issue 23: the rerun falls back from the damaged step 8 to step 4 and trains step 8 again; that new
+    checkpoint is evaluated (once), and the earlier result of step 8 is marked as a damaged checkpoint's."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.pretrain import pretrain
+    from lmyard.checkpoint.catalog import read_manifest
+
+    monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
+    run = "refallback"
+    overrides = tiny_overrides(
+        tmp_path,
+        steps=8,
+        **{"run_name": run, "checkpoint.interval": 4, "checkpoint.keep_last": 5, "eval.interval": 100},
+    )
+    cfg = load_recipe("smoke", overrides)
+    first = pretrain(config=cfg)
+    store = open_store(cfg.store)
+    damaged = store.local_path(f"{step_prefix(run, 8)}/model.pt")
+    data = bytearray(open(damaged, "rb").read())
+    data[-20] ^= 0xFF
+    open(damaged, "wb").write(bytes(data))
+
+    second = pretrain(config=load_recipe("smoke", [*overrides, "train.max_steps=12", "eval.poll_s=0.5"]))
+    assert second.mlflow_run_id == first.mlflow_run_id and second.steps == 12
+    assert not second.failed_evaluations and store.list(f"runs/{run}/damaged")
+
+    client = MlflowClient(cfg.tracking.uri)
+    # step 8 evaluated twice in all: the damaged checkpoint (first run), the one trained again (second run)
+    evaluated = client.get_metric_history(first.mlflow_run_id, "eval/val_loss")
+    assert sorted(m.step for m in evaluated) == [4, 8, 8, 12]
+    tags = client.get_run(first.mlflow_run_id).data.tags
+    assert tags["lmyard.evaluated.step_00000008"] == repr(read_manifest(store, run, 8).committed)
+    assert f"runs/{run}/damaged/step_00000008-" in tags["lmyard.eval_of_damaged.step_00000008"]
+    models = client.search_logged_models([client.get_run(first.mlflow_run_id).info.experiment_id])
+    at_8 = sorted(
+        (str(m.status), m.tags.get("lmyard.checkpoint_damaged")) for m in models if m.tags.get("lmyard.step") == "8"
+    )
+    assert at_8 == [("FAILED", "true"), ("READY", None)]
+    # a third run of the finished lineage evaluates nothing again
+    third = pretrain(config=load_recipe("smoke", [*overrides, "train.max_steps=12"]))
+    assert third.steps == 12
+    assert sorted(m.step for m in client.get_metric_history(first.mlflow_run_id, "eval/val_loss")) == [4, 8, 8, 12]
+    # and records each checkpoint once: step 8 twice (two checkpoints), the final step 12 not again
+    assert sorted(m.step for m in client.get_metric_history(first.mlflow_run_id, "checkpoint/bytes")) == [4, 8, 8, 12]

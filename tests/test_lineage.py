@@ -162,3 +162,43 @@ def test_killed_training_is_retried_as_one_mlflow_run_with_two_attempts(
             found[a.key] = a
     assert set(found) == set(keys)
     assert found[f"{run_name}-train-progress"].data == 100.0
+
+
+def _save_tiny_checkpoint(store, run_name: str, step: int, staging) -> str:
+    import torch
+    from checkpoint_helpers import save_full
+
+    state = {"step": step, "val_loss": None, "cursor": step, "tokens_seen": step, "world_size": 1}
+    state |= {"shard_address": "a", "config": {}, "model": {}}
+    return save_full(store, run_name, step, {"w": torch.zeros(2)}, {}, [], state, str(staging))
+
+
+def test_checkpoint_metrics_are_logged_once_per_checkpoint_across_reruns(prefect_api_url, mlflow_server, tmp_path):
+    """Issue 23: a rerun (or a retry) of the checkpoint stage for a checkpoint already recorded logs nothing
+    again; a checkpoint trained again at the same step after a fallback is another checkpoint, recorded."""
+    from lmyard.checkpoint.catalog import quarantine
+    from lmyard.tracking.lineage import Lineage
+    from tasks.checkpoint import record_checkpoint
+
+    overrides = [f"store={tmp_path / 'store'}", f"tracking.uri={mlflow_server.uri}", "run_name=recorded-once"]
+    cfg = load_recipe("smoke", overrides)
+    store = open_store(cfg.store)
+    lineage = Lineage.open(cfg, store, shard_address="a" * 64, code_version="test")
+    for step in (2, 4):
+        _save_tiny_checkpoint(store, cfg.run_name, step, tmp_path / "stage")
+        record_checkpoint(cfg, lineage, step)
+    for step in (2, 4):  # the rerun of the lineage, and a retry of the task, record the same checkpoints again
+        record_checkpoint(cfg, lineage, step)
+        record_checkpoint(cfg, lineage, step)
+
+    client = MlflowClient(mlflow_server.uri)
+    for key in ("checkpoint/bytes", "checkpoint/committed"):
+        assert sorted(m.step for m in client.get_metric_history(lineage.mlflow_run_id, key)) == [2, 4]
+
+    quarantine(store, cfg.run_name, 4)  # the fallback: step 4 moved aside, then trained again
+    _save_tiny_checkpoint(store, cfg.run_name, 4, tmp_path / "stage2")
+    record_checkpoint(cfg, lineage, 4)
+    record_checkpoint(cfg, lineage, 4)
+    committed = client.get_metric_history(lineage.mlflow_run_id, "checkpoint/committed")
+    assert sorted(m.step for m in committed) == [2, 4, 4]
+    assert len({m.value for m in committed if m.step == 4}) == 2

@@ -159,6 +159,17 @@ def test_killed_run_then_rerun_gives_byte_identical_shards(s3_server, s3_bucket,
     assert seen[-1].tokens < total, "the resumed run tokenized the kept shards again"
 
 
+def test_source_too_small_for_both_splits_fails_and_leaves_no_shards_in_the_store(s3_server, s3_bucket, tmp_path):
+    """Issue 23: one document makes a validation shard and no train tokens: the one-line error, and no
+    manifest-less shard (nor sidecar) of that set left in the store."""
+    s3 = s3_server.client()
+    s3.put_object(Bucket=s3_bucket, Key="tiny/part-0.jsonl", Body=_corpus(n=1))
+    cfg = load_recipe("smoke", [f"store=s3://{s3_bucket}/lmyard", f"data.source=s3://{s3_bucket}/tiny/*.jsonl"])
+    with pytest.raises(UserError, match="gave no train tokens from 1 documents; add documents or lower"):
+        tokenize_and_shard(cfg, log=lambda s: None, cache_dir=str(tmp_path / "cache"))
+    assert _objects(s3, s3_bucket, "lmyard/shards/") == {}
+
+
 def test_missing_bucket_is_a_user_error(s3_server, tmp_path):
     cfg = load_recipe("smoke", ["store=s3://no-such-bucket-here/lmyard", "data.max_documents=20"])
     with pytest.raises(UserError, match="bucket 'no-such-bucket-here' does not exist; create it or fix `store`"):

@@ -4,8 +4,10 @@ come back as typed files."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 from conftest import REPO, tiny_overrides
@@ -97,6 +99,41 @@ def test_the_command_line_reads_its_spec_and_writes_its_result_or_its_error(trai
     assert failed.returncode == 2 and "Traceback" not in failed.stderr
     failure = read_model(str(tmp / "failed.json"), StageError)
     assert failure.status == "user_error" and "has no complete checkpoint" in failure.message
+
+
+def test_jobs_leave_no_folder_in_the_cache_and_remove_those_of_launchers_that_died(tmp_path, monkeypatch):
+    """Issue 23: a job's exchange folder goes when the job ends, finished or failed; one left by a launcher that
+    was killed goes when the next job starts; a live launcher's stays."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LMYARD_CACHE", str(cache))
+    killed = textwrap.dedent(
+        f"""
+        import os, signal
+        from lmyard.contracts import ShardSpec
+        from lmyard.launch.follower import LocalJob
+        from lmyard.recipes import load_recipe
+        cfg = load_recipe("smoke", ["store={tmp_path / "store"}"])
+        print(LocalJob(cfg, ShardSpec(config=cfg)).folder, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # the launcher dies without closing its job
+        """
+    )
+    env = {**os.environ, "LMYARD_CACHE": str(cache)}
+    died = subprocess.run(
+        [sys.executable, "-c", killed], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    orphan = died.stdout.strip()
+    assert died.returncode == -9 and os.path.isdir(orphan), died.stderr
+    cfg = load_recipe("smoke", tiny_overrides(tmp_path))
+    live = LocalJob(cfg, ShardSpec(config=cfg))  # this process's own job, not yet started: it stays
+
+    assert isinstance(launch(ShardSpec(config=cfg), on_line=lambda s: None), ShardResult)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(UserError, match="holds no documents"):
+        empty = load_recipe("smoke", tiny_overrides(tmp_path, **{"data.source": str(tmp_path / "empty.jsonl")}))
+        launch(ShardSpec(config=empty), on_line=lambda s: None)
+    assert [p for p in os.listdir(cache) if p.startswith("lmyard-")] == [os.path.basename(live.folder)]
+    live.close()
+    assert not [p for p in os.listdir(cache) if p.startswith("lmyard-")]
 
 
 def test_a_result_file_with_a_nonzero_exit_code_is_the_failure_it_names(tmp_path):

@@ -73,6 +73,15 @@ def verify(store: Store, run_name: str, step: int) -> dict:
     }
 
 
+def damaged(store: Store, run_name: str) -> dict[int, list[str]]:
+    """step -> the URIs of its checkpoints moved aside as damaged (`quarantine`), oldest first."""
+    found: dict[int, set[str]] = {}
+    for key in store.list(RunLayout(run_name).damaged_root):
+        if (where := RunLayout.damaged_step_of(key)) is not None:
+            found.setdefault(where[0], set()).add(store.uri(where[1]))
+    return {step: sorted(uris) for step, uris in found.items()}  # the folder names end with UTC time: sortable
+
+
 def quarantine(store: Store, run_name: str, step: int) -> str:
     """Move a damaged checkpoint aside (runs/<run>/damaged/step_N-<time>/), so its step can be written again
     and nothing is ever rewritten in place; returns where it went."""

@@ -69,6 +69,9 @@ start (the interleaving depends on every document's token count) and only the
 kept shards' writes are skipped. The token stream is deterministic, so the
 shards written after a resume are byte-identical to those of an uninterrupted
 run. The manifest is written last: without it the shard set does not exist.
+A source too small to give both splits tokens fails with a UserError, and the
+shards it wrote are deleted first: the same inputs would fail again, so no
+attempt could ever resume from them.
 """
 
 from __future__ import annotations
@@ -671,6 +674,8 @@ def _finish(cfg, store, layout, sources, address, key, version, dtype, entries, 
     tokens = {s: sum(e["tokens"] for e in entries[s]) for s in SPLITS}
     for split in SPLITS:
         if tokens[split] == 0:
+            # the same inputs always end here: the other split's shards (and sidecars) could never make a set
+            store.delete(layout.root)
             raise UserError(
                 f"{_describe(cfg)} gave no {split} tokens from {docs} documents; "
                 f"add documents or lower data.val_every (now {cfg.data.val_every})"

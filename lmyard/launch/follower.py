@@ -36,7 +36,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -56,7 +55,7 @@ from lmyard.contracts import (
     write_json,
 )
 from lmyard.errors import ExitCode, TrainingFailed, UserError, error_for
-from lmyard.paths import cache_root
+from lmyard.launch import jobdirs
 from lmyard.train import watchdog
 
 RDZV_TIMEOUT_S = 600  # how long node 0 waits for the others to join
@@ -335,9 +334,8 @@ class LocalJob:
     nodes = 1
 
     def __init__(self, cfg: RunConfig, spec: StageSpec, **torchrun):
-        os.makedirs(cache_root(), exist_ok=True)
         self.spec = spec
-        self.folder = tempfile.mkdtemp(prefix=f"lmyard-{spec.stage}-", dir=cache_root())
+        self.folder = jobdirs.new_job_folder(spec.stage)  # removed by close(); a dead launcher's, by the next job
         self.exchange = Exchange(self.folder)
         write_json(self.exchange.path("spec.json"), spec)
         self.cmd = stage_command(cfg, spec, spec_path=self.exchange.path("spec.json"), **torchrun)

@@ -35,6 +35,7 @@ from lmyard.layout import RunLayout
 
 CHECKPOINT_MODEL = "lmyard-checkpoint"  # model_type of a checkpoint's logged model
 DELETED_TAG = "lmyard.checkpoint_deleted"
+DAMAGED_TAG = "lmyard.checkpoint_damaged"  # its checkpoint failed its checksums and was moved aside
 
 
 def _client(uri: str):
@@ -347,10 +348,11 @@ class Lineage:
         if points:
             self.client.log_batch(run_id, metrics=points)
 
-    def retire_checkpoint_models(self, steps: list[int]) -> list[str]:
+    def retire_checkpoint_models(self, steps: list[int], tag: str = DELETED_TAG) -> list[str]:
         """The logged models of checkpoints retention deleted (`steps`) end FAILED and tagged
-        `lmyard.checkpoint_deleted`: the MLflow UI then neither lists them as ready nor offers to register
-        them. Their metrics stay linked. Returns the ids of the models marked."""
+        `lmyard.checkpoint_deleted` (`tag`: DAMAGED_TAG for checkpoints moved aside as damaged): the MLflow
+        UI then neither lists them as ready nor offers to register them. Their metrics stay linked. Returns
+        the ids of the models marked."""
         from mlflow.entities import LoggedModelStatus
 
         if not steps:
@@ -358,8 +360,8 @@ class Lineage:
         wanted = {str(s) for s in steps}
         marked = []
         for model in self._checkpoint_models():
-            if model.tags.get("lmyard.step") in wanted and DELETED_TAG not in model.tags:
-                self.client.set_logged_model_tags(model.model_id, {DELETED_TAG: "true"})
+            if model.tags.get("lmyard.step") in wanted and tag not in model.tags:
+                self.client.set_logged_model_tags(model.model_id, {tag: "true"})
                 self.client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)
                 marked.append(model.model_id)
         return marked

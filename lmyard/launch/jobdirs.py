@@ -1,0 +1,60 @@
+"""The exchange folders of local jobs under the cache root (LMYARD_CACHE): `lmyard-<stage>-XXXXXXXX/`.
+
+A local job's folder holds its spec and what its processes write back (lmyard.contracts: started, progress,
+heartbeats, results). The job removes it when it ends, finished or failed (`LocalJob.close`). A launcher that
+dies without closing (SIGKILL, the OOM killer, a lost Prefect worker) cannot: so each folder names its
+launcher in `owner.json` (host, pid, process start time: a reused pid is another process), and every new
+job first removes the folders whose launcher, on this host, no longer runs. Folders of live launchers, of
+another host sharing the cache, or without an owner (being created, or not a job's) are left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+
+import psutil
+
+from lmyard.paths import cache_root
+
+OWNER = "owner.json"
+
+
+def new_job_folder(stage: str) -> str:
+    """A fresh exchange folder for a job of `stage`, owned by this process; dead launchers' folders removed."""
+    root = cache_root()
+    os.makedirs(root, exist_ok=True)
+    remove_orphans(root)
+    folder = tempfile.mkdtemp(prefix=f"lmyard-{stage}-", dir=root)
+    me = psutil.Process()
+    with open(os.path.join(folder, OWNER), "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": me.pid, "started": me.create_time()}, f)
+    return folder
+
+
+def remove_orphans(root: str) -> list[str]:
+    """Remove the job folders under `root` whose launcher (on this host) has ended; the folders removed."""
+    removed = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        path = os.path.join(root, name)
+        try:
+            with open(os.path.join(path, OWNER)) as f:
+                owner = json.load(f)
+        except (OSError, ValueError):  # no owner (yet): not a job folder, or one being made
+            continue
+        if name.startswith("lmyard-") and owner.get("host") == socket.gethostname() and not _running(owner):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _running(owner: dict) -> bool:
+    try:
+        return abs(psutil.Process(int(owner["pid"])).create_time() - float(owner["started"])) < 1.0
+    except psutil.NoSuchProcess:
+        return False
+    except (psutil.Error, KeyError, TypeError, ValueError):  # not ours to judge: keep it
+        return True
