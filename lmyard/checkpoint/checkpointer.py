@@ -49,6 +49,9 @@ class Checkpointer(Protocol):
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for every checkpoint to be committed, then stop."""
 
+    def discard(self) -> None:
+        """Stop without waiting and delete this run's staging folder (the cache disk is full)."""
+
 
 def make_checkpointer(
     cfg: RunConfig,

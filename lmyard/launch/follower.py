@@ -276,7 +276,7 @@ class Follower:
         if result is not None and not isinstance(result, StageError):
             return result
         if result is not None and result.exit_code != ExitCode.CRASHED:
-            raise error_for(result.exit_code, result.message)
+            raise error_for(result.exit_code, result.message, result.status)
         self._crashed(result)
 
     def _crashed(self, failure: StageError | None) -> None:

@@ -52,6 +52,7 @@ from lmyard.evaluate.validation import val_loss
 from lmyard.layout import RunLayout
 from lmyard.models.base import LanguageModel
 from lmyard.models.registry import build_model, doc_fields, flops_per_token, model_from_spec, model_spec
+from lmyard.paths import no_space
 from lmyard.store import open_store
 from lmyard.tracking.sink import MetricsSink, NullSink, metrics_sink, system_metrics
 from lmyard.train.components import (
@@ -70,6 +71,8 @@ from lmyard.train.watchdog import Heartbeat
 # How long a rollback waits for the last good checkpoint to reach the store before it gives up with
 # StoreOutage (the other ranks wait at a barrier meanwhile; NCCL's default collective timeout is 10 min).
 FLUSH_TIMEOUT_S = 300.0
+# How long a checkpoint waits for the metrics logged so far to reach MLflow (lmyard.tracking.sink.MLflowSink.flush).
+CHECKPOINT_FLUSH_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -273,7 +276,10 @@ class Trainer:
                 self.faults.after_step(self.state.step, self.flush)
                 if self.preemption.due():
                     self.preempt()
-        except BaseException:
+        except BaseException as e:
+            if no_space(e) is not None:  # the cache disk is full: give the staging space back, wait for nothing
+                self.checkpointer.discard()
+                raise
             with contextlib.suppress(Exception):  # let committed-so-far uploads finish, but not hang on a dead store
                 self.checkpointer.close(timeout_s=60)
             raise
@@ -350,7 +356,9 @@ class Trainer:
         else:
             rng = [rng_state()]
         if self.d.is_main:
-            self.sink.flush(timeout=30)  # metrics up to this step reach MLflow before the checkpoint exists
+            # metrics up to this step reach MLflow before the checkpoint exists, unless MLflow hangs: then the loop
+            # waits once (CHECKPOINT_FLUSH_S), not at every checkpoint, and the sink resends when it can
+            self.sink.flush(timeout=CHECKPOINT_FLUSH_S)
         self.state.val_loss = self.validator.at(self.state.step)
         blocked = self.checkpointer.save(self.raw_model, self.optimizer, self.state.model_dump(mode="json"), rng)
         if self.d.is_main:
