@@ -39,7 +39,7 @@ def _kill_training_after(
             continue
         for proc in psutil.Process().children(recursive=True):
             try:
-                if "torch.distributed.run" in " ".join(proc.cmdline()):
+                if "lmyard.launch.torchrun" in " ".join(proc.cmdline()):
                     for victim in [proc, *proc.children(recursive=True)]:
                         victim.send_signal(signal.SIGKILL)
                     killed.append(complete_steps(store, run_name)[-1])

@@ -29,6 +29,7 @@ class Checkpointer(Protocol):
 
     sharded: bool  # loads go into a sharded model (each rank its shards), else a plain one (whole state)
     blocked_s: list[float]
+    error: BaseException | None  # what stopped the background writer (raised at the next save or flush)
 
     @property
     def group(self) -> object:

@@ -108,7 +108,7 @@ def torchrun_command(
     cmd = [
         python,
         "-m",
-        "torch.distributed.run",
+        "lmyard.launch.torchrun",  # torch.distributed.run, a failed rank in one line (no agent traceback)
         "--nnodes",
         str(n),
         "--nproc_per_node",

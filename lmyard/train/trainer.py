@@ -47,7 +47,7 @@ from lmyard.contracts import (
 )
 from lmyard.data.loader import Prefetcher, TrainBatches, default_cache_dir, split_stream, val_sequences
 from lmyard.data.shards import ShardSet
-from lmyard.errors import Diverged, ExitCode, Preempted, StoreOutage, UserError, exit_code_of  # noqa: F401
+from lmyard.errors import Diverged, ExitCode, NoSpace, Preempted, StoreOutage, UserError, exit_code_of  # noqa: F401
 from lmyard.evaluate.validation import val_loss
 from lmyard.layout import RunLayout
 from lmyard.models.base import LanguageModel
@@ -350,11 +350,7 @@ class Trainer:
     # ---- checkpoints ----------------------------------------------------------------
     def save(self) -> None:
         """Every rank hands in its RNG state; rank 0 snapshots the state and returns (upload in background)."""
-        rng: list[dict | None] = [None] * self.d.world
-        if self.d.world > 1:
-            dist.all_gather_object(rng, rng_state())
-        else:
-            rng = [rng_state()]
+        rng = self._gather_rng_or_stop()
         if self.d.is_main:
             # metrics up to this step reach MLflow before the checkpoint exists, unless MLflow hangs: then the loop
             # waits once (CHECKPOINT_FLUSH_S), not at every checkpoint, and the sink resends when it can
@@ -368,6 +364,21 @@ class Trainer:
             )
             self.sink.log({"checkpoint/blocked_s": blocked}, self.state.step)
         self.logger.restart(self.batches.waited_s)
+
+    def _gather_rng_or_stop(self) -> list:
+        """Every rank's RNG state, gathered; with it, whether a checkpointer found the cache disk full: then every
+        rank stops with that NoSpace together (rank 0 alone would leave the others to crash in a collective)."""
+        error = self.checkpointer.error
+        full = no_space(error) if error is not None else None
+        mine = (rng_state(), str(full) if full else None)
+        gathered: list = [mine]
+        if self.d.world > 1:
+            gathered = [None] * self.d.world
+            dist.all_gather_object(gathered, mine)
+        message = next((m for _, m in gathered if m), None)
+        if message:
+            raise NoSpace(message)
+        return [r for r, _ in gathered]
 
     def _committed(self, step: int, uri: str) -> None:
         self.last_checkpoint = uri
