@@ -70,6 +70,20 @@ def test_a_full_disk_anywhere_in_a_stage_is_exit_4_and_a_result_the_launcher_doe
     assert "LMYARD_CACHE" in result.message and "free" in result.message
 
 
+def test_a_launch_whose_folder_does_not_fit_the_cache_is_no_space_before_any_process_starts(tmp_path, monkeypatch):
+    from lmyard.contracts import ShardSpec
+    from lmyard.launch.launcher import launch
+    from lmyard.recipes import load_recipe
+
+    cfg = load_recipe("smoke", tiny_overrides(tmp_path))
+    with small_disk(tmp_path / "cache", "64k") as cache:
+        with contextlib.suppress(OSError), open(cache / "filler", "wb") as f:  # whatever else filled the disk
+            f.write(b"x" * 1024 * 1024)
+        monkeypatch.setenv("LMYARD_CACHE", str(cache))
+        with pytest.raises(NoSpace, match=re.escape(f"no space left in {cache}")):
+            launch(ShardSpec(config=cfg), on_line=lambda line: None)
+
+
 def test_a_spent_quota_is_no_space_too():
     from lmyard.paths import no_space
 
