@@ -93,6 +93,24 @@ def test_a_spent_quota_is_no_space_too():
     assert isinstance(error, NoSpace) and str(error).startswith("quota exceeded in /somewhere/staging")
 
 
+def test_a_last_checkpoint_that_does_not_fit_ends_every_rank_with_no_space_and_no_traceback(tmp_path, monkeypatch):
+    from lmyard.data.sharding import tokenize_and_shard
+    from lmyard.launch.follower import run_local
+    from lmyard.recipes import load_recipe
+
+    cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=3, **{"eval.interval": 1000}))  # one checkpoint: the last
+    shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
+    spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
+    lines: list[str] = []
+    with small_disk(tmp_path / "cache", "1m") as cache:  # a checkpoint of the tiny model is 1.5 MiB
+        monkeypatch.setenv("LMYARD_CACHE", str(cache))
+        with pytest.raises(NoSpace, match=re.escape(f"no space left in {cache}/staging/smoke")):
+            run_local(cfg, spec, on_line=lines.append)
+        assert not (cache / "staging" / "smoke").exists()
+    assert cfg.launch.nproc_per_node == 2  # rank 1 must not crash in the last collective
+    assert not [line for line in lines if "Traceback" in line], "\n".join(lines)
+
+
 def test_a_run_whose_cache_disk_fills_ends_in_one_line_with_exit_4_and_a_rerun_after_freeing_space_resumes(
     cli_env, tmp_path
 ):

@@ -42,12 +42,23 @@ from lmyard.contracts import (
     Started,
     TrainResult,
     TrainSpec,
+    one_line,
     read_spec,
     run_stage,
 )
 from lmyard.data.loader import Prefetcher, TrainBatches, default_cache_dir, split_stream, val_sequences
 from lmyard.data.shards import ShardSet
-from lmyard.errors import Diverged, ExitCode, NoSpace, Preempted, StoreOutage, UserError, exit_code_of  # noqa: F401
+from lmyard.errors import (  # noqa: F401
+    Diverged,
+    ExitCode,
+    NoSpace,
+    Preempted,
+    StoreOutage,
+    UserError,
+    error_for,
+    exit_code_of,
+    status_of,
+)
 from lmyard.evaluate.validation import val_loss
 from lmyard.layout import RunLayout
 from lmyard.models.base import LanguageModel
@@ -286,10 +297,29 @@ class Trainer:
         finally:
             self.batches.close()
             self.preemption.close()
-        self.checkpointer.close()  # wait for the last upload
-        if self.d.world > 1:
-            dist.barrier()
+        self._close_together()  # wait for the last upload
         return self.result(ExitCode.DONE)
+
+    def _close_together(self) -> None:
+        """Wait for the last upload, and end every rank alike: rank 0's known error there (a full cache disk, a
+        store outage) is raised on every rank, so no other rank crashes in the final collective."""
+        failure = None
+        try:
+            self.checkpointer.close()
+        except Exception as e:
+            known = no_space(e) or e
+            if exit_code_of(known) == ExitCode.CRASHED:
+                raise
+            failure = (int(exit_code_of(known)), one_line(known), status_of(known))
+        if self.d.world > 1:  # every rank's outcome (a barrier too)
+            outcomes: list = [None] * self.d.world
+            dist.all_gather_object(outcomes, failure)
+            failure = next((f for f in outcomes if f), None)
+        if failure is not None:
+            error = error_for(*failure)
+            if isinstance(error, NoSpace):
+                self.checkpointer.discard()
+            raise error
 
     def step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step; advances step, cursor and tokens seen."""
