@@ -9,7 +9,7 @@
 
 RECIPE is a built-in name (`smoke`, the CPU default) or a YAML path.
 User mistakes print one line, `lmyard: error: ...`, and exit 2; a diverged run exits 3, a store
-outage 4, a preempted run 5 (lmyard.errors.ExitCode).
+outage or a full cache disk 4, a preempted run 5 (lmyard.errors.ExitCode).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _export(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from lmyard.contracts import ShardSet
-    from lmyard.errors import Diverged, LeaseLost, Preempted, StoreOutage, UserError
+    from lmyard.errors import Diverged, LeaseLost, NoSpace, Preempted, StoreOutage, UserError
     from lmyard.recipes import load_recipe
 
     try:
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         start_temporary_server()  # out of reach of the terminal's Ctrl-C, so the run can record how it ended
         # the tracking password goes to the environment before the config becomes the flow run's parameter
         result = flow_fn(config=credentials_to_env(config))
-    except (UserError, Diverged, StoreOutage, Preempted, LeaseLost) as e:  # one line each, with its exit code
+    except (UserError, Diverged, StoreOutage, NoSpace, Preempted, LeaseLost) as e:  # one line each, its exit code
         print(f"lmyard: error: {e}", file=sys.stderr)
         return int(e.exit_code)
     except KeyboardInterrupt:

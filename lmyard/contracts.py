@@ -32,7 +32,8 @@ from typing import Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmyard.config import RunConfig
-from lmyard.errors import STATUS, ExitCode, Status, UserError, exit_code_of
+from lmyard.errors import STATUS, ExitCode, NoSpace, Status, UserError, exit_code_of, status_of
+from lmyard.paths import no_space
 
 EXCHANGE_ENV = "LMYARD_EXCHANGE_DIR"
 SPEC_ENV = "LMYARD_SPEC"  # the spec itself, where no file can be handed over (a container)
@@ -460,14 +461,22 @@ def run_stage(
     try:
         result = produce()
     except BaseException as e:  # KeyboardInterrupt included: SIGINT ends a stage as preempted
-        code = exit_code_of(e)
+        error = no_space(e) or e  # a full cache disk, wherever it was hit: one line, exit 4
+        code = exit_code_of(error)
         if code == ExitCode.CRASHED:
             traceback.print_exc()
         elif not quiet:
-            print(f"lmyard: error: {one_line(e)}", file=sys.stderr, flush=True)
+            print(f"lmyard: error: {one_line(error)}", file=sys.stderr, flush=True)
         where = failure_out or out
         if where:
-            write_json(where, failed(code, one_line(e)))
+            report = failed(code, one_line(error))
+            if "status" in type(report).model_fields:  # NoSpace shares exit code 4 with StoreOutage
+                report = report.model_copy(update={"status": status_of(error)})
+            try:
+                write_json(where, report)
+            except OSError:
+                if not isinstance(error, NoSpace):
+                    raise  # on a full disk the exit code alone says it
         return int(code)
     if out:
         write_json(out, result)
@@ -479,5 +488,6 @@ def read_result(raw: bytes | str, cls: type[M]) -> M | StageError:
     failed training is one too)."""
     data = json.loads(raw)
     if data.get("exit_code", 0) != 0:
-        return StageError.ended(ExitCode(data["exit_code"]), data.get("message") or data.get("status") or "failed")
+        error = StageError.ended(ExitCode(data["exit_code"]), data.get("message") or data.get("status") or "failed")
+        return error.model_copy(update={"status": data["status"]}) if data.get("status") == "no_space" else error
     return cls.model_validate(data)

@@ -10,6 +10,8 @@ exception, and the train task's retry policy follows `retryable()`:
     2  user_error     bad input, a config that cannot work (out of memory included): never retried
     3  diverged       the loss went non-finite or spiked beyond the guard's policy: never retried
     4  store_outage   checkpoints could not reach the store in time: retried (the store may come back)
+    4  no_space       the local cache disk (LMYARD_CACHE) is full or over quota: not retried (a retry would
+                      fill it again); the run's staging is deleted, and a rerun once space is freed resumes
     5  preempted      SIGTERM (a spot reclaim, `docker stop`, a cancelled run): checkpointed, retried
     6  lease_lost     another run took over the lineage's lease (lmyard.tracking.lease): this one stopped
                       without writing further; never retried (the lineage has its writer)
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 from enum import IntEnum
 from typing import Literal
+
+Status = Literal["done", "crashed", "user_error", "diverged", "store_outage", "preempted", "no_space", "lease_lost"]
 
 
 class ExitCode(IntEnum):
@@ -62,6 +66,14 @@ class StoreOutage(StageFailed):
     exit_code = ExitCode.STORE_OUTAGE
 
 
+class NoSpace(StageFailed):
+    """The local cache disk (LMYARD_CACHE: staging, heartbeats, exchange, shard cache) is full or over quota
+    (ENOSPC, EDQUOT). Exit code 4 like a store outage (the checkpoints could not be written), but not retried:
+    a retry would run into the same full disk (lmyard.paths.no_space makes it from an OSError)."""
+
+    exit_code = ExitCode.STORE_OUTAGE
+
+
 class Preempted(StageFailed):
     """The stage was asked to stop (SIGTERM) and saved a checkpoint first; a rerun resumes from it."""
 
@@ -75,7 +87,6 @@ class LeaseLost(StageFailed):
     exit_code = ExitCode.LEASE_LOST
 
 
-Status = Literal["done", "crashed", "user_error", "diverged", "store_outage", "preempted", "lease_lost"]
 _BY_CODE: dict[int, type[Exception]] = {
     e.exit_code: e for e in (UserError, Diverged, StoreOutage, Preempted, LeaseLost, TrainingFailed)
 }
@@ -90,9 +101,17 @@ STATUS: dict[ExitCode, Status] = {
 }
 
 
-def error_for(code: int, message: str) -> Exception:
-    """The exception a launcher raises for a stage that exited with `code`."""
+def error_for(code: int, message: str, status: str | None = None) -> Exception:
+    """The exception a launcher raises for a stage that exited with `code` (and wrote `status`: two ends share
+    code 4, see NoSpace)."""
+    if status == "no_space":
+        return NoSpace(message)
     return _BY_CODE.get(code, TrainingFailed)(message)
+
+
+def status_of(exc: BaseException) -> Status:
+    """The status a stage's result file records for `exc` (its exit code's, or the error's own)."""
+    return "no_space" if isinstance(exc, NoSpace) else STATUS[exit_code_of(exc)]
 
 
 def exit_code_of(exc: BaseException) -> ExitCode:
@@ -103,6 +122,6 @@ def exit_code_of(exc: BaseException) -> ExitCode:
 
 
 def retryable(exc: BaseException | None) -> bool:
-    """Whether rerunning can help: not for bad input, divergence (the guard already had its say) or a lost lease
-    (another run writes the lineage now)."""
-    return not isinstance(exc, (UserError, Diverged, LeaseLost))
+    """Whether rerunning can help: not for bad input, divergence (the guard already had its say), a lost lease
+    (another run writes the lineage now) or a full cache disk (the retry would fill it again)."""
+    return not isinstance(exc, (UserError, Diverged, LeaseLost, NoSpace))

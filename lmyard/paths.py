@@ -3,14 +3,24 @@
 Every node-local cache (shards read by the trainer, source files fetched from
 S3, checkpoints being loaded, checkpoints staged for upload, image builds)
 lives under one root: `LMYARD_CACHE`, default `~/.cache/lmyard`.
+
+A full cache disk (ENOSPC, or EDQUOT for a spent quota) anywhere under that
+root ends a stage with NoSpace (exit code 4, not retried): `no_space` turns the
+OSError, wherever it was raised (a staged checkpoint, a heartbeat, the exchange
+folder, the shard cache, or wrapped by DCP), into one line naming the folder,
+its free space and what to do.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
+import shutil
 
-from lmyard.errors import UserError
+from lmyard.errors import NoSpace, UserError
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def cache_root(*parts: str) -> str:
@@ -47,3 +57,45 @@ def confined(base: str, key: str, what: str = "key") -> str:
         )
     norm = posixpath.normpath("/".join(parts)) if key else ""
     return os.path.join(base, norm) if norm not in ("", ".") else base
+
+
+def _disk_full_error(exc: BaseException | None, seen: set[int]) -> OSError | NoSpace | None:
+    """The ENOSPC/EDQUOT error (or a NoSpace) in `exc`, its causes, or the per-rank failures DCP gathers."""
+    if exc is None or id(exc) in seen:
+        return None
+    seen.add(id(exc))
+    if isinstance(exc, NoSpace) or isinstance(exc, OSError) and exc.errno in NO_SPACE:
+        return exc
+    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint's CheckpointException: rank -> (e, tb)
+    inner = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if isinstance(failures, dict) else []
+    for candidate in (exc.__cause__, exc.__context__, *inner):
+        if isinstance(candidate, BaseException) and (found := _disk_full_error(candidate, seen)):
+            return found
+    return None
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def no_space(exc: BaseException, folder: str | None = None, needed: int | None = None) -> NoSpace | None:
+    """A NoSpace naming the folder, its free space and the fix when `exc` comes from a full disk (or quota), else
+    None. `folder`: where the write went (default: the file the error names, else the cache root); `needed`:
+    the bytes the write wanted, when known."""
+    found = _disk_full_error(exc, set())
+    if found is None or isinstance(found, NoSpace):
+        return found
+    where = folder or (os.path.dirname(str(found.filename)) if found.filename else cache_root())
+    probe = where
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    try:
+        free = f"{_mib(shutil.disk_usage(probe or '/').free)} free"
+    except OSError:
+        free = "free space unknown"
+    what = "quota exceeded" if found.errno == errno.EDQUOT else "no space left"
+    wanted = f", {_mib(needed)} needed" if needed else ""
+    return NoSpace(
+        f"{what} in {where} ({free}{wanted}): free space there or point LMYARD_CACHE at a bigger disk, then rerun "
+        "(it resumes from the last committed checkpoint)"
+    )

@@ -1,4 +1,5 @@
-"""A TCP forwarder on 127.0.0.1 that tests can cut and restore: a store outage, seen from the client."""
+"""A TCP forwarder on 127.0.0.1 that tests can cut and restore (a store outage, seen from the client), or hold
+(a hung server: connections stay open, and no byte gets through until release)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ class TcpProxy:
         self.listener: socket.socket | None = None
         self.conns: list[socket.socket] = []
         self.lock = threading.Lock()
+        self.flowing = threading.Event()  # cleared by hold(): the pumps keep what they read until release()
+        self.flowing.set()
 
     @property
     def url(self) -> str:
@@ -42,6 +45,13 @@ class TcpProxy:
                 c.close()
             self.conns.clear()
 
+    def hold(self) -> None:
+        """Stall every connection, open and new: requests hang without an error, as with a hung server."""
+        self.flowing.clear()
+
+    def release(self) -> None:
+        self.flowing.set()
+
     def _accept(self, sock: socket.socket) -> None:
         while True:
             try:
@@ -58,10 +68,10 @@ class TcpProxy:
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
+                self.flowing.wait()
                 dst.sendall(data)
         except OSError:
             pass

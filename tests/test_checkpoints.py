@@ -16,7 +16,7 @@ from conftest import tiny_overrides
 from tcp_proxy import TcpProxy
 
 from lmyard.checkpoint import retention
-from lmyard.checkpoint.catalog import complete_steps, step_prefix
+from lmyard.checkpoint.catalog import complete_steps, read_manifest, step_prefix
 from lmyard.checkpoint.full import FullCheckpointer
 from lmyard.checkpoint.manifest import sha256_file
 from lmyard.checkpoint.resume import load_step
@@ -147,6 +147,39 @@ def test_flush_gives_up_at_its_deadline_while_the_store_is_down_and_commits_once
         assert torch.equal(loaded.model["w"], torch.arange(4.0))
         writer.close(timeout_s=10)
     finally:
+        proxy.stop()
+
+
+def test_a_hung_upload_does_not_hold_up_the_next_saves_and_commits_stay_in_step_order(s3_server, tmp_path, monkeypatch):
+    uri = f"s3://{s3_server.new_bucket()}/lmyard"
+    direct = open_store(uri)  # the test's own view of the bucket, not through the proxy
+    proxy = TcpProxy(urlparse(s3_server.endpoint).port)
+    proxy.start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    store = open_store(uri)
+    staging = tmp_path / "staging" / "hung"
+    writer = FullCheckpointer(store, "hung", str(tmp_path / "staging"), max_pending=4, say=lambda s: None)
+    optim = {"state": {}, "param_groups": []}
+    try:
+        proxy.hold()  # the server hangs: the upload of step 1 neither ends nor fails
+        writer.save_state({"w": torch.full((4,), 1.0)}, optim, _state(1), [])
+        for step in (2, 3):
+            t0 = time.monotonic()
+            writer.save_state({"w": torch.full((4,), float(step))}, optim, _state(step), [])
+            assert time.monotonic() - t0 < 5, f"save of step {step} waited for the hung upload"
+            deadline = time.monotonic() + 20
+            while not (staging / f"step_{step:08d}" / "state.json").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert (staging / f"step_{step:08d}" / "model.pt").exists(), f"step {step} was not serialized"
+        assert complete_steps(direct, "hung") == []
+        proxy.release()
+        writer.flush(timeout_s=180)
+        assert complete_steps(direct, "hung") == [1, 2, 3]
+        committed = [read_manifest(direct, "hung", step).committed for step in (1, 2, 3)]
+        assert committed == sorted(committed)
+        writer.close(timeout_s=10)
+    finally:
+        proxy.release()
         proxy.stop()
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import shutil
+import time
 import traceback
 
 import pytest
@@ -463,3 +464,41 @@ def test_a_complete_sharded_step_is_never_overwritten(tmp_path):
     prefix = store.local_path(step_prefix(RUN, 2))
     for name, meta in manifest.files.items():
         assert sha256_file(os.path.join(prefix, name)) == meta.sha256
+
+
+def test_a_hung_upload_does_not_hold_up_the_next_sharded_saves_and_commits_stay_in_step_order(
+    s3_server, tmp_path, monkeypatch
+):
+    from urllib.parse import urlparse
+
+    from tcp_proxy import TcpProxy
+
+    uri = f"s3://{s3_server.new_bucket()}/lmyard"
+    direct = open_store(uri)  # the test's own view of the bucket, not through the proxy
+    proxy = TcpProxy(urlparse(s3_server.endpoint).port)
+    proxy.start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    model = _model()
+    opt = _optimizer(model)
+    model(torch.zeros(2, 8)).sum().backward()
+    opt.step()
+    ckpt = sc.ShardedCheckpointer(open_store(uri), RUN, str(tmp_path / "staging"), max_pending=4, say=print)
+    try:
+        proxy.hold()  # the server hangs: the upload of step 1 neither ends nor fails
+        ckpt.save(model, opt, _state(1), [])
+        for step in (2, 3):
+            t0 = time.monotonic()
+            ckpt.save(model, opt, _state(step), [])
+            assert time.monotonic() - t0 < 5, f"save of step {step} waited for the hung upload"
+            ckpt.writing.result(timeout=20)  # DCP wrote this step's files to the staging folder meanwhile
+            assert (tmp_path / "staging" / RUN / f"step_{step:08d}" / "rank_00000" / ".metadata").exists()
+        assert complete_steps(direct, RUN) == []
+        proxy.release()
+        ckpt.flush(timeout_s=180)
+        assert complete_steps(direct, RUN) == [1, 2, 3]
+        committed = [read_manifest(direct, RUN, step).committed for step in (1, 2, 3)]
+        assert committed == sorted(committed)
+    finally:
+        proxy.release()
+        ckpt.close(timeout_s=30)
+        proxy.stop()

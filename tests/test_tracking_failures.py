@@ -74,6 +74,28 @@ def test_metrics_logged_while_the_server_is_down_are_sent_after_it_returns(
     assert history == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0)]
 
 
+def test_a_hung_tracking_server_costs_the_checkpoints_one_flush_timeout_and_loses_no_point(mlflow_server, mlflow_proxy):
+    client = MlflowClient(mlflow_server.uri)
+    run_id = client.create_run(client.create_experiment(f"sink-{time.time_ns()}")).info.run_id
+    sink = MLflowSink(mlflow_proxy.url, run_id)
+    sink.log({"train/loss": 1.0}, 1)
+    sink.flush()
+    mlflow_proxy.hold()  # MLflow hangs: requests neither answer nor fail
+    try:
+        t0 = time.monotonic()
+        for step in (2, 3, 4, 5):  # a checkpoint at each: the trainer flushes with a timeout first
+            sink.log({"train/loss": float(step)}, step)
+            sink.flush(timeout=3)
+        elapsed = time.monotonic() - t0
+    finally:
+        mlflow_proxy.release()
+    assert elapsed < 6, f"4 checkpoints waited {elapsed:.1f} s for a hung MLflow"  # one timeout, not four
+    sink.log({"train/loss": 6.0}, 6)
+    sink.close()  # the final flush keeps its guarantee
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss"))
+    assert history == [(s, float(s)) for s in range(1, 7)]
+
+
 def test_sink_that_cannot_send_at_close_warns_with_a_count_instead_of_failing(quick_mlflow_retries, capsys):
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens here
     sink = MLflowSink(uri, "0" * 32)

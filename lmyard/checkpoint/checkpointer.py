@@ -29,6 +29,7 @@ class Checkpointer(Protocol):
 
     sharded: bool  # loads go into a sharded model (each rank its shards), else a plain one (whole state)
     blocked_s: list[float]
+    error: BaseException | None  # what stopped the background writer (raised at the next save or flush)
 
     @property
     def group(self) -> object:
@@ -48,6 +49,9 @@ class Checkpointer(Protocol):
 
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for every checkpoint to be committed, then stop."""
+
+    def discard(self) -> None:
+        """Stop without waiting and delete this run's staging folder (the cache disk is full)."""
 
 
 def make_checkpointer(

@@ -325,6 +325,15 @@ class ShardedCheckpointer:
             if self.stager is not None:
                 self.stager.close()
 
+    def discard(self) -> None:
+        """Stop without waiting and delete this rank's staging folder (a full disk: its space goes back; what was
+        not committed is lost, and a rerun resumes from the last committed checkpoint)."""
+        self.stopping.set()
+        self.policy.closing.set()
+        self.policy.wake.set()
+        self.jobs.put(None)
+        shutil.rmtree(self.staging, ignore_errors=True)
+
     def _raise_if_failed(self) -> None:
         if self.error is not None:
             raise self.error

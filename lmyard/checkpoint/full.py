@@ -12,13 +12,18 @@ bucket cannot run code.
 Saving is asynchronous (`FullCheckpointer`): the training loop is blocked only
 while the state is copied off the GPU into reused pinned buffers (on a side
 stream, overlapped with the next forward and backward; the next optimizer update
-waits for the copy). A background thread serializes the copy to a local staging
-folder and commits it (lmyard.checkpoint.commit: files, then the manifest, under
-the one retry policy). At most one copy is held in memory: if the next checkpoint
-is due before the previous copy is serialized, the loop waits (and says so).
-Serialized checkpoints waiting for the store are *pending*; while the store is
-down training goes on until `checkpoint.max_pending` are pending, then stops with
-StoreOutage naming where they are staged.
+waits for the copy). Two background threads follow: the *serializer* writes the
+copy to a local staging folder, the *uploader* commits staged folders, oldest
+first (lmyard.checkpoint.commit: files, then the manifest, under the one retry
+policy), so manifests are committed in step order. Apart, a hung upload of step
+N does not hold up the serialization of step N+1, and so not the loop. At most
+one copy is held in memory: if the next checkpoint is due before the previous
+copy is serialized, the loop waits (and says so). Serialized checkpoints waiting
+for the store are *pending*; while the store is down training goes on until
+`checkpoint.max_pending` are pending, then stops with StoreOutage naming where
+they are staged. A full staging disk is NoSpace (lmyard.paths.no_space): the
+half-written folder is deleted at once, and `discard()` deletes the run's
+staging folder as the run ends.
 """
 
 from __future__ import annotations
@@ -33,13 +38,13 @@ from collections.abc import Callable
 
 import torch
 
-from lmyard.checkpoint.commit import Parked, RetryPolicy, outage, publish
+from lmyard.checkpoint.commit import PARKED_WAKE_S, Parked, RetryPolicy, outage, publish
 from lmyard.checkpoint.manifest import DamagedCheckpoint, Manifest, check_file, file_meta
 from lmyard.checkpoint.state import Checkpoint
 from lmyard.contracts import CheckpointState
 from lmyard.errors import StoreOutage
 from lmyard.layout import RunLayout
-from lmyard.paths import confined
+from lmyard.paths import confined, no_space
 from lmyard.store import Store
 
 FILES = ("model.pt", "optim.pt", "rng.pt", "state.json")
@@ -47,14 +52,22 @@ EMPTY_OPTIM: dict[str, dict | list] = {"state": {}, "param_groups": []}
 
 
 def stage(folder: str, model: dict, optim: dict, rng: list, state: dict) -> Manifest:
-    """Serialize one checkpoint's files into a local folder; returns its manifest (not yet written)."""
-    os.makedirs(folder, exist_ok=True)
+    """Serialize one checkpoint's files into a local folder; returns its manifest (not yet written). A full disk
+    is NoSpace naming the folder (torch.save into a file object, so the OSError keeps its errno)."""
     t0 = time.perf_counter()
-    torch.save(model, os.path.join(folder, "model.pt"))
-    torch.save(optim, os.path.join(folder, "optim.pt"))
-    torch.save(rng, os.path.join(folder, "rng.pt"))
-    with open(os.path.join(folder, "state.json"), "w") as f:
-        json.dump(state, f, indent=1)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        for name, tree in (("model.pt", model), ("optim.pt", optim), ("rng.pt", rng)):
+            with open(os.path.join(folder, name), "wb") as f:
+                torch.save(tree, f)
+        with open(os.path.join(folder, "state.json"), "w") as f:
+            json.dump(state, f, indent=1)
+    except (OSError, RuntimeError) as e:
+        full = no_space(e, os.path.dirname(folder), needed=sum(t.nbytes for t in _tensors([model, optim])))
+        if full is None:
+            raise
+        shutil.rmtree(folder, ignore_errors=True)  # half a checkpoint is of no use: give its space back
+        raise full from None
     return Manifest(
         format="full",
         step=state["step"],
@@ -169,12 +182,19 @@ class FullCheckpointer:
         self.copy_job: tuple | None = None  # (model, optim, rng, state) waiting to be serialized
         self.prepare_job: dict | None = None  # a state tree whose pinned buffers are to be made
         self.pending: list[tuple[str, Manifest]] = []  # staged (folder, manifest), oldest first
-        self.closed = False
+        self.closed = self.discarded = False
         self.error: BaseException | None = None
         self.blocked_s: list[float] = []
-        self.thread = threading.Thread(target=self._work, daemon=True, name="checkpoint-writer")
+        self.threads = [
+            threading.Thread(target=self._guarded, args=(loop,), daemon=True, name=name)
+            for loop, name in (
+                (self._serialize_loop, "checkpoint-serializer"),
+                (self._upload_loop, "checkpoint-uploader"),
+            )
+        ]
         if self.writes:
-            self.thread.start()
+            for thread in self.threads:
+                thread.start()
 
     # -- the training loop's side
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict, rng: list) -> float:
@@ -249,7 +269,9 @@ class FullCheckpointer:
             self.closed = True
             self.policy.closing.set()
             self.cond.notify_all()
-        self.thread.join(timeout_s)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for thread in self.threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._raise_if_failed()
         if self.pending:
             raise StoreOutage(
@@ -257,32 +279,47 @@ class FullCheckpointer:
                 f"they are staged in {self.staging}"
             )
 
+    def discard(self) -> None:
+        """Stop without waiting and delete this run's staging folder (a full disk: its space goes back; what was
+        not committed is lost, and a rerun resumes from the last committed checkpoint)."""
+        with self.cond:
+            self.closed = True
+            self.policy.closing.set()
+            self.copy_job, self.pending, self.discarded = None, [], True
+            self.cond.notify_all()
+        if self.writes:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
     def _raise_if_failed(self) -> None:
         if self.error is not None:
             raise self.error
 
-    # -- the background side
-    def _work(self) -> None:
+    # -- the background side: the serializer and the uploader, one thread each
+    def _guarded(self, loop: Callable[[], None]) -> None:
         try:
-            while True:
-                with self.cond:
-                    while self.copy_job is None and self.prepare_job is None and not self.pending and not self.closed:
-                        self.cond.wait()
-                    if self.prepare_job is not None:
-                        self.snapshot.allocate(self.prepare_job)
-                        self.prepare_job = None
-                        self.cond.notify_all()
-                        continue
-                    job = self.copy_job
-                    if job is None and not self.pending and self.closed:
-                        return
-                if job is not None:
-                    self._serialize(job)
-                self._upload_pending()
+            loop()
         except BaseException as e:
             with self.cond:
-                self.error = e
+                self.error = self.error or e
                 self.cond.notify_all()
+
+    def _serialize_loop(self) -> None:
+        while True:
+            with self.cond:
+                while self.copy_job is None and self.prepare_job is None and not self.closed and self.error is None:
+                    self.cond.wait()
+                if self.error is not None:
+                    return
+                if self.prepare_job is not None:
+                    self.snapshot.allocate(self.prepare_job)
+                    self.prepare_job = None
+                    self.cond.notify_all()
+                    continue
+                job = self.copy_job
+                if job is None:  # closed, and nothing left to serialize
+                    self.cond.notify_all()
+                    return
+            self._serialize(job)
 
     def _serialize(self, job: tuple) -> None:
         self.snapshot.wait()
@@ -291,13 +328,18 @@ class FullCheckpointer:
         manifest = stage(folder, model, optim, rng, state)
         with self.cond:
             self.copy_job = None
-            self.pending.append((folder, manifest))
+            if not self.discarded:
+                self.pending.append((folder, manifest))
             self.cond.notify_all()
 
-    def _upload_pending(self) -> None:
+    def _upload_loop(self) -> None:
+        """Commit staged checkpoints oldest first (step order), each under the retry policy; parked, the next
+        save, a flush or PARKED_WAKE_S start a new round."""
         while True:
             with self.cond:
-                if not self.pending:
+                while not self.pending and self.error is None and not (self.closed and self.copy_job is None):
+                    self.cond.wait()
+                if self.error is not None or not self.pending:
                     return
                 folder, manifest = self.pending[0]
             files = {name: os.path.join(folder, name) for name in FILES}
@@ -306,13 +348,13 @@ class FullCheckpointer:
             except Parked:
                 if self.closed:
                     raise
-                with self.cond:  # parked: the next save (serialized first), a flush or 30 s start a new round
-                    if self.copy_job is None and not self.closed:
-                        self.cond.wait(timeout=30)
-                return
+                with self.cond:
+                    self.cond.wait(timeout=PARKED_WAKE_S)
+                continue
             shutil.rmtree(folder, ignore_errors=True)
             with self.cond:
-                self.pending.pop(0)
+                if self.pending and self.pending[0][0] == folder:
+                    self.pending.pop(0)
                 self.cond.notify_all()
             self.on_commit(manifest.step, uri)
 

@@ -108,7 +108,7 @@ def torchrun_command(
     cmd = [
         python,
         "-m",
-        "lmyard.launch.torchrun",  # torchrun whose every kill waits launch.grace_s (see that module)
+        "lmyard.launch.torchrun",  # torchrun: every kill waits launch.grace_s, a failed rank is one line
         "--nnodes",
         str(n),
         "--nproc_per_node",
@@ -280,7 +280,7 @@ class Follower:
         if result is not None and not isinstance(result, StageError):
             return result
         if result is not None and result.exit_code != ExitCode.CRASHED:
-            raise error_for(result.exit_code, result.message)
+            raise error_for(result.exit_code, result.message, result.status)
         self._crashed(result)
 
     def _crashed(self, failure: StageError | None) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from lmyard.contracts import StageSpec, TrainSpec
 from lmyard.launch.follower import Follower, Job, LocalJob
+from lmyard.paths import no_space
 
 
 def launch(
@@ -26,6 +27,16 @@ def launch(
 ):
     """Run `spec`'s stage on its config's launch.backend; its result (`type(spec).result`), or the error of
     lmyard.errors that its exit code names. `callbacks`: on_progress, on_started (training)."""
+    try:
+        return _launch(spec, on_line, flow_run_id=flow_run_id, **callbacks)
+    except OSError as e:  # the launch folder under LMYARD_CACHE on a full disk: one line, exit 4, not retried
+        full = no_space(e)
+        if full is None:
+            raise
+        raise full from None
+
+
+def _launch(spec: StageSpec, on_line: Callable[[str], None], *, flow_run_id: str | None, **callbacks):
     config = spec.config
     job: Job
     if config.launch.backend == "docker":

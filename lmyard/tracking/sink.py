@@ -66,6 +66,7 @@ class MLflowSink:
         self.skipped = 0
         self.unsent: list = []  # points not sent yet (the server could not be reached), oldest first
         self.warned: set[str] = set()  # kinds of send errors already reported
+        self.behind: threading.Event | None = None  # the marker of the last flush that timed out
         self.thread = threading.Thread(target=self._send, daemon=True, name="mlflow-sink")
         self.thread.start()
 
@@ -76,12 +77,18 @@ class MLflowSink:
         self.queue.put([Metric(k, float(v), now, step) for k, v in metrics.items()])
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until everything logged so far has been sent, or tried (e.g. before a checkpoint commits)."""
+        """Wait until everything logged so far has been sent, or tried (e.g. before a checkpoint commits), at most
+        `timeout` seconds. A flush that timed out leaves the sink *behind* (MLflow hangs): until the sender gets
+        past that flush, later flushes with a timeout return at once, so a hung server costs the loop one
+        timeout, not one per checkpoint. Nothing is dropped: close() still sends, or counts, every point."""
         import threading
 
+        if timeout is not None and self.behind is not None and not self.behind.is_set():
+            return
         done = threading.Event()
         self.queue.put(done)
-        done.wait(timeout)
+        if not done.wait(timeout):
+            self.behind = done
 
     def _fresh(self, batch: list) -> list:
         if self.floor is None:

@@ -42,16 +42,28 @@ from lmyard.contracts import (
     Started,
     TrainResult,
     TrainSpec,
+    one_line,
     read_spec,
     run_stage,
 )
 from lmyard.data.loader import Prefetcher, TrainBatches, default_cache_dir, split_stream, val_sequences
 from lmyard.data.shards import ShardSet
-from lmyard.errors import Diverged, ExitCode, Preempted, StoreOutage, UserError, exit_code_of  # noqa: F401
+from lmyard.errors import (
+    Diverged,
+    ExitCode,
+    NoSpace,
+    Preempted,
+    StoreOutage,
+    UserError,
+    error_for,
+    exit_code_of,
+    status_of,
+)
 from lmyard.evaluate.validation import val_loss
 from lmyard.layout import RunLayout
 from lmyard.models.base import LanguageModel
 from lmyard.models.registry import build_model, doc_fields, flops_per_token, model_from_spec, model_spec
+from lmyard.paths import no_space
 from lmyard.store import open_store
 from lmyard.tracking.lease import Fence
 from lmyard.tracking.sink import MetricsSink, NullSink, metrics_sink, system_metrics
@@ -71,6 +83,8 @@ from lmyard.train.watchdog import Heartbeat
 # How long a rollback waits for the last good checkpoint to reach the store before it gives up with
 # StoreOutage (the other ranks wait at a barrier meanwhile; NCCL's default collective timeout is 10 min).
 FLUSH_TIMEOUT_S = 300.0
+# How long a checkpoint waits for the metrics logged so far to reach MLflow (lmyard.tracking.sink.MLflowSink.flush).
+CHECKPOINT_FLUSH_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -291,6 +305,9 @@ class Trainer:
                 if self.preemption.due():
                     self.preempt()
         except BaseException as e:
+            if no_space(e) is not None:  # the cache disk is full: give the staging space back, wait for nothing
+                self.checkpointer.discard()
+                raise
             # let committed-so-far uploads finish, but not hang on a dead store; preempted, the grace is spent
             # and the message has said what is committed
             with contextlib.suppress(Exception):
@@ -299,10 +316,29 @@ class Trainer:
         finally:
             self.batches.close()
             self.preemption.close()
-        self.checkpointer.close()  # wait for the last upload
-        if self.d.world > 1:
-            dist.barrier()
+        self._close_together()  # wait for the last upload
         return self.result(ExitCode.DONE)
+
+    def _close_together(self) -> None:
+        """Wait for the last upload, and end every rank alike: rank 0's known error there (a full cache disk, a
+        store outage) is raised on every rank, so no other rank crashes in the final collective."""
+        failure = None
+        try:
+            self.checkpointer.close()
+        except Exception as e:
+            known = no_space(e) or e
+            if exit_code_of(known) == ExitCode.CRASHED:
+                raise
+            failure = (int(exit_code_of(known)), one_line(known), status_of(known))
+        if self.d.world > 1:  # every rank's outcome (a barrier too)
+            outcomes: list = [None] * self.d.world
+            dist.all_gather_object(outcomes, failure)
+            failure = next((f for f in outcomes if f), None)
+        if failure is not None:
+            error = error_for(*failure)
+            if isinstance(error, NoSpace):
+                self.checkpointer.discard()
+            raise error
 
     def step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step; advances step, cursor and tokens seen."""
@@ -363,13 +399,11 @@ class Trainer:
     # ---- checkpoints ----------------------------------------------------------------
     def save(self) -> None:
         """Every rank hands in its RNG state; rank 0 snapshots the state and returns (upload in background)."""
-        rng: list[dict | None] = [None] * self.d.world
-        if self.d.world > 1:
-            dist.all_gather_object(rng, rng_state())
-        else:
-            rng = [rng_state()]
+        rng = self._gather_rng_or_stop()
         if self.d.is_main:
-            self.sink.flush(timeout=30)  # metrics up to this step reach MLflow before the checkpoint exists
+            # metrics up to this step reach MLflow before the checkpoint exists, unless MLflow hangs: then the loop
+            # waits once (CHECKPOINT_FLUSH_S), not at every checkpoint, and the sink resends when it can
+            self.sink.flush(timeout=CHECKPOINT_FLUSH_S)
         self.state.val_loss = self.validator.at(self.state.step)
         blocked = self.checkpointer.save(self.raw_model, self.optimizer, self.state.model_dump(mode="json"), rng)
         if self.d.is_main:
@@ -379,6 +413,21 @@ class Trainer:
             )
             self.sink.log({"checkpoint/blocked_s": blocked}, self.state.step)
         self.logger.restart(self.batches.waited_s)
+
+    def _gather_rng_or_stop(self) -> list:
+        """Every rank's RNG state, gathered; with it, whether a checkpointer found the cache disk full: then every
+        rank stops with that NoSpace together (rank 0 alone would leave the others to crash in a collective)."""
+        error = self.checkpointer.error
+        full = no_space(error) if error is not None else None
+        mine = (rng_state(), str(full) if full else None)
+        gathered: list = [mine]
+        if self.d.world > 1:
+            gathered = [None] * self.d.world
+            dist.all_gather_object(gathered, mine)
+        message = next((m for _, m in gathered if m), None)
+        if message:
+            raise NoSpace(message)
+        return [r for r, _ in gathered]
 
     def _committed(self, step: int, uri: str) -> None:
         self.last_checkpoint = uri
