@@ -39,6 +39,18 @@ def _cfg(tmp, **extra):
     )
 
 
+def _first_seen(*keys: str):
+    """A line handler that records when each key first appeared in the job's output, and what it recorded."""
+    seen: dict[str, float] = {}
+
+    def on_line(line: str) -> None:
+        for key in keys:
+            if key in line:
+                seen.setdefault(key, time.monotonic())
+
+    return seen, on_line
+
+
 def test_hung_rank_is_detected_within_the_configured_time_and_the_job_killed(tmp_path, monkeypatch):
     monkeypatch.setenv("LMYARD_FAULTS", "hang@6")
     monkeypatch.setenv("LMYARD_FAULTS_STATE", str(tmp_path / "faults"))
@@ -46,12 +58,7 @@ def test_hung_rank_is_detected_within_the_configured_time_and_the_job_killed(tmp
     cfg = _cfg(tmp_path)
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
-    seen: dict[str, float] = {}
-
-    def on_line(line):
-        for key in ("injected hang", "watchdog:"):
-            if key in line:
-                seen.setdefault(key, time.monotonic())
+    seen, on_line = _first_seen("injected hang", "watchdog:")
 
     with pytest.raises(TrainingFailed, match="no training step completed for .* last heartbeats: rank-0 after step"):
         run_local(cfg, spec, on_line=on_line)
@@ -86,12 +93,7 @@ def test_rank_hung_before_its_first_step_is_killed_after_the_startup_timeout_nam
     cfg = _cfg(tmp_path, **{"launch.startup_timeout_s": startup_s})
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
-    seen: dict[str, float] = {}
-
-    def on_line(line):
-        for key in ("injected hang", "watchdog:"):
-            if key in line:
-                seen.setdefault(key, time.monotonic())
+    seen, on_line = _first_seen("injected hang", "watchdog:")
 
     started = time.monotonic()
     with pytest.raises(TrainingFailed, match=r"watchdog: rank-0, rank-1 completed no training step") as info:
