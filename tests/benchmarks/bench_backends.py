@@ -163,7 +163,7 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="dotted.key=value, both backends")
     ap.add_argument("--backends", nargs="+", default=["local", "docker"], choices=["local", "docker", "ray"])
     ap.add_argument("--ray-address", help="a Ray cluster to use (default: start a local one of --nodes nodes)")
-    ap.add_argument("--ray-cpus", type=float, default=4, help="CPUs of each Ray node (and of its bundle)")
+    ap.add_argument("--ray-cpus", type=int, default=4, help="CPUs of each Ray node (and of its bundle)")
     ap.add_argument("--drill", choices=["sigterm", "kill"])
     ap.add_argument("--drill-step", type=int, default=20)
     ap.add_argument("--store", type=Path, help="a local store folder (default: a new temporary one)")

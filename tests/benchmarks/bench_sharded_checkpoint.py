@@ -20,7 +20,11 @@ Fused AdamW; two steps on random tokens make its state. Then, on every rank:
   (`written_s`), uploaded into the store (`uploaded_s`: sha256, then a rename into the store folder,
   `--upload rename`, the default, as into a local store on the staging filesystem; or a copy, `--upload
   copy`, what an object store costs at disk speed) and committed by rank 0 (`committed_s`), and the bytes per rank;
-- load: `load_sharded` of the last checkpoint into the model, files read in place (with their sha256).
+- read: the last checkpoint's files read back whole by the ranks in parallel (each a share of them, 64 MiB
+  reads into one buffer, nothing else done with them), after asking the kernel to drop them from its page
+  cache (POSIX_FADV_DONTNEED, which a sandboxed kernel may ignore): the disk's read rate for these files;
+- load: `load_sharded` of the last checkpoint into the model, files read in place (with their sha256), after
+  the same request to drop them from the cache; its time over the read's is the resume's overhead.
 Prints one JSON line per phase (the max over ranks) and a summary line. Disk: the state, 12 bytes a
 parameter (fp32 weights + AdamW moments; 96 GB for 8B), twice with --upload copy; checked before it starts.
 """
@@ -117,10 +121,15 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def worst(value) -> float:
-    """The max over ranks (a loop is as slow as its slowest rank)."""
+def gather(value) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
+    return out
+
+
+def worst(value) -> float:
+    """The max over ranks (a loop is as slow as its slowest rank)."""
+    out = gather(value)
     return max(out) if not isinstance(value, dict) else {k: max(o[k] for o in out) for k in value}
 
 
@@ -197,6 +206,32 @@ def async_saves(model, opt, loss_fn, store, staging: str, stream: bool, a, rank:
     return rows
 
 
+def checkpoint_files(root: Path, step: int) -> list[Path]:
+    return sorted(f for f in (root / "store" / RunLayout(RUN).step(step)).rglob("*") if f.is_file())
+
+
+def drop_cached(files: list[Path]) -> None:
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_back(files: list[Path], rank: int, world: int) -> dict:
+    """This rank's share of the files read whole, 64 MiB at a time into one buffer: bytes and seconds."""
+    mine, buf, n = files[rank::world], bytearray(64 << 20), 0
+    dist.barrier()
+    t0 = time.perf_counter()
+    for f in mine:
+        with open(f, "rb", buffering=0) as fh:
+            while k := fh.readinto(buf):
+                n += k
+    return {"bytes": n, "seconds": time.perf_counter() - t0}
+
+
 def check_disk(root: Path, need: int) -> None:
     root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(root).free
@@ -224,6 +259,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--write-threads", type=int, default=1, help="DCP writer threads per rank (a file each)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--no-sync", action="store_true", help="skip the synchronous dcp.save row")
     p.add_argument("--width", type=int, default=4096, help="d of the Linear stack")
     return p.parse_args()
 
@@ -272,9 +308,11 @@ def main() -> None:
     check_disk(root, n * 12 * (2 if a.upload == "copy" else 1) * per_node // world)
     store = (CopyStore if a.upload == "copy" else LocalStore)(str(root / "store"))
     gloo = dist.new_group(backend="gloo")
-    sync_s = worst(sync_save(model, opt, str(root / "sync" / f"rank_{rank:05d}"), gloo))
-    say(rank, {"phase": "sync dcp.save to node-local disk", "blocked_s": round(sync_s, 3)})
-    results = {"sync_blocked_s": sync_s}
+    results = {}
+    if not a.no_sync:
+        sync_s = worst(sync_save(model, opt, str(root / "sync" / f"rank_{rank:05d}"), gloo))
+        say(rank, {"phase": "sync dcp.save to node-local disk", "blocked_s": round(sync_s, 3)})
+        results["sync_blocked_s"] = sync_s
     # before torch 2.12 the writer stages (no side stream): one mode; its first save makes the pinned buffers
     modes = (False, True) if sc._torch_at_least(2, 12) else (False,)
     for stream in modes:
@@ -284,6 +322,21 @@ def main() -> None:
             say(rank, {"phase": mode, **({"save": i} if i else {}), **{k: round(v, 3) for k, v in row.items()}})
         results[mode] = rows[-1]["blocked_s"]
     last = 1000 * (2 if modes[-1] else 1) + a.saves - 1
+    files = checkpoint_files(root, last)
+    drop_cached(files[rank :: dist.get_world_size()])
+    got = read_back(files, rank, dist.get_world_size())
+    total = sum(o["bytes"] for o in gather(got))
+    read_s = worst(got["seconds"])
+    say(
+        rank,
+        {
+            "phase": "read the checkpoint's files (all ranks)",
+            "bytes": total,
+            "seconds": round(read_s, 3),
+            "gb_per_s": round(total / read_s / 1e9, 2),
+        },
+    )
+    drop_cached(files[rank :: dist.get_world_size()])
     load_s = worst(
         timed(lambda: sc.load_sharded(LocalStore(str(root / "store")), RUN, last, model, opt, str(root / "cache")))
     )
@@ -294,6 +347,8 @@ def main() -> None:
             "summary": "loop blocked per checkpoint, s (max over ranks, last save)",
             **{k: round(v, 3) for k, v in results.items()},
             "load_s": round(load_s, 3),
+            "read_s": round(read_s, 3),
+            "load_over_read": round(load_s / read_s, 2),
         },
     )
     dist.barrier()
