@@ -106,16 +106,18 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, blocks: int | No
             f"activation checkpointing mode {mode!r}: choose none, selective or full (auto is resolved before)"
         )
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts, noop_context_fn
 
     layers = _blocks(model)
     if blocks is not None and not 0 < blocks <= len(layers):
         raise ValueError(f"{blocks} blocks of {mode} checkpointing: give 1 to {len(layers)}")
-    policy = {}
-    if mode == "selective":  # a fresh policy per forward: it counts the matmuls it has seen
-        policy["context_fn"] = lambda: create_selective_checkpoint_contexts(_selective_policy())
+
+    def selective():  # a fresh policy per forward: it counts the matmuls it has seen
+        return create_selective_checkpoint_contexts(_selective_policy())
+
+    context_fn = selective if mode == "selective" else noop_context_fn  # noop: full, torch's default
     for i, block in enumerate(layers[:blocks] if blocks is not None else layers):
-        layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, **policy)
+        layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn)
 
 
 def compile_blocks(model: nn.Module) -> None:
