@@ -366,16 +366,16 @@ class TrainConfig(_Section):
     activation_checkpointing: Literal["auto", "none", "selective", "full"] = Field(
         "auto",
         description="Recompute activations in backward instead of keeping them: `full` recomputes every "
-        "block (or the first train.activation_checkpointing_blocks); `selective` keeps matmul and attention outputs "
-        "except every second matmul's (torchtitan's op-level policy); `auto`: before the first step, the lightest "
-        "that the memory plan fits on the GPU, in order none, selective, full on the fewest first blocks, full on "
-        "every block (none on CPU).",
+        "block; `selective` keeps matmul and attention outputs except every second matmul's (torchtitan's "
+        "op-level policy); either on the first train.activation_checkpointing_blocks only; `auto`: before the "
+        "first step, the lightest that the memory plan fits on the GPU, in order none, selective on the fewest "
+        "first blocks, selective on every block, full on the fewest first blocks, full on every block (none on CPU).",
     )
     activation_checkpointing_blocks: int | None = Field(
         None,
         gt=0,
-        description="With activation_checkpointing=full: recompute only the first N blocks (the rest keep their "
-        "activations); default every block.",
+        description="With activation_checkpointing=selective or full: checkpoint only the first N blocks (the "
+        "rest keep all their activations); default every block.",
     )
     float8: bool = Field(
         False,
@@ -391,10 +391,14 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _checkpointing_blocks(self) -> TrainConfig:
-        if self.activation_checkpointing_blocks is not None and self.activation_checkpointing != "full":
+        if self.activation_checkpointing_blocks is not None and self.activation_checkpointing not in (
+            "selective",
+            "full",
+        ):
             raise ValueError(
-                f"train.activation_checkpointing_blocks applies to activation_checkpointing=full, not "
-                f"{self.activation_checkpointing}: set train.activation_checkpointing=full or unset the blocks"
+                f"train.activation_checkpointing_blocks applies to activation_checkpointing=selective or full, not "
+                f"{self.activation_checkpointing}: set train.activation_checkpointing=selective or full, "
+                f"or unset the blocks"
             )
         return self
 

@@ -24,6 +24,12 @@ def test_overrides_reach_nested_fields_with_yaml_types():
     assert (cfg.train.max_steps, cfg.train.compile, cfg.eval.prompts, cfg.store) == (50, True, ["a", "b"], "/tmp/s")
 
 
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_checkpointing_the_first_blocks_is_accepted_for_selective_and_full(mode):
+    cfg = load_recipe("smoke", [f"train.activation_checkpointing={mode}", "train.activation_checkpointing_blocks=2"])
+    assert (cfg.train.activation_checkpointing, cfg.train.activation_checkpointing_blocks) == (mode, 2)
+
+
 def test_recipe_file_is_read_and_overridden(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("run_name: r1\ntrain:\n  max_steps: 7\n")
@@ -52,11 +58,11 @@ def test_recipe_file_is_read_and_overridden(tmp_path):
             [
                 "config",
                 "--set",
-                "train.activation_checkpointing=selective",
+                "train.activation_checkpointing=none",
                 "--set",
                 "train.activation_checkpointing_blocks=2",
             ],
-            "train.activation_checkpointing_blocks applies to activation_checkpointing=full, not selective",
+            "train.activation_checkpointing_blocks applies to activation_checkpointing=selective or full, not none",
         ),
         (
             [

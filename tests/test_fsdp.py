@@ -49,11 +49,14 @@ def _train(model, params, batches, rank, world, sync):
 
 
 def _worker(rank: int, port: int, runs: list[tuple[str, str, bool]]) -> None:
+    """runs: (preset, train.activation_checkpointing, model.doc_mask); `selective:1` is selective on the first
+    block only (train.activation_checkpointing_blocks=1)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        for preset, mode, doc_mask in runs:
+        for preset, ac, doc_mask in runs:
+            mode, _, blocks = ac.partition(":")
             batches = _batches(doc_len=16 if doc_mask else None)
             model_cfg, separators = ModelConfig(preset=preset, doc_mask=doc_mask), (256, None)
             torch.manual_seed(0)
@@ -71,6 +74,7 @@ def _worker(rank: int, port: int, runs: list[tuple[str, str, bool]]) -> None:
                     "train.device=cpu",
                     f"train.activation_checkpointing={mode}",
                     f"model.doc_mask={doc_mask}",
+                    *([f"train.activation_checkpointing_blocks={blocks}"] if blocks else []),
                 ],
             )
             model = parallelize(model, cfg, WORLD, torch.device("cpu"))
@@ -82,9 +86,9 @@ def _worker(rank: int, port: int, runs: list[tuple[str, str, bool]]) -> None:
             full = {k: v.full_tensor() for k, v in model.state_dict().items()}
             if rank == 0:
                 for (a, na), (b, nb) in zip(losses, ref_losses):
-                    assert abs(a - b) < 1e-4 and abs(na - nb) < 1e-4, (preset, mode, losses, ref_losses)
+                    assert abs(a - b) < 1e-4 and abs(na - nb) < 1e-4, (preset, ac, losses, ref_losses)
                 for k, v in ref.state_dict().items():
-                    assert torch.allclose(full[k], v, atol=2e-5), (preset, mode, k, (full[k] - v).abs().max())
+                    assert torch.allclose(full[k], v, atol=2e-5), (preset, ac, k, (full[k] - v).abs().max())
                 assert not torch.allclose(full["lm_head.weight"], init["lm_head.weight"])  # it did train
     finally:
         dist.destroy_process_group()
@@ -102,7 +106,8 @@ def test_fsdp_on_two_ranks_trains_as_one_process_on_the_whole_batch_with_and_wit
     """Same init, same global batches, gradient accumulation (no_sync on the first micro-step), clipping:
     the 2-rank FSDP2 run's losses, grad norms and weights match the plain loop's: Llama with activation
     checkpointing off and selective, GPT-2 (tied embeddings in the root unit) with full, and Llama with document
-    masking (model.doc_mask: the mask passed through the checkpointed, sharded blocks) under selective."""
+    masking (model.doc_mask: the mask passed through the checkpointed, sharded blocks) under selective, and
+    Llama with selective checkpointing on its first block only."""
     runs = [("llama-tiny", "none", False), ("llama-tiny", "selective", False), ("tiny", "full", False)]
-    runs += [("llama-tiny", "selective", True)]
+    runs += [("llama-tiny", "selective", True), ("llama-tiny", "selective:1", False)]
     mp.spawn(_worker, args=(free_port(), runs), nprocs=WORLD, join=True)

@@ -159,16 +159,18 @@ def test_activation_checkpointing_changes_no_loss_or_gradient(mode):
         assert torch.allclose(p.grad, grads[name].grad, atol=1e-6), name
 
 
-def test_checkpointing_the_first_blocks_trains_exactly_as_without():
-    """float64 on CPU: three AdamW steps with the first 2 of 4 blocks recomputed give the very same losses,
-    gradients and weights as keeping every activation (recomputation must not change the numerics)."""
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointing_the_first_blocks_trains_exactly_as_without(mode):
+    """float64 on CPU: three AdamW steps with the first 2 of 4 blocks recomputed (whole, or selectively) give
+    the very same losses, gradients and weights as keeping every activation (recomputation must not change the
+    numerics)."""
     torch.set_default_dtype(torch.float64)
     try:
         runs = []
         for blocks in (None, 2):
             model = _tiny(n_layer=4)
             if blocks:
-                apply_activation_checkpointing(model, "full", blocks)
+                apply_activation_checkpointing(model, mode, blocks)
                 wrapped = [type(b).__name__ == "CheckpointWrapper" for b in model.layers]
                 assert wrapped == [True, True, False, False]
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -191,9 +193,10 @@ def test_checkpointing_the_first_blocks_trains_exactly_as_without():
     assert s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
 
 
-def test_ddp_path_checkpoints_the_configured_blocks():
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_ddp_path_checkpoints_the_configured_blocks(mode):
     """train.parallel=ddp applies activation checkpointing too (it used to be planned for, not applied)."""
-    cfg = load_recipe("smoke", ["model.preset=llama-tiny", "train.activation_checkpointing=full"])
+    cfg = load_recipe("smoke", ["model.preset=llama-tiny", f"train.activation_checkpointing={mode}"])
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"activation_checkpointing_blocks": 1})})
     model = _tiny()
     prepare_model(model, cfg, Dist(0, 0, 1, torch.device("cpu")))
@@ -259,30 +262,53 @@ def _wide_llama(n_layer: int) -> ModelConfig:
 
 
 @pytest.mark.parametrize(
-    "n_layer, chosen",
-    [(16, "none"), (40, "selective"), (56, "full on 45 of 56 blocks"), (72, "full on all 72 blocks")],
+    "n_layer, device_bytes, chosen",
+    [
+        (16, GB80, "none"),
+        (40, GB80, "selective on 27 of 40 blocks"),
+        (46, 79 * 10**9, "selective"),
+        (56, GB80, "full on 45 of 56 blocks"),
+        (72, GB80, "full on all 72 blocks"),
+    ],
 )
-def test_auto_checkpointing_is_the_lightest_that_fits_as_the_model_grows(n_layer, chosen):
-    """On four 80 GB GPUs under fsdp: none while it fits, then selective, then full on the fewest first blocks,
-    then full everywhere; what auto chose fits, and the next lighter setting does not."""
+def test_auto_checkpointing_is_the_lightest_that_fits_as_the_model_grows(n_layer, device_bytes, chosen):
+    """On four 80 GB GPUs under fsdp: none while it fits, then selective on the fewest first blocks, then
+    selective everywhere, then full on the fewest first blocks, then full everywhere; what auto chose fits, and
+    the next lighter setting does not."""
     model, auto = _wide_llama(n_layer), TrainConfig(parallel="fsdp", micro_batch=1)
-    train, line = resolve(model, auto, 4, GB80)
+    train, line = resolve(model, auto, 4, device_bytes)
     assert describe(train, n_layer) == chosen
     assert line is not None and line.startswith(f"activation checkpointing: {chosen} (plan ")
-    assert check(estimate(model, train, 4, GB80)).fits
-    assert estimate(model, auto, 4, GB80).train_cfg == train  # a plan of `auto` is the plan of what it chooses
+    assert check(estimate(model, train, 4, device_bytes)).fits
+    assert estimate(model, auto, 4, device_bytes).train_cfg == train  # a plan of `auto` is the plan of what it chooses
     lighter = {
-        "none": None,
-        "selective": {"activation_checkpointing": "none"},
-        "full on 45 of 56 blocks": {"activation_checkpointing": "full", "activation_checkpointing_blocks": 44},
-        "full on all 72 blocks": {"activation_checkpointing": "full", "activation_checkpointing_blocks": 71},
+        "none": [],
+        "selective on 27 of 40 blocks": [("none", None), ("selective", 26)],
+        "selective": [("none", None), ("selective", 45)],
+        "full on 45 of 56 blocks": [("selective", None), ("full", 44)],
+        "full on all 72 blocks": [("selective", None), ("full", 71)],
     }[chosen]
-    if lighter is not None:
-        assert not estimate(model, auto.model_copy(update=lighter), 4, GB80).fits
+    for ac, blocks in lighter:
+        update = {"activation_checkpointing": ac, "activation_checkpointing_blocks": blocks}
+        assert not estimate(model, auto.model_copy(update=update), 4, device_bytes).fits, (ac, blocks)
+
+
+def test_auto_fills_the_memory_left_with_blocks_that_keep_everything():
+    """Llama-3 8B at seq 8192 on four 80 GB GPUs: selective everywhere fits with GiBs to spare, so auto
+    recomputes in the fewest first blocks only; the line names them and what keeping everything needed."""
+    model, auto = ModelConfig(preset="llama-8b"), TrainConfig(parallel="fsdp", micro_batch=1)
+    train, line = resolve(model, auto, 4, GB80)
+    assert train.activation_checkpointing == "selective" and 0 < train.activation_checkpointing_blocks < 32
+    n = train.activation_checkpointing_blocks
+    assert line is not None and line.startswith(f"activation checkpointing: selective on {n} of 32 blocks (plan ")
+    assert "; none would need " in line
+    everywhere = estimate(model, train.model_copy(update={"activation_checkpointing_blocks": None}), 4, GB80)
+    assert estimate(model, train, 4, GB80).total > everywhere.total  # it keeps more than selective everywhere
 
 
 def test_partial_checkpointing_is_costed_with_the_per_block_terms():
-    """Each block recomputed trades its whole activations for its input; all blocks is `full`, as before."""
+    """Each block recomputed trades its whole activations for its input (full) or its selective ones
+    (selective); all blocks is `full` or `selective`, as before."""
     model = _wide_llama(32)
 
     def act(ac="full", blocks=None):
@@ -297,17 +323,28 @@ def test_partial_checkpointing_is_costed_with_the_per_block_terms():
     assert act(blocks=11) - act(blocks=12) == step  # linear in the blocks
     assert act(blocks=32) == act()
     assert act(blocks=1) > act("none")  # one block recomputed costs its recomputation: it never helps alone
+    sel = act("selective", blocks=10) - act("selective", blocks=11)
+    assert sel == 8192 * (per_token["none"] - per_token["selective"])
+    assert act("selective", blocks=11) - act("selective", blocks=12) == sel
+    assert act("selective", blocks=32) == act("selective")
+    assert act("none") - act("selective", blocks=1) == sel  # no extra block's worth: recomputed op by op
 
 
-def test_explicit_checkpointing_that_does_not_fit_names_the_fewest_blocks_that_would():
-    with pytest.raises(
-        UserError, match=r"train\.activation_checkpointing=full with train\.activation_checkpointing_blocks=45"
-    ):
-        check(
-            estimate(
-                _wide_llama(56), TrainConfig(parallel="fsdp", micro_batch=1, activation_checkpointing="none"), 4, GB80
-            )
-        )
+@pytest.mark.parametrize(
+    "n_layer, ac, blocks, fix",
+    [
+        (56, "none", None, "full with train.activation_checkpointing_blocks=45"),
+        (56, "selective", None, "full with train.activation_checkpointing_blocks=45"),
+        (40, "none", None, "selective with train.activation_checkpointing_blocks=27"),
+        (40, "selective", 10, "selective with train.activation_checkpointing_blocks=27"),
+    ],
+)
+def test_explicit_checkpointing_that_does_not_fit_names_the_fewest_blocks_that_would(n_layer, ac, blocks, fix):
+    """The suggestion walks auto's order from the setting given: selective on the fewest first blocks before
+    selective everywhere, before full on the fewest first blocks."""
+    t = TrainConfig(parallel="fsdp", micro_batch=1, activation_checkpointing=ac, activation_checkpointing_blocks=blocks)
+    with pytest.raises(UserError, match=r"it would fit with train\.activation_checkpointing=" + fix + "( or |$)"):
+        check(estimate(_wide_llama(n_layer), t, 4, GB80))
 
 
 def test_auto_without_a_gpu_is_none_and_the_smoke_output_stays_as_it_was(capsys):

@@ -14,7 +14,9 @@
   `selective` keeps matmul and attention outputs but every second matmul's; `full` keeps each block's input
   (2d) plus one block's worth during its recomputation; `full` on the first n of L blocks
   (train.activation_checkpointing_blocks) keeps n inputs, L - n blocks' whole activations and the one
-  block being recomputed, so n = L is `full` and the step from n to n + 1 saves none - full per token.
+  block being recomputed, so n = L is `full` and the step from n to n + 1 saves none - full per token;
+  `selective` on the first n keeps n blocks' selective and L - n blocks' whole activations (its recomputation
+  is op by op, no extra block's worth), so the step from n to n + 1 saves none - selective per token.
   Plus the logits (bf16, their gradient is written in place).
 - reserve: 10% of the device for the CUDA context, NCCL buffers and allocator fragmentation.
 
@@ -22,16 +24,20 @@ The figures are estimates (an upper end for eager, torch.compile saves a little)
 UserError naming the changes that would fit: fsdp, activation checkpointing, a smaller micro-batch, more GPUs.
 
 `train.activation_checkpointing=auto` is settled here before the first step (`resolve`): the lightest policy
-whose plan fits, in order of recomputation: none; selective (every second matmul and the pointwise ops
-run again); full on the fewest first blocks that fit (each such block runs its whole forward twice); full
-on every block. The order is fixed, not measured: a few fully recomputed blocks may cost
-less than selective everywhere (docs/benchmarks.md, to be measured). Memory is what decides, never speed: a plan that fits without recomputation keeps
-every activation. On CPU there is no device to plan against, and auto is none.
+whose plan fits, in order of recomputation: none; selective on the fewest first blocks that fit (in those
+blocks every second matmul and the pointwise ops run again, the rest run once); selective on every block;
+full on the fewest first blocks that fit (each such block runs its whole forward twice, the rest run once);
+full on every block. The order is fixed, not measured: a few fully recomputed blocks may cost
+less than selective everywhere (docs/benchmarks.md, to be measured). Memory is what decides, never speed: a
+plan that fits without recomputation keeps every activation, and one that fits with selective on 14 of 32
+blocks recomputes nothing in the other 18. On CPU there is no device to plan against, and auto is none.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from lmyard.config import ModelConfig, TrainConfig
@@ -99,10 +105,11 @@ def _kept_per_token(s: dict, train_cfg: TrainConfig) -> int:
     """Bytes the blocks keep for backward per token (the module docstring's activations, without the logits)."""
     ac, act, L = train_cfg.activation_checkpointing, s["act"], s["L"]
     assert ac != "auto", "estimate() settles auto before the activations are counted"
-    if ac != "full":
-        return L * act[ac]
+    if ac == "none":
+        return L * act["none"]
     n = min(train_cfg.activation_checkpointing_blocks or L, L)
-    return n * act["full"] + (L - n) * act["none"] + act["none"]  # + the one block being recomputed
+    kept = n * act[ac] + (L - n) * act["none"]
+    return kept + act["none"] if ac == "full" else kept  # full: + the one block being recomputed
 
 
 def n_layer(model_cfg: ModelConfig, n_vocab: int = 50257) -> int:
@@ -147,39 +154,49 @@ def _with(plan: Plan, world: int | None = None, **train: Any) -> Plan:
     )
 
 
-def _fewest_blocks(plan: Plan, **train: Any) -> Plan | None:
-    """The plan of full checkpointing on the fewest first blocks (fewer than all) that fits, else None.
-    Each block checkpointed saves the same bytes, so the first n that fits is the lightest."""
+def _fewest_blocks(plan: Plan, mode: str, **train: Any) -> Plan | None:
+    """The plan of `mode` (selective or full) checkpointing on the fewest first blocks (fewer than all) that fits,
+    else None. Each block checkpointed saves the same bytes, so the first n that fits is the lightest."""
     L = n_layer(plan.model_cfg, plan.n_vocab)
     for n in range(1, L):
-        partial = _with(plan, activation_checkpointing="full", activation_checkpointing_blocks=n, **train)
-        if partial.fits:
-            return partial
+        first_n = _with(plan, activation_checkpointing=mode, activation_checkpointing_blocks=n, **train)
+        if first_n.fits:
+            return first_n
     return None
 
 
+def _ladder(plan: Plan, **train: Any) -> list[Callable[[], Plan | None]]:
+    """The checkpointing heavier than none, lightest first (the module docstring's order), each step planned
+    when called: selective on the fewest first blocks, selective, full on the fewest first blocks, full. A
+    partial step plans None where no n < L fits; the steps alternate partial (even) and every block (odd)."""
+    every = {"activation_checkpointing_blocks": None}
+    return [
+        partial(_fewest_blocks, plan, "selective", **train),
+        partial(_with, plan, activation_checkpointing="selective", **every, **train),
+        partial(_fewest_blocks, plan, "full", **train),
+        partial(_with, plan, activation_checkpointing="full", **every, **train),
+    ]
+
+
 def describe(train_cfg: TrainConfig, L: int) -> str:
-    """The checkpointing of a resolved train config in words: `none`, `selective`, `full on 12 of 32 blocks`,
-    `full on all 32 blocks`."""
+    """The checkpointing of a resolved train config in words: `none`, `selective on 14 of 32 blocks`,
+    `selective`, `full on 12 of 32 blocks`, `full on all 32 blocks`."""
     ac, n = train_cfg.activation_checkpointing, train_cfg.activation_checkpointing_blocks
-    if ac == "full":
-        return f"full on {n} of {L} blocks" if n is not None and n < L else f"full on all {L} blocks"
-    return ac
+    if ac in ("selective", "full") and n is not None and n < L:
+        return f"{ac} on {n} of {L} blocks"
+    return f"full on all {L} blocks" if ac == "full" else ac
 
 
 def _checkpointing_alternative(plan: Plan) -> str | None:
     """The lightest checkpointing heavier than the plan's that fits, as `--set` assignments (with fsdp under ddp
     when only that fits)."""
     t, L = plan.train_cfg, n_layer(plan.model_cfg, plan.n_vocab)
-    weight = {"none": 0, "selective": 1, "full": 3 if (t.activation_checkpointing_blocks or L) >= L else 2}
+    # where the plan's own step sits on the ladder; a partial step's fewest blocks that fit are more than its own
+    every = (t.activation_checkpointing_blocks or L) >= L
+    start = {"none": 0, "selective": 2 if every else 0, "full": 4 if every else 2}[t.activation_checkpointing]
     extras: list[dict[str, Any]] = [{}, {"parallel": "fsdp"}] if t.parallel == "ddp" else [{}]
     for extra in extras:
-        heavier: list[Plan | None] = [
-            _with(plan, activation_checkpointing="selective", **extra),
-            _fewest_blocks(plan, **extra),
-            _with(plan, activation_checkpointing="full", activation_checkpointing_blocks=None, **extra),
-        ]
-        fit = next((c for c in heavier[weight[t.activation_checkpointing] :] if c is not None and c.fits), None)
+        fit = next((c for step in _ladder(plan, **extra)[start:] if (c := step()) is not None and c.fits), None)
         if fit is not None:
             ct = fit.train_cfg
             sets = f"train.activation_checkpointing={ct.activation_checkpointing}"
@@ -242,14 +259,19 @@ def choose(
     none = estimate(
         model_cfg, train_cfg.model_copy(update={"activation_checkpointing": "none"}), world, device_bytes, n_vocab
     )
-    L, tried = n_layer(model_cfg, n_vocab), [none]
-    if not none.fits:
-        tried.append(_with(none, activation_checkpointing="selective"))
-    if not tried[-1].fits:
-        partial = _fewest_blocks(none)
-        if partial is None and L > 1:  # the most blocks short of all, to say why all
-            tried.append(_with(none, activation_checkpointing="full", activation_checkpointing_blocks=L - 1))
-        tried.append(partial or _with(none, activation_checkpointing="full"))
+    L, tried, steps = n_layer(model_cfg, n_vocab), [none], _ladder(none)
+    short: Plan | None = None  # a partial step that nothing fits: its most blocks short of all
+    for i, step in enumerate(steps):
+        if tried[-1].fits:
+            break
+        plan = step()
+        if plan is None:
+            mode = ("selective", "full")[i // 2]
+            short = _with(none, activation_checkpointing=mode, activation_checkpointing_blocks=L - 1) if L > 1 else None
+            continue
+        chosen_here = plan.fits or i == len(steps) - 1
+        tried += [short, plan] if short is not None and chosen_here else [plan]  # short says why every block
+        short = None
     chosen = tried[-1]
     why = f"plan {_gib(chosen)} of {chosen.usable / GIB:.1f} GiB usable per GPU" + "".join(
         f"; {describe(p.train_cfg, L)} would need {_gib(p)}" for p in tried[:-1]

@@ -9,11 +9,11 @@ parameters are gathered in bf16 for its forward and backward, and gradients are 
 fp32 (MixedPrecisionPolicy). On CPU everything stays fp32.
 
 Activation checkpointing (under ddp too, lmyard.train.parallelism): `full` recomputes each whole block in
-backward, or only the first train.activation_checkpointing_blocks of them (the rest keep their activations;
-lmyard.train.memory's `auto` picks that number); `selective` is torchtitan's
-op-level policy: inside each block the outputs of matmuls and attention are kept, except every second
-matmul's, and everything else (norms, RoPE, SwiGLU's pointwise ops) is recomputed; FlexAttention's output
-(model.doc_mask) is kept as SDPA's is.
+backward; `selective` is torchtitan's op-level policy: inside each block the outputs of matmuls and attention
+are kept, except every second matmul's, and everything else (norms, RoPE, SwiGLU's pointwise ops) is
+recomputed; FlexAttention's output (model.doc_mask) is kept as SDPA's is. Either mode may wrap only the first
+train.activation_checkpointing_blocks blocks (the rest keep all their activations; lmyard.train.memory's
+`auto` picks that number); one wrapping loop for both modes, so the two mean the same blocks.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _selective_policy():
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, blocks: int | None = None) -> None:
     """Wrap blocks for recomputation in backward: `none`, `full` or `selective` (see the module docstring);
-    `blocks`: only the first so many (full only; default every block). The wrapper keeps the blocks'
+    `blocks`: only the first so many, in either mode (default every block). The wrapper keeps the blocks'
     state_dict keys (checkpoint_wrapper strips its own prefix)."""
     if mode == "none":
         return
@@ -106,20 +106,18 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, blocks: int | No
             f"activation checkpointing mode {mode!r}: choose none, selective or full (auto is resolved before)"
         )
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts, noop_context_fn
 
     layers = _blocks(model)
-    if blocks is not None and not (mode == "full" and 0 < blocks <= len(layers)):
-        raise ValueError(f"{blocks} blocks of full checkpointing: give 1 to {len(layers)}, with mode full")
+    if blocks is not None and not 0 < blocks <= len(layers):
+        raise ValueError(f"{blocks} blocks of {mode} checkpointing: give 1 to {len(layers)}")
+
+    def selective():  # a fresh policy per forward: it counts the matmuls it has seen
+        return create_selective_checkpoint_contexts(_selective_policy())
+
+    context_fn = selective if mode == "selective" else noop_context_fn  # noop: full, torch's default
     for i, block in enumerate(layers[:blocks] if blocks is not None else layers):
-        if mode == "full":
-            layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
-        else:
-            layers[i] = checkpoint_wrapper(
-                block,
-                preserve_rng_state=False,
-                context_fn=lambda: create_selective_checkpoint_contexts(_selective_policy()),
-            )
+        layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn)
 
 
 def compile_blocks(model: nn.Module) -> None:

@@ -4,6 +4,7 @@
     python tests/benchmarks/bench_llama.py --gpus 1 4 --preset llama-1b --seq 2048 --batch 4 --compile --titan
     python tests/benchmarks/bench_llama.py --gpus 1 --preset llama-1b --compile --titan --float8 none rowwise
     python tests/benchmarks/bench_llama.py --gpus 4 --preset llama-8b --seq 8192 --batch 1 --ac full --compile --titan
+    python tests/benchmarks/bench_llama.py --gpus 4 --preset llama-8b --seq 8192 --batch 1 --ac selective --ac-blocks 14 --compile
     python tests/benchmarks/bench_llama.py --device cpu --gpus 2 --preset llama-tiny --seq 64 --batch 2 --steps 3 --warmup 1
     python tests/benchmarks/bench_llama.py --gpus 1 --preset llama-1b --seq 2048 --batch 4 --compile --doc-mask both
 
@@ -54,6 +55,7 @@ WORKER_ARGS = (
     "seq",
     "batch",
     "ac",
+    "ac_blocks",
     "float8",
     "steps",
     "warmup",
@@ -119,7 +121,7 @@ def worker(a: argparse.Namespace) -> None:
             "train.parallel=fsdp",
             f"train.micro_batch={a.batch}",  # what the memory plan (and auto) counts activations for
             f"train.batch_tokens={a.batch * a.seq * world}",
-            f"train.activation_checkpointing={a.ac}",
+            *ac_overrides(a),
             f"train.compile={a.compile}",
             f"train.float8={a.float8 != 'none'}",
             f"train.float8_recipe={'tensorwise' if a.float8 == 'none' else a.float8}",
@@ -209,7 +211,7 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def run_lmyard(a: argparse.Namespace, gpus: int, shard: Path) -> dict:
-    args = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k in WORKER_ARGS]
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k in WORKER_ARGS and v is not None]
     args += [f"--shard={shard}"] + [f"--{f.replace('_', '-')}" for f in ("compile", "no_reshard") if getattr(a, f)]
     cmd = [
         sys.executable,
@@ -243,7 +245,7 @@ def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
         f"model.block_size={a.seq}",
         "train.parallel=fsdp",
         f"train.batch_tokens={a.batch * a.seq * gpus}",
-        f"train.activation_checkpointing={a.ac}",
+        *ac_overrides(a),
         f"train.compile={str(a.compile).lower()}",
         f"model.attention={a.attention}",
         f"model.doc_mask={str(a.doc_mask == 'on').lower()}",  # on the shard as it is (see the docstring)
@@ -259,8 +261,15 @@ def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
     return {"impl": "lmyard-trainer", **out}
 
 
+def ac_overrides(a: argparse.Namespace) -> list[str]:
+    """lmyard's activation checkpointing from --ac and --ac-blocks (the first N blocks, selective or full)."""
+    blocks = [] if a.ac_blocks is None else [f"train.activation_checkpointing_blocks={a.ac_blocks}"]
+    return [f"train.activation_checkpointing={a.ac}", *blocks]
+
+
 def titan_ac(ours: dict) -> str:
-    """torchtitan's checkpointing for lmyard's row: what lmyard applied (full on some blocks counts as full)."""
+    """torchtitan's checkpointing for lmyard's row: what lmyard applied (selective or full on some blocks
+    counts as that mode on every block)."""
     return ours.get("ac_applied") or ours["ac"]
 
 
@@ -346,6 +355,12 @@ def parser() -> argparse.ArgumentParser:
         help="activation checkpointing; auto: the lightest that lmyard's memory plan fits (lmyard only: "
         "torchtitan gets what it settles to)",
     )
+    ap.add_argument(
+        "--ac-blocks",
+        type=int,
+        help="with --ac selective or full: checkpoint only the first N blocks (train.activation_checkpointing_blocks; "
+        "lmyard only: torchtitan gets the mode on every block)",
+    )
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (and torchtitan's loss)")
     ap.add_argument(
         "--float8",
@@ -390,7 +405,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    a = parser().parse_args()
+    ap = parser()
+    a = ap.parse_args()
+    if a.ac_blocks is not None and a.ac not in ("selective", "full"):
+        ap.error(f"--ac-blocks applies to --ac selective or full, not {a.ac}: pass one of them or drop --ac-blocks")
     if a.worker:  # one precision per worker
         return worker(argparse.Namespace(**{**vars(a), "float8": a.float8[0]}))
     summary(run_all(a))
