@@ -111,3 +111,15 @@ def test_fsdp_on_two_ranks_trains_as_one_process_on_the_whole_batch_with_and_wit
     runs = [("llama-tiny", "none", False), ("llama-tiny", "selective", False), ("tiny", "full", False)]
     runs += [("llama-tiny", "selective", True), ("llama-tiny", "selective:1", False)]
     mp.spawn(_worker, args=(free_port(), runs), nprocs=WORLD, join=True)
+
+
+def test_fsdp_reduce_dtype_sets_the_gradient_reduction_on_cuda_and_stays_float32_on_cpu():
+    from lmyard.train.parallel import mixed_precision
+
+    default, cfg = load_recipe("smoke"), load_recipe("smoke", ["train.fsdp_reduce_dtype=bfloat16"])
+    assert default.train.fsdp_reduce_dtype == "float32"
+    cuda = torch.device("cuda", 0)  # a policy only: no GPU is touched
+    assert mixed_precision(cuda, default.train.fsdp_reduce_dtype).reduce_dtype == torch.float32
+    bf16 = mixed_precision(cuda, cfg.train.fsdp_reduce_dtype)
+    assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
+    assert mixed_precision(torch.device("cpu"), "bfloat16").reduce_dtype == torch.float32  # gloo sums in fp32

@@ -127,21 +127,25 @@ def compile_blocks(model: nn.Module) -> None:
         block.compile(fullgraph=True)
 
 
-def mixed_precision(device: torch.device):
+def mixed_precision(device: torch.device, reduce_dtype: str = "float32"):
+    """bf16 compute with gradients reduced in `reduce_dtype` (train.fsdp_reduce_dtype) on CUDA; fp32 on CPU."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if device.type == "cuda":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        reduce = getattr(torch, reduce_dtype)
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce, cast_forward_inputs=False)
     return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
-def apply_fsdp(model: nn.Module, mesh, device: torch.device, reshard_after_forward: bool = True) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module, mesh, device: torch.device, reshard_after_forward: bool = True, reduce_dtype: str = "float32"
+) -> nn.Module:
     """FSDP2: `fully_shard` the family's own units (its spec's `fsdp_units`: Llama's embeddings, and its final
     norm with the head), then each block, then the root with what is left (GPT-2's tied table and head).
     `mesh` is a 1-D DeviceMesh of the data-parallel ranks (fsdp_mesh)."""
     from torch.distributed.fsdp import fully_shard
 
-    shard = partial(fully_shard, mesh=mesh, mp_policy=mixed_precision(device))
+    shard = partial(fully_shard, mesh=mesh, mp_policy=mixed_precision(device, reduce_dtype))
     for modules, reshard in registry.spec_of(model).fsdp_units(model):
         shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard and reshard_after_forward)
     for block in _blocks(model):
@@ -170,7 +174,7 @@ def fsdp_mesh(world: int, device: torch.device):
 def parallelize(raw_model: nn.Module, cfg: RunConfig, world: int, device: torch.device) -> nn.Module:
     """The model to train under train.parallel=fsdp: float8 (train.float8) -> activation checkpointing
     (train.activation_checkpointing, resolved: not auto; lmyard.train.memory.resolve) -> torch.compile per block (train.compile; default on CUDA) -> FSDP2
-    (train.fsdp_reshard_after_forward). Modifies and returns raw_model; its parameters become DTensor shards
+    (train.fsdp_reshard_after_forward, train.fsdp_reduce_dtype). Modifies and returns raw_model; its parameters become DTensor shards
     on `device`, so build the optimizer after this call."""
     t = cfg.train
     if t.float8:
@@ -181,7 +185,8 @@ def parallelize(raw_model: nn.Module, cfg: RunConfig, world: int, device: torch.
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    return apply_fsdp(raw_model, fsdp_mesh(world, device), device, t.fsdp_reshard_after_forward)
+    mesh = fsdp_mesh(world, device)
+    return apply_fsdp(raw_model, mesh, device, t.fsdp_reshard_after_forward, t.fsdp_reduce_dtype)
 
 
 def no_sync(model: nn.Module):

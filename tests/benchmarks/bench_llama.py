@@ -56,6 +56,7 @@ WORKER_ARGS = (
     "batch",
     "ac",
     "ac_blocks",
+    "reduce",
     "float8",
     "steps",
     "warmup",
@@ -126,6 +127,7 @@ def worker(a: argparse.Namespace) -> None:
             f"train.float8={a.float8 != 'none'}",
             f"train.float8_recipe={'tensorwise' if a.float8 == 'none' else a.float8}",
             f"train.fsdp_reshard_after_forward={not a.no_reshard}",
+            f"train.fsdp_reduce_dtype={a.reduce}",
             f"train.device={a.device}",
             f"model.doc_mask={a.doc_mask == 'on'}",
         ],
@@ -371,6 +373,12 @@ def parser() -> argparse.ArgumentParser:
         "(lmyard's train.float8_recipe, torchtitan's quantize.linear.float8.recipe_name); e.g. `none rowwise`",
     )
     ap.add_argument("--no-reshard", action="store_true", help="fsdp_reshard_after_forward=false (lmyard only)")
+    ap.add_argument(
+        "--reduce",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="train.fsdp_reduce_dtype (lmyard only; torchtitan reduces in float32)",
+    )
     ap.add_argument(
         "--attention",
         default="auto",
