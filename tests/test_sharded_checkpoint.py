@@ -502,3 +502,51 @@ def test_a_hung_upload_does_not_hold_up_the_next_sharded_saves_and_commits_stay_
         proxy.release()
         ckpt.close(timeout_s=30)
         proxy.stop()
+
+
+def _wide_checkpoint(tmp_path) -> tuple:
+    """A one-rank sharded checkpoint of ~25 MB (weights + AdamW moments) and its dcp/ files' total bytes."""
+    store = open_store(str(tmp_path / "store"))
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(8)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    save_sharded(store, RUN, model, opt, _state(3), str(tmp_path / "s"))
+    folder = os.path.join(store.local_path(step_prefix(RUN, 3)), "dcp")
+    return store, model, sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+
+
+def _bytes_read() -> int:
+    with open("/proc/self/io") as f:  # rchar: bytes this process read through read() calls, cache or disk
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux's per-process I/O counters")
+def test_resume_reads_each_byte_of_a_sharded_checkpoint_once_and_loads_it_exactly(tmp_path):
+    store, saved, size = _wide_checkpoint(tmp_path)
+    torch.manual_seed(1)
+    fresh = nn.Sequential(*(nn.Linear(512, 512) for _ in range(8)))
+    before = _bytes_read()
+    sc.load_sharded(store, RUN, 3, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), str(tmp_path / "c"))
+    read = _bytes_read() - before
+    assert size <= read < 1.2 * size, f"read {read} bytes for {size} bytes of files"  # checked and loaded in one pass
+    _assert_equal(saved.state_dict(), fresh.state_dict())
+
+
+@pytest.mark.parametrize("damage", ["a byte flipped near the end", "truncated"])
+def test_a_sharded_file_damaged_past_its_first_tensors_is_named_and_nothing_hangs(tmp_path, damage):
+    store, _, _ = _wide_checkpoint(tmp_path)
+    shard = os.path.join(store.local_path(step_prefix(RUN, 3)), "dcp", "__0_0.distcp")
+    size = os.path.getsize(shard)
+    with open(shard, "r+b") as f:
+        if damage == "truncated":
+            f.truncate(size - 1000)
+        else:
+            f.seek(size - 5000)
+            byte = f.read(1)
+            f.seek(size - 5000)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    fresh = nn.Sequential(*(nn.Linear(512, 512) for _ in range(8)))
+    with pytest.raises(DamagedCheckpoint, match="step_00000003/dcp/__0_0.distcp does not match its manifest checksum"):
+        sc.load_sharded(store, RUN, 3, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), str(tmp_path / "c"))

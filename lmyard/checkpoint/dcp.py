@@ -29,8 +29,9 @@ rank 0 gives up after `commit_timeout_s` leaving the step without a manifest
 (invisible).
 
 Loading (`load_sharded`) reshards to any world size (DCP plans the reads from
-the target's DTensor placements) and checks the sha256 of each file before DCP
-reads it; a damaged or missing file raises DamagedCheckpoint naming it, so
+the target's DTensor placements). Each file is read once, front to back, by a
+thread that hashes it while DCP deserialises what was read (lmyard.checkpoint.readahead);
+a damaged or missing file raises DamagedCheckpoint naming it, so
 resume.find_latest falls back to the previous checkpoint on every rank together.
 `load_full` reads a sharded checkpoint on one process, without a process group,
 into full state dicts (`state.Checkpoint`: model by name, optimizer by parameter
@@ -43,6 +44,7 @@ code.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -69,6 +71,7 @@ from lmyard.checkpoint.catalog import read_manifest
 from lmyard.checkpoint.commit import Parked, RetryPolicy, ensure_new, outage, publish, upload_files
 from lmyard.checkpoint.manifest import DamagedCheckpoint, FileMeta, Manifest, check_file, file_meta
 from lmyard.checkpoint.ranks import agree, distributed, rank_world
+from lmyard.checkpoint.readahead import FileJob, ReadAhead
 from lmyard.checkpoint.state import Checkpoint, Loaded
 from lmyard.contracts import CheckpointState
 from lmyard.errors import StoreOutage, UserError
@@ -501,33 +504,33 @@ class _VerifiedReader(dcp.FileSystemReader):
         in_place = store.local_path(f"{prefix}/{DCP_DIR}")
         super().__init__(in_place or local_dir)
         self.store, self.prefix, self.manifest, self.in_place = store, prefix, manifest, in_place is not None
-        self.checked: set[str] = set()
+        self.fetched: set[str] = set()
         self.metadata = None
+        self.ahead: ReadAhead | None = None
 
-    def _check(self, name: str) -> str:
+    def _local(self, name: str) -> str:
+        """The local path of a file DCP's index names, downloaded unless the store is local; a file the
+        manifest does not list raises DamagedCheckpoint."""
         key = f"{self.prefix}/{DCP_DIR}/{name}"
         path = confined(str(self.path), name, "checkpoint file")  # names come from files in the store
-        if name in self.checked:
-            return path
         if f"{DCP_DIR}/{name}" not in self.manifest.files:
             raise DamagedCheckpoint(f"{self.store.uri(key)} is not in the checkpoint's manifest")
-        if not self.in_place:
+        if not self.in_place and name not in self.fetched:
             self.store.download(key, path)  # a failed read is not damage: raised as it is, then retried
-        check_file(self.manifest, f"{DCP_DIR}/{name}", path, self.store.uri(key))
-        self.checked.add(name)
+            self.fetched.add(name)
         return path
 
     def load_metadata(self):
         """DCP's index, checked and unpickled safely; called before dcp.load, whose own wrapping of a failed
         read would hide that the checkpoint is damaged."""
         if self.metadata is None:
-            with open(self._check(".metadata"), "rb") as f:
+            key = f"{self.prefix}/{DCP_DIR}/.metadata"
+            path = check_file(self.manifest, f"{DCP_DIR}/.metadata", self._local(".metadata"), self.store.uri(key))
+            with open(path, "rb") as f:
                 try:
                     self.metadata = _SafeUnpickler(f).load()
                 except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
-                    raise DamagedCheckpoint(
-                        f"{self.store.uri(f'{self.prefix}/{DCP_DIR}/.metadata')} does not load: {e}"
-                    ) from None
+                    raise DamagedCheckpoint(f"{self.store.uri(key)} does not load: {e}") from None
             storage_meta = getattr(self.metadata, "storage_meta", None)  # absent from older checkpoints' index
             if storage_meta is not None:
                 storage_meta.load_id = self.load_id
@@ -537,9 +540,33 @@ class _VerifiedReader(dcp.FileSystemReader):
         return self.load_metadata()
 
     def read_data(self, plan, planner):
-        for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
-            self._check(name)
-        return super().read_data(plan, planner)
+        """DCP's reads in file and offset order, each file read once by a ReadAhead that checks its sha256
+        (lmyard.checkpoint.readahead); a damaged file raises DamagedCheckpoint naming it."""
+        info = self.storage_data
+        items = sorted(plan.items, key=lambda i: (info[i.storage_index].relative_path, info[i.storage_index].offset))
+        jobs: dict[str, FileJob] = {}
+        for item in items:
+            md = info[item.storage_index]
+            if (name := md.relative_path) not in jobs:
+                path, uri = self._local(name), self.store.uri(f"{self.prefix}/{DCP_DIR}/{name}")
+                jobs[name] = FileJob(name, path, uri, self.manifest.files[f"{DCP_DIR}/{name}"].sha256)
+            if (span := (md.offset, md.length)) not in jobs[md.relative_path].spans[-1:]:
+                jobs[md.relative_path].spans.append(span)
+        self.ahead = ReadAhead(list(jobs.values()))
+        try:
+            done = super().read_data(dataclasses.replace(plan, items=items), planner)
+        except Exception:
+            self.ahead.close()
+            for job in jobs.values():  # a damaged file is the likelier cause: name it (a full check)
+                if not job.verified:
+                    check_file(self.manifest, f"{DCP_DIR}/{job.name}", job.path, job.uri)
+            raise
+        self.ahead.finish()
+        return done
+
+    def _slice_file(self, file, sinfo):
+        assert self.ahead is not None, "read_data sets the read-ahead before DCP reads a slice"
+        return self.ahead.take(sinfo.relative_path, sinfo.offset, sinfo.length)
 
 
 def _fetch(store: Store, prefix: str, manifest: Manifest, name: str, local_dir: str) -> str:
