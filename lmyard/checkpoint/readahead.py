@@ -3,10 +3,10 @@
 DCP's FileSystemReader reads a file item by item (a seek, then `torch.load` of the slice) in its plan's
 order, on the calling thread. Checking each file's sha256 before that read it twice, so a resume took
 about twice the time of reading the bytes from the disk. `ReadAhead` instead reads each file front to
-back exactly once, in a thread of its own: the spans DCP will ask for (its plan's items, sorted by offset),
-the gaps between them and the tail, all into one sha256. Each span's bytes go to DCP through a bounded
-queue (`depth` spans), so reading and hashing overlap DCP's deserialising and its copies to the GPU, and
-memory stays at a few items.
+back exactly once: the spans DCP will ask for (its plan's items, sorted by offset), the gaps between them
+and the tail. One thread reads, a second hashes what it read (so a disk slower than sha256 is the only
+limit), and each span's bytes go on to DCP through bounded queues (`depth` spans each): reading and
+hashing overlap DCP's deserialising and its copies to the GPU, and memory stays at a few items.
 
 A file whose bytes differ from the manifest is found when its last byte has been read, after DCP may have
 copied some of its tensors into the target. That is harmless: the DamagedCheckpoint makes the resume fall
@@ -45,7 +45,10 @@ class ReadAhead:
         self._stop = threading.Event()
         self._current: tuple[tuple[str, int, int], bytes] | None = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="lmyard-checkpoint-read", daemon=True)
+        self._raw: queue.Queue = queue.Queue(maxsize=depth)  # the reader's bytes, to the hasher
+        self._reader = threading.Thread(target=self._read_files, name="lmyard-checkpoint-read", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="lmyard-checkpoint-hash", daemon=True)
+        self._reader.start()
         self._thread.start()
 
     def take(self, name: str, offset: int, length: int) -> io.BytesIO:
@@ -72,48 +75,74 @@ class ReadAhead:
     def close(self) -> None:
         """Stop reading (DCP failed): the thread ends at its next span."""
         self._stop.set()
-        while self._thread.is_alive():
-            try:
-                self._q.get(timeout=0.1)
-            except queue.Empty:
-                pass
+        self._thread.join()
+        self._reader.join()
 
-    def _put(self, item) -> bool:
+    def _put(self, q: queue.Queue, item) -> bool:
         while not self._stop.is_set():
             try:
-                self._q.put(item, timeout=0.1)
+                q.put(item, timeout=0.1)
                 return True
             except queue.Full:
                 pass
         return False
 
-    def _run(self) -> None:
+    def _get_raw(self):
+        """The reader's next item; None once close() was called."""
+        while not self._stop.is_set():
+            try:
+                return self._raw.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        return None
+
+    def _read_files(self) -> None:
+        """The reader: every byte of every file in order, as (job, span key or None for a gap, bytes), a
+        (job, "end", b"") after each file, None after the last; an I/O error as it is."""
         try:
             for job in self.jobs:
-                if not self._read(job):
+                with open(job.path, "rb", buffering=0) as f:
+                    pos = 0
+                    for offset, length in job.spans:
+                        for gap in _chunks(f, pos, offset):
+                            if not self._put(self._raw, (job, None, gap)):
+                                return
+                            pos += len(gap)
+                        data = _read_exactly(f, length)
+                        if len(data) < length or pos != offset:
+                            raise DamagedCheckpoint(f"{job.uri} does not match its manifest checksum")
+                        if not self._put(self._raw, (job, (job.name, offset, length), data)):
+                            return
+                        pos += length
+                    for tail in _chunks(f, pos, None):
+                        if not self._put(self._raw, (job, None, tail)):
+                            return
+                if not self._put(self._raw, (job, "end", b"")):
                     return
-            self._put(None)
-        except BaseException as e:  # an I/O error: DCP's next take() raises it
-            self._error = e
-            self._put(e)
+            self._put(self._raw, None)
+        except BaseException as e:
+            self._put(self._raw, e)
 
-    def _read(self, job: FileJob) -> bool:
-        h, pos = hashlib.sha256(), 0
-        with open(job.path, "rb", buffering=0) as f:
-            for offset, length in job.spans:
-                pos = _skip(f, h, pos, offset)
-                data = _read_exactly(f, length)
-                if len(data) < length or pos != offset:
-                    raise DamagedCheckpoint(f"{job.uri} does not match its manifest checksum")
+    def _run(self) -> None:
+        """The hasher: each file's sha256 over the reader's bytes, the spans passed on to take()."""
+        h = hashlib.sha256()
+        try:
+            while (got := self._get_raw()) is not None:
+                if isinstance(got, BaseException):
+                    raise got
+                job, key, data = got
+                if key == "end":
+                    if h.hexdigest() != job.sha256:
+                        raise DamagedCheckpoint(f"{job.uri} does not match its manifest checksum")
+                    job.verified, h = True, hashlib.sha256()
+                    continue
                 h.update(data)
-                pos += length
-                if not self._put(((job.name, offset, length), data)):
-                    return False
-            _skip(f, h, pos, None)
-        if h.hexdigest() != job.sha256:
-            raise DamagedCheckpoint(f"{job.uri} does not match its manifest checksum")
-        job.verified = True
-        return True
+                if key is not None and not self._put(self._q, (key, data)):
+                    return
+            self._put(self._q, None)
+        except BaseException as e:  # DCP's next take() raises it
+            self._error = e
+            self._put(self._q, e)
 
 
 def _read_exactly(f, n: int) -> bytes:
@@ -126,12 +155,11 @@ def _read_exactly(f, n: int) -> bytes:
     return b"".join(parts)
 
 
-def _skip(f, h, pos: int, until: int | None) -> int:
-    """Hash the bytes from `pos` up to `until` (the end of the file with None); the position reached."""
+def _chunks(f, pos: int, until: int | None):
+    """The file's bytes from `pos` up to `until` (the end with None), CHUNK at a time."""
     while until is None or pos < until:
         data = f.read(CHUNK if until is None else min(CHUNK, until - pos))
         if not data:
-            break
-        h.update(data)
+            return
         pos += len(data)
-    return pos
+        yield data
