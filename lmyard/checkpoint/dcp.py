@@ -370,7 +370,7 @@ class ShardedCheckpointer:
         if self.rank == 0:
             uri = self._commit(job)
             times["committed_s"] = time.perf_counter() - job.t0
-            shutil.rmtree(f"{job.folder}-commit", ignore_errors=True)
+            shutil.rmtree(_commit_folder(job), ignore_errors=True)
         with contextlib.suppress(OSError):  # the step's folder, once the node's last rank is done with it
             os.rmdir(os.path.dirname(job.folder))
         self.timings.append(times)
@@ -394,7 +394,7 @@ class ShardedCheckpointer:
         files = {}
         for marker in self._wait_for_markers(job.step):
             files.update({name: FileMeta(**meta) for name, meta in marker["files"].items()})
-        folder = f"{job.folder}-commit"
+        folder = _commit_folder(job)
         os.makedirs(folder, exist_ok=True)
         extra = {"rng.pt": os.path.join(folder, "rng.pt"), "state.json": os.path.join(folder, "state.json")}
         torch.save(job.rng or [], extra["rng.pt"])
@@ -567,6 +567,12 @@ class _VerifiedReader(dcp.FileSystemReader):
     def _slice_file(self, file, sinfo):
         assert self.ahead is not None, "read_data sets the read-ahead before DCP reads a slice"
         return self.ahead.take(sinfo.relative_path, sinfo.offset, sinfo.length)
+
+
+def _commit_folder(job: _Job) -> str:
+    """Rank 0's folder for rng.pt and state.json: beside the step's folder, not in it, since another rank of
+    the node removes the step's folder once it is empty (a mkdir in it could lose that race)."""
+    return f"{os.path.dirname(job.folder)}-commit"
 
 
 def _fetch(store: Store, prefix: str, manifest: Manifest, name: str, local_dir: str) -> str:
