@@ -64,5 +64,10 @@ def check_file(manifest: Manifest, name: str, path: str, uri: str) -> str:
     if meta is None:
         raise DamagedCheckpoint(f"{uri} is not in the checkpoint's manifest")
     if not os.path.exists(path) or sha256_file(path) != meta.sha256:
-        raise DamagedCheckpoint(f"{uri} does not match its manifest checksum")
+        raise mismatch(uri)
     return path
+
+
+def mismatch(uri: str) -> DamagedCheckpoint:
+    """The error for a file whose bytes are not those its manifest lists."""
+    return DamagedCheckpoint(f"{uri} does not match its manifest checksum")

@@ -21,7 +21,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from lmyard.checkpoint.manifest import DamagedCheckpoint
+from lmyard.checkpoint.manifest import mismatch
 
 CHUNK = 64 << 20  # bytes per read of a gap or tail (hashed, not kept)
 
@@ -69,6 +69,7 @@ class ReadAhead:
         """After DCP's reads: wait for every file's tail to be hashed; DamagedCheckpoint naming a file that
         does not match its manifest."""
         self._thread.join()
+        self._current = None  # the last span's bytes: DCP has copied them
         if self._error is not None:
             raise self._error
 
@@ -110,7 +111,7 @@ class ReadAhead:
                             pos += len(gap)
                         data = _read_exactly(f, length)
                         if len(data) < length or pos != offset:
-                            raise DamagedCheckpoint(f"{job.uri} does not match its manifest checksum")
+                            raise mismatch(job.uri)
                         if not self._put(self._raw, (job, (job.name, offset, length), data)):
                             return
                         pos += length
@@ -133,7 +134,7 @@ class ReadAhead:
                 job, key, data = got
                 if key == "end":
                     if h.hexdigest() != job.sha256:
-                        raise DamagedCheckpoint(f"{job.uri} does not match its manifest checksum")
+                        raise mismatch(job.uri)
                     job.verified, h = True, hashlib.sha256()
                     continue
                 h.update(data)

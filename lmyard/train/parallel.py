@@ -6,7 +6,7 @@ applying, in torchtitan's order: float8 linears -> activation checkpointing -> t
 
 The parameters stay fp32 and sharded (the optimizer updates fp32 shards); on CUDA each block's
 parameters are gathered in bf16 for its forward and backward, and gradients are reduce-scattered in
-fp32 (MixedPrecisionPolicy). On CPU everything stays fp32.
+fp32, or bf16 with train.fsdp_reduce_dtype (MixedPrecisionPolicy). On CPU everything stays fp32.
 
 Activation checkpointing (under ddp too, lmyard.train.parallelism): `full` recomputes each whole block in
 backward; `selective` is torchtitan's op-level policy: inside each block the outputs of matmuls and attention
