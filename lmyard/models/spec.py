@@ -44,6 +44,9 @@ class Terms:
     """Parameters used by lookup, not matmul (an untied input embedding): no FLOPs (torchtitan's count)."""
     activations: dict[str, int]
     """Bytes kept for backward per token and block, by train.activation_checkpointing (none, selective, full)."""
+    compiled: dict[str, int] = field(default_factory=dict)
+    """The same under torch.compile, for the modes where it keeps fewer (inductor recomputes pointwise ops in
+    backward from what it keeps); a mode not here keeps `activations`' figure."""
 
 
 @dataclass(frozen=True, kw_only=True)

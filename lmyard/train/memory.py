@@ -3,14 +3,18 @@
 `estimate(model_cfg, train_cfg, world, device_bytes)` -> Plan, per GPU, in bytes:
 
 - params: fp32 weights (whole under ddp, 1/world under fsdp).
-- grads: fp32 gradients, likewise.
+- grads: fp32 gradients, likewise. Under fsdp without gradient accumulation they are not there at the
+  activations' peak (the end of forward): zero_grad set them to None, and each block's reduce-scatter makes
+  its shard as backward frees that block's activations; so the plan counts the larger of the two there, and
+  both with accumulation (the earlier micro-steps' gradients wait) or under ddp (its buckets stay allocated).
 - optimizer: AdamW's two fp32 moments, likewise.
 - working: bf16 copies of the weights made for compute: under ddp autocast's cast of every weight;
   under fsdp the gathered bf16 blocks (two at a time with reshard-after-forward, every block without),
   a block's fp32 unsharded gradients on their way to reduce-scatter, and the root unit (embeddings,
   head) gathered with its unsharded gradients.
 - activations: what backward keeps, bf16, for micro_batch x block_size tokens: per block and token the
-  family's figure (its spec's `terms`, e.g. GPT-2 34d eager, Korthikanti et al. 2022 with flash attention);
+  family's figure (its spec's `terms`, e.g. GPT-2 34d eager, Korthikanti et al. 2022 with flash attention;
+  its `compiled` figure under torch.compile, train.compile, on by default on a GPU, where it has one);
   `selective` keeps matmul and attention outputs but every second matmul's; `full` keeps each block's input
   (2d) plus one block's worth during its recomputation; `full` on the first n of L blocks
   (train.activation_checkpointing_blocks) keeps n inputs, L - n blocks' whole activations and the one
@@ -20,7 +24,8 @@
   Plus the logits (bf16, their gradient is written in place).
 - reserve: 10% of the device for the CUDA context, NCCL buffers and allocator fragmentation.
 
-The figures are estimates (an upper end for eager, torch.compile saves a little); `check(plan)` raises a
+The figures are estimates (an upper end, checked against the peak allocated memory that
+tests/benchmarks/bench_llama.py prints beside the plan); `check(plan)` raises a
 UserError naming the changes that would fit: fsdp, activation checkpointing, a smaller micro-batch, more GPUs.
 
 `train.activation_checkpointing=auto` is settled here before the first step (`resolve`): the lightest policy
@@ -35,6 +40,7 @@ blocks recomputes nothing in the other 18. On CPU there is no device to plan aga
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -46,6 +52,7 @@ from lmyard.models import registry
 
 GIB = 2**30
 RESERVE = 0.10
+EXPANDABLE = "expandable_segments:True"
 
 
 @dataclass(frozen=True)
@@ -60,10 +67,13 @@ class Plan:
     train_cfg: TrainConfig
     world: int
     n_vocab: int
+    grads_at_peak: bool = True
+    """False under fsdp without accumulation: the gradients come as the activations go (module docstring)."""
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.working + self.activations
+        peak = self.grads + self.activations if self.grads_at_peak else max(self.grads, self.activations)
+        return self.params + self.optimizer + self.working + peak
 
     @property
     def usable(self) -> int:
@@ -77,6 +87,8 @@ class Plan:
         parts = ", ".join(
             f"{k} {getattr(self, k) / GIB:.1f}" for k in ("params", "grads", "optimizer", "working", "activations")
         )
+        if not self.grads_at_peak:
+            parts = parts.replace(", optimizer", " made as the activations are freed, optimizer")
         return (
             f"{self.total / GIB:.1f} GiB per GPU ({parts}) of {self.usable / GIB:.1f} usable "
             f"({self.device_bytes / GIB:.1f} GiB less {RESERVE:.0%})"
@@ -98,13 +110,15 @@ def _shape(model_cfg: ModelConfig, n_vocab: int) -> dict:
         "V": c["vocab_size"],
         "T": c["block_size"],
         "act": t.activations,
+        "compiled": t.compiled,
     }
 
 
 def _kept_per_token(s: dict, train_cfg: TrainConfig) -> int:
     """Bytes the blocks keep for backward per token (the module docstring's activations, without the logits)."""
-    ac, act, L = train_cfg.activation_checkpointing, s["act"], s["L"]
+    ac, L = train_cfg.activation_checkpointing, s["L"]
     assert ac != "auto", "estimate() settles auto before the activations are counted"
+    act = s["act"] | s["compiled"] if train_cfg.compile is not False else s["act"]  # None: on, on a GPU
     if ac == "none":
         return L * act["none"]
     n = min(train_cfg.activation_checkpointing_blocks or L, L)
@@ -134,6 +148,7 @@ def estimate(
         working = 2 * n  # autocast's bf16 copies of the weights
     tokens = train_cfg.micro_batch * s["T"]
     activations = tokens * (_kept_per_token(s, train_cfg) + 2 * s["V"])
+    accumulates = train_cfg.batch_tokens > tokens * world  # more than one micro-step per optimizer step
     return Plan(
         params=4 * n // shards,
         grads=4 * n // shards,
@@ -145,7 +160,21 @@ def estimate(
         train_cfg=train_cfg,
         world=world,
         n_vocab=n_vocab,
+        grads_at_peak=accumulates or not fsdp,
     )
+
+
+def use_expandable_segments() -> None:
+    """Before the first CUDA allocation: the caching allocator grows its segments in place (PyTorch's
+    expandable_segments, as torchtitan launches), so memory freed by one shape serves the next instead of
+    fragmenting; the plan's 10% reserve assumes it (at 8B, fixed segments reserved 12.8 GiB over the 56.6 GiB
+    allocated). A PYTORCH_CUDA_ALLOC_CONF already set is left as it is."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return
+    import torch
+
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE  # for processes this one starts
+    torch.cuda.memory._set_allocator_settings(EXPANDABLE)  # this process: the variable may be read already
 
 
 def _with(plan: Plan, world: int | None = None, **train: Any) -> Plan:

@@ -67,6 +67,7 @@ from lmyard.paths import no_space
 from lmyard.store import open_store
 from lmyard.tracking.lease import Fence
 from lmyard.tracking.sink import MetricsSink, NullSink, metrics_sink, system_metrics
+from lmyard.train import memory
 from lmyard.train.components import (
     Checkpointing,
     DivergenceGuard,
@@ -115,6 +116,7 @@ def setup_distributed(cfg: RunConfig) -> Dist:
     if use_cuda:
         if not torch.cuda.is_available():
             raise UserError("train.device is `cuda` but no GPU is visible; set train.device=cpu")
+        memory.use_expandable_segments()
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
@@ -142,8 +144,6 @@ def plan_memory(cfg: RunConfig, n_vocab: int, d: Dist) -> RunConfig:
     fits, said in one line) and, on a GPU, each GPU's parameters, gradients, optimizer state and activations
     (lmyard.train.memory); a UserError naming what would fit (fsdp, activation checkpointing, a smaller
     micro-batch, more GPUs) when they will not."""
-    from lmyard.train import memory
-
     cuda = d.device.type == "cuda"
     total = torch.cuda.get_device_properties(d.device).total_memory if cuda else None
     train, line = memory.resolve(cfg.model, cfg.train, d.world, total, n_vocab)

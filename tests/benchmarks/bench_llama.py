@@ -104,13 +104,14 @@ def worker(a: argparse.Namespace) -> None:
     from lmyard.models.registry import build_model, flops_per_token, model_spec
     from lmyard.recipes import load_recipe
     from lmyard.train.components import PEAK_FLOPS
-    from lmyard.train.memory import resolve
+    from lmyard.train.memory import resolve, use_expandable_segments
     from lmyard.train.parallel import parallelize
 
     rank, local, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     cuda = a.device == "cuda"
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
+        use_expandable_segments()  # as the trainer does (lmyard.train.memory)
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)

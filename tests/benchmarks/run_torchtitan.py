@@ -282,6 +282,7 @@ def run(a: argparse.Namespace, gpus: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="titan-"))
     settings = {"model": titan_settings(a.preset, a.seq), "flavor": flavor, "attn": a.attn, "device": a.device}
     env = {**os.environ, "LMYARD_TITAN": json.dumps(settings), "PYTHONUNBUFFERED": "1"}
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as torchtitan's run_train.sh launches
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
     torchrun += ["--local-ranks-filter", "0", "--role", "rank", "--tee", "3"]  # rank 0's log: one line a step
     cmd = [*torchrun, str(Path(__file__).resolve()), "--worker", *titan_flags(a, flavor, shard, work)]

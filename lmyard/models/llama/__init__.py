@@ -106,7 +106,9 @@ def config(fields: dict):
 def terms(c: dict) -> Terms:
     """Block: qkv d(d + 2kv), out d^2, SwiGLU 3df, two RMSNorms 2d. Root: two tables (untied), the final
     norm; the input table is a lookup (torchtitan counts no FLOPs for it). Activations per block and token,
-    bf16: 14d + 4kv + 8f eager (d width, kv key/value width, f SwiGLU width), 8d + 4kv + 2f keeping every
+    bf16: 14d + 4kv + 8f eager (d width, kv key/value width, f SwiGLU width), 12d + 4kv + 6f compiled (the
+    block's input, both norms' outputs, q k v, attention's output in two layouts, SwiGLU's three (T, f) tensors;
+    SiLU and RoPE recomputed: counted from the compiled block's saved tensors), 8d + 4kv + 2f keeping every
     second matmul's output, the block's input 2d under full."""
     d, f, V = c["n_embd"], c["ffn_hidden"], c["vocab_size"]
     kv = c["n_kv_head"] * (d // c["n_head"])
@@ -115,6 +117,7 @@ def terms(c: dict) -> Terms:
         root=2 * V * d + d,
         lookup=V * d,
         activations={"none": 14 * d + 4 * kv + 8 * f, "selective": 8 * d + 4 * kv + 2 * f, "full": 2 * d},
+        compiled={"none": 12 * d + 4 * kv + 6 * f},
     )
 
 
