@@ -203,6 +203,14 @@ def test_ddp_path_checkpoints_the_configured_blocks(mode):
     assert [type(b).__name__ for b in model.layers] == ["CheckpointWrapper", "Block"]
 
 
+def test_ddp_path_takes_train_float8_too():
+    """train.float8 under train.parallel=ddp (one GPU's plain path) goes through the float8 conversion, as under
+    fsdp: on a CPU it is skipped with its warning, where before it was silently ignored."""
+    cfg = load_recipe("smoke", ["model.preset=llama-tiny", "train.parallel=ddp", "train.float8=true"])
+    with pytest.warns(UserWarning, match="train.float8 skipped: float8 matmuls need a CUDA GPU"):
+        prepare_model(_tiny(), cfg, Dist(0, 0, 1, torch.device("cpu")))
+
+
 def test_compiled_blocks_keep_their_parameter_names():
     model = _tiny()
     names = set(model.state_dict())

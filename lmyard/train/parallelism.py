@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lmyard.config import RunConfig
 from lmyard.evaluate.validation import autocast
-from lmyard.train.parallel import apply_activation_checkpointing, clip_grad_norm, parallelize
+from lmyard.train.parallel import apply_activation_checkpointing, apply_float8, clip_grad_norm, parallelize
 
 
 class ComputeContext:
@@ -48,14 +48,18 @@ class ComputeContext:
 
 
 def prepare_model(raw_model: torch.nn.Module, cfg: RunConfig, d) -> tuple[torch.nn.Module, ComputeContext]:
-    """The model as the training step runs it: activation checkpointing (train.activation_checkpointing,
-    resolved), DDP (more than one rank), then torch.compile (default on CUDA); and the autocast context for its forward, with TF32 matmuls on CUDA. `d`: the trainer's Dist.
+    """The model as the training step runs it: float8 linears (train.float8), activation checkpointing
+    (train.activation_checkpointing, resolved), DDP (more than one rank), then torch.compile (default on CUDA);
+    and the autocast context for its forward, with TF32 matmuls on CUDA. `d`: the trainer's Dist (world,
+    local_rank, device). On one GPU this is torchtitan's single-device path: no FSDP, bf16 autocast.
 
     DDP first, then compile: dynamo splits the compiled graph at DDP's bucket boundaries, so each bucket's
     all-reduce overlaps the rest of backward (compiling the bare model makes backward one opaque graph whose
     gradients all arrive at its end).
     """
     t, cuda = cfg.train, d.device.type == "cuda"
+    if t.float8:
+        apply_float8(raw_model, d.device, t.float8_recipe)
     apply_activation_checkpointing(raw_model, t.activation_checkpointing, t.activation_checkpointing_blocks)
     model = raw_model
     if d.world > 1:

@@ -41,6 +41,7 @@ lmyard.memory's estimate, and lmyard / torchtitan per precision. `--json PATH` w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -48,6 +49,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 EOT = 50256  # GPT-2's <|endoftext|>: begins each document, as lmyard's shards write it
 WORKER_ARGS = (
@@ -57,6 +59,7 @@ WORKER_ARGS = (
     "ac",
     "ac_blocks",
     "reduce",
+    "parallel",
     "float8",
     "steps",
     "warmup",
@@ -70,8 +73,9 @@ REPO = HERE.parents[1]
 sys.path[:0] = [str(REPO), str(HERE)]
 
 
-def timed_steps(model, params, opt, batch, warmup: int, steps: int, device) -> tuple[float, list]:
-    """`warmup` untimed then `steps` timed optimizer steps; (seconds of the timed ones, losses)."""
+def timed_steps(model, params, opt, batch, warmup: int, steps: int, device, ctx) -> tuple[float, list]:
+    """`warmup` untimed then `steps` timed optimizer steps, each forward in `ctx` (ddp: bf16 autocast);
+    (seconds of the timed ones, losses)."""
     import torch
 
     from lmyard.train.parallel import clip_grad_norm
@@ -86,7 +90,8 @@ def timed_steps(model, params, opt, batch, warmup: int, steps: int, device) -> t
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
         x, y = batch(step)
-        loss = model(x, y)
+        with ctx:
+            loss = model(x, y)
         loss.backward()
         clip_grad_norm(params, 1.0)
         opt.step()
@@ -106,6 +111,7 @@ def worker(a: argparse.Namespace) -> None:
     from lmyard.train.components import PEAK_FLOPS
     from lmyard.train.memory import resolve, use_expandable_segments
     from lmyard.train.parallel import parallelize
+    from lmyard.train.parallelism import prepare_model
 
     rank, local, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     cuda = a.device == "cuda"
@@ -120,7 +126,7 @@ def worker(a: argparse.Namespace) -> None:
         [
             f"model.preset={a.preset}",
             f"model.block_size={a.seq}",
-            "train.parallel=fsdp",
+            f"train.parallel={a.parallel}",
             f"train.micro_batch={a.batch}",  # what the memory plan (and auto) counts activations for
             f"train.batch_tokens={a.batch * a.seq * world}",
             *ac_overrides(a),
@@ -143,9 +149,13 @@ def worker(a: argparse.Namespace) -> None:
     with torch.device(device):
         model = build_model(cfg.model, 50257, (EOT, None))
     n_params, flops_tok = model.num_params(), flops_per_token(model_spec(model))
-    model = parallelize(model, cfg, world, device)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(model.param_groups(0.1), lr=3e-4, betas=(0.9, 0.95), fused=cuda)
+    raw, ctx = model, contextlib.nullcontext()
+    if a.parallel == "fsdp":
+        model = parallelize(model, cfg, world, device)
+    else:  # the trainer's ddp path: float8, checkpointing, DDP on several ranks, whole-model compile, autocast
+        model, ctx = prepare_model(model, cfg, SimpleNamespace(world=world, local_rank=local, device=device))
+    params = list(raw.parameters())
+    opt = torch.optim.AdamW(raw.param_groups(0.1), lr=3e-4, betas=(0.9, 0.95), fused=cuda)
     tokens, B, T = read_shard(a.shard), a.batch, a.seq
 
     def batch(step: int):
@@ -170,7 +180,7 @@ def worker(a: argparse.Namespace) -> None:
             }[a.attention],
             set_priority=True,
         ).__enter__()
-    dt, losses = timed_steps(model, params, opt, batch, a.warmup, a.steps, device)
+    dt, losses = timed_steps(model, params, opt, batch, a.warmup, a.steps, device, ctx)
     tok_s = a.steps * B * T * world / dt
     peak = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None) if cuda else None
     out = {
@@ -180,6 +190,7 @@ def worker(a: argparse.Namespace) -> None:
         "world": world,
         "B": B,
         "T": T,
+        "parallel": a.parallel,
         "ac": a.ac,
         "ac_applied": cfg.train.activation_checkpointing,
         "ac_blocks": cfg.train.activation_checkpointing_blocks,
@@ -207,6 +218,8 @@ def worker(a: argparse.Namespace) -> None:
         out["device"] = torch.cuda.get_device_name(device)
         out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         out["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
+        out["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        out["segments"] = len(torch.cuda.memory_snapshot())  # a few with expandable segments
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
     if dist.is_initialized():
@@ -372,6 +385,12 @@ def parser() -> argparse.ArgumentParser:
         default=["none"],
         help="precisions, each run on both sides: none (bf16), or torchao float8 with this scaling recipe "
         "(lmyard's train.float8_recipe, torchtitan's quantize.linear.float8.recipe_name); e.g. `none rowwise`",
+    )
+    ap.add_argument(
+        "--parallel",
+        choices=["fsdp", "ddp"],
+        default="fsdp",
+        help="lmyard's train.parallel; ddp on one GPU is the plain path (bf16 autocast, no FSDP), as torchtitan's",
     )
     ap.add_argument("--no-reshard", action="store_true", help="fsdp_reshard_after_forward=false (lmyard only)")
     ap.add_argument(

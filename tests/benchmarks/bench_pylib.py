@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 from lmyard.recipes import load_recipe  # noqa: E402
 
 VAL_LINE = re.compile(r"step (\d+) \| val loss ([\d.]+)")
+TRAIN_LINE = re.compile(r"step (\d+)/\d+ \| loss ([\d.]+)")
 TRAIN = {
     "model.preset": "gpt2-124m",
     "tokenizer.name": "gpt2",
@@ -60,11 +61,14 @@ def lib_folders() -> list[Path]:
     return [r for r in roots if not any(r != o and o in r.parents for o in roots)]  # no folder twice
 
 
-def write_corpus(path: Path) -> dict:
+def write_corpus(path: Path, limit_mb: float | None = None) -> dict:
+    """The JSONL of the module docstring; with `limit_mb`, only the first files up to that size."""
     files = sorted({p for root in lib_folders() for p in root.rglob("*.py") if p.is_file()})
     docs = skipped = size = 0
     with open(path, "w", encoding="utf-8") as out:
         for p in files:
+            if limit_mb is not None and size > limit_mb * 1e6:
+                break
             try:
                 text = p.read_text(encoding="utf-8")
             except (UnicodeDecodeError, OSError):
@@ -81,7 +85,9 @@ def write_corpus(path: Path) -> dict:
     }
 
 
-def train(cfg, shards: dict, work: Path) -> list[tuple[int, float]]:
+def train(cfg, shards: dict, work: Path, env: dict | None = None, echo: bool = True) -> dict[str, list]:
+    """Run the trainer on one GPU (torchrun -m lmyard.train) in `work`, with `env` added to its environment;
+    its logged losses: {"val": [(step, loss)], "train": [(step, loss)]}."""
     spec = work / "spec.json"
     spec.write_text(json.dumps({"config": cfg.model_dump(mode="json"), "shards": shards, "lineage": None}))
     cmd = [
@@ -99,16 +105,38 @@ def train(cfg, shards: dict, work: Path) -> list[tuple[int, float]]:
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         "LMYARD_CACHE": str(work / "cache"),
+        **(env or {}),
     }
-    evals = []
+    losses: dict[str, list] = {"val": [], "train": []}
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO) as proc:
         for line in proc.stdout:
-            print(line, end="", file=sys.stderr, flush=True)
+            if echo:
+                print(line, end="", file=sys.stderr, flush=True)
             if m := VAL_LINE.search(line):
-                evals.append((int(m.group(1)), float(m.group(2))))
+                losses["val"].append((int(m.group(1)), float(m.group(2))))
+            elif m := TRAIN_LINE.search(line):
+                losses["train"].append((int(m.group(1)), float(m.group(2))))
     if proc.returncode:
-        raise SystemExit(f"the trainer failed with exit code {proc.returncode}")
-    return evals
+        raise SystemExit(f"the trainer in {work} failed with exit code {proc.returncode}")
+    return losses
+
+
+def corpus_shards(cfg, work: Path) -> tuple[dict, dict]:
+    """The tokenize-and-shard stage on cfg's source (the corpus written by write_corpus): (shard set as a dict,
+    a report of it)."""
+    from lmyard.data.sharding import tokenize_and_shard
+
+    t0 = time.perf_counter()
+    shards, _ = tokenize_and_shard(
+        cfg, log=lambda s: print(s, file=sys.stderr, flush=True), cache_dir=str(work / "cache")
+    )
+    report = {
+        "address": shards.address,
+        "tokens": shards.manifest["tokens"],
+        "seconds": round(time.perf_counter() - t0, 1),
+        "epochs_planned": round(cfg.train.max_steps * cfg.train.batch_tokens / shards.tokens("train"), 2),
+    }
+    return shards.to_dict(), report
 
 
 def main() -> None:
@@ -135,20 +163,9 @@ def main() -> None:
             *a.overrides,
         ],
     )
-    from lmyard.data.sharding import tokenize_and_shard
-
-    t0 = time.perf_counter()
-    shards, _ = tokenize_and_shard(
-        cfg, log=lambda s: print(s, file=sys.stderr, flush=True), cache_dir=str(work / "cache")
-    )
-    report["shards"] = {
-        "address": shards.address,
-        "tokens": shards.manifest["tokens"],
-        "seconds": round(time.perf_counter() - t0, 1),
-    }
-    report["epochs_planned"] = round(cfg.train.max_steps * cfg.train.batch_tokens / shards.tokens("train"), 2)
+    shards, report["shards"] = corpus_shards(cfg, work)
     if not a.shard_only:
-        evals = train(cfg, shards.to_dict(), work)
+        evals = train(cfg, shards, work)["val"]
         report["val_loss"] = dict(evals)
         report["falls_at_every_evaluation"] = all(b < a for (_, a), (_, b) in zip(evals, evals[1:]))
     report["config"] = {
