@@ -308,9 +308,9 @@ def _wide_llama(n_layer: int) -> ModelConfig:
     "n_layer, batch_tokens, chosen",
     [
         (16, 4096, "none"),
-        (42, 4096, "selective on 10 of 42 blocks"),
+        (42, 4096, "selective on 12 of 42 blocks"),
         (55, 4096, "selective"),
-        (60, 4096, "full on 36 of 60 blocks"),
+        (60, 4096, "full on 37 of 60 blocks"),
         (73, 2 * 4 * 8192, "full on all 73 blocks"),  # two micro-steps: the gradients count at the peak
     ],
 )
@@ -327,9 +327,9 @@ def test_auto_checkpointing_is_the_lightest_that_fits_as_the_model_grows(n_layer
     n = train.activation_checkpointing_blocks or n_layer
     lighter = {
         "none": [],
-        "selective on 10 of 42 blocks": [("none", None), ("selective", n - 1)],
+        "selective on 12 of 42 blocks": [("none", None), ("selective", n - 1)],
         "selective": [("none", None), ("selective", n - 1)],
-        "full on 36 of 60 blocks": [("selective", None), ("full", n - 1)],
+        "full on 37 of 60 blocks": [("selective", None), ("full", n - 1)],
         "full on all 73 blocks": [("selective", None), ("full", n - 1)],
     }[chosen]
     for ac, blocks in lighter:
@@ -380,10 +380,10 @@ def test_partial_checkpointing_is_costed_with_the_per_block_terms():
 @pytest.mark.parametrize(
     "n_layer, ac, blocks, fix",
     [
-        (60, "none", None, "full with train.activation_checkpointing_blocks=36"),
-        (60, "selective", None, "full with train.activation_checkpointing_blocks=36"),
-        (42, "none", None, "selective with train.activation_checkpointing_blocks=10"),
-        (42, "selective", 5, "selective with train.activation_checkpointing_blocks=10"),
+        (60, "none", None, "full with train.activation_checkpointing_blocks=37"),
+        (60, "selective", None, "full with train.activation_checkpointing_blocks=37"),
+        (42, "none", None, "selective with train.activation_checkpointing_blocks=12"),
+        (42, "selective", 5, "selective with train.activation_checkpointing_blocks=12"),
     ],
 )
 def test_explicit_checkpointing_that_does_not_fit_names_the_fewest_blocks_that_would(n_layer, ac, blocks, fix):

@@ -106,10 +106,11 @@ def config(fields: dict):
 def terms(c: dict) -> Terms:
     """Block: qkv d(d + 2kv), out d^2, SwiGLU 3df, two RMSNorms 2d. Root: two tables (untied), the final
     norm; the input table is a lookup (torchtitan counts no FLOPs for it). Activations per block and token,
-    bf16: 14d + 4kv + 8f eager (d width, kv key/value width, f SwiGLU width), 12d + 4kv + 6f compiled (the
-    block's input, both norms' outputs, q k v, attention's output in two layouts, SwiGLU's three (T, f) tensors;
-    SiLU and RoPE recomputed: counted from the compiled block's saved tensors), 8d + 4kv + 2f keeping every
-    second matmul's output, the block's input 2d under full."""
+    bf16: 14d + 4kv + 8f eager (d width, kv key/value width, f SwiGLU width); 13d + 4kv + 6f compiled: 12d +
+    4kv + 6f counted from a compiled block's saved tensors (the block's input, both norms' outputs, q k v,
+    attention's output in two layouts, SwiGLU's three (T, f) tensors; SiLU and RoPE recomputed), plus d so
+    that the plan stays above the measured peak (Llama-3 8B at seq 8192 on 4 H100s: 66.5 GiB allocated, 65.9
+    planned with 12d); 8d + 4kv + 2f keeping every second matmul's output; the block's input 2d under full."""
     d, f, V = c["n_embd"], c["ffn_hidden"], c["vocab_size"]
     kv = c["n_kv_head"] * (d // c["n_head"])
     return Terms(
@@ -117,7 +118,7 @@ def terms(c: dict) -> Terms:
         root=2 * V * d + d,
         lookup=V * d,
         activations={"none": 14 * d + 4 * kv + 8 * f, "selective": 8 * d + 4 * kv + 2 * f, "full": 2 * d},
-        compiled={"none": 12 * d + 4 * kv + 6 * f},
+        compiled={"none": 13 * d + 4 * kv + 6 * f},
     )
 
 
