@@ -5,7 +5,7 @@
 
 Writes the Python installation's source files as a corpus and shards it (bench_pylib.py: GPT-2 BPE, both
 shuffles on), then trains the same model four times through `torchrun -m lmyard.train`, each run on a GPU of
-its own, at the same time:
+its own, --gpus of them at a time:
 
 - `bf16`: train.float8 off, train.seed 1337;
 - `bf16-seed2`: the same with train.seed 1338 (another initialisation and sequence order): the noise;
@@ -14,13 +14,14 @@ its own, at the same time:
 Prints one JSON report: each run's validation losses (every --eval-every steps) and its train loss averaged
 over windows of --window steps, and per float8 run the largest gap to `bf16` against the largest gap between
 the two bf16 seeds, on both curves. `within_noise`: the float8 run's largest validation gap is no larger than
-the seeds' largest. Needs 4 GPUs (or --runs naming fewer), float8 matmuls (compute capability 8.9+) and torchao.
+the seeds' largest. Needs GPUs with float8 matmuls (compute capability 8.9+) and torchao.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import queue
 import statistics
 import sys
 import tempfile
@@ -90,11 +91,12 @@ def main() -> None:
     p.add_argument("--preset", default="llama-1b")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--accum", type=int, default=2, help="micro-steps per optimizer step")
+    p.add_argument("--accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--window", type=int, default=25, help="steps per train-loss average")
+    p.add_argument("--gpus", type=int, default=4, help="GPUs: that many runs at a time, one per GPU")
     p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
     p.add_argument("--corpus-mb", type=float, default=None, help="only the first files, up to this size")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a dry run of the script")
@@ -108,16 +110,23 @@ def main() -> None:
     report: dict = {"corpus": write_corpus(corpus, a.corpus_mb)}
     shards, report["shards"] = corpus_shards(config(a, work, corpus, "bf16"), work)
 
-    def one(i_run: tuple[int, str]) -> dict:
-        i, run = i_run
+    free: queue.Queue[int] = queue.Queue()
+    for gpu in range(a.gpus):
+        free.put(gpu)
+
+    def one(run: str) -> dict:
         folder = work / run
         folder.mkdir(exist_ok=True)
-        cfg = config(a, work, corpus, run)
-        losses = train(cfg, shards, folder, env={"CUDA_VISIBLE_DEVICES": str(i)}, echo=False)
+        gpu = free.get()  # a GPU of its own: runs wait for one
+        try:
+            cfg = config(a, work, corpus, run)
+            losses = train(cfg, shards, folder, env={"CUDA_VISIBLE_DEVICES": str(gpu)}, echo=False)
+        finally:
+            free.put(gpu)
         return {"val": dict(losses["val"]), "train": windows(losses["train"], a.window)}
 
     with ThreadPoolExecutor(len(a.runs)) as pool:
-        curves = dict(zip(a.runs, pool.map(one, enumerate(a.runs))))
+        curves = dict(zip(a.runs, pool.map(one, a.runs)))
     report["runs"] = curves
     base, seeds = curves["bf16"], curves.get("bf16-seed2")
     noise = {k: largest_gap(base[k], seeds[k]) for k in ("val", "train")} if seeds else None
