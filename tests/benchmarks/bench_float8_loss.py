@@ -120,7 +120,7 @@ def main() -> None:
         gpu = free.get()  # a GPU of its own: runs wait for one
         try:
             cfg = config(a, work, corpus, run)
-            losses = train(cfg, shards, folder, env={"CUDA_VISIBLE_DEVICES": str(gpu)}, echo=False)
+            losses = train(cfg, shards, folder, env={"CUDA_VISIBLE_DEVICES": str(gpu)}, prefix=f"[{run}] ")
         finally:
             free.put(gpu)
         return {"val": dict(losses["val"]), "train": windows(losses["train"], a.window)}

@@ -85,9 +85,9 @@ def write_corpus(path: Path, limit_mb: float | None = None) -> dict:
     }
 
 
-def train(cfg, shards: dict, work: Path, env: dict | None = None, echo: bool = True) -> dict[str, list]:
-    """Run the trainer on one GPU (torchrun -m lmyard.train) in `work`, with `env` added to its environment;
-    its logged losses: {"val": [(step, loss)], "train": [(step, loss)]}."""
+def train(cfg, shards: dict, work: Path, env: dict | None = None, prefix: str = "") -> dict[str, list]:
+    """Run the trainer on one GPU (torchrun -m lmyard.train) in `work`, with `env` added to its environment,
+    its output on stderr (each line after `prefix`); its logged losses: {"val": [(step, loss)], "train": [...]}."""
     spec = work / "spec.json"
     spec.write_text(json.dumps({"config": cfg.model_dump(mode="json"), "shards": shards, "lineage": None}))
     cmd = [
@@ -110,8 +110,7 @@ def train(cfg, shards: dict, work: Path, env: dict | None = None, echo: bool = T
     losses: dict[str, list] = {"val": [], "train": []}
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO) as proc:
         for line in proc.stdout:
-            if echo:
-                print(line, end="", file=sys.stderr, flush=True)
+            print(prefix + line, end="", file=sys.stderr, flush=True)
             if m := VAL_LINE.search(line):
                 losses["val"].append((int(m.group(1)), float(m.group(2))))
             elif m := TRAIN_LINE.search(line):
