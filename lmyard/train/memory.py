@@ -34,8 +34,8 @@ blocks every second matmul and the pointwise ops run again, the rest run once); 
 full on the fewest first blocks that fit (each such block runs its whole forward twice, the rest run once);
 full on every block. The order is fixed, not measured: a few fully recomputed blocks may cost
 less than selective everywhere (docs/benchmarks.md, to be measured). Memory is what decides, never speed: a
-plan that fits without recomputation keeps every activation, and one that fits with selective on 14 of 32
-blocks recomputes nothing in the other 18. On CPU there is no device to plan against, and auto is none.
+plan that fits without recomputation keeps every activation, and one that fits with selective on 5 of 32
+blocks recomputes nothing in the other 27. On CPU there is no device to plan against, and auto is none.
 """
 
 from __future__ import annotations
@@ -174,7 +174,9 @@ def use_expandable_segments() -> None:
     import torch
 
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE  # for processes this one starts
-    torch.cuda.memory._set_allocator_settings(EXPANDABLE)  # this process: the variable may be read already
+    # this process, where torch may have read the variable already (torch 2.11 renamed the setter)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter(EXPANDABLE)
 
 
 def _with(plan: Plan, world: int | None = None, **train: Any) -> Plan:

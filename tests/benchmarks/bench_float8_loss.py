@@ -14,7 +14,8 @@ its own, --gpus of them at a time:
 Prints one JSON report: each run's validation losses (every --eval-every steps) and its train loss averaged
 over windows of --window steps, and per float8 run the largest gap to `bf16` against the largest gap between
 the two bf16 seeds, on both curves. `within_noise`: the float8 run's largest validation gap is no larger than
-the seeds' largest. Needs GPUs with float8 matmuls (compute capability 8.9+) and torchao.
+the seeds' largest. A float8 run whose trainer skipped float8 (no torchao, no float8 matmuls) stops the
+script with the trainer's reason. Needs GPUs with float8 matmuls (compute capability 8.9+) and torchao.
 """
 
 from __future__ import annotations
@@ -123,6 +124,9 @@ def main() -> None:
             losses = train(cfg, shards, folder, env={"CUDA_VISIBLE_DEVICES": str(gpu)}, prefix=f"[{run}] ")
         finally:
             free.put(gpu)
+        skipped = [w for w in losses["warnings"] if w.startswith("train.float8 skipped")]
+        if skipped and a.device == "cuda":  # a bf16 run under a float8 name would compare bf16 with itself
+            raise SystemExit(f"{run}: {skipped[0]}")
         return {"val": dict(losses["val"]), "train": windows(losses["train"], a.window)}
 
     with ThreadPoolExecutor(len(a.runs)) as pool:

@@ -87,7 +87,8 @@ def write_corpus(path: Path, limit_mb: float | None = None) -> dict:
 
 def train(cfg, shards: dict, work: Path, env: dict | None = None, prefix: str = "") -> dict[str, list]:
     """Run the trainer on one GPU (torchrun -m lmyard.train) in `work`, with `env` added to its environment,
-    its output on stderr (each line after `prefix`); its logged losses: {"val": [(step, loss)], "train": [...]}."""
+    its output on stderr (each line after `prefix`); its logged losses, {"val": [(step, loss)], "train": [...]},
+    and its warnings ("warnings": [text])."""
     spec = work / "spec.json"
     spec.write_text(json.dumps({"config": cfg.model_dump(mode="json"), "shards": shards, "lineage": None}))
     cmd = [
@@ -107,7 +108,7 @@ def train(cfg, shards: dict, work: Path, env: dict | None = None, prefix: str = 
         "LMYARD_CACHE": str(work / "cache"),
         **(env or {}),
     }
-    losses: dict[str, list] = {"val": [], "train": []}
+    losses: dict[str, list] = {"val": [], "train": [], "warnings": []}
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO) as proc:
         for line in proc.stdout:
             print(prefix + line, end="", file=sys.stderr, flush=True)
@@ -115,6 +116,8 @@ def train(cfg, shards: dict, work: Path, env: dict | None = None, prefix: str = 
                 losses["val"].append((int(m.group(1)), float(m.group(2))))
             elif m := TRAIN_LINE.search(line):
                 losses["train"].append((int(m.group(1)), float(m.group(2))))
+            elif "UserWarning: " in line:
+                losses["warnings"].append(line.split("UserWarning: ", 1)[1].strip())
     if proc.returncode:
         raise SystemExit(f"the trainer in {work} failed with exit code {proc.returncode}")
     return losses
