@@ -7,10 +7,13 @@
     python tests/benchmarks/bench_llama.py --gpus 4 --preset llama-8b --seq 8192 --batch 1 --ac selective --ac-blocks 14 --compile
     python tests/benchmarks/bench_llama.py --device cpu --gpus 2 --preset llama-tiny --seq 64 --batch 2 --steps 3 --warmup 1
     python tests/benchmarks/bench_llama.py --gpus 1 --preset llama-1b --seq 2048 --batch 4 --compile --doc-mask both
+    python tests/benchmarks/bench_llama.py --gpus 1 --parallel ddp --preset llama-1b --compile --titan --float8 none rowwise
 
 For each GPU count it runs `torchrun --nproc_per_node=N bench_llama.py --worker`: the model from
 lmyard.models.build_model (made on the GPU, seeded), lmyard.parallel.parallelize (float8 -> activation
-checkpointing -> torch.compile per block -> FSDP2 with bf16 parameters and fp32 reduction), fused AdamW,
+checkpointing -> torch.compile per block -> FSDP2 with bf16 parameters and fp32 reduction), or with
+`--parallel ddp` the trainer's ddp path (lmyard.train.parallelism.prepare_model: float8, checkpointing, DDP
+on several ranks, whole-model compile, bf16 autocast; on one GPU torchtitan's own path), fused AdamW,
 gradient clipping at 1.0, one micro-batch per step, reading uniformly random GPT-2 token ids from a shard
 file (tests/benchmarks/random_shards.py): rank r, step s takes sequences (s * world + r) * batch ... of
 seq + 1 tokens. With `--titan` it then runs torchtitan 0.2.2's own trainer on the same shard, in the same
