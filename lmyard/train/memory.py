@@ -84,11 +84,11 @@ class Plan:
         return self.total <= self.usable
 
     def summary(self) -> str:
+        later = {"grads": "" if self.grads_at_peak else " made as the activations are freed"}
         parts = ", ".join(
-            f"{k} {getattr(self, k) / GIB:.1f}" for k in ("params", "grads", "optimizer", "working", "activations")
+            f"{k} {getattr(self, k) / GIB:.1f}{later.get(k, '')}"
+            for k in ("params", "grads", "optimizer", "working", "activations")
         )
-        if not self.grads_at_peak:
-            parts = parts.replace(", optimizer", " made as the activations are freed, optimizer")
         return (
             f"{self.total / GIB:.1f} GiB per GPU ({parts}) of {self.usable / GIB:.1f} usable "
             f"({self.device_bytes / GIB:.1f} GiB less {RESERVE:.0%})"
@@ -167,8 +167,9 @@ def estimate(
 def use_expandable_segments() -> None:
     """Before the first CUDA allocation: the caching allocator grows its segments in place (PyTorch's
     expandable_segments, as torchtitan launches), so memory freed by one shape serves the next instead of
-    fragmenting; the plan's 10% reserve assumes it (at 8B, fixed segments reserved 12.8 GiB over the 56.6 GiB
-    allocated). A PYTORCH_CUDA_ALLOC_CONF already set is left as it is."""
+    fragmenting (at 8B with fixed segments, 12.8 GiB reserved over the 56.6 GiB allocated; the plan's 10%
+    reserve is for that gap, docs/benchmarks.md has what is left of it). A PYTORCH_CUDA_ALLOC_CONF already
+    set is left as it is."""
     if "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
         return
     import torch
