@@ -358,10 +358,12 @@ class TrainConfig(_Section):
         description="`ddp`: every rank holds the whole model, gradients and AdamW state; `fsdp`: FSDP2 shards "
         "them over the ranks (fully_shard per block and at the root; bf16 parameters, fp32 gradient reduction on CUDA).",
     )
-    fsdp_reshard_after_forward: bool = Field(
-        True,
-        description="fsdp: free each block's gathered parameters after its forward (gather again for backward); "
-        "false keeps them until backward: less communication, more memory.",
+    fsdp_reshard_after_forward: bool | Literal["auto"] = Field(
+        "auto",
+        description="fsdp: true frees each block's gathered parameters after its forward (gathered again for "
+        "backward); false keeps them until backward: one all-gather a block instead of two, more memory; `auto`: "
+        "before the first step, false where the memory plan fits with it once checkpointing is settled, else true "
+        "(true on CPU).",
     )
     fsdp_reduce_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",

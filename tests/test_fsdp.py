@@ -123,3 +123,35 @@ def test_fsdp_reduce_dtype_sets_the_gradient_reduction_on_cuda_and_stays_float32
     bf16 = mixed_precision(cuda, cfg.train.fsdp_reduce_dtype)
     assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
     assert mixed_precision(torch.device("cpu"), "bfloat16").reduce_dtype == torch.float32  # gloo sums in fp32
+
+
+def _validate_worker(rank: int, port: int) -> None:
+    from lmyard.evaluate.validation import val_loss
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        sets = [
+            "model.preset=llama-tiny",
+            "train.parallel=fsdp",
+            "train.device=cpu",
+            "train.activation_checkpointing=none",
+        ]
+        cfg = load_recipe("smoke", [*sets, "train.fsdp_reshard_after_forward=false"])
+        torch.manual_seed(0)
+        model = parallelize(build_model(cfg.model, 257, (256, None)), cfg, WORLD, torch.device("cpu"))
+        val = torch.randint(0, 257, (4, 65), generator=torch.Generator().manual_seed(2))
+        loss = val_loss(model, val, 2, "cpu", rank=rank, world=WORLD)
+        assert loss > 0
+        kinds = {type(v).__name__ for v in [*model.parameters(), *model.state_dict().values()]}
+        assert kinds == {"DTensor"}, kinds  # sharded again: a checkpoint right after saves shards, not gathers
+    finally:
+        dist.destroy_process_group()
+
+
+def test_validation_under_fsdp_that_keeps_blocks_gathered_leaves_the_parameters_sharded():
+    """With train.fsdp_reshard_after_forward=false a forward leaves each block gathered for its backward; the
+    val loss runs forwards with no backward, so it reshards them itself, and a checkpoint saved after it holds
+    the shards."""
+    mp.spawn(_validate_worker, args=(free_port(),), nprocs=WORLD, join=True)

@@ -352,6 +352,39 @@ def test_auto_fills_the_memory_left_with_blocks_that_keep_everything():
     assert estimate(model, train, 4, GB80).total > everywhere.total  # it keeps more than selective everywhere
 
 
+def test_fsdp_keeps_blocks_gathered_until_backward_where_the_plan_fits_and_reshards_where_not():
+    """train.fsdp_reshard_after_forward=auto, settled after the checkpointing: llama-1b on four 80 GB GPUs
+    keeps every block gathered (no second all-gather in backward); Llama-3 8B at seq 8192 cannot, and is
+    resharded after each forward, the line saying what keeping them would need."""
+    auto = TrainConfig(parallel="fsdp", micro_batch=4, batch_tokens=4 * 2048 * 4)
+    small = ModelConfig(preset="llama-1b")
+    train, line = resolve(small, auto, 4, GB80)
+    assert train.fsdp_reshard_after_forward is False and train.activation_checkpointing == "none"
+    assert line is not None and "\nfsdp: every block stays gathered from its forward to its backward (plan " in line
+    kept, resharded = (
+        estimate(small, train.model_copy(update={"fsdp_reshard_after_forward": r}), 4, GB80) for r in (False, True)
+    )
+    block = registry.spec("llama").terms(registry.resolve(small, 50257)).block
+    assert kept.working - resharded.working == 2 * block * (16 - 2)  # bf16: all 16 blocks gathered, not 2
+    assert estimate(small, auto, 4, GB80) == kept  # a plan of auto is the plan of what it chooses
+    big = TrainConfig(parallel="fsdp", micro_batch=1, batch_tokens=8192 * 4)
+    train, line = resolve(ModelConfig(preset="llama-8b"), big, 4, GB80)
+    assert train.fsdp_reshard_after_forward is True and train.activation_checkpointing == "none"
+    assert line is not None and "fsdp: each block resharded after its forward" in line
+    assert "keeping them gathered would need" in line
+
+
+def test_resharding_auto_is_true_silently_under_ddp_and_on_cpu_and_an_explicit_value_stays():
+    model = ModelConfig(preset="llama-1b")
+    for t, device_bytes in ((TrainConfig(parallel="ddp"), GB80), (TrainConfig(parallel="fsdp"), None)):
+        settled, line = resolve(model, t.model_copy(update={"activation_checkpointing": "none"}), 4, device_bytes)
+        assert settled.fsdp_reshard_after_forward is True and line is None
+    for value in (True, False):
+        t = TrainConfig(parallel="fsdp", activation_checkpointing="none", fsdp_reshard_after_forward=value)
+        settled, line = resolve(model, t, 4, GB80)
+        assert settled.fsdp_reshard_after_forward is value and line is None
+
+
 def test_partial_checkpointing_is_costed_with_the_per_block_terms():
     """Each block recomputed trades its whole activations for its input (full) or its selective ones
     (selective); all blocks is `full` or `selective`, as before."""

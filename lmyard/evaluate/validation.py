@@ -36,7 +36,7 @@ def val_loss(
     `compute`: the context of each forward (default `autocast(device)`; the trainer passes its own, with its
     attention kernel). On `world` ranks each scores every world-th sequence and the sums are all-reduced;
     every rank makes the same number of forward calls (a rank out of rows scores a throwaway one): FSDP
-    gathers in each. The model is left in the mode it was in."""
+    gathers in each, and every FSDP unit is sharded again at the end. The model is left in the mode it was in."""
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, sequences)
@@ -53,5 +53,17 @@ def val_loss(
             total[1] += scored
     if world > 1:
         dist.all_reduce(total)
+    _reshard(model)
     model.train(was_training)
     return float(total[0] / total[1])
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """FSDP2 units that keep their gathered parameters from forward to backward
+    (train.fsdp_reshard_after_forward=false) stay gathered after a forward with no backward: reshard them, so
+    the memory is free again and a checkpoint saved next holds the shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -186,7 +186,8 @@ def parallelize(raw_model: nn.Module, cfg: RunConfig, world: int, device: torch.
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     mesh = fsdp_mesh(world, device)
-    return apply_fsdp(raw_model, mesh, device, t.fsdp_reshard_after_forward, t.fsdp_reduce_dtype)
+    reshard = t.fsdp_reshard_after_forward is not False  # auto unsettled (no memory plan ran): as true
+    return apply_fsdp(raw_model, mesh, device, reshard, t.fsdp_reduce_dtype)
 
 
 def no_sync(model: nn.Module):

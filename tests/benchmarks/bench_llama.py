@@ -62,10 +62,12 @@ WORKER_ARGS = (
     "ac",
     "ac_blocks",
     "reduce",
+    "reshard",
     "parallel",
     "float8",
     "steps",
     "warmup",
+    "profile",
     "device",
     "attention",
     "doc_mask",
@@ -104,6 +106,25 @@ def timed_steps(model, params, opt, batch, warmup: int, steps: int, device, ctx)
     return time.perf_counter() - t0, losses
 
 
+def profiled(model, params, opt, batch, steps: int, device, ctx) -> dict:
+    """`steps` more steps under torch.profiler (every rank records; each rank's own figures): the step split
+    into compute, collectives (and their part no compute hides) and idle, kernel time per kind, the top kernels."""
+    import torch
+    from profile_ddp_step import breakdown
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        timed_steps(model, params, opt, batch, 0, steps, device, ctx)
+    out = breakdown(prof, steps)
+    by_name: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+            by_name[e.name[:90]] = by_name.get(e.name[:90], 0.0) + (e.time_range.end - e.time_range.start)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    out["top_kernels_ms_per_step"] = {name: round(us / steps / 1e3, 2) for name, us in top}
+    return out
+
+
 def worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -136,7 +157,7 @@ def worker(a: argparse.Namespace) -> None:
             f"train.compile={a.compile}",
             f"train.float8={a.float8 != 'none'}",
             f"train.float8_recipe={'tensorwise' if a.float8 == 'none' else a.float8}",
-            f"train.fsdp_reshard_after_forward={not a.no_reshard}",
+            f"train.fsdp_reshard_after_forward={a.reshard}",
             f"train.fsdp_reduce_dtype={a.reduce}",
             f"train.device={a.device}",
             f"model.doc_mask={a.doc_mask == 'on'}",
@@ -197,6 +218,7 @@ def worker(a: argparse.Namespace) -> None:
         "ac": a.ac,
         "ac_applied": cfg.train.activation_checkpointing,
         "ac_blocks": cfg.train.activation_checkpointing_blocks,
+        "reshard": cfg.train.fsdp_reshard_after_forward if a.parallel == "fsdp" else None,  # as settled
         "compile": a.compile,
         "float8": a.float8,
         "doc_mask": a.doc_mask == "on",
@@ -223,6 +245,11 @@ def worker(a: argparse.Namespace) -> None:
         out["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
         out["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
         out["segments"] = len(torch.cuda.memory_snapshot())  # a few with expandable segments
+    if a.profile and cuda:  # after the timing: where the step's time goes (profile_ddp_step.breakdown)
+        try:
+            out["profile"] = profiled(model, params, opt, batch, a.profile, device, ctx)
+        except Exception as e:  # the timed row stands without it
+            out["profile"] = f"failed: {type(e).__name__}: {e}"
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
     if dist.is_initialized():
@@ -231,7 +258,7 @@ def worker(a: argparse.Namespace) -> None:
 
 def run_lmyard(a: argparse.Namespace, gpus: int, shard: Path) -> dict:
     args = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k in WORKER_ARGS and v is not None]
-    args += [f"--shard={shard}"] + [f"--{f.replace('_', '-')}" for f in ("compile", "no_reshard") if getattr(a, f)]
+    args += [f"--shard={shard}"] + [f"--{f.replace('_', '-')}" for f in ("compile",) if getattr(a, f)]
     cmd = [
         sys.executable,
         "-m",
@@ -268,7 +295,7 @@ def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
         f"train.compile={str(a.compile).lower()}",
         f"model.attention={a.attention}",
         f"model.doc_mask={str(a.doc_mask == 'on').lower()}",  # on the shard as it is (see the docstring)
-        f"train.fsdp_reshard_after_forward={str(not a.no_reshard).lower()}",
+        f"train.fsdp_reshard_after_forward={a.reshard}",
         f"train.float8={str(a.float8 != 'none').lower()}",
         f"train.float8_recipe={'tensorwise' if a.float8 == 'none' else a.float8}",
         "eval.val_tokens=16384",
@@ -395,7 +422,12 @@ def parser() -> argparse.ArgumentParser:
         default="fsdp",
         help="lmyard's train.parallel; ddp on one GPU is the plain path (bf16 autocast, no FSDP), as torchtitan's",
     )
-    ap.add_argument("--no-reshard", action="store_true", help="fsdp_reshard_after_forward=false (lmyard only)")
+    ap.add_argument(
+        "--reshard",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="lmyard's train.fsdp_reshard_after_forward (auto: false where the memory plan fits it); torchtitan reshards",
+    )
     ap.add_argument(
         "--reduce",
         choices=["float32", "bfloat16"],
@@ -418,6 +450,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--doc-len", type=int, default=1024, help="mean document length of --doc-mask runs (tokens)")
     ap.add_argument("--steps", type=int, default=30, help="timed steps")
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation)")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="then N steps under torch.profiler: lmyard's step split (row key profile)",
+    )
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--titan", action="store_true", help="also run torchtitan 0.2.2 (run_torchtitan.py)")
     ap.add_argument("--trainer", action="store_true", help="also run lmyard's trainer (torchrun -m lmyard.train)")

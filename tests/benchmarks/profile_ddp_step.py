@@ -5,10 +5,10 @@
 Builds lmyard's model and step exactly as the trainer does (DDP, then torch.compile,
 bf16 autocast, fused AdamW, `train_step`), on random tokens already on the GPU, warms
 up, then records a few steps with torch.profiler on rank 0 and splits each step's
-wall time into: time some compute kernel runs, all-reduce (NCCL) time not hidden
+wall time into: time some compute kernel runs, collective (NCCL) time not hidden
 under compute, and time the GPU runs nothing (launch gaps, host work, waits); and
 the kernel time of each kind (matmul, attention, inductor's fused elementwise
-kernels, optimizer, all-reduce). Prints one JSON line and the top kernels;
+kernels, optimizer, collectives). Prints one JSON line and the top kernels;
 `--trace DIR` also writes the Chrome trace. Runs on one GPU too (no DDP):
 `torchrun --standalone --nproc_per_node=1 ...`.
 """
@@ -57,7 +57,7 @@ def covered(intervals: list[tuple[float, float]], cover: list[tuple[float, float
 
 
 KINDS = (
-    ("allreduce", ("nccl",)),
+    ("collectives", ("nccl",)),
     ("loss", ("ce_grad",)),
     ("attention", ("flash", "fmha", "attention", "cudnn")),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_")),
@@ -70,6 +70,38 @@ def kind_of(kernel: str) -> str:
     """A kernel's kind by its name: matmul, attention, fused elementwise (inductor's Triton), ..."""
     name = kernel.lower()
     return next((kind for kind, keys in KINDS if any(k in name for k in keys)), "other")
+
+
+def breakdown(prof, steps: int) -> dict:
+    """A profile of `steps` steps, per step: the span from the first kernel to the last, the time some compute
+    kernel runs, NCCL collectives' time and the part of it no compute kernel hides, idle time (nothing runs:
+    launch gaps, host work, waits); and each kind's kernel time (kind_of)."""
+    kernels = [
+        e
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and e.time_range.end > e.time_range.start
+        and not getattr(e, "is_user_annotation", False)
+    ]  # GPU-side record_function ranges are no kernels
+    nccl = union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()])
+    comp = union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()])
+    span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
+    busy = union(nccl + comp)
+    nccl_us = sum(e - s for s, e in nccl)
+    kinds: dict[str, float] = {}
+    for e in kernels:
+        kinds[kind_of(e.name)] = kinds.get(kind_of(e.name), 0.0) + (e.time_range.end - e.time_range.start)
+    ms = lambda us: round(us / steps / 1e3, 2)
+    return {
+        "per_step_ms": {
+            "span": ms(span),
+            "compute": ms(sum(e - s for s, e in comp)),
+            "collectives": ms(nccl_us),
+            "collectives_exposed": ms(nccl_us - covered(nccl, comp)),
+            "idle": ms(span - sum(e - s for s, e in busy)),
+        },
+        "kernel_ms_per_step": {k: ms(v) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+    }
 
 
 def main() -> None:
@@ -117,40 +149,14 @@ def main() -> None:
             step()
         torch.cuda.synchronize()
     if rank == 0:
-        kernels = [
-            e
-            for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA
-            and e.time_range.end > e.time_range.start
-            and not getattr(e, "is_user_annotation", False)
-        ]  # GPU-side record_function ranges are no kernels
-        nccl = union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()])
-        comp = union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()])
-        span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
-        busy = union(nccl + comp)
-        comp_us = sum(e - s for s, e in comp)
-        nccl_us = sum(e - s for s, e in nccl)
-        hidden = covered(nccl, comp)
-        n = args.steps
         out = {
             "gpu": torch.cuda.get_device_name(0),
             "torch": torch.__version__,
             "world": world,
             "overrides": args.overrides,
             "step_ms": round(step_ms, 2),
-            "per_step_ms": {
-                "span": round(span / n / 1e3, 2),
-                "compute": round(comp_us / n / 1e3, 2),
-                "allreduce": round(nccl_us / n / 1e3, 2),
-                "allreduce_exposed": round((nccl_us - hidden) / n / 1e3, 2),
-                "idle": round((span - sum(e - s for s, e in busy)) / n / 1e3, 2),
-            },
+            **breakdown(prof, args.steps),
         }
-        kinds: dict[str, float] = {}
-        for e in kernels:
-            k = kind_of(e.name)
-            kinds[k] = kinds.get(k, 0.0) + (e.time_range.end - e.time_range.start)
-        out["kernel_ms_per_step"] = {k: round(v / n / 1e3, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}
         print(json.dumps(out), flush=True)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top), flush=True)
         if args.trace:
