@@ -575,3 +575,12 @@ def test_a_saved_tensor_is_read_as_a_view_of_its_spans_bytes():
         got = tensor_in(span)
         assert torch.equal(got, t) and got.stride() == t.stride() and got.dtype == t.dtype
         assert span.data_ptr() <= got.data_ptr() < span.data_ptr() + span.numel()  # no copy of the bytes
+
+
+def test_a_span_holding_an_arbitrary_object_is_refused_without_running_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = io.BytesIO()
+    torch.save({"x": _Payload()}, out)  # a shard file's span, its checksum made to match
+    with pytest.raises(pickle.UnpicklingError):
+        tensor_in(torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8))
+    assert not (tmp_path / "pwned-marker").exists()
