@@ -24,6 +24,7 @@ from lmyard.checkpoint import retention
 from lmyard.checkpoint.catalog import checkpoints_prefix, complete_steps, read_manifest, read_state, step_prefix
 from lmyard.checkpoint.commit import StepExists
 from lmyard.checkpoint.manifest import DamagedCheckpoint, sha256_file
+from lmyard.checkpoint.readahead import tensor_in
 from lmyard.checkpoint.resume import load_step
 from lmyard.checkpoint.state import rng_state
 from lmyard.config import CheckpointConfig
@@ -550,3 +551,36 @@ def test_a_sharded_file_damaged_past_its_first_tensors_is_named_and_nothing_hang
     fresh = nn.Sequential(*(nn.Linear(512, 512) for _ in range(8)))
     with pytest.raises(DamagedCheckpoint, match="step_00000003/dcp/__0_0.distcp does not match its manifest checksum"):
         sc.load_sharded(store, RUN, 3, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), str(tmp_path / "c"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_resume_onto_a_gpu_copies_from_the_reused_pinned_buffers_exactly(tmp_path):
+    store, saved, _ = _wide_checkpoint(tmp_path)
+    torch.manual_seed(1)
+    fresh = nn.Sequential(*(nn.Linear(512, 512) for _ in range(8))).cuda()
+    opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    fresh(torch.randn(4, 512, device="cuda")).sum().backward()
+    opt.step()  # its moments exist, on the GPU, and differ from the checkpoint's
+    phases: dict = {}
+    sc.load_sharded(store, RUN, 3, fresh, opt, str(tmp_path / "c"), phases=phases)
+    _assert_equal(saved.state_dict(), {k: v.cpu() for k, v in fresh.state_dict().items()})
+    assert phases["copy"] > 0 and phases["hash"] > 0, phases
+
+
+def test_a_saved_tensor_is_read_as_a_view_of_its_spans_bytes():
+    for t in (torch.randn(3, 5), torch.randn(4, 6).t(), torch.arange(10, dtype=torch.bfloat16), torch.tensor(3.0)):
+        out = io.BytesIO()
+        torch.save(t, out)
+        span = torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)
+        got = tensor_in(span)
+        assert torch.equal(got, t) and got.stride() == t.stride() and got.dtype == t.dtype
+        assert span.data_ptr() <= got.data_ptr() < span.data_ptr() + span.numel()  # no copy of the bytes
+
+
+def test_a_span_holding_an_arbitrary_object_is_refused_without_running_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = io.BytesIO()
+    torch.save({"x": _Payload()}, out)  # a shard file's span, its checksum made to match
+    with pytest.raises(pickle.UnpicklingError):
+        tensor_in(torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8))
+    assert not (tmp_path / "pwned-marker").exists()

@@ -5,8 +5,18 @@ order, on the calling thread. Checking each file's sha256 before that read it tw
 about twice the time of reading the bytes from the disk. `ReadAhead` instead reads each file front to
 back exactly once: the spans DCP will ask for (its plan's items, sorted by offset), the gaps between them
 and the tail. One thread reads, a second hashes what it read (so a disk slower than sha256 is the only
-limit), and each span's bytes go on to DCP through bounded queues (`depth` spans each): reading and
-hashing overlap DCP's deserialising and its copies to the GPU, and memory stays at a few items.
+limit), and each span goes on to the loading thread (lmyard.checkpoint.dcp's reader), so reading and
+hashing overlap the deserialising and the copies into the target.
+
+The bytes land in a small ring of buffers (`depth`, each as large as the largest span or CHUNK), reused
+from span to span: no fresh allocation per span (24 GB a rank for an 8B model with AdamW, page-faulted
+in and zeroed by the kernel, then freed), and on CUDA they are pinned, so the copy into a GPU shard is a
+DMA the loading thread only issues (non_blocking). A buffer goes back to the reader once the hasher is
+done with it (a gap) or the loading thread asks for the next span (a span); on CUDA it carries an event
+recorded after its copies were issued, which the reader waits for before it reads into the buffer again.
+`tensor_in` builds the tensor DCP saved in a span (a torch.save archive) as a view of the buffer: the
+archive's small pickle through torch's weights-only unpickler, its storage the buffer's bytes where the
+archive keeps them, so the bytes are copied once, into the target.
 
 A file whose bytes differ from the manifest is found when its last byte has been read, after DCP may have
 copied some of its tensors into the target. That is harmless: the DamagedCheckpoint makes the resume fall
@@ -15,11 +25,16 @@ back to an older checkpoint (lmyard.checkpoint.resume), whose load overwrites th
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import io
 import queue
 import threading
+import time
+from collections import defaultdict
 from dataclasses import dataclass, field
+
+import torch
 
 from lmyard.checkpoint.manifest import mismatch
 
@@ -36,25 +51,60 @@ class FileJob:
     verified: bool = False  # the whole file was hashed and matched
 
 
-class ReadAhead:
-    """Reads `jobs` in order in a thread; `take(name, offset, length)` gives a span's bytes, in that order."""
+class _Buffer:
+    """One of the ring's buffers: a uint8 tensor (pinned on CUDA) and, once its bytes were handed to copies
+    on the GPU, the event after which it may be overwritten."""
 
-    def __init__(self, jobs: list[FileJob], depth: int = 4):
-        self.jobs = jobs
-        self._q: queue.Queue = queue.Queue(maxsize=depth)
+    def __init__(self):
+        self.data: torch.Tensor | None = None
+        self.ready: torch.cuda.Event | None = None
+
+    def ensure(self, size: int, pin: bool) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()  # the copies out of it are done
+            self.ready = None
+        if self.data is None or self.data.numel() < size:
+            self.data = None  # the old one freed first
+            self.data = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+
+    def view(self, n: int) -> memoryview:
+        """The first n bytes, writable, for readinto and sha256."""
+        assert self.data is not None
+        return memory(self.data[:n])
+
+
+class ReadAhead:
+    """Reads `jobs` in order in a thread; `take(name, offset, length)` gives a span's bytes, in that order.
+
+    `device`: the CUDA device the spans are copied to (buffers pinned, reuse waits for the copies), or None.
+    `phases` collects seconds per phase: read, hash, `reuse` (making a buffer, or waiting for the copies out
+    of it) and `wait` (the loading thread waiting in take())."""
+
+    def __init__(self, jobs: list[FileJob], depth: int = 4, device: torch.device | None = None):
+        self.jobs, self.device = jobs, device
+        self.pin = device is not None and device.type == "cuda"
+        self.size = max([CHUNK] + [length for job in jobs for _, length in job.spans])
+        self.phases: dict[str, float] = defaultdict(float)
+        self._free: queue.Queue[_Buffer] = queue.Queue()
+        for _ in range(max(2, depth)):  # two at least: the loading thread holds one while the next is read
+            self._free.put(_Buffer())
+        self._q: queue.Queue = queue.Queue()  # hashed spans, to take()
+        self._raw: queue.Queue = queue.Queue()  # the reader's buffers, to the hasher
         self._stop = threading.Event()
-        self._current: tuple[tuple[str, int, int], bytes] | None = None
+        self._current: tuple[tuple[str, int, int], _Buffer, int] | None = None
         self._error: BaseException | None = None
-        self._raw: queue.Queue = queue.Queue(maxsize=depth)  # the reader's bytes, to the hasher
         self._reader = threading.Thread(target=self._read_files, name="lmyard-checkpoint-read", daemon=True)
         self._thread = threading.Thread(target=self._run, name="lmyard-checkpoint-hash", daemon=True)
         self._reader.start()
         self._thread.start()
 
-    def take(self, name: str, offset: int, length: int) -> io.BytesIO:
-        """The bytes of one span (asked for again: the same bytes); a damaged file's error as it is found."""
+    def take(self, name: str, offset: int, length: int) -> torch.Tensor:
+        """The bytes of one span as a uint8 tensor, valid until the next take() of another span (asked for
+        again: the same bytes); a damaged file's error as it is found."""
         key = (name, offset, length)
+        t0 = time.perf_counter()
         while self._current is None or self._current[0] != key:
+            self._release()
             got = self._q.get()
             if isinstance(got, BaseException):
                 raise got
@@ -63,104 +113,163 @@ class ReadAhead:
             self._current = got
             if got[0][0] == name and got[0][1] > offset:  # went past it: DCP asked out of the sorted order
                 raise RuntimeError(f"checkpoint read out of order: {key} after {got[0]}")
-        return io.BytesIO(self._current[1])
+        self.phases["wait"] += time.perf_counter() - t0
+        _, buf, n = self._current
+        assert buf.data is not None
+        return buf.data[:n]
 
     def finish(self) -> None:
-        """After DCP's reads: wait for every file's tail to be hashed; DamagedCheckpoint naming a file that
-        does not match its manifest."""
+        """After DCP's reads: wait for every file's tail to be hashed (and, on CUDA, for the copies out of the
+        buffers); DamagedCheckpoint naming a file that does not match its manifest."""
         self._thread.join()
-        self._current = None  # the last span's bytes: DCP has copied them
+        self._release()
+        if self.pin:
+            torch.cuda.current_stream(self.device).synchronize()
         if self._error is not None:
             raise self._error
 
     def close(self) -> None:
-        """Stop reading (DCP failed): the thread ends at its next span."""
+        """Stop reading (DCP failed): the threads end at their next buffer."""
         self._stop.set()
         self._thread.join()
         self._reader.join()
 
-    def _put(self, q: queue.Queue, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                pass
-        return False
+    def _release(self) -> None:
+        """The loading thread is done with the current span: its buffer back to the reader (on CUDA once the
+        copies issued from it have run)."""
+        if self._current is not None:
+            buf = self._current[1]
+            if self.pin:
+                buf.ready = torch.cuda.Event()
+                buf.ready.record(torch.cuda.current_stream(self.device))
+            self._free.put(buf)
+            self._current = None
 
-    def _get_raw(self):
-        """The reader's next item; None once close() was called."""
+    def _get(self, q: queue.Queue):
+        """The queue's next item; None once close() was called."""
         while not self._stop.is_set():
             try:
-                return self._raw.get(timeout=0.1)
+                return q.get(timeout=0.1)
             except queue.Empty:
                 pass
         return None
 
     def _read_files(self) -> None:
-        """The reader: every byte of every file in order, as (job, span key or None for a gap, bytes), a
-        (job, "end", b"") after each file, None after the last; an I/O error as it is."""
+        """The reader: every byte of every file in order, as (job, span key or None for a gap, buffer, bytes in
+        it), a (job, "end", None, 0) after each file, None after the last; an I/O error as it is."""
         try:
+            if self.pin:  # a new thread starts on GPU 0: pinning there would make a context on it
+                torch.cuda.set_device(self.device)
             for job in self.jobs:
                 with open(job.path, "rb", buffering=0) as f:
                     pos = 0
                     for offset, length in job.spans:
-                        for gap in _chunks(f, pos, offset):
-                            if not self._put(self._raw, (job, None, gap)):
+                        while pos < offset:  # the gap before the span
+                            if (got := self._read(f, job, None, min(CHUNK, offset - pos))) is None:
                                 return
-                            pos += len(gap)
-                        data = _read_exactly(f, length)
-                        if len(data) < length or pos != offset:
+                            if not got:  # the file ends before the span
+                                raise mismatch(job.uri)
+                            pos += got
+                        if pos != offset or self._read(f, job, (job.name, offset, length), length) != length:
                             raise mismatch(job.uri)
-                        if not self._put(self._raw, (job, (job.name, offset, length), data)):
-                            return
                         pos += length
-                    for tail in _chunks(f, pos, None):
-                        if not self._put(self._raw, (job, None, tail)):
-                            return
-                if not self._put(self._raw, (job, "end", b"")):
-                    return
-            self._put(self._raw, None)
+                    while got := self._read(f, job, None, CHUNK):  # the tail
+                        pass
+                    if got is None:
+                        return
+                self._raw.put((job, "end", None, 0))
+            self._raw.put(None)
         except BaseException as e:
-            self._put(self._raw, e)
+            self._raw.put(e)
+
+    def _read(self, f, job: FileJob, key, n: int) -> int | None:
+        """Up to n bytes into a free buffer, on to the hasher: how many (0 at the end of the file; fewer than n
+        only there); None once close() was called."""
+        buf = self._get(self._free)
+        if buf is None:
+            return None
+        t0 = time.perf_counter()
+        buf.ensure(self.size, self.pin)
+        t1 = time.perf_counter()
+        view, got = buf.view(n), 0
+        while got < n and (k := f.readinto(view[got:])):
+            got += k
+        self.phases["reuse"] += t1 - t0
+        self.phases["read"] += time.perf_counter() - t1
+        if got == 0 or (key is not None and got < n):  # the end of the file (early for a span: raised above)
+            self._free.put(buf)
+            return got
+        self._raw.put((job, key, buf, got))
+        return got
 
     def _run(self) -> None:
         """The hasher: each file's sha256 over the reader's bytes, the spans passed on to take()."""
         h = hashlib.sha256()
         try:
-            while (got := self._get_raw()) is not None:
+            while (got := self._get(self._raw)) is not None:
                 if isinstance(got, BaseException):
                     raise got
-                job, key, data = got
+                job, key, buf, n = got
                 if key == "end":
                     if h.hexdigest() != job.sha256:
                         raise mismatch(job.uri)
                     job.verified, h = True, hashlib.sha256()
                     continue
-                h.update(data)
-                if key is not None and not self._put(self._q, (key, data)):
-                    return
-            self._put(self._q, None)
+                t0 = time.perf_counter()
+                h.update(buf.view(n))
+                self.phases["hash"] += time.perf_counter() - t0
+                (self._free if key is None else self._q).put(buf if key is None else (key, buf, n))
+            self._q.put(None)
         except BaseException as e:  # DCP's next take() raises it
             self._error = e
-            self._put(self._q, e)
+            self._q.put(e)
 
 
-def _read_exactly(f, n: int) -> bytes:
-    data = f.read(n)
-    if len(data) == n or not data:
-        return data
-    parts = [data]
-    while (got := sum(map(len, parts))) < n and (more := f.read(n - got)):
-        parts.append(more)
-    return b"".join(parts)
+def memory(t: torch.Tensor) -> memoryview:
+    """A contiguous uint8 CPU tensor's bytes, writable, without a copy (Tensor.numpy needs numpy)."""
+    return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
 
 
-def _chunks(f, pos: int, until: int | None):
-    """The file's bytes from `pos` up to `until` (the end with None), CHUNK at a time."""
-    while until is None or pos < until:
-        data = f.read(CHUNK if until is None else min(CHUNK, until - pos))
-        if not data:
-            return
-        pos += len(data)
-        yield data
+class _SpanFile(io.RawIOBase):
+    """A read-only file over a span's bytes without copying them (io.BytesIO copies a memoryview), for
+    torch's zip reader, which reads the archive's directory and its pickle from it."""
+
+    def __init__(self, view: memoryview):
+        self.mv, self.pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset + (0, self.pos, len(self.mv))[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self.mv) - self.pos))
+        b[:n] = self.mv[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+def tensor_in(span: torch.Tensor) -> torch.Tensor:
+    """The tensor DCP saved in a span (torch.save of one tensor), as a view of the span's bytes.
+
+    The archive's pickle goes through torch's weights-only unpickler (what torch.load(weights_only=True)
+    uses: tensors and plain values, never arbitrary objects); its storage records are slices of the span
+    where the archive keeps them (torch.load's mmap path, `overall_storage`), instead of new storages
+    read from a file-like object. Anything else (an archive this does not read) goes to torch.load."""
+    mv = memory(span)
+    try:
+        with torch.serialization._open_zipfile_reader(_SpanFile(mv)) as archive:
+            storage = span.untyped_storage()[span.storage_offset() :]
+            return torch.serialization._load(
+                archive, "cpu", torch._weights_only_unpickler, overall_storage=storage, encoding="utf-8"
+            )
+    except Exception:  # not the layout expected: torch.load decides (and raises what is wrong)
+        return torch.load(io.BytesIO(bytes(mv)), map_location="cpu", weights_only=True)

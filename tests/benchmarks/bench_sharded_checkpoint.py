@@ -24,7 +24,10 @@ Fused AdamW; two steps on random tokens make its state. Then, on every rank:
   reads into one buffer, nothing else done with them), after asking the kernel to drop them from its page
   cache (POSIX_FADV_DONTNEED, which a sandboxed kernel may ignore): the disk's read rate for these files;
 - load: `load_sharded` of the last checkpoint into the model, files read in place (with their sha256), after
-  the same request to drop them from the cache; its time over the read's is the resume's overhead.
+  the same request to drop them from the cache; its time over the read's is the resume's overhead. Then
+  each rank's load time and its seconds per phase (load_sharded's `phases`: read, hash, reuse, wait on the
+  read-ahead's threads, deserialise and copy on the loading thread). `--warm` times both with the files in
+  the page cache instead (a read first): what the load costs the CPU per byte, whatever the disk.
 Prints one JSON line per phase (the max over ranks) and a summary line. Disk: the state, 12 bytes a
 parameter (fp32 weights + AdamW moments; 96 GB for 8B), twice with --upload copy; checked before it starts.
 """
@@ -32,6 +35,7 @@ parameter (fp32 weights + AdamW moments; 96 GB for 8B), twice with --upload copy
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import shutil
@@ -261,6 +265,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--no-sync", action="store_true", help="skip the synchronous dcp.save row")
     p.add_argument("--width", type=int, default=4096, help="d of the Linear stack")
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="time the read and the load with the files in the page cache (no POSIX_FADV_DONTNEED; a read first)",
+    )
     return p.parse_args()
 
 
@@ -323,7 +332,10 @@ def main() -> None:
         results[mode] = rows[-1]["blocked_s"]
     last = 1000 * (2 if modes[-1] else 1) + a.saves - 1
     files = checkpoint_files(root, last)
-    drop_cached(files[rank :: dist.get_world_size()])
+    if a.warm:  # both timed passes find the files in the page cache: the CPU's cost per byte, not the disk's
+        read_back(files, rank, dist.get_world_size())
+    else:
+        drop_cached(files[rank :: dist.get_world_size()])
     got = read_back(files, rank, dist.get_world_size())
     total = sum(o["bytes"] for o in gather(got))
     read_s = worst(got["seconds"])
@@ -336,11 +348,23 @@ def main() -> None:
             "gb_per_s": round(total / read_s / 1e9, 2),
         },
     )
-    drop_cached(files[rank :: dist.get_world_size()])
-    load_s = worst(
-        timed(lambda: sc.load_sharded(LocalStore(str(root / "store")), RUN, last, model, opt, str(root / "cache")))
+    if not a.warm:
+        drop_cached(files[rank :: dist.get_world_size()])
+    phases: dict = {}
+    kw = {"phases": phases} if "phases" in inspect.signature(sc.load_sharded).parameters else {}  # older lmyard
+    mine = timed(
+        lambda: sc.load_sharded(LocalStore(str(root / "store")), RUN, last, model, opt, str(root / "cache"), **kw)
     )
+    load_s = worst(mine)
     say(rank, {"phase": "load_sharded (resume), files read in place", "seconds": round(load_s, 3)})
+    per_rank = gather({"seconds": mine, **phases})
+    say(
+        rank,
+        {
+            "phase": "load_sharded per rank: seconds, then seconds per phase (threads overlap)",
+            "ranks": [{k: round(v, 3) for k, v in r.items()} for r in per_rank],
+        },
+    )
     say(
         rank,
         {
