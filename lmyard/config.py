@@ -477,6 +477,13 @@ class CheckpointConfig(_Section):
         2, ge=1, description="Checkpoints that may wait for an unreachable store before training stops."
     )
     upload_retries: int = Field(6, ge=0, description="Retries of a failed upload (backoff 1, 2, 4 ... 30 s).")
+    files_per_rank: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="train.parallel=fsdp: files each rank writes a sharded checkpoint into (DCP writer threads); "
+        "their sha256 sums are made, and on resume they are read and checked, in parallel.",
+    )
 
 
 class DockerConfig(_Section):

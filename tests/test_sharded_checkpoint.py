@@ -505,16 +505,17 @@ def test_a_hung_upload_does_not_hold_up_the_next_sharded_saves_and_commits_stay_
         proxy.stop()
 
 
-def _wide_checkpoint(tmp_path) -> tuple:
-    """A one-rank sharded checkpoint of ~25 MB (weights + AdamW moments) and its dcp/ files' total bytes."""
+def _wide_checkpoint(tmp_path, files: int = 1) -> tuple:
+    """A one-rank sharded checkpoint of ~25 MB (weights + AdamW moments) in `files` files and their total bytes."""
     store = open_store(str(tmp_path / "store"))
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(8)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(4, 512)).sum().backward()
     opt.step()
-    save_sharded(store, RUN, model, opt, _state(3), str(tmp_path / "s"))
+    save_sharded(store, RUN, model, opt, _state(3), str(tmp_path / "s"), write_threads=files)
     folder = os.path.join(store.local_path(step_prefix(RUN, 3)), "dcp")
+    assert len([f for f in os.listdir(folder) if f.endswith(".distcp")]) == files
     return store, model, sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
 
 
@@ -524,8 +525,10 @@ def _bytes_read() -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux's per-process I/O counters")
-def test_resume_reads_each_byte_of_a_sharded_checkpoint_once_and_loads_it_exactly(tmp_path):
-    store, saved, size = _wide_checkpoint(tmp_path)
+@pytest.mark.parametrize("files", [1, 4])
+def test_resume_reads_each_byte_of_a_sharded_checkpoint_once_and_loads_it_exactly(tmp_path, files):
+    """One file a rank, or four (checkpoint.files_per_rank) read and hashed in parallel lanes."""
+    store, saved, size = _wide_checkpoint(tmp_path, files)
     torch.manual_seed(1)
     fresh = nn.Sequential(*(nn.Linear(512, 512) for _ in range(8)))
     before = _bytes_read()
@@ -536,9 +539,11 @@ def test_resume_reads_each_byte_of_a_sharded_checkpoint_once_and_loads_it_exactl
 
 
 @pytest.mark.parametrize("damage", ["a byte flipped near the end", "truncated"])
-def test_a_sharded_file_damaged_past_its_first_tensors_is_named_and_nothing_hangs(tmp_path, damage):
-    store, _, _ = _wide_checkpoint(tmp_path)
-    shard = os.path.join(store.local_path(step_prefix(RUN, 3)), "dcp", "__0_0.distcp")
+@pytest.mark.parametrize("files, damaged", [(1, "__0_0.distcp"), (4, "__0_2.distcp")])
+def test_a_sharded_file_damaged_past_its_first_tensors_is_named_and_nothing_hangs(tmp_path, damage, files, damaged):
+    """Also when it is one of a rank's four files, read in lanes beside the others."""
+    store, _, _ = _wide_checkpoint(tmp_path, files)
+    shard = os.path.join(store.local_path(step_prefix(RUN, 3)), "dcp", damaged)
     size = os.path.getsize(shard)
     with open(shard, "r+b") as f:
         if damage == "truncated":
@@ -549,7 +554,7 @@ def test_a_sharded_file_damaged_past_its_first_tensors_is_named_and_nothing_hang
             f.seek(size - 5000)
             f.write(bytes([byte[0] ^ 0xFF]))
     fresh = nn.Sequential(*(nn.Linear(512, 512) for _ in range(8)))
-    with pytest.raises(DamagedCheckpoint, match="step_00000003/dcp/__0_0.distcp does not match its manifest checksum"):
+    with pytest.raises(DamagedCheckpoint, match=f"step_00000003/dcp/{damaged} does not match its manifest checksum"):
         sc.load_sharded(store, RUN, 3, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), str(tmp_path / "c"))
 
 

@@ -71,7 +71,13 @@ def make_checkpointer(
     checkpointer: ShardedCheckpointer | FullCheckpointer
     if sharded:
         checkpointer = ShardedCheckpointer(
-            store, cfg.run_name, staging, max_pending=c.max_pending, retries=c.upload_retries, on_commit=on_commit
+            store,
+            cfg.run_name,
+            staging,
+            write_threads=c.files_per_rank,
+            max_pending=c.max_pending,
+            retries=c.upload_retries,
+            on_commit=on_commit,
         )
     else:
         checkpointer = FullCheckpointer(

@@ -59,7 +59,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,7 +77,7 @@ from lmyard.checkpoint.catalog import read_manifest
 from lmyard.checkpoint.commit import Parked, RetryPolicy, ensure_new, outage, publish, upload_files
 from lmyard.checkpoint.manifest import DamagedCheckpoint, FileMeta, Manifest, check_file, file_meta
 from lmyard.checkpoint.ranks import agree, distributed, rank_world
-from lmyard.checkpoint.readahead import FileJob, ReadAhead, memory, tensor_in
+from lmyard.checkpoint.readahead import LANES, FileJob, ReadAhead, memory, tensor_in
 from lmyard.checkpoint.state import Checkpoint, Loaded
 from lmyard.contracts import CheckpointState
 from lmyard.errors import StoreOutage, UserError
@@ -365,7 +365,9 @@ class ShardedCheckpointer:
         new = lambda: ensure_new(self.store, self.run_name, job.step)
         self._persist(lambda: self.policy.run(job.step, self.staging, new))  # a complete step: StepExists
         names = sorted(os.listdir(job.folder))
-        files = {f"{DCP_DIR}/{name}": file_meta(os.path.join(job.folder, name)) for name in names}
+        with ThreadPoolExecutor(max(1, min(len(names), 8))) as pool:  # sha256: one thread a file
+            metas = pool.map(file_meta, [os.path.join(job.folder, name) for name in names])
+            files = {f"{DCP_DIR}/{name}": meta for name, meta in zip(names, metas)}
         keys = {self.layout.step_file(job.step, f"{DCP_DIR}/{n}"): os.path.join(job.folder, n) for n in names}
         self._persist(lambda: upload_files(self.store, keys, job.step, self.policy, self.staging))
         marker = {"rank": self.rank, "attempt": self.attempt, "files": {k: m.model_dump() for k, m in files.items()}}
@@ -561,46 +563,58 @@ class _VerifiedReader(dcp.FileSystemReader):
                 jobs[md.relative_path].spans.append(span)
         tensors = [i for i in items if i.type != LoadItemType.BYTE_IO]
         device = planner.resolve_tensor(tensors[0]).device if tensors else None
-        self.ahead = ReadAhead(list(jobs.values()), device=device)
+        transformed = any(getattr(info[i.storage_index], "transform_descriptors", None) for i in items)
+        # DCP's own loop (items it saved transformed) asks for the spans in order: one lane
+        self.ahead = ahead = ReadAhead(list(jobs.values()), device=device, lanes=1 if transformed else LANES)
         try:
-            if any(getattr(info[i.storage_index], "transform_descriptors", None) for i in items):
+            if transformed:
                 super().read_data(dataclasses.replace(plan, items=items), planner)  # _slice_file below
             else:
-                self._load_items(items, planner)
+                self._load_items(ahead, items, planner)
         except Exception:
-            self.ahead.close()
+            ahead.close()
             for job in jobs.values():  # a damaged file is the likelier cause: name it (a full check)
                 if not job.verified:
                     check_file(self.manifest, f"{DCP_DIR}/{job.name}", job.path, job.uri)
             raise
-        self.ahead.finish()
-        self.phases.update(self.ahead.phases)
+        ahead.finish()
+        self.phases.update(ahead.phases)
         done: torch.futures.Future = torch.futures.Future()  # what DCP waits on
         done.set_result(None)
         return done
 
-    def _load_items(self, items, planner) -> None:
-        """What DCP's FileSystemReader.read_data does with each item, on the read-ahead's buffers: a tensor is
-        a view of its span's bytes (readahead.tensor_in), copied once, into the target (on the GPU from pinned
-        memory, without waiting)."""
-        phases, clock = self.phases, time.perf_counter
+    def _load_items(self, ahead: ReadAhead, items, planner) -> None:
+        """What DCP's FileSystemReader.read_data does with each item, on the read-ahead's buffers, in the order
+        its lanes hash the spans (the items of one span together)."""
+        waiting: dict[tuple[str, int, int], list] = collections.defaultdict(list)
         for item in items:
             md = self.storage_data[item.storage_index]
-            span = self.ahead.take(md.relative_path, md.offset, md.length)
-            t0 = clock()
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(bytes(memory(span))))
-                phases["bytes"] += clock() - t0
-                continue
-            tensor = narrow_tensor_by_index(tensor_in(span), item.storage_offsets, item.lengths)
-            target = planner.resolve_tensor(item).detach()
-            if target.size() != tensor.size():
-                raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
-            t1 = clock()
-            target.copy_(tensor, non_blocking=True)
-            planner.commit_tensor(item, target)
-            phases["deserialise"] += t1 - t0
-            phases["copy"] += clock() - t1
+            waiting[(md.relative_path, md.offset, md.length)].append(item)
+        while (got := ahead.next_span()) is not None:
+            key, span = got
+            for item in waiting.pop(key, []):
+                self._load_item(item, span, planner)
+        if waiting:  # every file was read to its end: the plan's offsets are not in the files
+            raise RuntimeError(f"checkpoint spans never read: {sorted(waiting)[:3]}")
+
+    def _load_item(self, item, span: torch.Tensor, planner) -> None:
+        """One item from its span's bytes: a tensor is a view of them (readahead.tensor_in), copied once into
+        the target (on the GPU from pinned memory, without waiting)."""
+        phases, clock = self.phases, time.perf_counter
+        t0 = clock()
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(bytes(memory(span))))
+            phases["bytes"] += clock() - t0
+            return
+        tensor = narrow_tensor_by_index(tensor_in(span), item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+        t1 = clock()
+        target.copy_(tensor, non_blocking=True)
+        planner.commit_tensor(item, target)
+        phases["deserialise"] += t1 - t0
+        phases["copy"] += clock() - t1
 
     def _slice_file(self, file, sinfo):
         """DCP's own read_data (only for items it saved transformed): a span's bytes as a file."""

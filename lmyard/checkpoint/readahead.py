@@ -33,12 +33,14 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import IO, cast
 
 import torch
 
 from lmyard.checkpoint.manifest import mismatch
 
 CHUNK = 64 << 20  # bytes per read of a gap or tail (hashed, not kept)
+LANES = 4  # files a rank reads and hashes at once (sha256 is one thread a file; a rank writes several)
 
 
 @dataclass
@@ -73,93 +75,31 @@ class _Buffer:
         return memory(self.data[:n])
 
 
-class ReadAhead:
-    """Reads `jobs` in order in a thread; `take(name, offset, length)` gives a span's bytes, in that order.
+class _Lane:
+    """One reader thread and one hasher thread over some of the files, in order, with a ring of buffers of its
+    own; hashed spans go to the ReadAhead's queue."""
 
-    `device`: the CUDA device the spans are copied to (buffers pinned, reuse waits for the copies), or None.
-    `phases` collects seconds per phase: read, hash, `reuse` (making a buffer, or waiting for the copies out
-    of it) and `wait` (the loading thread waiting in take())."""
-
-    def __init__(self, jobs: list[FileJob], depth: int = 4, device: torch.device | None = None):
-        self.jobs, self.device = jobs, device
-        self.pin = device is not None and device.type == "cuda"
-        self.size = max([CHUNK] + [length for job in jobs for _, length in job.spans])
-        self.phases: dict[str, float] = defaultdict(float)
-        self._free: queue.Queue[_Buffer] = queue.Queue()
+    def __init__(self, ahead: ReadAhead, jobs: list[FileJob], depth: int):
+        self.ahead, self.jobs = ahead, jobs
+        self.phases: dict[str, float] = defaultdict(float)  # this lane's own: no two threads add to one
+        self.hash_phases: dict[str, float] = defaultdict(float)
+        self.free: queue.Queue[_Buffer] = queue.Queue()
         for _ in range(max(2, depth)):  # two at least: the loading thread holds one while the next is read
-            self._free.put(_Buffer())
-        self._q: queue.Queue = queue.Queue()  # hashed spans, to take()
-        self._raw: queue.Queue = queue.Queue()  # the reader's buffers, to the hasher
-        self._stop = threading.Event()
-        self._current: tuple[tuple[str, int, int], _Buffer, int] | None = None
-        self._error: BaseException | None = None
-        self._reader = threading.Thread(target=self._read_files, name="lmyard-checkpoint-read", daemon=True)
-        self._thread = threading.Thread(target=self._run, name="lmyard-checkpoint-hash", daemon=True)
-        self._reader.start()
-        self._thread.start()
+            self.free.put(_Buffer())
+        self.raw: queue.Queue = queue.Queue()  # the reader's buffers, to the hasher
+        self.reader = threading.Thread(target=self._read_files, name="lmyard-checkpoint-read", daemon=True)
+        self.hasher = threading.Thread(target=self._run, name="lmyard-checkpoint-hash", daemon=True)
 
-    def take(self, name: str, offset: int, length: int) -> torch.Tensor:
-        """The bytes of one span as a uint8 tensor, valid until the next take() of another span (asked for
-        again: the same bytes); a damaged file's error as it is found."""
-        key = (name, offset, length)
-        t0 = time.perf_counter()
-        while self._current is None or self._current[0] != key:
-            self._release()
-            got = self._q.get()
-            if isinstance(got, BaseException):
-                raise got
-            if got is None:  # every file read: DCP asked for a span its plan did not list
-                raise RuntimeError(f"checkpoint read of a span not planned: {key}")
-            self._current = got
-            if got[0][0] == name and got[0][1] > offset:  # went past it: DCP asked out of the sorted order
-                raise RuntimeError(f"checkpoint read out of order: {key} after {got[0]}")
-        self.phases["wait"] += time.perf_counter() - t0
-        _, buf, n = self._current
-        assert buf.data is not None
-        return buf.data[:n]
-
-    def finish(self) -> None:
-        """After DCP's reads: wait for every file's tail to be hashed (and, on CUDA, for the copies out of the
-        buffers); DamagedCheckpoint naming a file that does not match its manifest."""
-        self._thread.join()
-        self._release()
-        if self.pin:
-            torch.cuda.current_stream(self.device).synchronize()
-        if self._error is not None:
-            raise self._error
-
-    def close(self) -> None:
-        """Stop reading (DCP failed): the threads end at their next buffer."""
-        self._stop.set()
-        self._thread.join()
-        self._reader.join()
-
-    def _release(self) -> None:
-        """The loading thread is done with the current span: its buffer back to the reader (on CUDA once the
-        copies issued from it have run)."""
-        if self._current is not None:
-            buf = self._current[1]
-            if self.pin:
-                buf.ready = torch.cuda.Event()
-                buf.ready.record(torch.cuda.current_stream(self.device))
-            self._free.put(buf)
-            self._current = None
-
-    def _get(self, q: queue.Queue):
-        """The queue's next item; None once close() was called."""
-        while not self._stop.is_set():
-            try:
-                return q.get(timeout=0.1)
-            except queue.Empty:
-                pass
-        return None
+    def start(self) -> None:
+        self.reader.start()
+        self.hasher.start()
 
     def _read_files(self) -> None:
         """The reader: every byte of every file in order, as (job, span key or None for a gap, buffer, bytes in
         it), a (job, "end", None, 0) after each file, None after the last; an I/O error as it is."""
         try:
-            if self.pin:  # a new thread starts on GPU 0: pinning there would make a context on it
-                torch.cuda.set_device(self.device)
+            if self.ahead.pin:  # a new thread starts on GPU 0: pinning there would make a context on it
+                torch.cuda.set_device(self.ahead.device)
             for job in self.jobs:
                 with open(job.path, "rb", buffering=0) as f:
                     pos = 0
@@ -177,19 +117,19 @@ class ReadAhead:
                         pass
                     if got is None:
                         return
-                self._raw.put((job, "end", None, 0))
-            self._raw.put(None)
+                self.raw.put((job, "end", None, 0))
+            self.raw.put(None)
         except BaseException as e:
-            self._raw.put(e)
+            self.raw.put(e)
 
     def _read(self, f, job: FileJob, key, n: int) -> int | None:
         """Up to n bytes into a free buffer, on to the hasher: how many (0 at the end of the file; fewer than n
         only there); None once close() was called."""
-        buf = self._get(self._free)
+        buf = self.ahead._get(self.free)
         if buf is None:
             return None
         t0 = time.perf_counter()
-        buf.ensure(self.size, self.pin)
+        buf.ensure(self.ahead.size, self.ahead.pin)
         t1 = time.perf_counter()
         view, got = buf.view(n), 0
         while got < n and (k := f.readinto(view[got:])):
@@ -197,16 +137,17 @@ class ReadAhead:
         self.phases["reuse"] += t1 - t0
         self.phases["read"] += time.perf_counter() - t1
         if got == 0 or (key is not None and got < n):  # the end of the file (early for a span: raised above)
-            self._free.put(buf)
+            self.free.put(buf)
             return got
-        self._raw.put((job, key, buf, got))
+        self.raw.put((job, key, buf, got))
         return got
 
     def _run(self) -> None:
-        """The hasher: each file's sha256 over the reader's bytes, the spans passed on to take()."""
-        h = hashlib.sha256()
+        """The hasher: each file's sha256 over the reader's bytes, the spans passed on to the loading thread
+        (with the lane, to which their buffer goes back); None after this lane's last file."""
+        h, out = hashlib.sha256(), self.ahead._q
         try:
-            while (got := self._get(self._raw)) is not None:
+            while (got := self.ahead._get(self.raw)) is not None:
                 if isinstance(got, BaseException):
                     raise got
                 job, key, buf, n = got
@@ -217,12 +158,116 @@ class ReadAhead:
                     continue
                 t0 = time.perf_counter()
                 h.update(buf.view(n))
-                self.phases["hash"] += time.perf_counter() - t0
-                (self._free if key is None else self._q).put(buf if key is None else (key, buf, n))
-            self._q.put(None)
-        except BaseException as e:  # DCP's next take() raises it
-            self._error = e
-            self._q.put(e)
+                self.hash_phases["hash"] += time.perf_counter() - t0
+                if key is None:
+                    self.free.put(buf)
+                else:
+                    out.put((key, buf, n, self))
+            out.put(None)
+        except BaseException as e:  # the loading thread's next span raises it
+            self.ahead._error = self.ahead._error or e
+            out.put(e)
+
+
+class ReadAhead:
+    """Reads `jobs` in `lanes` lanes at once (a file's bytes in order within its lane); `take(name, offset,
+    length)` gives a span's bytes in the jobs' order (one lane only), `next_span()` the next span hashed in
+    any lane.
+
+    `device`: the CUDA device the spans are copied to (buffers pinned, reuse waits for the copies), or None.
+    `phases` (after finish) has the seconds per phase, summed over the lanes: read, hash, `reuse` (making a
+    buffer, or waiting for the copies out of it) and `wait` (the loading thread waiting for a span)."""
+
+    def __init__(self, jobs: list[FileJob], depth: int = 4, device: torch.device | None = None, lanes: int = 1):
+        self.jobs, self.device = jobs, device
+        self.pin = device is not None and device.type == "cuda"
+        self.size = max([CHUNK] + [length for job in jobs for _, length in job.spans])
+        self.phases: dict[str, float] = defaultdict(float)
+        self._q: queue.Queue = queue.Queue()  # hashed spans of every lane, to the loading thread
+        self._stop = threading.Event()
+        self._current: tuple[tuple[str, int, int], _Buffer, int, _Lane] | None = None
+        self._error: BaseException | None = None
+        n = max(1, min(lanes, len(jobs)))
+        per_lane = depth if n == 1 else 2  # buffers a lane: reading one while the other is hashed or copied
+        self._lanes = [_Lane(self, jobs[i::n], per_lane) for i in range(n)]  # files dealt round-robin
+        self._open = n  # lanes that have not said they are done
+        for lane in self._lanes:
+            lane.start()
+
+    def take(self, name: str, offset: int, length: int) -> torch.Tensor:
+        """The bytes of one span as a uint8 tensor, valid until the next take() of another span (asked for
+        again: the same bytes); a damaged file's error as it is found. In the jobs' order: one lane only."""
+        assert len(self._lanes) == 1, "take() reads in the jobs' order: a ReadAhead of one lane"
+        key = (name, offset, length)
+        while self._current is None or self._current[0] != key:
+            got = self.next_span()
+            if got is None:  # every file read: DCP asked for a span its plan did not list
+                raise RuntimeError(f"checkpoint read of a span not planned: {key}")
+            if got[0][0] == name and got[0][1] > offset:  # went past it: DCP asked out of the sorted order
+                raise RuntimeError(f"checkpoint read out of order: {key} after {got[0]}")
+        _, buf, n, _ = self._current
+        assert buf.data is not None
+        return buf.data[:n]
+
+    def next_span(self) -> tuple[tuple[str, int, int], torch.Tensor] | None:
+        """The next span hashed in any lane, as ((name, offset, length), its bytes as a uint8 tensor, valid until
+        the next call); None once every lane is done; a damaged file's error as it is found."""
+        self._release()
+        t0 = time.perf_counter()
+        while self._open:
+            got = self._q.get()
+            if isinstance(got, BaseException):
+                raise got
+            if got is None:
+                self._open -= 1
+                continue
+            self._current = got
+            self.phases["wait"] += time.perf_counter() - t0
+            key, buf, n, _ = got
+            return key, buf.data[:n]
+        return None
+
+    def finish(self) -> None:
+        """After the last span: wait for every file's tail to be hashed (and, on CUDA, for the copies out of the
+        buffers); DamagedCheckpoint naming a file that does not match its manifest."""
+        for lane in self._lanes:
+            lane.hasher.join()
+        self._release()
+        if self.pin:
+            torch.cuda.current_stream(self.device).synchronize()
+        for lane in self._lanes:
+            for phases in (lane.phases, lane.hash_phases):
+                for k, v in phases.items():
+                    self.phases[k] += v
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        """Stop reading (the load failed): the threads end at their next buffer."""
+        self._stop.set()
+        for lane in self._lanes:
+            lane.hasher.join()
+            lane.reader.join()
+
+    def _release(self) -> None:
+        """The loading thread is done with the current span: its buffer back to its lane's reader (on CUDA once
+        the copies issued from it have run)."""
+        if self._current is not None:
+            buf, lane = self._current[1], self._current[3]
+            if self.pin:
+                buf.ready = torch.cuda.Event()
+                buf.ready.record(torch.cuda.current_stream(self.device))
+            lane.free.put(buf)
+            self._current = None
+
+    def _get(self, q: queue.Queue):
+        """The queue's next item; None once close() was called."""
+        while not self._stop.is_set():
+            try:
+                return q.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        return None
 
 
 def memory(t: torch.Tensor) -> memoryview:
@@ -266,7 +311,7 @@ def tensor_in(span: torch.Tensor) -> torch.Tensor:
     read from a file-like object. Anything else (an archive this does not read) goes to torch.load."""
     mv = memory(span)
     try:
-        with torch.serialization._open_zipfile_reader(_SpanFile(mv)) as archive:
+        with torch.serialization._open_zipfile_reader(cast(IO[bytes], _SpanFile(mv))) as archive:
             storage = span.untyped_storage()[span.storage_offset() :]
             return torch.serialization._load(
                 archive, "cpu", torch._weights_only_unpickler, overall_storage=storage, encoding="utf-8"
