@@ -20,8 +20,9 @@ Fused AdamW; two steps on random tokens make its state. Then, on every rank:
   (`written_s`), uploaded into the store (`uploaded_s`: sha256, then a rename into the store folder,
   `--upload rename`, the default, as into a local store on the staging filesystem; or a copy, `--upload
   copy`, what an object store costs at disk speed) and committed by rank 0 (`committed_s`), and the bytes per rank;
-- read: the last checkpoint's files read back whole by the ranks in parallel (each a share of them, 64 MiB
-  reads into one buffer, nothing else done with them), after asking the kernel to drop them from its page
+- read: the last checkpoint's files (`--write-threads` a rank, 4 by default as checkpoint.files_per_rank)
+  read back whole by the ranks in parallel (each a share of them, up to 4 files at once as the load reads
+  them, 64 MiB reads into a buffer, nothing else done with them), after asking the kernel to drop them from its page
   cache (POSIX_FADV_DONTNEED, which a sandboxed kernel may ignore): the disk's read rate for these files;
 - load: `load_sharded` of the last checkpoint into the model, files read in place (with their sha256), after
   the same request to drop them from the cache; its time over the read's is the resume's overhead. Then
@@ -224,15 +225,23 @@ def drop_cached(files: list[Path]) -> None:
             os.close(fd)
 
 
-def read_back(files: list[Path], rank: int, world: int) -> dict:
-    """This rank's share of the files read whole, 64 MiB at a time into one buffer: bytes and seconds."""
-    mine, buf, n = files[rank::world], bytearray(64 << 20), 0
-    dist.barrier()
-    t0 = time.perf_counter()
-    for f in mine:
+def read_back(files: list[Path], rank: int, world: int, lanes: int = 4) -> dict:
+    """This rank's share of the files read whole, `lanes` files at once (as many as the load reads at once,
+    readahead.LANES), 64 MiB at a time into a buffer each: bytes and seconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def read(f: Path) -> int:
+        buf, n = bytearray(64 << 20), 0
         with open(f, "rb", buffering=0) as fh:
             while k := fh.readinto(buf):
                 n += k
+        return n
+
+    mine = files[rank::world]
+    dist.barrier()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max(1, min(lanes, len(mine)))) as pool:
+        n = sum(pool.map(read, mine))
     return {"bytes": n, "seconds": time.perf_counter() - t0}
 
 
@@ -261,7 +270,12 @@ def parse_args() -> argparse.Namespace:
         default="rename",
         help="copy: files are copied into the store (needs 2x the state on disk); rename: moved",
     )
-    p.add_argument("--write-threads", type=int, default=1, help="DCP writer threads per rank (a file each)")
+    p.add_argument(
+        "--write-threads",
+        type=int,
+        default=4,
+        help="files per rank (DCP writer threads; checkpoint.files_per_rank, 4 by default as in the trainer)",
+    )
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--no-sync", action="store_true", help="skip the synchronous dcp.save row")
     p.add_argument("--width", type=int, default=4096, help="d of the Linear stack")
