@@ -29,9 +29,10 @@ rank 0 gives up after `commit_timeout_s` leaving the step without a manifest
 (invisible).
 
 Loading (`load_sharded`) reshards to any world size (DCP plans the reads from
-the target's DTensor placements). Each file is read once, front to back, into a
-few reused buffers (pinned on CUDA) by a thread while a second hashes it
-(lmyard.checkpoint.readahead); the reader's `read_data` builds each tensor as a
+the target's DTensor placements). A rank writes `write_threads` files
+(checkpoint.files_per_rank) and hashes them in parallel; each file is read once,
+front to back, into a few reused buffers (pinned on CUDA) by a thread while a
+second hashes it, four files at a time (lmyard.checkpoint.readahead); the reader's `read_data` builds each tensor as a
 view of its span's bytes and copies it once into the target (DCP's own loop
 would torch.load each span into a fresh storage first);
 a damaged or missing file raises DamagedCheckpoint naming it, so

@@ -8,7 +8,15 @@ and the tail. One thread reads, a second hashes what it read (so a disk slower t
 limit), and each span goes on to the loading thread (lmyard.checkpoint.dcp's reader), so reading and
 hashing overlap the deserialising and the copies into the target.
 
-The bytes land in a small ring of buffers (`depth`, each as large as the largest span or CHUNK), reused
+A rank writes its shards into several files (checkpoint.files_per_rank, 4 by default), and the files
+are read in `lanes` (LANES, 4) at once, each lane a reader and a hasher thread of its own over every
+lanes-th file: sha256 is one thread a file, and at 8B one hasher kept up with neither the disk nor the
+loading thread (0.3-0.4 GB/s a rank, docs/benchmarks.md), four do. The loading thread takes each span as
+a lane has hashed it (`next_span`), in no fixed order across files; DCP's own loop, kept for items it
+saved transformed, asks in order (`take`, one lane).
+
+The bytes land in a small ring of buffers a lane (`depth` with one lane, two with several; each as large
+as the largest span or CHUNK), reused
 from span to span: no fresh allocation per span (24 GB a rank for an 8B model with AdamW, page-faulted
 in and zeroed by the kernel, then freed), and on CUDA they are pinned, so the copy into a GPU shard is a
 DMA the loading thread only issues (non_blocking). A buffer goes back to the reader once the hasher is
