@@ -559,8 +559,10 @@ def test_a_sharded_file_damaged_past_its_first_tensors_is_named_and_nothing_hang
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_resume_onto_a_gpu_copies_from_the_reused_pinned_buffers_exactly(tmp_path):
-    store, saved, _ = _wide_checkpoint(tmp_path)
+@pytest.mark.parametrize("files", [1, 4])
+def test_resume_onto_a_gpu_copies_from_the_reused_pinned_buffers_exactly(tmp_path, files):
+    """One lane, or four whose pinned buffers are reused once the copies out of them have run."""
+    store, saved, _ = _wide_checkpoint(tmp_path, files)
     torch.manual_seed(1)
     fresh = nn.Sequential(*(nn.Linear(512, 512) for _ in range(8))).cuda()
     opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
