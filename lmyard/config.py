@@ -365,6 +365,17 @@ class TrainConfig(_Section):
         "before the first step, false where the memory plan fits with it once checkpointing is settled, else true "
         "(true on CPU).",
     )
+
+    @field_validator("fsdp_reshard_after_forward", mode="before")
+    @classmethod
+    def _reshard_is_bool_or_auto(cls, v: Any) -> Any:
+        """One message for a bad value (the union's two members would each report theirs)."""
+        if isinstance(v, bool) or v == "auto":
+            return v
+        if isinstance(v, str) and v.lower() in ("true", "false"):
+            return v.lower() == "true"
+        raise ValueError(f"should be true, false or auto, got {v!r}")
+
     fsdp_reduce_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
         description="fsdp on CUDA: the dtype gradients are reduce-scattered in; bfloat16 halves the bytes sent "

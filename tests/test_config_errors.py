@@ -55,6 +55,11 @@ def test_recipe_file_is_read_and_overridden(tmp_path):
         (["config", "--set", "store=gs://bucket/x"], "is not a store URI"),
         (["config", "--set", "train.activation_checkpointing=some"], "train.activation_checkpointing: Input should be"),
         (
+            ["config", "--set", "train.fsdp_reshard_after_forward=maybe"],
+            "train.fsdp_reshard_after_forward: should be true, false or auto, got 'maybe'",
+        ),
+        (["config", "--set", "checkpoint.files_per_rank=0"], "checkpoint.files_per_rank: Input should be greater than"),
+        (
             [
                 "config",
                 "--set",
