@@ -32,9 +32,10 @@ Loading (`load_sharded`) reshards to any world size (DCP plans the reads from
 the target's DTensor placements). A rank writes `write_threads` files
 (checkpoint.files_per_rank) and hashes them in parallel; each file is read once,
 front to back, into a few reused buffers (pinned on CUDA) by a thread while a
-second hashes it, four files at a time (lmyard.checkpoint.readahead); the reader's `read_data` builds each tensor as a
-view of its span's bytes and copies it once into the target (DCP's own loop
-would torch.load each span into a fresh storage first);
+second hashes it, four files at a time (lmyard.checkpoint.readahead); the
+reader's `read_data` builds each tensor as a view of its span's bytes and copies
+it once into the target (DCP's own loop would torch.load each span into a fresh
+storage first);
 a damaged or missing file raises DamagedCheckpoint naming it, so
 resume.find_latest falls back to the previous checkpoint on every rank together.
 `load_full` reads a sharded checkpoint on one process, without a process group,

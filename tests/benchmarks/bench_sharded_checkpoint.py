@@ -36,7 +36,6 @@ parameter (fp32 weights + AdamW moments; 96 GB for 8B), twice with --upload copy
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import shutil
@@ -365,9 +364,10 @@ def main() -> None:
     if not a.warm:
         drop_cached(files[rank :: dist.get_world_size()])
     phases: dict = {}
-    kw = {"phases": phases} if "phases" in inspect.signature(sc.load_sharded).parameters else {}  # older lmyard
     mine = timed(
-        lambda: sc.load_sharded(LocalStore(str(root / "store")), RUN, last, model, opt, str(root / "cache"), **kw)
+        lambda: sc.load_sharded(
+            LocalStore(str(root / "store")), RUN, last, model, opt, str(root / "cache"), phases=phases
+        )
     )
     load_s = worst(mine)
     say(rank, {"phase": "load_sharded (resume), files read in place", "seconds": round(load_s, 3)})
