@@ -12,7 +12,8 @@ from conftest import free_port
 from lmyard.config import ModelConfig
 from lmyard.models.registry import build_model
 from lmyard.recipes import load_recipe
-from lmyard.train.parallel import clip_grad_norm, no_sync, parallelize
+from lmyard.train.optim import AdamW, clipped_update
+from lmyard.train.parallel import no_sync, parallelize
 
 STEPS, ACCUM, MICRO, WORLD = 4, 2, 2, 2
 
@@ -29,7 +30,7 @@ def _batches(doc_len: int | None = None):
 
 def _train(model, params, batches, rank, world, sync):
     """AdamW steps over `batches` (each: ACCUM micro-batches of the global batch); this rank takes its rows."""
-    opt = torch.optim.AdamW(model.param_groups(0.1) if hasattr(model, "param_groups") else params, lr=3e-3)
+    opt = AdamW(model.param_groups(0.1) if hasattr(model, "param_groups") else params, lr=3e-3)
     losses = []
     for micro_batches in batches:
         total = 0.0
@@ -39,8 +40,7 @@ def _train(model, params, batches, rank, world, sync):
                 loss = model(mine[:, :-1], mine[:, 1:])
                 (loss / ACCUM).backward()
             total += loss.detach() / ACCUM
-        norm = clip_grad_norm(params, 0.5)
-        opt.step()
+        norm = clipped_update(params, opt, 0.5)
         opt.zero_grad(set_to_none=True)
         if world > 1:
             dist.all_reduce(total)

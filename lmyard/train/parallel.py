@@ -208,14 +208,3 @@ def no_sync(model: nn.Module):
         return paused()
     ddp_no_sync = getattr(model, "no_sync", None)  # DDP's (through torch.compile's wrapper too)
     return ddp_no_sync() if ddp_no_sync is not None else contextlib.nullcontext()
-
-
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Clip the global gradient norm and return it as a plain tensor, for DTensor (FSDP2) or plain grads."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    full_tensor = getattr(norm, "full_tensor", None)
-    if full_tensor is not None:  # a DTensor: the sum of the shards' squares is reduced over the ranks here
-        norm = full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return norm

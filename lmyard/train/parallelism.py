@@ -4,7 +4,7 @@
     fsdp  every rank holds its shards (FSDP2 units, made before the optimizer so it holds
           DTensors); FSDP2 keeps bf16 weights itself (its mixed-precision policy): no autocast
 
-The trainer asks a `Parallelism` (shard, wrap, clip) and its checkpointer
+The trainer asks a `Parallelism` (shard, wrap) and its checkpointer
 (lmyard.checkpoint.checkpointer), never `train.parallel` itself.
 """
 
@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lmyard.config import RunConfig
 from lmyard.evaluate.validation import autocast
-from lmyard.train.parallel import apply_activation_checkpointing, apply_float8, clip_grad_norm, parallelize
+from lmyard.train.parallel import apply_activation_checkpointing, apply_float8, parallelize
 
 
 class ComputeContext:
@@ -102,8 +102,3 @@ class Parallelism:
         if self.sharded:
             return raw_model, ComputeContext(False, cfg.model.attention)
         return prepare_model(raw_model, cfg, d)
-
-    @property
-    def clip(self):
-        """The gradient-norm clip: FSDP2's reduces the shards' norms over the ranks."""
-        return clip_grad_norm if self.sharded else torch.nn.utils.clip_grad_norm_

@@ -77,6 +77,7 @@ from lmyard.train.components import (
     Validator,
     all_mean,
 )
+from lmyard.train.optim import AdamW, clipped_update
 from lmyard.train.parallel import no_sync
 from lmyard.train.parallelism import Parallelism
 from lmyard.train.watchdog import Heartbeat
@@ -244,7 +245,7 @@ class Trainer:
             )
         self.parallel = Parallelism.of(self.cfg)  # chosen once: the trainer never asks train.parallel again
         self.parallel.shard(self.raw_model, self.planned, self.d.world, self.d.device)  # before the optimizer is made
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = AdamW(
             self.raw_model.param_groups(self.t.weight_decay),
             lr=self.t.lr,
             betas=(self.t.beta1, self.t.beta2),
@@ -355,7 +356,6 @@ class Trainer:
             self.d.world > 1,
             poison=self.faults.poison(self.state.step + 1),
             before_update=self.checkpointer.before_update,
-            clip=self.parallel.clip,
         )
         s = self.state
         s.step, s.cursor, s.tokens_seen = s.step + 1, s.cursor + self.data.per_step, s.tokens_seen + self.t.batch_tokens
@@ -613,7 +613,6 @@ def train_step(
     distributed: bool,
     poison: bool = False,
     before_update=None,
-    clip=torch.nn.utils.clip_grad_norm_,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over `accum` micro-batches; returns (mean loss, grad norm) as device tensors."""
     for group in optimizer.param_groups:
@@ -628,11 +627,9 @@ def train_step(
             loss = loss * float("nan")
         (loss / accum).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-    # `clip`: Parallelism.clip (a sharded model's reduces the shards' norms over the ranks)
-    grad_norm = clip(params, grad_clip if grad_clip > 0 else float("inf"))
-    if before_update is not None:
-        before_update()  # a checkpoint copy of the weights in flight must finish before they change
-    optimizer.step()
+    # the norm (over the ranks' shards under FSDP2), then AdamW on the clipped gradients (lmyard.train.optim);
+    # before_update: a checkpoint copy of the weights in flight must finish before they change
+    grad_norm = clipped_update(params, optimizer, grad_clip if grad_clip > 0 else float("inf"), before_update)
     optimizer.zero_grad(set_to_none=True)
     assert loss_sum is not None, "accum >= 1 micro-step (grad_accum_steps)"
     return loss_sum / accum, grad_norm

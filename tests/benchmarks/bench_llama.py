@@ -68,6 +68,7 @@ WORKER_ARGS = (
     "steps",
     "warmup",
     "profile",
+    "optimizer",
     "device",
     "attention",
     "doc_mask",
@@ -83,7 +84,7 @@ def timed_steps(model, params, opt, batch, warmup: int, steps: int, device, ctx)
     (seconds of the timed ones, losses)."""
     import torch
 
-    from lmyard.train.parallel import clip_grad_norm
+    from lmyard.train.optim import clipped_update
 
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -98,8 +99,7 @@ def timed_steps(model, params, opt, batch, warmup: int, steps: int, device, ctx)
         with ctx:
             loss = model(x, y)
         loss.backward()
-        clip_grad_norm(params, 1.0)
-        opt.step()
+        clipped_update(params, opt, 1.0)  # the trainer's: lmyard's AdamW takes the clip's scale in its step
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
     sync()
@@ -179,7 +179,11 @@ def worker(a: argparse.Namespace) -> None:
     else:  # the trainer's ddp path: float8, checkpointing, DDP on several ranks, whole-model compile, autocast
         model, ctx = prepare_model(model, cfg, SimpleNamespace(world=world, local_rank=local, device=device))
     params = list(raw.parameters())
-    opt = torch.optim.AdamW(raw.param_groups(0.1), lr=3e-4, betas=(0.9, 0.95), fused=cuda)
+    from lmyard.train.optim import AdamW
+
+    opt = (AdamW if a.optimizer == "lmyard" else torch.optim.AdamW)(
+        raw.param_groups(0.1), lr=3e-4, betas=(0.9, 0.95), fused=cuda
+    )
     tokens, B, T = read_shard(a.shard), a.batch, a.seq
 
     def batch(step: int):
@@ -221,6 +225,7 @@ def worker(a: argparse.Namespace) -> None:
         "reshard": cfg.train.fsdp_reshard_after_forward if a.parallel == "fsdp" else None,  # as settled
         "compile": a.compile,
         "float8": a.float8,
+        "optimizer": a.optimizer,
         "doc_mask": a.doc_mask == "on",
         "tok_s": round(tok_s),
         "tok_s_per_gpu": round(tok_s / world),
@@ -433,6 +438,13 @@ def parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16"],
         default="float32",
         help="train.fsdp_reduce_dtype (lmyard only; torchtitan reduces in float32)",
+    )
+    ap.add_argument(
+        "--optimizer",
+        choices=["lmyard", "torch"],
+        default="lmyard",
+        help="lmyard: the trainer's AdamW, the clip's scale inside its step (lmyard.train.optim); torch: "
+        "clip_grad_norm_ then torch's fused AdamW, as torchtitan does",
     )
     ap.add_argument(
         "--attention",

@@ -1,0 +1,171 @@
+"""The optimizer step: AdamW, with the gradient clip's scale applied inside it.
+
+`clipped_update(params, optimizer, max_norm)` is the end of every training step: the global
+gradient norm (over the ranks' shards under FSDP2), the clip's scale `min(1, max_norm / (norm +
+1e-6))` as torch's `clip_grad_norm_` computes it, then `AdamW.step(grad_scale=scale)`.
+
+`AdamW` is torch's (its hyper-parameters, state and state_dict: checkpoints of either load into
+the other). On CUDA its step with a `grad_scale` is one Triton kernel a tensor that reads the
+weight, gradient and both moments once and writes the weight and moments once, the gradient
+scaled as it is read. Clipping and then stepping with torch's fused AdamW reads the gradients
+three times and writes them once more: at the Llama-3 8B shape on 4 GPUs that is 24 of the
+step's ~80 GB of optimizer traffic per GPU (tests/benchmarks/bench_optimizer.py). Elsewhere (CPU,
+no Triton, or options the kernel does not take: amsgrad, maximize, capturable, differentiable)
+the step scales the gradients in place and runs torch's own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton comes with CUDA builds of torch; CPU installs run torch's step
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+BLOCK = 2048  # elements a program: a sweep on H100 (bench_optimizer.py --sweep)
+NUM_WARPS = 8
+
+if triton is not None:
+
+    @triton.jit
+    def _adamw_kernel(
+        p_ptr,
+        g_ptr,
+        m_ptr,
+        v_ptr,
+        step_ptr,
+        scale_ptr,
+        betas_ptr,
+        n,
+        lr,
+        eps,
+        weight_decay,
+        BLOCK: tl.constexpr,
+    ):
+        """One AdamW update of `BLOCK` elements, the gradient times *scale_ptr; *step_ptr already counts it.
+        1 - beta and the bias corrections 1 - beta^step in float64, as torch's foreach AdamW makes them on
+        the host: from a float32 beta2 of 0.999, 1 - beta2 is 1.3e-5 off."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        step = tl.load(step_ptr).to(tl.float64)
+        beta1_64, beta2_64 = tl.load(betas_ptr), tl.load(betas_ptr + 1)
+        bias1 = (1.0 - tl.exp(step * tl.log(beta1_64))).to(tl.float32)
+        bias2_sqrt = tl.sqrt(1.0 - tl.exp(step * tl.log(beta2_64))).to(tl.float32)
+        beta1, beta2 = beta1_64.to(tl.float32), beta2_64.to(tl.float32)
+        rest1, rest2 = (1.0 - beta1_64).to(tl.float32), (1.0 - beta2_64).to(tl.float32)  # 1 - 0.999 in float32
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(scale_ptr)
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        p = p * (1.0 - lr * weight_decay)
+        m = beta1 * m + rest1 * g
+        v = beta2 * v + rest2 * g * g
+        p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (what the kernel updates in place); a plain tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+class AdamW(torch.optim.AdamW):
+    """torch.optim.AdamW whose `step(grad_scale=s)` uses gradient x s (the clip's scale), fused on CUDA."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._betas: dict[tuple, torch.Tensor] = {}  # (device, beta1, beta2) -> the kernel's float64 betas
+
+    def step(self, closure=None, *, grad_scale: torch.Tensor | None = None):
+        if grad_scale is None:
+            return super().step(closure)
+        if closure is not None:
+            raise ValueError("AdamW.step takes a closure or a grad_scale, not both")
+        with torch.no_grad():
+            rest = []
+            for group in self.param_groups:
+                if self._fusable(group):
+                    self._fused_step(group, grad_scale)
+                else:
+                    rest.append(group)
+            grads = [p.grad for group in rest for p in group["params"] if p.grad is not None]
+            if grads:  # these gradients scaled in place, then torch's step over their groups only
+                torch._foreach_mul_(grads, grad_scale.to(grads[0].device))
+                kept, self.param_groups = self.param_groups, rest
+                try:
+                    super().step()
+                finally:
+                    self.param_groups = kept
+        return None
+
+    def _fusable(self, group: dict) -> bool:
+        params = [p for p in group["params"] if p.grad is not None]
+        return (
+            triton is not None
+            and bool(params)
+            and all(p.is_cuda and p.dtype == torch.float32 and _local(p).is_contiguous() for p in params)
+            and not any(group.get(k) for k in ("amsgrad", "maximize", "capturable", "differentiable"))
+            and not torch.is_complex(params[0])
+        )
+
+    def _fused_step(self, group: dict, grad_scale: torch.Tensor) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            state = self.state[p]
+            if not state:  # as torch's fused AdamW starts it: a float32 step on the device, zero moments
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        steps = [self.state[p]["step"] for p in params]
+        torch._foreach_add_(steps, 1.0)
+        lr = float(group["lr"])
+        device = params[0].device
+        scale = grad_scale.to(device=device, dtype=torch.float32)
+        key = (device, *map(float, group["betas"]))
+        if key not in self._betas:  # made once: a copy from the host each step would wait for the GPU
+            self._betas[key] = torch.tensor(key[1:], dtype=torch.float64, device=device)
+        for p, step in zip(params, steps):
+            w, g = _local(p), _local(p.grad)
+            m, v = _local(self.state[p]["exp_avg"]), _local(self.state[p]["exp_avg_sq"])
+            n = w.numel()
+            if n == 0:
+                continue
+            _adamw_kernel[(triton.cdiv(n, BLOCK),)](
+                w, g, m, v, step, scale, self._betas[key], n, lr, group["eps"], group["weight_decay"],
+                BLOCK=BLOCK, num_warps=NUM_WARPS,
+            )  # fmt: skip
+
+
+def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """The global L2 norm of the gradients, as a plain tensor: a DTensor's (FSDP2) is reduced over the ranks."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    full_tensor = getattr(norm, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else norm
+
+
+def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ factor: min(1, max_norm / (norm + 1e-6)), on the device, without a sync."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+def clipped_update(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, max_norm: float, before_update=None):
+    """The gradients' norm, then the optimizer's step on gradients clipped to `max_norm` (inf: no clip);
+    returns the norm before clipping. `before_update` runs between them (a checkpoint copy in flight)."""
+    norm = grad_norm(params)
+    scale = clip_scale(norm, max_norm)
+    if before_update is not None:
+        before_update()
+    if isinstance(optimizer, AdamW):
+        optimizer.step(grad_scale=scale)
+    else:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale.to(grads[0].device))
+        optimizer.step()
+    return norm
