@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lmyard.models.gpt2.model import GPT
 from lmyard.models.registry import model_config
 from lmyard.recipes import load_recipe
+from lmyard.train.optim import AdamW
 from lmyard.train.parallelism import prepare_model
 from lmyard.train.trainer import setup_distributed, train_step
 
@@ -61,6 +62,7 @@ KINDS = (
     ("loss", ("ce_grad",)),
     ("attention", ("flash", "fmha", "attention", "cudnn")),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_")),
+    ("copies", ("copyfunctor", "split_with_sizes", "chunk_cat")),  # FSDP2's copies in and out of its buffers
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("fused elementwise", ("triton",)),
 )
@@ -123,7 +125,7 @@ def main() -> None:
     gcfg = model_config(cfg.model, 50257)
     raw = GPT(gcfg).to(d.device)
     model, autocast = prepare_model(raw, cfg, d)  # exactly as the trainer: DDP with more than one rank, compile
-    optimizer = torch.optim.AdamW(raw.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
+    optimizer = AdamW(raw.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), fused=True)  # the trainer's
     params = list(raw.parameters())
     data = torch.randint(0, 50257, (args.batch, gcfg.block_size + 1), device=d.device)
 
