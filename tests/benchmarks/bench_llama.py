@@ -119,7 +119,7 @@ def profiled(model, params, opt, batch, steps: int, device, ctx) -> dict:
     by_name: dict[str, float] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
-            by_name[e.name[:90]] = by_name.get(e.name[:90], 0.0) + (e.time_range.end - e.time_range.start)
+            by_name[e.name[:160]] = by_name.get(e.name[:160], 0.0) + (e.time_range.end - e.time_range.start)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     out["top_kernels_ms_per_step"] = {name: round(us / steps / 1e3, 2) for name, us in top}
     return out
