@@ -26,9 +26,24 @@ def _groups(model: torch.nn.Module) -> list[dict]:
     ]
 
 
-def _backward(model: torch.nn.Module, step: int) -> None:
-    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(step))
+def _backward(model: torch.nn.Module, step: int, device: str = "cpu") -> None:
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(step)).to(device)
     (model(x).pow(2).sum() * 10).backward()
+
+
+def _side_by_side(ours, opt_a, theirs, opt_b, steps: int, max_norm: float, device: str = "cpu") -> list[tuple]:
+    """`steps` steps of each model on the same batches: ours by clipped_update, theirs by clip_grad_norm_
+    and its optimizer's step; both gradient norms of each step."""
+    norms = []
+    for step in range(steps):
+        _backward(ours, step, device)
+        _backward(theirs, step, device)
+        norm_a = clipped_update(list(ours.parameters()), opt_a, max_norm)
+        norms.append((norm_a, torch.nn.utils.clip_grad_norm_(theirs.parameters(), max_norm)))
+        opt_b.step()
+        for opt in (opt_a, opt_b):
+            opt.zero_grad(set_to_none=True)
+    return norms
 
 
 @pytest.mark.parametrize("max_norm", [0.5, float("inf")], ids=["clipping", "no-clip"])
@@ -36,14 +51,7 @@ def test_clipped_update_equals_clip_grad_norm_then_adamw_step(max_norm):
     ours, theirs = _model(), _model()
     opt_a = AdamW(_groups(ours), lr=1e-2, betas=(0.9, 0.95))
     opt_b = torch.optim.AdamW(_groups(theirs), lr=1e-2, betas=(0.9, 0.95))
-    for step in range(3):
-        _backward(ours, step)
-        _backward(theirs, step)
-        norm_a = clipped_update(list(ours.parameters()), opt_a, max_norm)
-        norm_b = torch.nn.utils.clip_grad_norm_(theirs.parameters(), max_norm)
-        opt_b.step()
-        for opt in (opt_a, opt_b):
-            opt.zero_grad(set_to_none=True)
+    for norm_a, norm_b in _side_by_side(ours, opt_a, theirs, opt_b, 3, max_norm):
         assert torch.equal(norm_a, norm_b)
         assert norm_a > 0.5  # the clip scaled every step where it could
     for a, b in zip(ours.parameters(), theirs.parameters()):
@@ -124,15 +132,7 @@ def test_fused_step_on_cuda_matches_clip_then_torch_adamw():
     ours, theirs = _model().cuda(), _model().cuda()
     opt_a = AdamW(_groups(ours), lr=1e-2, fused=True)
     opt_b = torch.optim.AdamW(_groups(theirs), lr=1e-2, foreach=True)
-    for step in range(5):
-        for model in (ours, theirs):
-            x = torch.randn(8, 12, generator=torch.Generator().manual_seed(step)).cuda()
-            (model(x).pow(2).sum() * 10).backward()
-        clipped_update(list(ours.parameters()), opt_a, 0.5)
-        torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5)
-        opt_b.step()
-        for opt in (opt_a, opt_b):
-            opt.zero_grad(set_to_none=True)
+    _side_by_side(ours, opt_a, theirs, opt_b, 5, 0.5, "cuda")
     for a, b in zip(ours.parameters(), theirs.parameters()):
         assert ((a - b).norm() / b.norm()).item() < 1e-6
 
@@ -151,15 +151,7 @@ def test_fused_step_updates_fsdp_shards_in_place_on_cuda():
         fully_shard(sharded, mesh=mesh)
         opt_a = AdamW(_groups(sharded), lr=1e-2, fused=True)
         opt_b = torch.optim.AdamW(_groups(plain), lr=1e-2, foreach=True)
-        for step in range(3):
-            for model in (sharded, plain):
-                x = torch.randn(8, 12, generator=torch.Generator().manual_seed(step)).cuda()
-                (model(x).pow(2).sum() * 10).backward()
-            clipped_update(list(sharded.parameters()), opt_a, 0.5)
-            torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
-            opt_b.step()
-            for opt in (opt_a, opt_b):
-                opt.zero_grad(set_to_none=True)
+        _side_by_side(sharded, opt_a, plain, opt_b, 3, 0.5, "cuda")
         for a, b in zip(sharded.parameters(), plain.parameters()):
             assert ((a.full_tensor() - b).norm() / b.norm()).item() < 1e-6
     finally:
