@@ -8,8 +8,8 @@ gradient norm (over the ranks' shards under FSDP2), the clip's scale `min(1, max
 the other). On CUDA its step with a `grad_scale` is one Triton kernel a tensor that reads the
 weight, gradient and both moments once and writes the weight and moments once, the gradient
 scaled as it is read. Clipping and then stepping with torch's fused AdamW reads the gradients
-three times and writes them once more: at the Llama-3 8B shape on 4 GPUs that is 24 of the
-step's ~80 GB of optimizer traffic per GPU (tests/benchmarks/bench_optimizer.py). Elsewhere (CPU,
+three times and writes them once more: at the Llama-3 8B shape on 4 GPUs that is 16 of the
+80 GB the optimizer moves per GPU, 1.35x its time (tests/benchmarks/bench_optimizer.py). Elsewhere (CPU,
 no Triton, or options the kernel does not take: amsgrad, maximize, capturable, differentiable)
 the step scales the gradients in place and runs torch's own.
 """
