@@ -121,6 +121,8 @@ class AdamW(torch.optim.AdamW):
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif state["step"].device != p.device:  # torch's unfused AdamW keeps it on the CPU (its state loaded)
+                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
         steps = [self.state[p]["step"] for p in params]
         torch._foreach_add_(steps, 1.0)
         lr = float(group["lr"])
