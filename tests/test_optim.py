@@ -98,7 +98,7 @@ def test_adamw_kernel_matches_torch_adamw_in_the_triton_interpreter():
         import torch
         import lmyard.train.optim as O
         O.BLOCK = 64
-        O.AdamW._fusable = lambda self, group: True
+        O.AdamW._fusable = lambda self, group, params: True
         def model():
             torch.manual_seed(0)
             return torch.nn.Sequential(torch.nn.Linear(37, 300), torch.nn.LayerNorm(300), torch.nn.Linear(300, 5))

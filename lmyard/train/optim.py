@@ -89,13 +89,13 @@ class AdamW(torch.optim.AdamW):
         with torch.no_grad():
             rest = []
             for group in self.param_groups:
-                if self._fusable(group):
-                    self._fused_step(group, grad_scale)
+                params = [p for p in group["params"] if p.grad is not None]
+                if self._fusable(group, params):
+                    self._fused_step(group, params, grad_scale)
                 else:
                     rest.append(group)
-            grads = [p.grad for group in rest for p in group["params"] if p.grad is not None]
-            if grads:  # these gradients scaled in place, then torch's step over their groups only
-                torch._foreach_mul_(grads, grad_scale.to(grads[0].device))
+            if _scale_grads([p for group in rest for p in group["params"]], grad_scale):
+                # torch's step over the other groups only, their gradients scaled in place
                 kept, self.param_groups = self.param_groups, rest
                 try:
                     super().step()
@@ -103,8 +103,8 @@ class AdamW(torch.optim.AdamW):
                     self.param_groups = kept
         return None
 
-    def _fusable(self, group: dict) -> bool:
-        params = [p for p in group["params"] if p.grad is not None]
+    def _fusable(self, group: dict, params: list[torch.Tensor]) -> bool:
+        """Whether the kernel can step `params` (the group's with gradients)."""
         return (
             triton is not None
             and bool(params)
@@ -113,8 +113,7 @@ class AdamW(torch.optim.AdamW):
             and not torch.is_complex(params[0])
         )
 
-    def _fused_step(self, group: dict, grad_scale: torch.Tensor) -> None:
-        params = [p for p in group["params"] if p.grad is not None]
+    def _fused_step(self, group: dict, params: list, grad_scale: torch.Tensor) -> None:
         for p in params:
             state = self.state[p]
             if not state:  # as torch's fused AdamW starts it: a float32 step on the device, zero moments
@@ -143,6 +142,14 @@ class AdamW(torch.optim.AdamW):
             )  # fmt: skip
 
 
+def _scale_grads(params: list[torch.Tensor], scale: torch.Tensor) -> bool:
+    """Multiply the gradients of `params` by `scale` in place; False when none has one."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, scale.to(grads[0].device))
+    return bool(grads)
+
+
 def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     """The global L2 norm of the gradients, as a plain tensor: a DTensor's (FSDP2) is reduced over the ranks."""
     grads = [p.grad for p in params if p.grad is not None]
@@ -166,8 +173,6 @@ def clipped_update(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
     if isinstance(optimizer, AdamW):
         optimizer.step(grad_scale=scale)
     else:
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, scale.to(grads[0].device))
+        _scale_grads(params, scale)
         optimizer.step()
     return norm
