@@ -382,6 +382,13 @@ class TrainConfig(_Section):
         "(faster where the interconnect is short) at the cost of rounding each rank's gradient before the sum. "
         "The sharded gradients and AdamW stay float32.",
     )
+    fsdp_all_gather: Literal["auto", "nccl", "copy_engine"] = Field(
+        "auto",
+        description="fsdp on CUDA: how each block's parameters are gathered. `copy_engine`: into NCCL symmetric "
+        "memory, where NCCL's copy engines move them and leave every SM to the matmuls (all ranks on one host, "
+        "NCCL 2.28+, torch 2.11+); `nccl`: NCCL's all-gather kernels in ordinary memory; `auto`: copy_engine "
+        "where it can run, else nccl.",
+    )
     activation_checkpointing: Literal["auto", "none", "selective", "full"] = Field(
         "auto",
         description="Recompute activations in backward instead of keeping them: `full` recomputes every "

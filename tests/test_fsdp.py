@@ -1,19 +1,22 @@
-"""FSDP2 training on 2 CPU ranks (gloo) against a plain single-process loop on the same global batches."""
+"""FSDP2 training on 2 CPU ranks (gloo) against a plain single-process loop on the same global batches; on two
+GPUs, the copy-engine all-gather against NCCL's kernels."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import free_port
 
 from lmyard.config import ModelConfig
+from lmyard.errors import UserError
 from lmyard.models.registry import build_model
 from lmyard.recipes import load_recipe
 from lmyard.train.optim import AdamW, clipped_update
-from lmyard.train.parallel import no_sync, parallelize
+from lmyard.train.parallel import all_gather_mode, no_sync, parallelize, process_group_options
 
 STEPS, ACCUM, MICRO, WORLD = 4, 2, 2, 2
 
@@ -155,3 +158,73 @@ def test_validation_under_fsdp_that_keeps_blocks_gathered_leaves_the_parameters_
     val loss runs forwards with no backward, so it reshards them itself, and a checkpoint saved after it holds
     the shards."""
     mp.spawn(_validate_worker, args=(free_port(),), nprocs=WORLD, join=True)
+
+
+def test_copy_engine_all_gather_is_chosen_only_on_one_cuda_host_and_refused_in_one_line_elsewhere():
+    """train.fsdp_all_gather: auto takes the copy engines only where they can run (CUDA, two or more ranks, all
+    on one host, NCCL 2.28+); asked for elsewhere, one line names what is missing and how to go on."""
+    fsdp = load_recipe("smoke", ["train.parallel=fsdp"]).train
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)  # device objects only: no GPU is touched
+    assert fsdp.fsdp_all_gather == "auto"
+    for device, world, local in [(cpu, 2, 2), (cuda, 1, 1), (cuda, 8, 4)]:
+        assert all_gather_mode(fsdp, device, world, local) == "nccl"
+    ddp = load_recipe("smoke", ["train.fsdp_all_gather=copy_engine"]).train  # ddp gathers no parameters
+    assert all_gather_mode(ddp, cpu, 2, 2) == "nccl"
+    asked = fsdp.model_copy(update={"fsdp_all_gather": "copy_engine"})
+    for device, world, local, missing in [
+        (cpu, 2, 2, "needs a CUDA device, and this run is on the CPU"),
+        (cuda, 1, 1, "needs two or more ranks, and this run has one"),
+        (cuda, 8, 4, "needs every rank on one host, and this run has 8 ranks with 4 on this host"),
+    ]:
+        with pytest.raises(UserError) as e:
+            all_gather_mode(asked, device, world, local)
+        assert missing in str(e.value) and str(e.value).endswith("set train.fsdp_all_gather=auto or nccl")
+    assert process_group_options("nccl") is None
+
+
+def _copy_engine_worker(rank: int, port: int) -> None:
+    import torch.distributed._symmetric_memory as symm_mem
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(WORLD))
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    options = process_group_options("copy_engine")
+    dist.init_process_group("nccl", rank=rank, world_size=WORLD, device_id=device, pg_options=options)
+    try:
+        runs = {}
+        for mode in ("nccl", "copy_engine"):
+            sets = ["model.preset=llama-tiny", "train.parallel=fsdp", "train.device=cuda", "train.compile=false"]
+            sets += ["train.activation_checkpointing=none"]
+            cfg = load_recipe("smoke", [*sets, f"train.fsdp_all_gather={mode}"])
+            torch.manual_seed(0)
+            with torch.device(device):
+                model = parallelize(build_model(cfg.model, 257, (256, None)), cfg, WORLD, device)
+            batches = [[rows.to(device) for rows in step] for step in _batches()]
+            with sdpa_kernel([SDPBackend.MATH]):  # deterministic, so the two runs can be compared exactly
+                losses = _train(
+                    model,
+                    list(model.parameters()),
+                    batches,
+                    rank,
+                    WORLD,
+                    lambda last, m=model: _null() if last else no_sync(m),
+                )
+            runs[mode] = (
+                losses,
+                {k: v.full_tensor() for k, v in model.state_dict().items()},
+                device in symm_mem._symm_mem_pools,
+            )
+        (losses, weights, pooled), (ce_losses, ce_weights, ce_pooled) = runs["nccl"], runs["copy_engine"]
+        assert not pooled and ce_pooled  # only the copy-engine run gathered into symmetric memory
+        assert ce_losses == losses, (ce_losses, losses)
+        assert all(torch.equal(ce_weights[k], w) for k, w in weights.items())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_copy_engine_all_gather_trains_exactly_as_nccl_kernels_on_two_gpus():
+    """The same init and batches under train.fsdp_all_gather=nccl and copy_engine (NCCL's zero-CTA policy,
+    symmetric buffers): equal losses and equal weights after 4 steps."""
+    mp.spawn(_copy_engine_worker, args=(free_port(),), nprocs=WORLD, join=True)

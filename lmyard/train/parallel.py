@@ -8,6 +8,11 @@ The parameters stay fp32 and sharded (the optimizer updates fp32 shards); on CUD
 parameters are gathered in bf16 for its forward and backward, and gradients are reduce-scattered in
 fp32, or bf16 with train.fsdp_reduce_dtype (MixedPrecisionPolicy). On CPU everything stays fp32.
 
+The all-gathers (train.fsdp_all_gather): with every rank on one host, `copy_engine` (auto's choice there)
+gathers into NCCL symmetric memory under NCCL's zero-CTA policy (`process_group_options`, given to
+init_process_group), so NCCL moves the parameters with the GPU's copy engines instead of kernels that would
+share the SMs with the matmuls they overlap.
+
 Activation checkpointing (under ddp too, lmyard.train.parallelism): `full` recomputes each whole block in
 backward; `selective` is torchtitan's op-level policy: inside each block the outputs of matmuls and attention
 are kept, except every second matmul's, and everything else (norms, RoPE, SwiGLU's pointwise ops) is
@@ -19,6 +24,7 @@ train.activation_checkpointing_blocks blocks (the rest keep all their activation
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from functools import partial
 
@@ -26,7 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lmyard.config import RunConfig
+from lmyard.config import RunConfig, TrainConfig
+from lmyard.errors import UserError
 from lmyard.models import registry
 
 
@@ -138,12 +145,17 @@ def mixed_precision(device: torch.device, reduce_dtype: str = "float32"):
 
 
 def apply_fsdp(
-    model: nn.Module, mesh, device: torch.device, reshard_after_forward: bool = True, reduce_dtype: str = "float32"
+    model: nn.Module,
+    mesh,
+    device: torch.device,
+    reshard_after_forward: bool = True,
+    reduce_dtype: str = "float32",
+    all_gather: str = "nccl",
 ) -> nn.Module:
     """FSDP2: `fully_shard` the family's own units (its spec's `fsdp_units`: Llama's embeddings, and its final
     norm with the head), then each block, then the root with what is left (GPT-2's tied table and head).
-    `mesh` is a 1-D DeviceMesh of the data-parallel ranks (fsdp_mesh)."""
-    from torch.distributed.fsdp import fully_shard
+    `mesh` is a 1-D DeviceMesh of the data-parallel ranks (fsdp_mesh); `all_gather` is all_gather_mode's."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     shard = partial(fully_shard, mesh=mesh, mp_policy=mixed_precision(device, reduce_dtype))
     for modules, reshard in registry.spec_of(model).fsdp_units(model):
@@ -151,7 +163,68 @@ def apply_fsdp(
     for block in _blocks(model):
         shard(block, reshard_after_forward=reshard_after_forward)
     shard(model, reshard_after_forward=reshard_after_forward)  # FSDP2 keeps the root gathered for backward
+    if all_gather == "copy_engine":
+        comm = symmetric_all_gather(mesh.get_group())
+        for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+            unit.set_custom_all_gather(comm)
     return model
+
+
+def all_gather_mode(t: TrainConfig, device: torch.device, world: int, local_world: int) -> str:
+    """train.fsdp_all_gather settled for this run: `copy_engine` or `nccl` (also under ddp, which gathers
+    nothing). `copy_engine` asked for where it cannot run is a UserError that names what is missing."""
+    if t.parallel != "fsdp" or t.fsdp_all_gather == "nccl":
+        return "nccl"
+    missing = _copy_engine_missing(device, world, local_world)
+    if missing and t.fsdp_all_gather == "copy_engine":
+        raise UserError(f"train.fsdp_all_gather=copy_engine needs {missing}; set train.fsdp_all_gather=auto or nccl")
+    return "nccl" if missing else "copy_engine"
+
+
+def _copy_engine_missing(device: torch.device, world: int, local_world: int) -> str | None:
+    if device.type != "cuda":
+        return "a CUDA device, and this run is on the CPU"
+    if world < 2:
+        return "two or more ranks, and this run has one"
+    if world != local_world:
+        return f"every rank on one host, and this run has {world} ranks with {local_world} on this host"
+    nccl = torch.cuda.nccl.version() if dist.is_nccl_available() else (0,)
+    if nccl < (2, 28):
+        return f"NCCL 2.28 or later, and this torch has NCCL {'.'.join(map(str, nccl))}"
+    if not hasattr(getattr(dist, "ProcessGroupNCCL", None), "NCCL_CTA_POLICY_ZERO"):
+        return f"torch 2.11 or later (NCCL's zero-CTA policy), and this is torch {torch.__version__}"
+    return None
+
+
+def process_group_options(mode: str):
+    """init_process_group's pg_options for an all-gather mode: copy_engine's communicator takes NCCL's
+    zero-CTA policy (the copy engines wherever a buffer is symmetric, kernels elsewhere); None: NCCL's defaults."""
+    if mode != "copy_engine":
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    # torch's stubs lack both names
+    options.config.cta_policy = dist.ProcessGroupNCCL.NCCL_CTA_POLICY_ZERO  # type: ignore[attr-defined]
+    return options
+
+
+def symmetric_all_gather(group):
+    """FSDP2's all-gather through its custom-comm hook (set_custom_all_gather), with each output buffer taken
+    from torch's NCCL symmetric-memory pool and registered with every rank (rendezvous) before NCCL fills it."""
+    import torch.distributed._symmetric_memory as symm_mem
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+    class SymmetricAllGather(AllGather):
+        def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
+                return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+            symm_mem.rendezvous(output_tensor, group=group.group_name)
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    symm_mem.set_backend("NCCL")
+    dist.barrier(group=group)  # every rank's communicator is up before the first rendezvous
+    return SymmetricAllGather()
 
 
 def fsdp_mesh(world: int, device: torch.device):
@@ -174,7 +247,7 @@ def fsdp_mesh(world: int, device: torch.device):
 def parallelize(raw_model: nn.Module, cfg: RunConfig, world: int, device: torch.device) -> nn.Module:
     """The model to train under train.parallel=fsdp: float8 (train.float8) -> activation checkpointing
     (train.activation_checkpointing, resolved: not auto; lmyard.train.memory.resolve) -> torch.compile per block (train.compile; default on CUDA) -> FSDP2
-    (train.fsdp_reshard_after_forward, train.fsdp_reduce_dtype). Modifies and returns raw_model; its parameters become DTensor shards
+    (train.fsdp_reshard_after_forward, train.fsdp_reduce_dtype, train.fsdp_all_gather). Modifies and returns raw_model; its parameters become DTensor shards
     on `device`, so build the optimizer after this call."""
     t = cfg.train
     if t.float8:
@@ -187,7 +260,8 @@ def parallelize(raw_model: nn.Module, cfg: RunConfig, world: int, device: torch.
         torch.backends.cudnn.allow_tf32 = True
     mesh = fsdp_mesh(world, device)
     reshard = t.fsdp_reshard_after_forward is not False  # auto unsettled (no memory plan ran): as true
-    return apply_fsdp(raw_model, mesh, device, reshard, t.fsdp_reduce_dtype)
+    gather = all_gather_mode(t, device, world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return apply_fsdp(raw_model, mesh, device, reshard, t.fsdp_reduce_dtype, gather)
 
 
 def no_sync(model: nn.Module):

@@ -78,7 +78,7 @@ from lmyard.train.components import (
     all_mean,
 )
 from lmyard.train.optim import AdamW, clipped_update
-from lmyard.train.parallel import no_sync
+from lmyard.train.parallel import all_gather_mode, no_sync, process_group_options
 from lmyard.train.parallelism import Parallelism
 from lmyard.train.watchdog import Heartbeat
 
@@ -112,7 +112,7 @@ def lr_at(step: int, t: TrainConfig) -> float:
 
 def setup_distributed(cfg: RunConfig) -> Dist:
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    world, local_world = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         if not torch.cuda.is_available():
@@ -122,10 +122,13 @@ def setup_distributed(cfg: RunConfig) -> Dist:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(cfg.train.threads_per_rank or max(1, (os.cpu_count() or 1) // local_world))
+    gather = all_gather_mode(cfg.train, device, world, local_world)  # a copy_engine that cannot run stops here
     if world > 1:
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+        options = process_group_options(gather) if use_cuda else None
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo", device_id=device if use_cuda else None, pg_options=options
+        )
     return Dist(rank, local_rank, world, device)
 
 

@@ -56,6 +56,7 @@ from types import SimpleNamespace
 
 EOT = 50256  # GPT-2's <|endoftext|>: begins each document, as lmyard's shards write it
 WORKER_ARGS = (
+    "all_gather",
     "preset",
     "seq",
     "batch",
@@ -134,7 +135,7 @@ def worker(a: argparse.Namespace) -> None:
     from lmyard.recipes import load_recipe
     from lmyard.train.components import PEAK_FLOPS
     from lmyard.train.memory import resolve, use_expandable_segments
-    from lmyard.train.parallel import parallelize
+    from lmyard.train.parallel import all_gather_mode, parallelize, process_group_options
     from lmyard.train.parallelism import prepare_model
 
     rank, local, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
@@ -143,8 +144,6 @@ def worker(a: argparse.Namespace) -> None:
     if cuda:
         use_expandable_segments()  # as the trainer does (lmyard.train.memory)
         torch.cuda.set_device(device)
-    if world > 1:
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     cfg = load_recipe(
         "smoke",
         [
@@ -161,8 +160,13 @@ def worker(a: argparse.Namespace) -> None:
             f"train.fsdp_reduce_dtype={a.reduce}",
             f"train.device={a.device}",
             f"model.doc_mask={a.doc_mask == 'on'}",
+            f"train.fsdp_all_gather={a.all_gather}",
         ],
     )
+    gather = all_gather_mode(cfg.train, device, world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if world > 1:  # as the trainer does (lmyard.train.trainer.setup_distributed)
+        options = process_group_options(gather) if cuda else None
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None, pg_options=options)
     # auto settles here as in the trainer (lmyard.train.memory.resolve), with its startup line; none on CPU
     total = torch.cuda.get_device_properties(device).total_memory if cuda else None
     train_cfg, line = resolve(cfg.model, cfg.train, world, total)
@@ -223,6 +227,7 @@ def worker(a: argparse.Namespace) -> None:
         "ac_applied": cfg.train.activation_checkpointing,
         "ac_blocks": cfg.train.activation_checkpointing_blocks,
         "reshard": cfg.train.fsdp_reshard_after_forward if a.parallel == "fsdp" else None,  # as settled
+        "all_gather": gather if a.parallel == "fsdp" else None,
         "compile": a.compile,
         "float8": a.float8,
         "optimizer": a.optimizer,
@@ -438,6 +443,13 @@ def parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16"],
         default="float32",
         help="train.fsdp_reduce_dtype (lmyard only; torchtitan reduces in float32)",
+    )
+    ap.add_argument(
+        "--all-gather",
+        choices=["auto", "nccl", "copy_engine"],
+        default="auto",
+        help="train.fsdp_all_gather (lmyard only): copy_engine gathers through NCCL's copy engines, nccl through "
+        "its kernels; auto: copy_engine where it can run (the trainer's default)",
     )
     ap.add_argument(
         "--optimizer",
