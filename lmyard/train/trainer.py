@@ -124,6 +124,8 @@ def setup_distributed(cfg: RunConfig) -> Dist:
         device = torch.device("cpu")
         torch.set_num_threads(cfg.train.threads_per_rank or max(1, (os.cpu_count() or 1) // local_world))
     gather = all_gather_mode(cfg.train, device, world, local_world)  # a copy_engine that cannot run stops here
+    if rank == 0 and use_cuda and cfg.train.parallel == "fsdp":
+        print(f"fsdp all-gather: {gather} (train.fsdp_all_gather={cfg.train.fsdp_all_gather})", flush=True)
     if world > 1:
         options = process_group_options(gather) if use_cuda else None
         dist.init_process_group(

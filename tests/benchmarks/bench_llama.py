@@ -306,6 +306,8 @@ def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
         f"model.attention={a.attention}",
         f"model.doc_mask={str(a.doc_mask == 'on').lower()}",  # on the shard as it is (see the docstring)
         f"train.fsdp_reshard_after_forward={a.reshard}",
+        f"train.fsdp_reduce_dtype={a.reduce}",
+        f"train.fsdp_all_gather={a.all_gather}",
         f"train.float8={str(a.float8 != 'none').lower()}",
         f"train.float8_recipe={'tensorwise' if a.float8 == 'none' else a.float8}",
         "eval.val_tokens=16384",

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -82,6 +83,7 @@ def run_lmyard(
             *overrides,
         ],
     )
+    shutil.rmtree(store / "runs" / f"bench-{gpus}gpu", ignore_errors=True)  # else the run resumes the last one
     spec = store / f"spec-{gpus}.json"
     spec.write_text(json.dumps({"config": cfg.model_dump(mode="json"), "shards": shards, "lineage": None}))
     cmd = [
@@ -117,6 +119,9 @@ def run_lmyard(
         "data_wait_pct": round(max(float(t[3]) for t in timed), 3),
         "mfu": statistics.median(float(t[4]) for t in timed) / 100 if timed[0][4] else None,
         "intervals": len(timed),
+        "all_gather": next(
+            (ln.split()[2] for ln in proc.stdout.splitlines() if ln.startswith("fsdp all-gather:")), None
+        ),
     }
 
 
