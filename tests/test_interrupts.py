@@ -42,14 +42,20 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), LMYARD_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
     log = tmp_path / "out.log"
-    proc = subprocess.Popen(
-        lmyard_cmd("run", "smoke", *[a for o in overrides for a in ("--set", o)]),
-        cwd=tmp_path,
-        env=env,
-        stdout=open(log, "w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group, as a terminal's foreground job has
-    )
+    # A terminal's foreground job takes Ctrl-C even where the tests were started in the background, which ignores
+    # SIGINT and passes that on: with a handler here, the run starts with SIGINT's default instead.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            lmyard_cmd("run", "smoke", *[a for o in overrides for a in ("--set", o)]),
+            cwd=tmp_path,
+            env=env,
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, as a terminal's foreground job has
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return proc, log
 
 
