@@ -196,6 +196,17 @@ def _copy_engine_missing(device: torch.device, world: int, local_world: int) -> 
     return None
 
 
+def init_process_group(t: TrainConfig, device: torch.device, world: int, local_world: int) -> str:
+    """Settle train.fsdp_all_gather (all_gather_mode: a copy_engine that cannot run stops here) and, on several
+    ranks, make the default process group: NCCL with that mode's options on CUDA, gloo on CPU. Returns the mode."""
+    gather = all_gather_mode(t, device, world, local_world)
+    if world > 1:
+        cuda = device.type == "cuda"
+        options = process_group_options(gather) if cuda else None
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None, pg_options=options)
+    return gather
+
+
 def process_group_options(mode: str):
     """init_process_group's pg_options for an all-gather mode: copy_engine's communicator takes NCCL's
     zero-CTA policy (the copy engines wherever a buffer is symmetric, kernels elsewhere); None: NCCL's defaults."""

@@ -78,7 +78,7 @@ from lmyard.train.components import (
     all_mean,
 )
 from lmyard.train.optim import AdamW, clipped_update
-from lmyard.train.parallel import all_gather_mode, no_sync, process_group_options
+from lmyard.train.parallel import init_process_group, no_sync
 from lmyard.train.parallelism import Parallelism
 from lmyard.train.watchdog import Heartbeat
 
@@ -123,14 +123,9 @@ def setup_distributed(cfg: RunConfig) -> Dist:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(cfg.train.threads_per_rank or max(1, (os.cpu_count() or 1) // local_world))
-    gather = all_gather_mode(cfg.train, device, world, local_world)  # a copy_engine that cannot run stops here
+    gather = init_process_group(cfg.train, device, world, local_world)  # a copy_engine that cannot run stops here
     if rank == 0 and use_cuda and cfg.train.parallel == "fsdp":
         print(f"fsdp all-gather: {gather} (train.fsdp_all_gather={cfg.train.fsdp_all_gather})", flush=True)
-    if world > 1:
-        options = process_group_options(gather) if use_cuda else None
-        dist.init_process_group(
-            "nccl" if use_cuda else "gloo", device_id=device if use_cuda else None, pg_options=options
-        )
     return Dist(rank, local_rank, world, device)
 
 

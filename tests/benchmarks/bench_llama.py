@@ -135,7 +135,7 @@ def worker(a: argparse.Namespace) -> None:
     from lmyard.recipes import load_recipe
     from lmyard.train.components import PEAK_FLOPS
     from lmyard.train.memory import resolve, use_expandable_segments
-    from lmyard.train.parallel import all_gather_mode, parallelize, process_group_options
+    from lmyard.train.parallel import init_process_group, parallelize
     from lmyard.train.parallelism import prepare_model
 
     rank, local, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
@@ -163,10 +163,8 @@ def worker(a: argparse.Namespace) -> None:
             f"train.fsdp_all_gather={a.all_gather}",
         ],
     )
-    gather = all_gather_mode(cfg.train, device, world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    if world > 1:  # as the trainer does (lmyard.train.trainer.setup_distributed)
-        options = process_group_options(gather) if cuda else None
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None, pg_options=options)
+    # the process group as the trainer makes it (lmyard.train.trainer.setup_distributed)
+    gather = init_process_group(cfg.train, device, world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     # auto settles here as in the trainer (lmyard.train.memory.resolve), with its startup line; none on CPU
     total = torch.cuda.get_device_properties(device).total_memory if cuda else None
     train_cfg, line = resolve(cfg.model, cfg.train, world, total)
