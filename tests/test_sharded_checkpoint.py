@@ -77,8 +77,9 @@ def _fsdp(model: nn.Module) -> nn.Module:
 
 def _train(model, opt, steps: int, seed: int = 1) -> None:
     g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
     for _ in range(steps):
-        x = torch.randn(16, 8, generator=g)
+        x = torch.randn(16, 8, generator=g).to(device)
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
@@ -572,6 +573,41 @@ def test_resume_onto_a_gpu_copies_from_the_reused_pinned_buffers_exactly(tmp_pat
     sc.load_sharded(store, RUN, 3, fresh, opt, str(tmp_path / "c"), phases=phases)
     _assert_equal(saved.state_dict(), {k: v.cpu() for k, v in fresh.state_dict().items()})
     assert phases["copy"] > 0 and phases["hash"] > 0, phases
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_staging_buffers_made_ahead_are_pinned_and_shaped_like_the_state_and_the_save_into_them_is_exact(tmp_path):
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_flatten
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        model = _fsdp(_model().cuda())
+        opt = _optimizer(model)
+        _train(model, opt, 2)
+        live, _ = tree_flatten(sc.state_dict(model, opt))
+        made, _ = tree_flatten(sc.pinned_like(sc.state_dict(model, opt)))
+        assert len(made) == len(live)
+        for t, c in zip(live, made):
+            if torch.is_tensor(t) and t.dim() > 0:
+                local = c.to_local() if isinstance(c, DTensor) else c
+                assert local.device.type == "cpu" and local.is_pinned() and (c.shape, c.dtype) == (t.shape, t.dtype)
+                assert not isinstance(t, DTensor) or c.placements == t.placements
+        store = open_store(str(tmp_path / "store"))
+        ckpt = sc.ShardedCheckpointer(store, RUN, str(tmp_path / "staging"), say=print)
+        ckpt.prepare(model, opt)
+        ckpt.save(model, opt, _state(2, world_size=1), [rng_state()])
+        ckpt.before_update()
+        saved = _local(model, opt)
+        _train(model, opt, 1, seed=99)  # the live state moves on while the write finishes
+        ckpt.close()
+        fresh = _fsdp(_model(seed=7).cuda())
+        fresh_opt = _optimizer(fresh)
+        load_latest_sharded(store, RUN, fresh, fresh_opt, str(tmp_path / "cache"))
+        _assert_equal(saved, _local(fresh, fresh_opt))
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_saved_tensor_is_read_as_a_view_of_its_spans_bytes():

@@ -74,6 +74,8 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
 from lmyard.checkpoint.catalog import read_manifest
 from lmyard.checkpoint.commit import Parked, RetryPolicy, ensure_new, outage, publish, upload_files
@@ -143,6 +145,22 @@ def _stager_copying_classes(stager: DefaultStager) -> DefaultStager:
     if inner is not None and not isinstance(getattr(inner, "_deepcopy_dispatch", None), _CopyTable):
         inner._deepcopy_dispatch = _CopyTable(inner._deepcopy_dispatch)
     return stager
+
+
+def pinned_like(sd: dict) -> dict:
+    """Empty pinned CPU tensors of `sd`'s structure, shapes and dtypes (DTensors keep their sharding): the
+    cache DCP's writer stages into (`state_dict_cache`). Unlike torch's `_create_cpu_state_dict` it copies no
+    values: that one moves every shard to pageable host memory first, which occupies the training stream
+    and stretches steps while it runs (the trainer makes the cache in the background after step 1)."""
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0:
+            return t if isinstance(t, DTensor) else torch.tensor(0, dtype=t.dtype)
+        local = t.to_local() if isinstance(t, DTensor) else t
+        pin = local.numel() > 0 and local.data_ptr() != 0  # an empty shard cannot be pinned
+        return torch.empty_like(t, device="cpu", pin_memory=pin)
+
+    return tree_map_only(torch.Tensor, empty, sd)
 
 
 class ShardedCheckpointer:
@@ -281,9 +299,7 @@ class ShardedCheckpointer:
                 if device is not None:  # a new thread starts on GPU 0: a context there would cost memory
                     torch.cuda.set_device(device)
                 if writer is not None:
-                    from torch.distributed._state_dict_utils import _create_cpu_state_dict
-
-                    writer.state_dict_cache = _create_cpu_state_dict(sd, pin_memory=True)
+                    writer.state_dict_cache = pinned_like(sd)
                 elif stager is not None:
                     staged = stager.stage(sd)  # a throwaway copy: it only fills the stager's buffer cache
                     if isinstance(staged, Future):
