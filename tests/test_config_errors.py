@@ -60,6 +60,10 @@ def test_recipe_file_is_read_and_overridden(tmp_path):
         ),
         (["config", "--set", "checkpoint.files_per_rank=0"], "checkpoint.files_per_rank: Input should be greater than"),
         (
+            ["config", "--set", "train.parallel=fsdp", "--set", "train.residual_dtype=float32"],
+            "train.residual_dtype=float32 needs train.parallel=ddp: FSDP2's bf16 weights carry the residual stream",
+        ),
+        (
             [
                 "config",
                 "--set",

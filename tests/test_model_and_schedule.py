@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from lmyard.config import ModelConfig, TrainConfig
 from lmyard.models.gpt2.model import GPT
-from lmyard.models.registry import model_config
+from lmyard.models.registry import build_model, model_config
 from lmyard.train.trainer import lr_at
 
 
@@ -31,6 +32,57 @@ def test_initial_loss_is_near_uniform_and_backward_reaches_every_parameter():
     assert abs(loss.item() - math.log(320)) < 0.3
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_bf16_residual_stream_reaches_every_block_in_bf16_and_keeps_the_loss(family):
+    """train.residual_dtype=bfloat16: under bf16 autocast the blocks add to a bf16 stream (float32 without it);
+    the loss moves by bf16 rounding only."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(preset=None, arch=family, n_layer=2, n_head=2, n_embd=32, block_size=16)
+    model = build_model(cfg, 257)
+    x = torch.randint(0, 257, (3, 16))
+    seen: list[torch.dtype] = []
+    for block in model.layers:
+        block.register_forward_pre_hook(lambda _, args: seen.append(args[0].dtype))
+    losses = {}
+    for dtype in (None, torch.bfloat16):
+        model.residual_dtype = dtype
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[dtype] = model(x, torch.roll(x, -1, 1)).float().item()
+    assert seen == [torch.float32] * 2 + [torch.bfloat16] * 2
+    assert abs(losses[torch.bfloat16] - losses[None]) < 0.02 * losses[None]
+
+
+def _prepared(residual: str, device: str) -> GPT:
+    from lmyard.recipes import load_recipe
+    from lmyard.train.parallelism import prepare_model
+
+    over = [f"train.residual_dtype={residual}", "train.compile=false", "train.activation_checkpointing=none"]
+    torch.manual_seed(0)
+    model = _tiny().to(device)
+    prepare_model(
+        model, load_recipe("smoke", over), SimpleNamespace(world=1, local_rank=0, device=torch.device(device))
+    )
+    return model
+
+
+def test_on_a_cpu_the_residual_stream_stays_float32_whatever_train_residual_dtype_says():
+    assert _prepared("bfloat16", "cpu").residual_dtype is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_train_residual_dtype_bfloat16_carries_the_stream_in_bf16_under_autocast():
+    from lmyard.evaluate.validation import autocast
+
+    x = torch.randint(0, 257, (3, 16), device="cuda")
+    losses = {}
+    for residual in ("auto", "bfloat16"):
+        model = _prepared(residual, "cuda")
+        with autocast("cuda"):
+            losses[residual] = model(x, torch.roll(x, -1, 1)).item()
+    assert model.residual_dtype == torch.bfloat16
+    assert abs(losses["bfloat16"] - losses["auto"]) < 0.02 * losses["auto"]
 
 
 def test_embedding_and_output_weights_are_tied():

@@ -33,6 +33,11 @@ class LanguageModel(nn.Module):
 
     family: ClassVar[str]  # model.arch: lmyard.models.registry.spec_of(model) finds the family's spec by it
     config: ModelConfig  # each family narrows it to its own dataclass
+    residual_dtype: torch.dtype | None = None  # train.residual_dtype under autocast; None: the embedding's dtype
+
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
+        """The embedding's output as the residual stream the blocks add to (`residual_dtype`)."""
+        return x if self.residual_dtype is None else x.to(self.residual_dtype)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

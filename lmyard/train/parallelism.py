@@ -1,6 +1,7 @@
 """`train.parallel`, chosen once: how the model's parameters are spread over the ranks.
 
-    ddp   every rank holds the whole model; DDP all-reduces gradients; bf16 autocast on CUDA
+    ddp   every rank holds the whole model; DDP all-reduces gradients; bf16 autocast on CUDA, the
+          residual stream float32 or bfloat16 (train.residual_dtype)
     fsdp  every rank holds its shards (FSDP2 units, made before the optimizer so it holds
           DTensors); FSDP2 keeps bf16 weights itself (its mixed-precision policy): no autocast
 
@@ -18,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lmyard.config import RunConfig
 from lmyard.evaluate.validation import autocast
+from lmyard.models.base import LanguageModel
 from lmyard.train.parallel import apply_activation_checkpointing, apply_float8, parallelize
 
 
@@ -75,6 +77,8 @@ def prepare_model(raw_model: torch.nn.Module, cfg: RunConfig, d) -> tuple[torch.
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+        if t.residual_dtype == "bfloat16" and isinstance(raw_model, LanguageModel):
+            raw_model.residual_dtype = torch.bfloat16  # compiled lazily: the first forward sees it
     return model, ComputeContext(cuda, cfg.model.attention)
 
 

@@ -114,7 +114,7 @@ class GPT(LanguageModel):
         T = idx.size(1)
         assert T <= self.config.block_size, f"sequence of {T} exceeds block_size {self.config.block_size}"
         pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.residual(self.drop(self.wte(idx) + self.wpe(pos)))
         c = self.config
         if c.doc_bos is None and c.doc_eos is None:
             for block in self.h:

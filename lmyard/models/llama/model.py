@@ -183,7 +183,7 @@ class Llama(LanguageModel):
         """Logits (B, T, V); with targets, only the mean cross-entropy (the head and its loss in one op)."""
         T = idx.size(1)
         assert T <= self.config.block_size, f"sequence of {T} exceeds block_size {self.config.block_size}"
-        x = self.embed_tokens(idx)
+        x = self.residual(self.embed_tokens(idx))
         cos, sin = self.rope_cos[:T].to(x.dtype), self.rope_sin[:T].to(x.dtype)
         c = self.config
         if c.doc_bos is None and c.doc_eos is None:
