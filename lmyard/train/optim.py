@@ -5,9 +5,11 @@ gradient norm (over the ranks' shards under FSDP2), the clip's scale `min(1, max
 1e-6))` as torch's `clip_grad_norm_` computes it, then `AdamW.step(grad_scale=scale)`.
 
 `AdamW` is torch's (its hyper-parameters, state and state_dict: checkpoints of either load into
-the other). On CUDA its step with a `grad_scale` is one Triton kernel a tensor that reads the
-weight, gradient and both moments once and writes the weight and moments once, the gradient
-scaled as it is read. Clipping and then stepping with torch's fused AdamW reads the gradients
+the other). On CUDA its step with a `grad_scale` is one Triton launch a parameter group (a table
+of the tensors' addresses, each program a block of one tensor) that reads the weight, gradient
+and both moments once and writes the weight and moments once, the gradient scaled as it is
+read. At GPT-2 124M (148 tensors) one launch a tensor made the step 7.4 ms, the GPU waiting on
+the host's launches, against 2.6 ms in one launch a group (bench_optimizer.py, H100). Clipping and then stepping with torch's fused AdamW reads the gradients
 three times and writes them once more: at the Llama-3 8B shape on 4 GPUs that is 16 of the
 80 GB the optimizer moves per GPU, 1.35x its time (tests/benchmarks/bench_optimizer.py). Elsewhere (CPU,
 no Triton, or options the kernel does not take: amsgrad, maximize, capturable, differentiable)
@@ -26,36 +28,44 @@ except ImportError:  # pragma: no cover - depends on the install
 
 BLOCK = 2048  # elements a program: a sweep on H100 (bench_optimizer.py --sweep)
 NUM_WARPS = 8
+_ROW = 6  # the kernel's table: weight, gradient, exp_avg, exp_avg_sq and step addresses, then the element count
 
 if triton is not None:
 
     @triton.jit
     def _adamw_kernel(
-        p_ptr,
-        g_ptr,
-        m_ptr,
-        v_ptr,
-        step_ptr,
+        table_ptr,
+        tensor_of_block_ptr,
+        block_in_tensor_ptr,
         scale_ptr,
         betas_ptr,
-        n,
         lr,
         eps,
         weight_decay,
         BLOCK: tl.constexpr,
+        ROW: tl.constexpr,
     ):
-        """One AdamW update of `BLOCK` elements, the gradient times *scale_ptr; *step_ptr already counts it.
-        1 - beta and the bias corrections 1 - beta^step in float64, as torch's foreach AdamW makes them on
-        the host: from a float32 beta2 of 0.999, 1 - beta2 is 1.3e-5 off."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        """One AdamW update of `BLOCK` elements of one of a group's tensors, the gradient times *scale_ptr.
+        `table_ptr` holds a row a tensor (ROW entries: the addresses of weight, gradient, both moments and the step,
+        then the element count); this program's tensor and block come from the two block maps. The step
+        already counts this update. 1 - beta and the bias corrections 1 - beta^step are made in float64, as
+        torch's foreach AdamW makes them on the host: from a float32 beta2 of 0.999, 1 - beta2 is 1.3e-5 off."""
+        pid = tl.program_id(0)
+        row = table_ptr + tl.load(tensor_of_block_ptr + pid).to(tl.int64) * ROW
+        p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+        g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+        m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+        step = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float32))).to(tl.float64)
+        n = tl.load(row + 5)
+        offs = tl.load(block_in_tensor_ptr + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        step = tl.load(step_ptr).to(tl.float64)
         beta1_64, beta2_64 = tl.load(betas_ptr), tl.load(betas_ptr + 1)
         bias1 = (1.0 - tl.exp(step * tl.log(beta1_64))).to(tl.float32)
         bias2_sqrt = tl.sqrt(1.0 - tl.exp(step * tl.log(beta2_64))).to(tl.float32)
         beta1, beta2 = beta1_64.to(tl.float32), beta2_64.to(tl.float32)
         rest1, rest2 = (1.0 - beta1_64).to(tl.float32), (1.0 - beta2_64).to(tl.float32)  # 1 - 0.999 in float32
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(scale_ptr)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0) * tl.load(scale_ptr)
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
@@ -108,7 +118,7 @@ class AdamW(torch.optim.AdamW):
         return (
             triton is not None
             and bool(params)
-            and all(p.is_cuda and p.dtype == torch.float32 and _local(p).is_contiguous() for p in params)
+            and all(_kernel_takes(p) and _kernel_takes(p.grad) for p in params)
             and not any(group.get(k) for k in ("amsgrad", "maximize", "capturable", "differentiable"))
             and not torch.is_complex(params[0])
         )
@@ -124,22 +134,50 @@ class AdamW(torch.optim.AdamW):
                 state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
         steps = [self.state[p]["step"] for p in params]
         torch._foreach_add_(steps, 1.0)
-        lr = float(group["lr"])
         device = params[0].device
-        scale = grad_scale.to(device=device, dtype=torch.float32)
         key = (device, *map(float, group["betas"]))
         if key not in self._betas:  # made once: a copy from the host each step would wait for the GPU
             self._betas[key] = torch.tensor(key[1:], dtype=torch.float64, device=device)
-        for p, step in zip(params, steps):
-            w, g = _local(p), _local(p.grad)
-            m, v = _local(self.state[p]["exp_avg"]), _local(self.state[p]["exp_avg_sq"])
-            n = w.numel()
-            if n == 0:
-                continue
-            _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-                w, g, m, v, step, scale, self._betas[key], n, lr, group["eps"], group["weight_decay"],
-                BLOCK=BLOCK, num_warps=NUM_WARPS,
-            )  # fmt: skip
+        table, blocks = _launch_tables(params, [self.state[p] for p in params], device)
+        if blocks is None:
+            return
+        _adamw_kernel[(blocks[0].numel(),)](
+            table, *blocks, grad_scale.to(device=device, dtype=torch.float32), self._betas[key],
+            float(group["lr"]), group["eps"], group["weight_decay"], BLOCK=BLOCK, ROW=_ROW, num_warps=NUM_WARPS,
+        )  # fmt: skip
+
+
+_block_maps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _launch_tables(params: list, states: list[dict], device: torch.device):
+    """The kernel's inputs for one launch over `params`: the table of addresses (a row a tensor, made each
+    step: gradients are new tensors each step) and the block maps (each program's tensor and block in it,
+    made once per set of sizes). One launch a group, not one a tensor: a GPT-2 124M step is 148 tensors."""
+    rows = []
+    for p, state in zip(params, states):
+        w = _local(p)
+        tensors = (w, _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]), state["step"])
+        rows.append([t.data_ptr() for t in tensors] + [w.numel()])
+    sizes = tuple(row[-1] for row in rows)
+    key = (device, BLOCK, sizes)
+    if key not in _block_maps:
+        per_tensor = torch.tensor([-(-n // BLOCK) for n in sizes], dtype=torch.int64)
+        if int(per_tensor.sum()) == 0:
+            return None, None
+        tensor_of_block = torch.repeat_interleave(torch.arange(len(sizes)), per_tensor)
+        first = torch.repeat_interleave(torch.cumsum(per_tensor, 0) - per_tensor, per_tensor)
+        block_in_tensor = torch.arange(tensor_of_block.numel()) - first
+        _block_maps[key] = (tensor_of_block.to(device, torch.int32), block_in_tensor.to(device, torch.int32))
+    table = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":  # pinned: the copy does not wait for the GPU, and the buffer lives until it is done
+        table = table.pin_memory().to(device, non_blocking=True)
+    return table, _block_maps[key]
+
+
+def _kernel_takes(t: torch.Tensor | None) -> bool:
+    """Whether the kernel reads and writes `t` as it is: float32, contiguous (a DTensor's shard), on CUDA."""
+    return t is not None and t.is_cuda and t.dtype == torch.float32 and _local(t).is_contiguous()
 
 
 def _scale_grads(params: list[torch.Tensor], scale: torch.Tensor) -> bool:
