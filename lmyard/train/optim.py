@@ -9,11 +9,12 @@ the other). On CUDA its step with a `grad_scale` is one Triton launch a paramete
 of the tensors' addresses, each program a block of one tensor) that reads the weight, gradient
 and both moments once and writes the weight and moments once, the gradient scaled as it is
 read. At GPT-2 124M (148 tensors) one launch a tensor made the step 7.4 ms, the GPU waiting on
-the host's launches, against 2.6 ms in one launch a group (bench_optimizer.py, H100). Clipping and then stepping with torch's fused AdamW reads the gradients
-three times and writes them once more: at the Llama-3 8B shape on 4 GPUs that is 16 of the
-80 GB the optimizer moves per GPU, 1.35x its time (tests/benchmarks/bench_optimizer.py). Elsewhere (CPU,
-no Triton, or options the kernel does not take: amsgrad, maximize, capturable, differentiable)
-the step scales the gradients in place and runs torch's own.
+the host's launches, against 2.6 ms in one launch a group (bench_optimizer.py, H100). Clipping
+and then stepping with torch's fused AdamW reads the gradients three times and writes them once
+more: at the Llama-3 8B shape on 4 GPUs that is 16 of the 80 GB the optimizer moves per GPU,
+1.3x its time (tests/benchmarks/bench_optimizer.py). Elsewhere (CPU, no Triton, or options the
+kernel does not take: amsgrad, maximize, capturable, differentiable) the step scales the
+gradients in place and runs torch's own.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ if triton is not None:
         ROW: tl.constexpr,
     ):
         """One AdamW update of `BLOCK` elements of one of a group's tensors, the gradient times *scale_ptr.
-        `table_ptr` holds a row a tensor (ROW entries: the addresses of weight, gradient, both moments and the step,
-        then the element count); this program's tensor and block come from the two block maps. The step
+        `table_ptr` holds a row a tensor (ROW entries: the addresses of weight, gradient, both moments and
+        the step, then the element count); this program's tensor and block come from the two block maps. The step
         already counts this update. 1 - beta and the bias corrections 1 - beta^step are made in float64, as
         torch's foreach AdamW makes them on the host: from a float32 beta2 of 0.999, 1 - beta2 is 1.3e-5 off."""
         pid = tl.program_id(0)
