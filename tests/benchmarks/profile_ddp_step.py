@@ -8,7 +8,9 @@ up, then records a few steps with torch.profiler on rank 0 and splits each step'
 wall time into: time some compute kernel runs, collective (NCCL) time not hidden
 under compute, and time the GPU runs nothing (launch gaps, host work, waits); and
 the kernel time of each kind (matmul, attention, inductor's fused elementwise
-kernels, optimizer, collectives). Prints one JSON line and the top kernels;
+kernels, optimizer, collectives), and the longest stretches with no compute kernel
+running (where in the profile, how long, how much a collective fills, the kernels
+on either side). Prints one JSON line and the top kernels;
 `--trace DIR` also writes the Chrome trace. Runs on one GPU too (no DDP):
 `torchrun --standalone --nproc_per_node=1 ...`.
 """
@@ -94,7 +96,9 @@ def breakdown(prof, steps: int) -> dict:
     for e in kernels:
         kinds[kind_of(e.name)] = kinds.get(kind_of(e.name), 0.0) + (e.time_range.end - e.time_range.start)
     ms = lambda us: round(us / steps / 1e3, 2)
+    compute = sorted((e for e in kernels if "nccl" not in e.name.lower()), key=lambda e: e.time_range.start)
     return {
+        "no_compute_windows": no_compute_windows(compute, nccl),
         "per_step_ms": {
             "span": ms(span),
             "compute": ms(sum(e - s for s, e in comp)),
@@ -104,6 +108,29 @@ def breakdown(prof, steps: int) -> dict:
         },
         "kernel_ms_per_step": {k: ms(v) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
     }
+
+
+def no_compute_windows(compute: list, nccl: list[tuple[float, float]], top: int = 8) -> list[dict]:
+    """The `top` longest stretches in which no compute kernel runs (`compute`: sorted by start): where each
+    begins (ms from the first kernel), how long it is (ms), how much of it a collective fills, and the
+    compute kernels on either side: where the step waits on communication or on the host."""
+    windows, end, before = [], compute[0].time_range.end, compute[0]
+    for e in compute[1:]:
+        if e.time_range.start > end:
+            windows.append((e.time_range.start - end, end, before, e))
+        if e.time_range.end > end:
+            end, before = e.time_range.end, e
+    t0 = compute[0].time_range.start
+    return [
+        {
+            "at_ms": round((s - t0) / 1e3, 2),
+            "ms": round(d / 1e3, 3),
+            "collective_ms": round(covered([(s, s + d)], nccl) / 1e3, 3),
+            "after": a.name[:60],
+            "before": b.name[:60],
+        }
+        for d, s, a, b in sorted(windows, key=lambda w: -w[0])[:top]
+    ]
 
 
 def main() -> None:
