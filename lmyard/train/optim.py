@@ -140,7 +140,7 @@ class AdamW(torch.optim.AdamW):
         if key not in self._betas:  # made once: a copy from the host each step would wait for the GPU
             self._betas[key] = torch.tensor(key[1:], dtype=torch.float64, device=device)
         table, blocks = _launch_tables(params, [self.state[p] for p in params], device)
-        if blocks is None:
+        if blocks[0].numel() == 0:  # every tensor of the group empty (FSDP2 shards of a small model)
             return
         _adamw_kernel[(blocks[0].numel(),)](
             table, *blocks, grad_scale.to(device=device, dtype=torch.float32), self._betas[key],
@@ -164,8 +164,6 @@ def _launch_tables(params: list, states: list[dict], device: torch.device):
     key = (device, BLOCK, sizes)
     if key not in _block_maps:
         per_tensor = torch.tensor([-(-n // BLOCK) for n in sizes], dtype=torch.int64)
-        if int(per_tensor.sum()) == 0:
-            return None, None
         tensor_of_block = torch.repeat_interleave(torch.arange(len(sizes)), per_tensor)
         first = torch.repeat_interleave(torch.cumsum(per_tensor, 0) - per_tensor, per_tensor)
         block_in_tensor = torch.arange(tensor_of_block.numel()) - first
