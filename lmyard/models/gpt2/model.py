@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lmyard.models import attention
+from lmyard.models import attention, mlp
 from lmyard.models.base import LanguageModel
 from lmyard.models.losses import linear_cross_entropy
 
@@ -64,6 +64,8 @@ class MLP(nn.Module):
         self.c_proj.RESIDUAL = True  # type: ignore[assignment]  # as in CausalSelfAttention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if mlp.fused(x, self.c_fc, self.c_proj):  # the GELU in cuBLASLt's epilogues (lmyard.models.mlp)
+            return mlp.gelu_mlp(x, self.c_fc, self.c_proj)
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
 
 

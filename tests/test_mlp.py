@@ -1,0 +1,75 @@
+"""GPT-2's MLP with its GELU in cuBLASLt's epilogues (lmyard.models.mlp) against the plain ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lmyard.models import cublaslt, mlp
+
+
+def _mlp(d=48, seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+
+def _out_and_grads(fn, x, fc, proj):
+    x = x.detach().clone().requires_grad_()
+    for p in (*fc.parameters(), *proj.parameters()):
+        p.grad = None
+    y = fn(x)
+    (y.float() * torch.linspace(-1, 1, y.size(-1), device=y.device)).sum().backward()
+    return [y.detach().float(), x.grad, fc.weight.grad, fc.bias.grad, proj.weight.grad, proj.bias.grad]
+
+
+def _plain(fc, proj):
+    return lambda x: proj(F.gelu(fc(x), approximate="tanh"))
+
+
+def _rel(a, b):
+    return (torch.linalg.norm((a - b).double()) / torch.linalg.norm(b.double())).item()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gelu_mlp_output_and_gradients_equal_the_plain_mlp(compiled):
+    fc, proj = _mlp()
+    x = torch.randn(3, 7, 48, dtype=torch.float64)
+    fc, proj = fc.double(), proj.double()
+    fused = (
+        (lambda a: mlp.gelu_mlp(a, fc, proj)) if not compiled else torch.compile(lambda a: mlp.gelu_mlp(a, fc, proj))
+    )
+    got, want = _out_and_grads(fused, x, fc, proj), _out_and_grads(_plain(fc, proj), x, fc, proj)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and _rel(g, w) < 1e-12
+
+
+def test_gelu_mlp_is_taken_only_for_training_under_16_bit_autocast_on_cuda():
+    fc, proj = _mlp()
+    x = torch.randn(2, 48)
+    assert not mlp.fused(x, fc, proj)  # CPU
+    no_bias = nn.Linear(48, 192, bias=False)
+    assert not mlp.fused(x, no_bias, proj)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuBLASLt)")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gelu_mlp_on_cuda_runs_cublaslt_epilogues_and_matches_the_plain_mlp_under_bf16_autocast(compiled):
+    fc, proj = (m.cuda() for m in _mlp(d=256))
+    x = torch.randn(8, 128, 256, device="cuda")
+
+    def under_autocast(fn):
+        def run(a):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return fn(a)
+
+        return torch.compile(run) if compiled else run
+
+    cublaslt._PLANS.clear()
+    got = _out_and_grads(under_autocast(lambda a: mlp.gelu_mlp(a, fc, proj)), x, fc, proj)
+    want = _out_and_grads(under_autocast(_plain(fc, proj)), x, fc, proj)
+    ran = {key[1] for key, plan in cublaslt._PLANS.items() if plan is not None}
+    assert ran == {"gelu_aux_bias", "dgelu"}
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and _rel(g, w) < 1e-2  # bf16 products, rounded at other points
