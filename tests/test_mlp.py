@@ -73,3 +73,18 @@ def test_gelu_mlp_on_cuda_runs_cublaslt_epilogues_and_matches_the_plain_mlp_unde
     assert ran == {"gelu_aux_bias", "dgelu"}
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and _rel(g, w) < 1e-2  # bf16 products, rounded at other points
+
+
+def test_gelu_mlp_is_not_taken_for_float8_linears_or_with_the_switch_off(monkeypatch):
+    class Float8Like(nn.Linear):  # torchao's Float8Linear subclasses nn.Linear and must keep its own forward
+        pass
+
+    fc, proj = _mlp()
+    x = torch.randn(2, 48)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the other conditions as on CUDA
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: True)
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda *a: torch.bfloat16)
+    assert mlp.fused(x, fc, proj)
+    assert not mlp.fused(x, Float8Like(48, 192), proj)
+    monkeypatch.setattr(mlp, "ENABLED", False)
+    assert not mlp.fused(x, fc, proj)

@@ -108,19 +108,21 @@ class _Plan:
     algo: _Heuristic
 
 
-_PLANS: dict[tuple, _Plan | None] = {}
+_Key = tuple[int, str, torch.dtype, int, int, int, bool]  # device, epilogue, dtype, m, n, k, w_t
+_PLANS: dict[_Key, _Plan | None] = {}
 
 
-def _plan(key: tuple, bias: torch.Tensor | None, aux: torch.Tensor | None) -> _Plan | None:
+def _plan(key: _Key, bias: torch.Tensor | None, aux: torch.Tensor | None) -> _Plan | None:
     """Descriptors and the heuristic's first algorithm for D (n x m, column-major) = op(W) (n x k) @ X^T (k x m):
     the row-major (m, n) product of x (m, k) and w; made on the first call with `key`'s shapes. None where
     cuBLASLt has no algorithm for it."""
     if key not in _PLANS:
-        _PLANS[key] = _new_plan(*key, bias, aux)
+        _PLANS[key] = _new_plan(key, bias, aux)
     return _PLANS[key]
 
 
-def _new_plan(device, epilogue, dtype, m, n, k, w_t, bias, aux) -> _Plan | None:
+def _new_plan(key: _Key, bias: torch.Tensor | None, aux: torch.Tensor | None) -> _Plan | None:
+    device, epilogue, dtype, m, n, k, w_t = key
     lib, (handle, _) = library(), _handle(device)
     assert lib is not None
     dt = _DATA_TYPE[dtype]

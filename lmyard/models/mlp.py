@@ -17,13 +17,17 @@ no cuBLASLt plan for a shape) the op runs the same steps in torch.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from lmyard.models import cublaslt
 
-ENABLED = True  # False: GPT-2's MLP runs as plain ops everywhere (tests/benchmarks compare the two)
+# LMYARD_MLP_EPILOGUES=0 in the environment keeps the plain ops everywhere (to compare the two, as
+# tests/benchmarks/bench_trainer.py --env does)
+ENABLED = os.environ.get("LMYARD_MLP_EPILOGUES", "1") != "0"
 
 
 @torch.library.custom_op("lmyard::gelu_mlp", mutates_args=())
@@ -76,9 +80,12 @@ _gelu_mlp.register_autograd(_backward, setup_context=_setup)
 
 def fused(x: torch.Tensor, fc: nn.Linear, proj: nn.Linear) -> bool:
     """Whether `gelu_mlp` is the faster path for this call: training on CUDA under fp16/bf16 autocast, with
-    biases (GPT-2's). Inference and fp32 keep the plain ops."""
+    biases (GPT-2's), through plain nn.Linear modules (not torchao's float8 ones, train.float8). Inference
+    and fp32 keep the plain ops."""
     return (
         ENABLED
+        and type(fc) is nn.Linear
+        and type(proj) is nn.Linear
         and x.is_cuda
         and torch.is_grad_enabled()
         and torch.is_autocast_enabled("cuda")
