@@ -88,3 +88,13 @@ def test_gelu_mlp_is_not_taken_for_float8_linears_or_with_the_switch_off(monkeyp
     assert not mlp.fused(x, Float8Like(48, 192), proj)
     monkeypatch.setattr(mlp, "ENABLED", False)
     assert not mlp.fused(x, fc, proj)
+
+
+@pytest.mark.parametrize("mode,epilogues", [("selective", False), ("full", True)])
+def test_selective_checkpointing_keeps_gpt2s_mlp_on_plain_ops_so_its_policy_sees_the_matmuls(mode, epilogues):
+    from lmyard.models.gpt2.model import GPT, GPTConfig
+    from lmyard.train.parallel import apply_activation_checkpointing
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=16))
+    apply_activation_checkpointing(model, mode, blocks=2)
+    assert [block.mlp.epilogues for block in model.h] == [epilogues, epilogues, True]  # the third is not wrapped

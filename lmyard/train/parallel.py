@@ -124,7 +124,18 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, blocks: int | No
 
     context_fn = selective if mode == "selective" else noop_context_fn  # noop: full, torch's default
     for i, block in enumerate(layers[:blocks] if blocks is not None else layers):
+        if mode == "selective":
+            _plain_ops(block)
         layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn)
+
+
+def _plain_ops(block: nn.Module) -> None:
+    """Selective checkpointing saves matmul outputs by their op (aten.mm): a fused op (GPT-2's MLP,
+    lmyard.models.mlp) hides its products from the policy and would be recomputed whole, so the block's
+    modules that offer one (an `epilogues` attribute) keep their plain ops."""
+    for module in block.modules():
+        if hasattr(module, "epilogues"):
+            module.epilogues = False
 
 
 def compile_blocks(model: nn.Module) -> None:

@@ -57,6 +57,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    epilogues = True  # the GELU in cuBLASLt's epilogues where mlp.fused allows (not under selective checkpointing)
+
     def __init__(self, c: GPTConfig):
         super().__init__()
         self.c_fc = nn.Linear(c.n_embd, 4 * c.n_embd, bias=c.bias)
@@ -64,7 +66,7 @@ class MLP(nn.Module):
         self.c_proj.RESIDUAL = True  # type: ignore[assignment]  # as in CausalSelfAttention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if mlp.fused(x, self.c_fc, self.c_proj):  # the GELU in cuBLASLt's epilogues (lmyard.models.mlp)
+        if self.epilogues and mlp.fused(x, self.c_fc, self.c_proj):  # lmyard.models.mlp
             return mlp.gelu_mlp(x, self.c_fc, self.c_proj)
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
 
