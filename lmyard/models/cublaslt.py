@@ -2,8 +2,9 @@
 
 torch calls cuBLASLt for `addmm` with a bias epilogue, but not for the epilogues a GELU MLP's
 training step can use: GELU_AUX_BIAS (one product writes both gelu(x @ w.T + b) and its input) and
-DGELU_BGRAD (the gradient's product multiplied by gelu'(input), and the bias gradient summed, as it
-is written). Each saves a pass of an elementwise kernel over the (tokens, 4d) activations.
+DGELU (the gradient's product multiplied by gelu'(input) as it is written). Each saves a pass of an
+elementwise kernel over the (tokens, 4d) activations. (DGELU_BGRAD, which also sums the bias
+gradient, runs that sum as a second, slower kernel on H100: docs/benchmarks.md.)
 
 `linear(x, w, epilogue=..., ...)` computes `x @ w.T` (w: (N, K)) or `x @ w` (`w_t=True`, w: (K, N))
 for row-major 2-D CUDA tensors, returning None where the library or a plan for the shape is not
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-EPILOGUES = {"bias": 4, "gelu_aux_bias": 164, "dgelu": 192, "dgelu_bgrad": 208}  # cublasLtEpilogue_t
+EPILOGUES = {"gelu_aux_bias": 164, "dgelu": 192}  # cublasLtEpilogue_t
 _DATA_TYPE = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 14}  # cudaDataType
 _COMPUTE_32F, _OP_N, _OP_T = 68, 0, 1
 _TRANSA, _TRANSB, _EPILOGUE, _BIAS_POINTER, _AUX_POINTER, _AUX_LD = 3, 4, 7, 8, 11, 12  # matmul desc attributes
@@ -131,8 +132,7 @@ def _new_plan(key: _Key, bias: torch.Tensor | None, aux: torch.Tensor | None) ->
     _set(lib, desc, _TRANSA, ctypes.c_int(_OP_N if w_t else _OP_T))
     _set(lib, desc, _TRANSB, ctypes.c_int(_OP_N))
     _set(lib, desc, _EPILOGUE, ctypes.c_int(EPILOGUES[epilogue]))
-    if epilogue != "bias":
-        _set(lib, desc, _AUX_LD, ctypes.c_int64(n))
+    _set(lib, desc, _AUX_LD, ctypes.c_int64(n))
     _set_pointers(lib, desc, bias, aux)  # the heuristic reads their alignment
     a = _layout(lib, dt, n, k) if w_t else _layout(lib, dt, k, n)
     b, d = _layout(lib, dt, k, m), _layout(lib, dt, n, m)
@@ -156,6 +156,11 @@ def _set_pointers(lib: ctypes.CDLL, desc: ctypes.c_void_p, bias: torch.Tensor | 
         _set(lib, desc, _AUX_POINTER, ctypes.c_void_p(aux.data_ptr()))
 
 
+def planned() -> set[str]:
+    """The epilogues this process has a plan for: those its products actually ran through cuBLASLt."""
+    return {key[1] for key, plan in _PLANS.items() if plan is not None}
+
+
 def _aligned(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
 
@@ -172,10 +177,8 @@ def linear(
     """`x @ w.T` (or `x @ w` with `w_t`) through cuBLASLt with `epilogue` (EPILOGUES), or None where it cannot
     run (no library, no plan, unaligned or strided operands): the caller falls back to torch.
 
-    - "bias": + bias (N) before the output is written.
     - "gelu_aux_bias": out = gelu_tanh(x @ w.T + bias); `aux` (M, N) receives x @ w.T + bias.
     - "dgelu": out = (x @ w) * gelu_tanh'(aux).
-    - "dgelu_bgrad": the same, and `bias` (N) receives out's column sums (a second, slow kernel on H100).
     """
     m, k = x.shape
     n = w.size(1) if w_t else w.size(0)
