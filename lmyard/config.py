@@ -380,7 +380,15 @@ class TrainConfig(_Section):
         "float32",
         description="fsdp on CUDA: the dtype gradients are reduce-scattered in; bfloat16 halves the bytes sent "
         "(faster where the interconnect is short) at the cost of rounding each rank's gradient before the sum. "
-        "The sharded gradients and AdamW stay float32.",
+        "The sharded gradients stay float32 (bf16 with train.fsdp_param_dtype=bfloat16).",
+    )
+    fsdp_param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="fsdp on CUDA: the dtype of the sharded parameters. bfloat16: the shards and their "
+        "gradients are bf16 and AdamW keeps float32 master weights and moments (started from the float32 "
+        "initial weights), so FSDP2 casts nothing around its all-gathers and reduce-scatters; the updates are "
+        "those of float32 parameters. A checkpoint holds the bf16 weights and the masters in the optimizer's "
+        "state.",
     )
     fsdp_all_gather: Literal["auto", "nccl", "copy_engine"] = Field(
         "auto",

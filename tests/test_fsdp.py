@@ -31,9 +31,9 @@ def _batches(doc_len: int | None = None):
     return batches
 
 
-def _train(model, params, batches, rank, world, sync):
+def _train(model, params, batches, rank, world, sync, max_norm=0.5, opt=None):
     """AdamW steps over `batches` (each: ACCUM micro-batches of the global batch); this rank takes its rows."""
-    opt = AdamW(model.param_groups(0.1) if hasattr(model, "param_groups") else params, lr=3e-3)
+    opt = opt or AdamW(model.param_groups(0.1) if hasattr(model, "param_groups") else params, lr=3e-3)
     losses = []
     for micro_batches in batches:
         total = 0.0
@@ -43,7 +43,7 @@ def _train(model, params, batches, rank, world, sync):
                 loss = model(mine[:, :-1], mine[:, 1:])
                 (loss / ACCUM).backward()
             total += loss.detach() / ACCUM
-        norm = clipped_update(params, opt, 0.5)
+        norm = clipped_update(params, opt, max_norm)
         opt.zero_grad(set_to_none=True)
         if world > 1:
             dist.all_reduce(total)
@@ -228,3 +228,87 @@ def test_copy_engine_all_gather_trains_exactly_as_nccl_kernels_on_two_gpus():
     """The same init and batches under train.fsdp_all_gather=nccl and copy_engine (NCCL's zero-CTA policy,
     symmetric buffers): equal losses and equal weights after 4 steps."""
     mp.spawn(_copy_engine_worker, args=(free_port(),), nprocs=WORLD, join=True)
+
+
+def _bf16_shards_worker(rank: int, port: int) -> None:
+    from lmyard.train.optim import MASTER_ATTR
+    from lmyard.train.parallel import apply_fsdp, fsdp_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        for preset in ("llama-tiny", "tiny"):  # GPT-2's tied table and head: one parameter, rounded once
+            torch.manual_seed(0)
+            model = build_model(ModelConfig(preset=preset), 257, (256, None))
+            init = {k: v.clone() for k, v in model.state_dict().items()}
+            apply_fsdp(model, fsdp_mesh(WORLD, torch.device("cpu")), torch.device("cpu"), param_dtype="bfloat16")
+            weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
+            for name, p in model.named_parameters():
+                master = getattr(p, MASTER_ATTR)
+                assert p.dtype == torch.bfloat16 and master.dtype == torch.float32 and master.placements == p.placements
+                assert torch.equal(master.full_tensor(), init[name]), name  # this rank's part is FSDP2's shard
+                assert torch.equal(weights[name], init[name].to(torch.bfloat16)), name
+            assert all(not b.is_floating_point() or b.dtype == torch.float32 for b in model.buffers())  # RoPE's tables
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bf16_shards_keep_each_ranks_float32_part_of_the_initial_weights_as_master():
+    """train.fsdp_param_dtype=bfloat16: FSDP2 shards bf16 weights (the float32 ones rounded), and each sharded
+    parameter carries, for the optimizer, a float32 DTensor of the same sharding whose parts are exactly the
+    float32 initial weights: uneven splits (257-row embeddings over 2 ranks), GPT-2's tied parameter."""
+    mp.spawn(_bf16_shards_worker, args=(free_port(),), nprocs=WORLD, join=True)
+
+
+def _bf16_params_worker(rank: int, port: int, folder: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lmyard.checkpoint.dcp import state_dict
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(WORLD))
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", rank=rank, world_size=WORLD, device_id=device)
+
+    def trained(dtype: str, batches, opt_state=None):
+        sets = ["model.preset=llama-tiny", "train.parallel=fsdp", "train.device=cuda", "train.compile=false"]
+        sets += ["train.activation_checkpointing=none", "train.fsdp_all_gather=nccl"]
+        cfg = load_recipe("smoke", [*sets, "train.fsdp_reduce_dtype=bfloat16", f"train.fsdp_param_dtype={dtype}"])
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = parallelize(build_model(cfg.model, 257, (256, None)), cfg, WORLD, device)
+        opt = AdamW(model.param_groups(0.1), lr=3e-3)
+        if opt_state is not None:  # as the trainer resumes a sharded checkpoint (dcp.load_sharded)
+            target = state_dict(model, opt)
+            dcp.load(target, checkpoint_id=opt_state)
+            set_state_dict(model, opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
+        sync = lambda last, m=model: _null() if last else no_sync(m)
+        with sdpa_kernel([SDPBackend.MATH]):  # deterministic, so the runs can be compared exactly
+            losses = _train(model, list(model.parameters()), batches, rank, WORLD, sync, float("inf"), opt)
+        return model, opt, losses
+
+    try:
+        batches = [[rows.to(device) for rows in step] for step in _batches()]
+        f32, _, f32_losses = trained("float32", batches)
+        bf16, opt, bf16_losses = trained("bfloat16", batches[:2])
+        dcp.save(state_dict(bf16, opt), checkpoint_id=folder)
+        resumed, opt, resumed_losses = trained("bfloat16", batches[2:], opt_state=folder)
+        assert [loss for loss, _ in bf16_losses + resumed_losses] == [loss for loss, _ in f32_losses]
+        for (name, p), (_, q) in zip(resumed.named_parameters(), f32.named_parameters()):
+            assert p.dtype == torch.bfloat16 and opt.state[p]["master"].dtype == torch.float32
+            master, weight = opt.state[p]["master"].full_tensor(), q.full_tensor()
+            assert torch.equal(master, weight), (name, (master - weight).abs().max())
+            assert torch.equal(p.full_tensor(), weight.to(torch.bfloat16)), name
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_bf16_shards_train_and_resume_exactly_as_float32_shards_on_two_gpus(tmp_path):
+    """Gradients reduced in bf16 either way: 4 steps with float32 shards against 2 steps with bf16 shards, a
+    sharded checkpoint, and 2 more steps resumed from it. Equal losses; the masters equal the float32
+    weights bit for bit and the bf16 weights are them rounded."""
+    mp.spawn(_bf16_params_worker, args=(free_port(), str(tmp_path / "ckpt")), nprocs=WORLD, join=True)

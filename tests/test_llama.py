@@ -259,6 +259,16 @@ def test_fsdp_gradients_count_at_the_activation_peak_only_when_micro_steps_accum
     assert ddp.total == ddp.params + ddp.grads + ddp.optimizer + ddp.working + ddp.activations
 
 
+def test_bf16_shards_are_planned_with_float32_masters_in_the_optimizer_and_bf16_gradients():
+    n, one_step = 8_030_261_248, 8192 * 4
+    f32 = _plan("llama-8b", 4, "fsdp", batch_tokens=one_step)
+    bf16 = _plan("llama-8b", 4, "fsdp", batch_tokens=one_step, fsdp_param_dtype="bfloat16")
+    assert (bf16.params, bf16.grads, bf16.optimizer) == (2 * n // 4, 2 * n // 4, 12 * n // 4)
+    assert bf16.params + bf16.grads + bf16.optimizer == f32.params + f32.grads + f32.optimizer
+    ddp = _plan("llama-1b", 1, "ddp", fsdp_param_dtype="bfloat16")  # an fsdp setting: ddp keeps float32
+    assert ddp.params == _plan("llama-1b", 1, "ddp").params
+
+
 def test_compiled_blocks_are_planned_with_the_family_s_compiled_figure_where_it_has_one():
     per_token = registry.spec("llama").terms(registry.resolve(ModelConfig(preset="llama-1b"), 50257))
     compiled, eager = _plan("llama-1b", 1, "fsdp"), _plan("llama-1b", 1, "fsdp", compile=False)

@@ -129,6 +129,57 @@ def test_adamw_kernel_matches_torch_adamw_in_the_triton_interpreter():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
+def test_bf16_weights_step_their_float32_masters_as_float32_weights_step_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    # bf16 weights with float32 masters (train.fsdp_param_dtype=bfloat16) beside float32 weights holding the
+    # masters' values, given the same bf16 gradients: the masters move bit for bit as the float32 weights, and
+    # survive a state_dict round trip in float32 (torch's load casts state to the parameter's dtype). The
+    # interpreter rounds to bf16 towards zero where the GPU rounds to nearest even (tests/test_fsdp.py checks
+    # that on two GPUs), so the bf16 weights are checked to within one bf16 step here.
+    code = textwrap.dedent("""
+        import torch
+        import lmyard.train.optim as O
+        O.BLOCK = 64
+        O._kernel_dtype = lambda t: t.dtype if t is not None and t.dtype in (torch.float32, torch.bfloat16) else None
+        torch.manual_seed(0)
+        shapes = [(37, 30), (300,), (0,), (5,)]
+        init = [torch.randn(s) for s in shapes]
+        def low_params():
+            params = [torch.nn.Parameter(t.to(torch.bfloat16)) for t in init]
+            for p, t in zip(params, init):
+                O.keep_master(p, t.clone())
+            return params
+        low, full = low_params(), [torch.nn.Parameter(t.clone()) for t in init]
+        ol = O.AdamW([{"params": low, "weight_decay": 0.1}], lr=1e-2)
+        of = O.AdamW([{"params": full, "weight_decay": 0.1}], lr=1e-2)
+        def step(i, pairs):
+            g = torch.Generator().manual_seed(i)
+            for (opt_low, params_low), (opt_full, params_full) in pairs:
+                grads = [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
+                for p, q, gr in zip(params_low, params_full, grads):
+                    p.grad, q.grad = gr.clone(), gr.float()
+                assert torch.equal(O.clipped_update(params_low, opt_low, 0.5), O.clipped_update(params_full, opt_full, 0.5))
+        for i in range(3):
+            step(i, [((ol, low), (of, full))])
+        again = low_params()
+        for p, q in zip(again, low):
+            p.data.copy_(q.detach())
+        ol2 = O.AdamW([{"params": again, "weight_decay": 0.1}], lr=1e-2)
+        ol2.load_state_dict(ol.state_dict())
+        step(3, [((ol2, again), (of, full))])
+        for p, q in zip(again, full):
+            st = ol2.state[p]
+            assert p.dtype == torch.bfloat16 and all(st[k].dtype == torch.float32 for k in ("master", "exp_avg", "exp_avg_sq"))
+            assert torch.equal(st["master"], q.detach()), (st["master"] - q).abs().max()
+            assert torch.all((p.detach().float() - q.detach()).abs() <= q.detach().abs() * 2**-7)
+        assert float(ol2.state[again[0]]["step"]) == 4.0
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_step_on_cuda_matches_clip_then_torch_adamw():
     # torch's foreach AdamW: its bias corrections in float64 as the kernel's (its fused one rounds them to float32)

@@ -8,6 +8,8 @@
   its shard as backward frees that block's activations; so the plan counts the larger of the two there, and
   both with accumulation (the earlier micro-steps' gradients wait) or under ddp (its buckets stay allocated).
 - optimizer: AdamW's two fp32 moments, likewise.
+  Under fsdp with train.fsdp_param_dtype=bfloat16 the weights and gradients are bf16 and the optimizer holds
+  fp32 master weights too: 2 + 2 + 12 bytes a parameter where float32 shards are 4 + 4 + 8.
 - working: bf16 copies of the weights made for compute: under ddp autocast's cast of every weight;
   under fsdp the gathered bf16 blocks (two at a time with reshard-after-forward, every block without),
   a block's fp32 unsharded gradients on their way to reduce-scatter, and the root unit (embeddings,
@@ -156,10 +158,11 @@ def estimate(
     tokens = train_cfg.micro_batch * s["T"]
     activations = tokens * (_kept_per_token(s, train_cfg) + 2 * s["V"])
     accumulates = train_cfg.batch_tokens > tokens * world  # more than one micro-step per optimizer step
+    low = fsdp and train_cfg.fsdp_param_dtype == "bfloat16"  # bf16 shards, fp32 masters in the optimizer
     return Plan(
-        params=4 * n // shards,
-        grads=4 * n // shards,
-        optimizer=8 * n // shards,
+        params=(2 if low else 4) * n // shards,
+        grads=(2 if low else 4) * n // shards,
+        optimizer=(12 if low else 8) * n // shards,
         working=working,
         activations=activations,
         device_bytes=device_bytes,

@@ -15,6 +15,11 @@ more: at the Llama-3 8B shape on 4 GPUs that is 16 of the 80 GB the optimizer mo
 1.3x its time (tests/benchmarks/bench_optimizer.py). Elsewhere (CPU, no Triton, or options the
 kernel does not take: amsgrad, maximize, capturable, differentiable) the step scales the
 gradients in place and runs torch's own.
+
+bf16 parameters (FSDP2's shards under train.fsdp_param_dtype=bfloat16) keep float32 master weights and
+moments in their state; the kernel reads the bf16 gradient and writes both the master and the bf16 weight,
+so FSDP2 neither casts the shards before each all-gather nor the reduced gradients after each
+reduce-scatter. The updates are those of float32 parameters given the same bf16 gradients.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ except ImportError:  # pragma: no cover - depends on the install
 
 BLOCK = 2048  # elements a program: a sweep on H100 (bench_optimizer.py --sweep)
 NUM_WARPS = 8
-_ROW = 6  # the kernel's table: weight, gradient, exp_avg, exp_avg_sq and step addresses, then the element count
+_ROW = 7  # the kernel's table: weight, gradient, exp_avg, exp_avg_sq and step addresses, the element count, the master's address
+MASTER_ATTR = "lmyard_master"  # a bf16 parameter's float32 master weights until its state is made (keep_master)
 
 if triton is not None:
 
@@ -45,16 +51,24 @@ if triton is not None:
         weight_decay,
         BLOCK: tl.constexpr,
         ROW: tl.constexpr,
+        MASTER: tl.constexpr,
     ):
         """One AdamW update of `BLOCK` elements of one of a group's tensors, the gradient times *scale_ptr.
         `table_ptr` holds a row a tensor (ROW entries: the addresses of weight, gradient, both moments and
-        the step, then the element count); this program's tensor and block come from the two block maps. The step
-        already counts this update. 1 - beta and the bias corrections 1 - beta^step are made in float64, as
-        torch's foreach AdamW makes them on the host: from a float32 beta2 of 0.999, 1 - beta2 is 1.3e-5 off."""
+        the step, the element count, then the fp32 master weights' address); this program's tensor and block
+        come from the two block maps. MASTER: the weight and gradient are bf16, the update is made on the
+        float32 master weights and the weight is written as the master rounded to bf16 (to nearest even, as
+        torch's casts); else all four are float32 and the master is the weight itself. The step already
+        counts this update. 1 - beta and the bias corrections 1 - beta^step are made in float64, as torch's
+        foreach AdamW makes them on the host: from a float32 beta2 of 0.999, 1 - beta2 is 1.3e-5 off."""
         pid = tl.program_id(0)
         row = table_ptr + tl.load(tensor_of_block_ptr + pid).to(tl.int64) * ROW
-        p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
-        g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+        if MASTER:
+            low_ptr = tl.load(row).to(tl.pointer_type(tl.bfloat16))
+            g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.bfloat16))
+        else:
+            g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+        p_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
         m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
         v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
         step = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float32))).to(tl.float64)
@@ -66,7 +80,7 @@ if triton is not None:
         bias2_sqrt = tl.sqrt(1.0 - tl.exp(step * tl.log(beta2_64))).to(tl.float32)
         beta1, beta2 = beta1_64.to(tl.float32), beta2_64.to(tl.float32)
         rest1, rest2 = (1.0 - beta1_64).to(tl.float32), (1.0 - beta2_64).to(tl.float32)  # 1 - 0.999 in float32
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0) * tl.load(scale_ptr)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(scale_ptr)
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
@@ -77,6 +91,8 @@ if triton is not None:
         tl.store(p_ptr + offs, p, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
+        if MASTER:
+            tl.store(low_ptr + offs, p.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -85,15 +101,27 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else t
 
 
+def keep_master(param: torch.Tensor, master: torch.Tensor) -> None:
+    """Give a bf16 parameter the float32 weights AdamW starts its master copy from (the weights before they
+    were rounded to bf16: lmyard.train.parallel casts FSDP2's shards); without one the master starts from the
+    bf16 values."""
+    setattr(param, MASTER_ATTR, master)
+
+
 class AdamW(torch.optim.AdamW):
-    """torch.optim.AdamW whose `step(grad_scale=s)` uses gradient x s (the clip's scale), fused on CUDA."""
+    """torch.optim.AdamW whose `step(grad_scale=s)` uses gradient x s (the clip's scale), fused on CUDA.
+
+    A bf16 parameter (train.fsdp_param_dtype=bfloat16) gets float32 master weights in its state (`master`),
+    and float32 moments: the kernel updates the master from the bf16 gradient and writes the parameter as the
+    master rounded to bf16. Such parameters need the kernel (CUDA)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._betas: dict[tuple, torch.Tensor] = {}  # (device, beta1, beta2) -> the kernel's float64 betas
+        self._ones: dict[torch.device, torch.Tensor] = {}
 
     def step(self, closure=None, *, grad_scale: torch.Tensor | None = None):
-        if grad_scale is None:
+        if grad_scale is None and not self._has_masters():
             return super().step(closure)
         if closure is not None:
             raise ValueError("AdamW.step takes a closure or a grad_scale, not both")
@@ -103,9 +131,15 @@ class AdamW(torch.optim.AdamW):
                 params = [p for p in group["params"] if p.grad is not None]
                 if self._fusable(group, params):
                     self._fused_step(group, params, grad_scale)
+                elif any(p.dtype == torch.bfloat16 for p in params):
+                    raise ValueError(
+                        "AdamW steps bf16 parameters (train.fsdp_param_dtype=bfloat16) only in its CUDA kernel, "
+                        "with plain AdamW options; set train.fsdp_param_dtype=float32"
+                    )
                 else:
                     rest.append(group)
-            if _scale_grads([p for group in rest for p in group["params"]], grad_scale):
+            params = [p for group in rest for p in group["params"]]
+            if _scale_grads(params, grad_scale) if grad_scale is not None else any(p.grad is not None for p in params):
                 # torch's step over the other groups only, their gradients scaled in place
                 kept, self.param_groups = self.param_groups, rest
                 try:
@@ -114,38 +148,69 @@ class AdamW(torch.optim.AdamW):
                     self.param_groups = kept
         return None
 
+    def _has_masters(self) -> bool:
+        return any(p.dtype == torch.bfloat16 for group in self.param_groups for p in group["params"])
+
     def _fusable(self, group: dict, params: list[torch.Tensor]) -> bool:
         """Whether the kernel can step `params` (the group's with gradients)."""
         return (
             triton is not None
             and bool(params)
-            and all(_kernel_takes(p) and _kernel_takes(p.grad) for p in params)
+            and all(_kernel_dtype(p) is not None and _kernel_dtype(p) == _kernel_dtype(p.grad) for p in params)
             and not any(group.get(k) for k in ("amsgrad", "maximize", "capturable", "differentiable"))
-            and not torch.is_complex(params[0])
         )
 
-    def _fused_step(self, group: dict, params: list, grad_scale: torch.Tensor) -> None:
+    def _fused_step(self, group: dict, params: list, grad_scale: torch.Tensor | None) -> None:
         for p in params:
-            state = self.state[p]
-            if not state:  # as torch's fused AdamW starts it: a float32 step on the device, zero moments
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif state["step"].device != p.device:  # torch's unfused AdamW keeps it on the CPU (its state loaded)
-                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+            self._init_state(p)
         steps = [self.state[p]["step"] for p in params]
         torch._foreach_add_(steps, 1.0)
         device = params[0].device
         key = (device, *map(float, group["betas"]))
         if key not in self._betas:  # made once: a copy from the host each step would wait for the GPU
             self._betas[key] = torch.tensor(key[1:], dtype=torch.float64, device=device)
-        table, blocks = _launch_tables(params, [self.state[p] for p in params], device)
-        if blocks[0].numel() == 0:  # every tensor of the group empty (FSDP2 shards of a small model)
-            return
-        _adamw_kernel[(blocks[0].numel(),)](
-            table, *blocks, grad_scale.to(device=device, dtype=torch.float32), self._betas[key],
-            float(group["lr"]), group["eps"], group["weight_decay"], BLOCK=BLOCK, ROW=_ROW, num_warps=NUM_WARPS,
-        )  # fmt: skip
+        if grad_scale is None:  # a step without a clip (torch.distributed.checkpoint's state initialisation)
+            grad_scale = self._ones.setdefault(device, torch.ones((), device=device))
+        for master in (False, True):  # one launch per kind: float32 weights, bf16 weights with float32 masters
+            kind = [p for p in params if (p.dtype == torch.bfloat16) == master]
+            if not kind:
+                continue
+            table, blocks = _launch_tables(kind, [self.state[p] for p in kind], device)
+            if blocks[0].numel() == 0:  # every tensor of the group empty (FSDP2 shards of a small model)
+                continue
+            _adamw_kernel[(blocks[0].numel(),)](
+                table, *blocks, grad_scale.to(device=device, dtype=torch.float32), self._betas[key],
+                float(group["lr"]), group["eps"], group["weight_decay"], BLOCK=BLOCK, ROW=_ROW, MASTER=master,
+                num_warps=NUM_WARPS,
+            )  # fmt: skip
+
+    def _init_state(self, p: torch.Tensor) -> None:
+        """As torch's fused AdamW starts it: a float32 step on the device, zero moments; a bf16 parameter's
+        moments in float32 beside its float32 master weights."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            like = p
+            if p.dtype == torch.bfloat16:
+                kept = p.__dict__.pop(MASTER_ATTR, None)
+                like = state["master"] = kept if kept is not None else p.detach().to(torch.float32)
+            state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+        elif state["step"].device != p.device:  # torch's unfused AdamW keeps it on the CPU (its state loaded)
+            state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, which casts each floating state tensor to its parameter's dtype: a bf16 parameter's master
+        weights and moments are put back in float32, from the values given."""
+        super().load_state_dict(state_dict)
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(ids, params):
+            if p.dtype != torch.bfloat16 or i not in state_dict["state"]:
+                continue
+            for k, v in state_dict["state"][i].items():
+                if k != "step" and torch.is_tensor(v) and v.is_floating_point():
+                    self.state[p][k] = v.to(device=p.device, dtype=torch.float32)
 
 
 _block_maps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -159,8 +224,9 @@ def _launch_tables(params: list, states: list[dict], device: torch.device):
     for p, state in zip(params, states):
         w = _local(p)
         tensors = (w, _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]), state["step"])
-        rows.append([t.data_ptr() for t in tensors] + [w.numel()])
-    sizes = tuple(row[-1] for row in rows)
+        master = _local(state["master"]) if "master" in state else w
+        rows.append([t.data_ptr() for t in tensors] + [w.numel(), master.data_ptr()])
+    sizes = tuple(row[5] for row in rows)
     key = (device, BLOCK, sizes)
     if key not in _block_maps:
         per_tensor = torch.tensor([-(-n // BLOCK) for n in sizes], dtype=torch.int64)
@@ -174,9 +240,11 @@ def _launch_tables(params: list, states: list[dict], device: torch.device):
     return table, _block_maps[key]
 
 
-def _kernel_takes(t: torch.Tensor | None) -> bool:
-    """Whether the kernel reads and writes `t` as it is: float32, contiguous (a DTensor's shard), on CUDA."""
-    return t is not None and t.is_cuda and t.dtype == torch.float32 and _local(t).is_contiguous()
+def _kernel_dtype(t: torch.Tensor | None) -> torch.dtype | None:
+    """The dtype the kernel reads and writes `t` in (float32, or bf16 beside a float32 master), as it is:
+    contiguous (a DTensor's shard), on CUDA; None where it cannot."""
+    ok = t is not None and t.is_cuda and t.dtype in (torch.float32, torch.bfloat16) and _local(t).is_contiguous()
+    return t.dtype if ok and t is not None else None
 
 
 def _scale_grads(params: list[torch.Tensor], scale: torch.Tensor) -> bool:
@@ -188,9 +256,12 @@ def _scale_grads(params: list[torch.Tensor], scale: torch.Tensor) -> bool:
 
 
 def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
-    """The global L2 norm of the gradients, as a plain tensor: a DTensor's (FSDP2) is reduced over the ranks."""
+    """The global L2 norm of the gradients, as a plain tensor: a DTensor's (FSDP2) is reduced over the ranks.
+    Each tensor's norm is summed in float32, bf16 gradients too (torch's get_total_norm keeps their dtype)."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if not grads:
+        return torch.tensor(0.0)
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)), 2.0)
     full_tensor = getattr(norm, "full_tensor", None)
     return full_tensor() if full_tensor is not None else norm
 

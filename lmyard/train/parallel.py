@@ -7,6 +7,10 @@ applying, in torchtitan's order: float8 linears -> activation checkpointing -> t
 The parameters stay fp32 and sharded (the optimizer updates fp32 shards); on CUDA each block's
 parameters are gathered in bf16 for its forward and backward, and gradients are reduce-scattered in
 fp32, or bf16 with train.fsdp_reduce_dtype (MixedPrecisionPolicy). On CPU everything stays fp32.
+With train.fsdp_param_dtype=bfloat16 (CUDA) the shards themselves are bf16 and the optimizer keeps their
+fp32 master weights (lmyard.train.optim), started from the fp32 weights before rounding: FSDP2 then
+gathers the shards as they are and keeps the reduced gradients in bf16, where it otherwise casts the
+shards before every all-gather and the gradients after every reduce-scatter.
 
 The all-gathers (train.fsdp_all_gather): with every rank on one host, `copy_engine` (auto's choice there)
 gathers into NCCL symmetric memory under NCCL's zero-CTA policy (`process_group_options`, given to
@@ -162,23 +166,57 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     reduce_dtype: str = "float32",
     all_gather: str = "nccl",
+    param_dtype: str = "float32",
 ) -> nn.Module:
     """FSDP2: `fully_shard` the family's own units (its spec's `fsdp_units`: Llama's embeddings, and its final
     norm with the head), then each block, then the root with what is left (GPT-2's tied table and head).
-    `mesh` is a 1-D DeviceMesh of the data-parallel ranks (fsdp_mesh); `all_gather` is all_gather_mode's."""
+    `mesh` is a 1-D DeviceMesh of the data-parallel ranks (fsdp_mesh); `all_gather` is all_gather_mode's;
+    `param_dtype` bfloat16: the shards are bf16, their fp32 masters handed to the optimizer (keep_masters)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    masters = round_to_bf16(model, mesh) if param_dtype == "bfloat16" else []
     shard = partial(fully_shard, mesh=mesh, mp_policy=mixed_precision(device, reduce_dtype))
     for modules, reshard in registry.spec_of(model).fsdp_units(model):
         shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard and reshard_after_forward)
     for block in _blocks(model):
         shard(block, reshard_after_forward=reshard_after_forward)
     shard(model, reshard_after_forward=reshard_after_forward)  # FSDP2 keeps the root gathered for backward
+    keep_masters(masters)
     if all_gather == "copy_engine":
         comm = symmetric_all_gather(mesh.get_group())
         for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
             unit.set_custom_all_gather(comm)
     return model
+
+
+def round_to_bf16(model: nn.Module, mesh) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """Round the model's fp32 parameters to bf16 in place, before FSDP2 shards them, keeping this rank's fp32
+    part of each (its dim-0 chunk, as FSDP2's Shard(0) cuts it) as (module, name, part). A tied parameter
+    is rounded and kept once."""
+    rank, world = mesh.get_local_rank(), mesh.size()
+    kept, seen = [], set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen or p.dtype != torch.float32:
+                continue
+            seen.add(id(p))
+            chunks = torch.chunk(p.detach(), world, dim=0)
+            kept.append((module, name, chunks[rank].clone() if rank < len(chunks) else p.new_empty(0)))
+            p.data = p.data.to(torch.bfloat16)
+    return kept
+
+
+def keep_masters(masters: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+    """Hand each sharded bf16 parameter its fp32 part (round_to_bf16's) as a DTensor of the same sharding,
+    for the optimizer's master weights (lmyard.train.optim.keep_master)."""
+    from torch.distributed.tensor import DTensor
+
+    from lmyard.train.optim import keep_master
+
+    for module, name, part in masters:
+        p = getattr(module, name)  # FSDP2's sharded parameter
+        local = part.view(p.to_local().shape)
+        keep_master(p, DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()))
 
 
 def all_gather_mode(t: TrainConfig, device: torch.device, world: int, local_world: int) -> str:
@@ -269,7 +307,7 @@ def fsdp_mesh(world: int, device: torch.device):
 def parallelize(raw_model: nn.Module, cfg: RunConfig, world: int, device: torch.device) -> nn.Module:
     """The model to train under train.parallel=fsdp: float8 (train.float8) -> activation checkpointing
     (train.activation_checkpointing, resolved: not auto; lmyard.train.memory.resolve) -> torch.compile per block (train.compile; default on CUDA) -> FSDP2
-    (train.fsdp_reshard_after_forward, train.fsdp_reduce_dtype, train.fsdp_all_gather). Modifies and returns raw_model; its parameters become DTensor shards
+    (train.fsdp_reshard_after_forward, train.fsdp_reduce_dtype, train.fsdp_all_gather, train.fsdp_param_dtype). Modifies and returns raw_model; its parameters become DTensor shards
     on `device`, so build the optimizer after this call."""
     t = cfg.train
     if t.float8:
@@ -283,7 +321,8 @@ def parallelize(raw_model: nn.Module, cfg: RunConfig, world: int, device: torch.
     mesh = fsdp_mesh(world, device)
     reshard = t.fsdp_reshard_after_forward is not False  # auto unsettled (no memory plan ran): as true
     gather = all_gather_mode(t, device, world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    return apply_fsdp(raw_model, mesh, device, reshard, t.fsdp_reduce_dtype, gather)
+    param_dtype = t.fsdp_param_dtype if device.type == "cuda" else "float32"
+    return apply_fsdp(raw_model, mesh, device, reshard, t.fsdp_reduce_dtype, gather, param_dtype)
 
 
 def no_sync(model: nn.Module):

@@ -63,6 +63,7 @@ WORKER_ARGS = (
     "ac",
     "ac_blocks",
     "reduce",
+    "param_dtype",
     "reshard",
     "parallel",
     "float8",
@@ -121,7 +122,7 @@ def profiled(model, params, opt, batch, steps: int, device, ctx) -> dict:
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
             by_name[e.name[:160]] = by_name.get(e.name[:160], 0.0) + (e.time_range.end - e.time_range.start)
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:40]
     out["top_kernels_ms_per_step"] = {name: round(us / steps / 1e3, 2) for name, us in top}
     return out
 
@@ -158,6 +159,7 @@ def worker(a: argparse.Namespace) -> None:
             f"train.float8_recipe={'tensorwise' if a.float8 == 'none' else a.float8}",
             f"train.fsdp_reshard_after_forward={a.reshard}",
             f"train.fsdp_reduce_dtype={a.reduce}",
+            f"train.fsdp_param_dtype={a.param_dtype}",
             f"train.device={a.device}",
             f"model.doc_mask={a.doc_mask == 'on'}",
             f"train.fsdp_all_gather={a.all_gather}",
@@ -229,6 +231,7 @@ def worker(a: argparse.Namespace) -> None:
         "compile": a.compile,
         "float8": a.float8,
         "optimizer": a.optimizer,
+        "param_dtype": a.param_dtype,
         "doc_mask": a.doc_mask == "on",
         "tok_s": round(tok_s),
         "tok_s_per_gpu": round(tok_s / world),
@@ -305,6 +308,7 @@ def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
         f"model.doc_mask={str(a.doc_mask == 'on').lower()}",  # on the shard as it is (see the docstring)
         f"train.fsdp_reshard_after_forward={a.reshard}",
         f"train.fsdp_reduce_dtype={a.reduce}",
+        f"train.fsdp_param_dtype={a.param_dtype}",
         f"train.fsdp_all_gather={a.all_gather}",
         f"train.float8={str(a.float8 != 'none').lower()}",
         f"train.float8_recipe={'tensorwise' if a.float8 == 'none' else a.float8}",
@@ -445,6 +449,12 @@ def parser() -> argparse.ArgumentParser:
         help="train.fsdp_reduce_dtype (lmyard only; torchtitan reduces in float32)",
     )
     ap.add_argument(
+        "--param-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="train.fsdp_param_dtype (lmyard only): bfloat16 shards with float32 masters in lmyard's AdamW",
+    )
+    ap.add_argument(
         "--all-gather",
         choices=["auto", "nccl", "copy_engine"],
         default="auto",
@@ -502,6 +512,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.ac_blocks is not None and a.ac not in ("selective", "full"):
         ap.error(f"--ac-blocks applies to --ac selective or full, not {a.ac}: pass one of them or drop --ac-blocks")
+    if a.param_dtype == "bfloat16" and a.optimizer == "torch":
+        ap.error("--param-dtype bfloat16 keeps its float32 masters in lmyard's AdamW: drop --optimizer torch")
     if a.worker:  # one precision per worker
         return worker(argparse.Namespace(**{**vars(a), "float8": a.float8[0]}))
     summary(run_all(a))
