@@ -384,11 +384,11 @@ class TrainConfig(_Section):
     )
     fsdp_param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
-        description="fsdp on CUDA: the dtype of the sharded parameters. bfloat16: the shards and their "
-        "gradients are bf16 and AdamW keeps float32 master weights and moments (started from the float32 "
-        "initial weights), so FSDP2 casts nothing around its all-gathers and reduce-scatters; the updates are "
-        "those of float32 parameters. A checkpoint holds the bf16 weights and the masters in the optimizer's "
-        "state.",
+        description="fsdp: the dtype of the sharded parameters. bfloat16: the shards and their gradients are "
+        "bf16 and AdamW keeps float32 master weights and moments (started from the float32 initial weights), "
+        "so on CUDA FSDP2 casts nothing around its all-gathers and reduce-scatters (faster); the updates are "
+        "those of float32 parameters given the same bf16 gradients. A checkpoint holds the bf16 weights, and "
+        "the masters in the optimizer's state.",
     )
     fsdp_all_gather: Literal["auto", "nccl", "copy_engine"] = Field(
         "auto",

@@ -129,6 +129,34 @@ def test_adamw_kernel_matches_torch_adamw_in_the_triton_interpreter():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
+def test_bf16_weights_step_their_float32_masters_through_torchs_step_where_the_kernel_cannot_run():
+    """On the CPU a bf16 parameter's float32 master moves as a float32 parameter holding its values does under
+    torch's AdamW, given the same bf16 gradients; the parameter is its master rounded to bf16."""
+    from lmyard.train.optim import keep_master
+
+    ours, theirs = _model(), _model()
+    for p in ours.parameters():
+        keep_master(p, p.detach().clone())
+        p.data = p.data.to(torch.bfloat16)
+    opt_a, opt_b = AdamW(_groups(ours), lr=1e-2), torch.optim.AdamW(_groups(theirs), lr=1e-2)
+    for step in range(3):
+        _backward(theirs, step)
+        for a, b in zip(ours.parameters(), theirs.parameters()):
+            b.grad = b.grad.to(torch.bfloat16).float()  # the bf16 gradients both sides are given
+            a.grad = b.grad.to(torch.bfloat16)
+        norm = clipped_update(list(ours.parameters()), opt_a, 0.5)
+        assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5))
+        opt_b.step()
+        opt_a.zero_grad(set_to_none=True)
+        opt_b.zero_grad(set_to_none=True)
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        state = opt_a.state[a]
+        assert a.dtype == torch.bfloat16 and state["master"].dtype == state["exp_avg"].dtype == torch.float32
+        assert torch.equal(state["master"], b.detach())
+        assert torch.equal(a.detach(), b.detach().to(torch.bfloat16))
+    assert len(opt_a.state) == len(list(ours.parameters()))  # the masters' own entries are gone after the step
+
+
 def test_bf16_weights_step_their_float32_masters_as_float32_weights_step_in_the_triton_interpreter():
     pytest.importorskip("triton")
     # bf16 weights with float32 masters (train.fsdp_param_dtype=bfloat16) beside float32 weights holding the

@@ -143,3 +143,24 @@ def test_the_pretrain_flow_trains_a_sharded_llama_and_evaluates_every_sharded_ch
     evaluated = {m.step: m.value for m in client.get_metric_history(summary.mlflow_run_id, "eval/val_loss")}
     assert sorted(evaluated) == [4, 8]  # the evaluator reads each sharded checkpoint whole, on one device
     assert evaluated == {s: pytest.approx(val[s], rel=1e-5) for s in (4, 8)}
+
+
+def test_bf16_shards_resume_exactly_with_their_float32_masters(env):
+    """train.fsdp_param_dtype=bfloat16 on 2 ranks: a run crashed at step 6 and resumed from its step-4
+    checkpoint ends with the bf16 weights and the optimizer's float32 masters and moments of the run that did
+    not stop, bit for bit."""
+    bf16 = {"train.fsdp_param_dtype": "bfloat16"}
+    assert _run(env, "bf16-straight", "fsdp", **bf16).step == 8
+    assert isinstance(_run(env, "bf16-crashed", "fsdp", faults="crash@6", **bf16), Exception)
+    result = _run(env, "bf16-crashed", "fsdp", **bf16)
+    assert result.start_step == 4 and result.step == 8
+    tmp, _ = env
+    store = open_store(str(tmp / "store"))
+    straight, resumed = (load_step(store, run, 8, str(tmp / "load")) for run in ("bf16-straight", "bf16-crashed"))
+    for name, weight in straight.model.items():
+        assert weight.dtype == torch.bfloat16 and torch.equal(resumed.model[name], weight), name
+    assert len(straight.optim["state"]) == len(straight.model)
+    for i, state in straight.optim["state"].items():
+        assert state["master"].dtype == state["exp_avg"].dtype == torch.float32
+        for key, value in state.items():
+            assert torch.equal(resumed.optim["state"][i][key], value), (i, key)

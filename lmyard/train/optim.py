@@ -113,7 +113,7 @@ class AdamW(torch.optim.AdamW):
 
     A bf16 parameter (train.fsdp_param_dtype=bfloat16) gets float32 master weights in its state (`master`),
     and float32 moments: the kernel updates the master from the bf16 gradient and writes the parameter as the
-    master rounded to bf16. Such parameters need the kernel (CUDA)."""
+    master rounded to bf16; where the kernel cannot run, torch's step updates the masters."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -131,13 +131,11 @@ class AdamW(torch.optim.AdamW):
                 params = [p for p in group["params"] if p.grad is not None]
                 if self._fusable(group, params):
                     self._fused_step(group, params, grad_scale)
-                elif any(p.dtype == torch.bfloat16 for p in params):
-                    raise ValueError(
-                        "AdamW steps bf16 parameters (train.fsdp_param_dtype=bfloat16) only in its CUDA kernel, "
-                        "with plain AdamW options; set train.fsdp_param_dtype=float32"
-                    )
-                else:
-                    rest.append(group)
+                    continue
+                low = [p for p in params if p.dtype == torch.bfloat16]
+                if low:
+                    self._master_step(group, low, grad_scale)
+                rest.append({**group, "params": [p for p in group["params"] if p.dtype != torch.bfloat16]})
             params = [p for group in rest for p in group["params"]]
             if _scale_grads(params, grad_scale) if grad_scale is not None else any(p.grad is not None for p in params):
                 # torch's step over the other groups only, their gradients scaled in place
@@ -183,6 +181,27 @@ class AdamW(torch.optim.AdamW):
                 float(group["lr"]), group["eps"], group["weight_decay"], BLOCK=BLOCK, ROW=_ROW, MASTER=master,
                 num_warps=NUM_WARPS,
             )  # fmt: skip
+
+    def _master_step(self, group: dict, params: list, grad_scale: torch.Tensor | None) -> None:
+        """torch's own step on the float32 masters of bf16 parameters, where the kernel cannot run (the CPU):
+        the gradients cast up and scaled, then each parameter set to its master rounded to bf16."""
+        for p in params:
+            self._init_state(p)
+        masters = [self.state[p]["master"] for p in params]
+        for p, master in zip(params, masters):
+            master.grad = p.grad.to(torch.float32)
+            self.state[master] = self.state[p]  # torch's step finds a parameter's state by the parameter
+        if grad_scale is not None:
+            _scale_grads(masters, grad_scale)
+        kept, self.param_groups = self.param_groups, [{**group, "params": masters}]
+        try:
+            super().step()
+        finally:
+            self.param_groups = kept
+            for p, master in zip(params, masters):
+                del self.state[master]
+                master.grad = None
+                p.copy_(master)
 
     def _init_state(self, p: torch.Tensor) -> None:
         """As torch's fused AdamW starts it: a float32 step on the device, zero moments; a bf16 parameter's

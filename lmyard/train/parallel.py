@@ -6,9 +6,9 @@ applying, in torchtitan's order: float8 linears -> activation checkpointing -> t
 
 The parameters stay fp32 and sharded (the optimizer updates fp32 shards); on CUDA each block's
 parameters are gathered in bf16 for its forward and backward, and gradients are reduce-scattered in
-fp32, or bf16 with train.fsdp_reduce_dtype (MixedPrecisionPolicy). On CPU everything stays fp32.
-With train.fsdp_param_dtype=bfloat16 (CUDA) the shards themselves are bf16 and the optimizer keeps their
-fp32 master weights (lmyard.train.optim), started from the fp32 weights before rounding: FSDP2 then
+fp32, or bf16 with train.fsdp_reduce_dtype (MixedPrecisionPolicy). On CPU everything is computed in fp32.
+With train.fsdp_param_dtype=bfloat16 the shards themselves are bf16 and the optimizer keeps their fp32
+master weights (lmyard.train.optim), started from the fp32 weights before rounding: on CUDA FSDP2 then
 gathers the shards as they are and keeps the reduced gradients in bf16, where it otherwise casts the
 shards before every all-gather and the gradients after every reduce-scatter.
 
@@ -321,8 +321,7 @@ def parallelize(raw_model: nn.Module, cfg: RunConfig, world: int, device: torch.
     mesh = fsdp_mesh(world, device)
     reshard = t.fsdp_reshard_after_forward is not False  # auto unsettled (no memory plan ran): as true
     gather = all_gather_mode(t, device, world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    param_dtype = t.fsdp_param_dtype if device.type == "cuda" else "float32"
-    return apply_fsdp(raw_model, mesh, device, reshard, t.fsdp_reduce_dtype, gather, param_dtype)
+    return apply_fsdp(raw_model, mesh, device, reshard, t.fsdp_reduce_dtype, gather, t.fsdp_param_dtype)
 
 
 def no_sync(model: nn.Module):
