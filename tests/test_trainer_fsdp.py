@@ -164,3 +164,11 @@ def test_bf16_shards_resume_exactly_with_their_float32_masters(env):
         assert state["master"].dtype == state["exp_avg"].dtype == torch.float32
         for key, value in state.items():
             assert torch.equal(resumed.optim["state"][i][key], value), (i, key)
+
+
+def test_a_float32_shards_checkpoint_resumed_with_bf16_shards_is_refused_naming_the_fix(env, fsdp_straight):
+    """Its optimizer state has no float32 master weights to resume bf16 shards with: one line, before any
+    tensor is read, that names the setting to resume it with."""
+    result = _run(env, "fsdp-straight", "fsdp", **{"train.fsdp_param_dtype": "bfloat16"})
+    assert isinstance(result, Exception)
+    assert "was saved with float32 shards" in str(result) and "train.fsdp_param_dtype=float32" in str(result)

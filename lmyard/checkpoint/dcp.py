@@ -688,7 +688,7 @@ def _read_sharded(
     local = os.path.join(cache_dir, "checkpoint-load", str(os.getpid()), prefix)
     try:
         reader = _VerifiedReader(store, prefix, manifest, os.path.join(local, DCP_DIR))
-        reader.load_metadata()
+        _check_masters(state, reader.load_metadata(), store.uri(prefix))
         try:
             if state:
                 dcp.load(state, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
@@ -709,6 +709,22 @@ def _read_sharded(
         if store.local_path(prefix) is None:
             shutil.rmtree(local, ignore_errors=True)
     return manifest, extras
+
+
+def _check_masters(state: dict, metadata, uri: str) -> None:
+    """A UserError, before any tensor is read, where the optimizer keeps float32 master weights
+    (train.fsdp_param_dtype=bfloat16) and the checkpoint, saved with float32 shards, has none."""
+    optim = state.get("optim", {}).get("state", {})
+    missing = [
+        fqn
+        for fqn, s in optim.items()
+        if "master" in s and f"optim.state.{fqn}.master" not in metadata.state_dict_metadata
+    ]
+    if missing:
+        raise UserError(
+            f"{uri} was saved with float32 shards: its optimizer state has no master weights ({missing[0]}, ...); "
+            "resume it with train.fsdp_param_dtype=float32"
+        )
 
 
 def load_sharded(

@@ -217,6 +217,8 @@ class AdamW(torch.optim.AdamW):
             state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
         elif state["step"].device != p.device:  # torch's unfused AdamW keeps it on the CPU (its state loaded)
             state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+        if p.dtype == torch.bfloat16 and "master" not in state:  # state loaded from float32 weights' optimizer
+            state["master"] = p.detach().to(torch.float32)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's, which casts each floating state tensor to its parameter's dtype: a bf16 parameter's master
@@ -243,7 +245,7 @@ def _launch_tables(params: list, states: list[dict], device: torch.device):
     for p, state in zip(params, states):
         w = _local(p)
         tensors = (w, _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]), state["step"])
-        master = _local(state["master"]) if "master" in state else w
+        master = _local(state["master"]) if p.dtype == torch.bfloat16 else w
         rows.append([t.data_ptr() for t in tensors] + [w.numel(), master.data_ptr()])
     sizes = tuple(row[5] for row in rows)
     key = (device, BLOCK, sizes)
