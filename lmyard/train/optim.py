@@ -154,7 +154,7 @@ class AdamW(torch.optim.AdamW):
         return (
             triton is not None
             and bool(params)
-            and all(_kernel_dtype(p) is not None and _kernel_dtype(p) == _kernel_dtype(p.grad) for p in params)
+            and all((dtype := _kernel_dtype(p)) is not None and dtype == _kernel_dtype(p.grad) for p in params)
             and not any(group.get(k) for k in ("amsgrad", "maximize", "capturable", "differentiable"))
         )
 
