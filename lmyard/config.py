@@ -390,6 +390,22 @@ class TrainConfig(_Section):
         "those of float32 parameters given the same bf16 gradients. A checkpoint holds the bf16 weights, and "
         "the masters in the optimizer's state.",
     )
+    fsdp_embedding: Literal["auto", "gathered", "sharded"] = Field(
+        "auto",
+        description="fsdp: how an untied input token table is looked up. `gathered`: FSDP2 gathers the whole "
+        "table for the lookup and reduce-scatters its whole gradient; `sharded`: the table stays in its row "
+        "shards, each rank looks up every rank's tokens in its own rows and the looked-up rows are "
+        "reduce-scattered (their gradients all-gathered), moving world x tokens rows instead of the table's; "
+        "`auto`: sharded on two ranks or more where world x micro_batch x block_size is at most the table's rows.",
+    )
+    fsdp_gathered_blocks: int | None = Field(
+        None,
+        ge=0,
+        description="fsdp with train.fsdp_reshard_after_forward true: the last N blocks still stay gathered "
+        "from their forward to their backward (no second all-gather, no copy out of it, for those; the memory "
+        "of N gathered bf16 blocks); default none. With fsdp_reshard_after_forward=auto, where keeping every "
+        "block does not fit, the most last blocks that the memory plan fits.",
+    )
     fsdp_all_gather: Literal["auto", "nccl", "copy_engine"] = Field(
         "auto",
         description="fsdp on CUDA: how each block's parameters are gathered. `copy_engine`: into NCCL symmetric "

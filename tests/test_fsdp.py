@@ -51,14 +51,14 @@ def _train(model, params, batches, rank, world, sync, max_norm=0.5, opt=None):
     return losses
 
 
-def _worker(rank: int, port: int, runs: list[tuple[str, str, bool]]) -> None:
-    """runs: (preset, train.activation_checkpointing, model.doc_mask); `selective:1` is selective on the first
-    block only (train.activation_checkpointing_blocks=1)."""
+def _worker(rank: int, port: int, runs: list[tuple[str, str, bool, str]]) -> None:
+    """runs: (preset, train.activation_checkpointing, model.doc_mask, train.fsdp_embedding); `selective:1` is
+    selective on the first block only (train.activation_checkpointing_blocks=1)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        for preset, ac, doc_mask in runs:
+        for preset, ac, doc_mask, embedding in runs:
             mode, _, blocks = ac.partition(":")
             batches = _batches(doc_len=16 if doc_mask else None)
             model_cfg, separators = ModelConfig(preset=preset, doc_mask=doc_mask), (256, None)
@@ -78,9 +78,13 @@ def _worker(rank: int, port: int, runs: list[tuple[str, str, bool]]) -> None:
                     f"train.activation_checkpointing={mode}",
                     f"model.doc_mask={doc_mask}",
                     *([f"train.activation_checkpointing_blocks={blocks}"] if blocks else []),
+                    f"train.fsdp_embedding={embedding}",
+                    "train.fsdp_gathered_blocks=1",  # the last block stays gathered from forward to backward
                 ],
             )
             model = parallelize(model, cfg, WORLD, torch.device("cpu"))
+            sharded = type(getattr(model, "embed_tokens", None)).__name__ == "ShardedEmbedding"
+            assert sharded == (embedding == "sharded" and preset.startswith("llama")), (preset, embedding)
             params = list(model.parameters())
             assert all(type(p).__name__ == "DTensor" for p in params)
             losses = _train(
@@ -110,9 +114,13 @@ def test_fsdp_on_two_ranks_trains_as_one_process_on_the_whole_batch_with_and_wit
     the 2-rank FSDP2 run's losses, grad norms and weights match the plain loop's: Llama with activation
     checkpointing off and selective, GPT-2 (tied embeddings in the root unit) with full, and Llama with document
     masking (model.doc_mask: the mask passed through the checkpointed, sharded blocks) under selective, and
-    Llama with selective checkpointing on its first block only."""
-    runs = [("llama-tiny", "none", False), ("llama-tiny", "selective", False), ("tiny", "full", False)]
-    runs += [("llama-tiny", "selective", True), ("llama-tiny", "selective:1", False)]
+    Llama with selective checkpointing on its first block only; Llama's table looked up in its row shards
+    (train.fsdp_embedding=sharded, 257 rows split 129 + 128), without and with checkpointing; the last block
+    kept gathered from forward to backward throughout (train.fsdp_gathered_blocks=1)."""
+    runs = [("llama-tiny", "none", False, "gathered"), ("llama-tiny", "selective", False, "auto")]
+    runs += [("tiny", "full", False, "sharded")]  # GPT-2's table is tied to the head: FSDP2's root gathers it
+    runs += [("llama-tiny", "selective", True, "gathered"), ("llama-tiny", "selective:1", False, "gathered")]
+    runs += [("llama-tiny", "none", False, "sharded"), ("llama-tiny", "full", False, "sharded")]
     mp.spawn(_worker, args=(free_port(), runs), nprocs=WORLD, join=True)
 
 
@@ -238,11 +246,13 @@ def _bf16_shards_worker(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        for preset in ("llama-tiny", "tiny"):  # GPT-2's tied table and head: one parameter, rounded once
+        # GPT-2's tied table and head: one parameter, rounded once; Llama's table also in row shards
+        for preset, embedding in (("llama-tiny", "gathered"), ("tiny", "gathered"), ("llama-tiny", "sharded")):
             torch.manual_seed(0)
             model = build_model(ModelConfig(preset=preset), 257, (256, None))
             init = {k: v.clone() for k, v in model.state_dict().items()}
-            apply_fsdp(model, fsdp_mesh(WORLD, torch.device("cpu")), torch.device("cpu"), param_dtype="bfloat16")
+            cpu = torch.device("cpu")
+            apply_fsdp(model, fsdp_mesh(WORLD, cpu), cpu, param_dtype="bfloat16", embedding=embedding)
             weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
             for name, p in model.named_parameters():
                 master = getattr(p, MASTER_ATTR)
@@ -257,8 +267,59 @@ def _bf16_shards_worker(rank: int, port: int) -> None:
 def test_bf16_shards_keep_each_ranks_float32_part_of_the_initial_weights_as_master():
     """train.fsdp_param_dtype=bfloat16: FSDP2 shards bf16 weights (the float32 ones rounded), and each sharded
     parameter carries, for the optimizer, a float32 DTensor of the same sharding whose parts are exactly the
-    float32 initial weights: uneven splits (257-row embeddings over 2 ranks), GPT-2's tied parameter."""
+    float32 initial weights: uneven splits (257-row embeddings over 2 ranks), GPT-2's tied parameter, Llama's
+    table in row shards (train.fsdp_embedding=sharded)."""
     mp.spawn(_bf16_shards_worker, args=(free_port(),), nprocs=WORLD, join=True)
+
+
+def _embedding_resume_worker(rank: int, port: int, folder: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from lmyard.checkpoint.dcp import state_dict
+    from lmyard.train.sharded_embedding import ShardedEmbedding
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+
+    def trained(embedding: str, batches, folder_in: str | None = None):
+        sets = [
+            "model.preset=llama-tiny",
+            "train.parallel=fsdp",
+            "train.device=cpu",
+            "train.activation_checkpointing=none",
+        ]
+        cfg = load_recipe("smoke", [*sets, f"train.fsdp_embedding={embedding}"])
+        torch.manual_seed(0)
+        model = parallelize(build_model(cfg.model, 257, (256, None)), cfg, WORLD, torch.device("cpu"))
+        opt = AdamW(model.param_groups(0.1), lr=3e-3)
+        if folder_in is not None:  # as the trainer resumes a sharded checkpoint (dcp.load_sharded)
+            target = state_dict(model, opt)
+            dcp.load(target, checkpoint_id=folder_in)
+            set_state_dict(model, opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
+        sync = lambda last, m=model: _null() if last else no_sync(m)
+        return model, opt, _train(model, list(model.parameters()), batches, rank, WORLD, sync, float("inf"), opt)
+
+    try:
+        batches = _batches()
+        _, _, straight = trained("gathered", batches)
+        for saved, resumed in (("gathered", "sharded"), ("sharded", "gathered")):
+            model, opt, first = trained(saved, batches[:2])
+            dcp.save(state_dict(model, opt), checkpoint_id=f"{folder}/{saved}")
+            model, opt, then = trained(resumed, batches[2:], f"{folder}/{saved}")
+            for (a, na), (b, nb) in zip(first + then, straight):
+                assert abs(a - b) < 1e-5 and abs(na - nb) < 1e-5, (saved, first + then, straight)
+            assert isinstance(model.embed_tokens, ShardedEmbedding) == (resumed == "sharded")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_checkpoint_resumes_with_the_token_table_gathered_or_in_row_shards_either_way(tmp_path):
+    """The row-sharded table (train.fsdp_embedding=sharded) is the same DTensor parameter FSDP2 shards: 2 steps
+    under one setting, a sharded checkpoint, 2 steps under the other resume the 4 straight steps' losses and
+    gradient norms, both ways round."""
+    mp.spawn(_embedding_resume_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
 
 
 def _bf16_params_worker(rank: int, port: int, folder: str) -> None:

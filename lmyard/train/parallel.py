@@ -39,6 +39,7 @@ import torch.nn as nn
 from lmyard.config import RunConfig, TrainConfig
 from lmyard.errors import UserError
 from lmyard.models import registry
+from lmyard.train.sharded_embedding import shard_rows, sharded_pays
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList:
@@ -167,26 +168,52 @@ def apply_fsdp(
     reduce_dtype: str = "float32",
     all_gather: str = "nccl",
     param_dtype: str = "float32",
+    embedding: str = "gathered",
+    gathered_blocks: int = 0,
+    tokens_per_rank: int = 0,
 ) -> nn.Module:
     """FSDP2: `fully_shard` the family's own units (its spec's `fsdp_units`: Llama's embeddings, and its final
     norm with the head), then each block, then the root with what is left (GPT-2's tied table and head).
     `mesh` is a 1-D DeviceMesh of the data-parallel ranks (fsdp_mesh); `all_gather` is all_gather_mode's;
-    `param_dtype` bfloat16: the shards are bf16, their fp32 masters handed to the optimizer (keep_masters)."""
+    `param_dtype` bfloat16: the shards are bf16, their fp32 masters handed to the optimizer (keep_masters);
+    `embedding` (train.fsdp_embedding) sharded, or auto where it pays for `tokens_per_rank` tokens a micro-step:
+    a unit that is one untied nn.Embedding is looked up in its row shards instead (lmyard.train.
+    sharded_embedding); `gathered_blocks`: with reshard_after_forward, the last so many blocks
+    still keep their gathered parameters from forward to backward."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     masters = round_to_bf16(model, mesh) if param_dtype == "bfloat16" else []
     shard = partial(fully_shard, mesh=mesh, mp_policy=mixed_precision(device, reduce_dtype))
+    ignored: set[nn.Parameter] = set()
     for modules, reshard in registry.spec_of(model).fsdp_units(model):
+        if _untied_embedding(model, modules) and (
+            embedding == "sharded"
+            or embedding == "auto"
+            and sharded_pays(mesh.size(), tokens_per_rank, modules[0].weight.shape[0])
+        ):
+            ignored.add(shard_rows(modules[0], mesh, mixed_precision(device).param_dtype, device))
+            continue
         shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard and reshard_after_forward)
-    for block in _blocks(model):
-        shard(block, reshard_after_forward=reshard_after_forward)
-    shard(model, reshard_after_forward=reshard_after_forward)  # FSDP2 keeps the root gathered for backward
+    blocks = _blocks(model)
+    for i, block in enumerate(blocks):
+        shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - gathered_blocks)
+    shard(
+        model, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None
+    )  # root: gathered for backward
     keep_masters(masters)
     if all_gather == "copy_engine":
         comm = symmetric_all_gather(mesh.get_group())
         for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
             unit.set_custom_all_gather(comm)
     return model
+
+
+def _untied_embedding(model: nn.Module, modules: list[nn.Module]) -> bool:
+    """Whether a family's FSDP unit is one nn.Embedding whose table no other module shares."""
+    if len(modules) != 1 or not isinstance(modules[0], nn.Embedding):
+        return False
+    table = modules[0].weight
+    return sum(p is table for _, p in model.named_parameters(remove_duplicate=False)) == 1
 
 
 def round_to_bf16(model: nn.Module, mesh) -> list[tuple[nn.Module, str, torch.Tensor]]:
@@ -321,7 +348,18 @@ def parallelize(raw_model: nn.Module, cfg: RunConfig, world: int, device: torch.
     mesh = fsdp_mesh(world, device)
     reshard = t.fsdp_reshard_after_forward is not False  # auto unsettled (no memory plan ran): as true
     gather = all_gather_mode(t, device, world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    return apply_fsdp(raw_model, mesh, device, reshard, t.fsdp_reduce_dtype, gather, t.fsdp_param_dtype)
+    return apply_fsdp(
+        raw_model,
+        mesh,
+        device,
+        reshard,
+        t.fsdp_reduce_dtype,
+        gather,
+        t.fsdp_param_dtype,
+        t.fsdp_embedding,
+        t.fsdp_gathered_blocks or 0,
+        t.micro_batch * registry.model_spec(raw_model)["block_size"],
+    )
 
 
 def no_sync(model: nn.Module):
