@@ -398,14 +398,6 @@ class TrainConfig(_Section):
         "reduce-scattered (their gradients all-gathered), moving world x tokens rows instead of the table's; "
         "`auto`: sharded on two ranks or more where world x micro_batch x block_size is at most the table's rows.",
     )
-    fsdp_gathered_blocks: int | None = Field(
-        None,
-        ge=0,
-        description="fsdp with train.fsdp_reshard_after_forward true: the last N blocks still stay gathered "
-        "from their forward to their backward (no second all-gather, no copy out of it, for those; the memory "
-        "of N gathered bf16 blocks); default none. With fsdp_reshard_after_forward=auto, where keeping every "
-        "block does not fit, the most last blocks that the memory plan fits.",
-    )
     fsdp_all_gather: Literal["auto", "nccl", "copy_engine"] = Field(
         "auto",
         description="fsdp on CUDA: how each block's parameters are gathered. `copy_engine`: into NCCL symmetric "

@@ -79,7 +79,6 @@ def _worker(rank: int, port: int, runs: list[tuple[str, str, bool, str]]) -> Non
                     f"model.doc_mask={doc_mask}",
                     *([f"train.activation_checkpointing_blocks={blocks}"] if blocks else []),
                     f"train.fsdp_embedding={embedding}",
-                    "train.fsdp_gathered_blocks=1",  # the last block stays gathered from forward to backward
                 ],
             )
             model = parallelize(model, cfg, WORLD, torch.device("cpu"))
@@ -115,8 +114,7 @@ def test_fsdp_on_two_ranks_trains_as_one_process_on_the_whole_batch_with_and_wit
     checkpointing off and selective, GPT-2 (tied embeddings in the root unit) with full, and Llama with document
     masking (model.doc_mask: the mask passed through the checkpointed, sharded blocks) under selective, and
     Llama with selective checkpointing on its first block only; Llama's table looked up in its row shards
-    (train.fsdp_embedding=sharded, 257 rows split 129 + 128), without and with checkpointing; the last block
-    kept gathered from forward to backward throughout (train.fsdp_gathered_blocks=1)."""
+    (train.fsdp_embedding=sharded, 257 rows split 129 + 128), without and with checkpointing."""
     runs = [("llama-tiny", "none", False, "gathered"), ("llama-tiny", "selective", False, "auto")]
     runs += [("tiny", "full", False, "sharded")]  # GPT-2's table is tied to the head: FSDP2's root gathers it
     runs += [("llama-tiny", "selective", True, "gathered"), ("llama-tiny", "selective:1", False, "gathered")]
@@ -290,7 +288,8 @@ def _embedding_resume_worker(rank: int, port: int, folder: str) -> None:
             "train.device=cpu",
             "train.activation_checkpointing=none",
         ]
-        cfg = load_recipe("smoke", [*sets, f"train.fsdp_embedding={embedding}"])
+        # auto: 2 ranks x 2 rows x 64 tokens (256) <= 257 rows, so the table is looked up in its row shards
+        cfg = load_recipe("smoke", [*sets, f"train.micro_batch={MICRO}", f"train.fsdp_embedding={embedding}"])
         torch.manual_seed(0)
         model = parallelize(build_model(cfg.model, 257, (256, None)), cfg, WORLD, torch.device("cpu"))
         opt = AdamW(model.param_groups(0.1), lr=3e-3)
@@ -304,21 +303,22 @@ def _embedding_resume_worker(rank: int, port: int, folder: str) -> None:
     try:
         batches = _batches()
         _, _, straight = trained("gathered", batches)
-        for saved, resumed in (("gathered", "sharded"), ("sharded", "gathered")):
+        for saved, resumed in (("gathered", "auto"), ("sharded", "gathered")):
             model, opt, first = trained(saved, batches[:2])
             dcp.save(state_dict(model, opt), checkpoint_id=f"{folder}/{saved}")
             model, opt, then = trained(resumed, batches[2:], f"{folder}/{saved}")
             for (a, na), (b, nb) in zip(first + then, straight):
                 assert abs(a - b) < 1e-5 and abs(na - nb) < 1e-5, (saved, first + then, straight)
-            assert isinstance(model.embed_tokens, ShardedEmbedding) == (resumed == "sharded")
+            assert isinstance(model.embed_tokens, ShardedEmbedding) == (resumed == "auto")
     finally:
         dist.destroy_process_group()
 
 
 def test_a_checkpoint_resumes_with_the_token_table_gathered_or_in_row_shards_either_way(tmp_path):
-    """The row-sharded table (train.fsdp_embedding=sharded) is the same DTensor parameter FSDP2 shards: 2 steps
-    under one setting, a sharded checkpoint, 2 steps under the other resume the 4 straight steps' losses and
-    gradient norms, both ways round."""
+    """The row-sharded table (train.fsdp_embedding=sharded; auto's choice here, where the ranks' 256 tokens of a
+    micro-step are no more than the 257 rows) is the same DTensor parameter FSDP2 shards: 2 steps under one
+    setting, a sharded checkpoint, 2 steps under the other resume the 4 straight steps' losses and gradient
+    norms, both ways round."""
     mp.spawn(_embedding_resume_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
 
 

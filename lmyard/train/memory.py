@@ -11,8 +11,7 @@
   Under fsdp with train.fsdp_param_dtype=bfloat16 the weights and gradients are bf16 and the optimizer holds
   fp32 master weights too: 2 + 2 + 12 bytes a parameter where float32 shards are 4 + 4 + 8.
 - working: bf16 copies of the weights made for compute: under ddp autocast's cast of every weight;
-  under fsdp the gathered bf16 blocks (two at a time with reshard-after-forward, plus the last
-  train.fsdp_gathered_blocks kept gathered; every block without),
+  under fsdp the gathered bf16 blocks (two at a time with reshard-after-forward, every block without),
   a block's fp32 unsharded gradients on their way to reduce-scatter, and the root unit (embeddings,
   head) gathered with its unsharded gradients.
 - activations: what backward keeps, bf16, for micro_batch x block_size tokens: per block and token the
@@ -43,7 +42,7 @@ blocks recomputes nothing in the other 27. On CPU there is no device to plan aga
 `train.fsdp_reshard_after_forward=auto` is settled after the checkpointing (`settle_reshard`): every block
 stays gathered from its forward to its backward where that plan still fits (its backward then needs no
 second all-gather and no copy out of it: +3.6% at llama-1b on 4 H100s, docs/benchmarks.md), else each block
-is resharded after its forward but the most last blocks that still fit (train.fsdp_gathered_blocks, unless set). Checkpointing comes first because recomputing costs more than gathering
+is resharded after its forward. Checkpointing comes first because recomputing costs more than gathering
 again, which overlaps compute.
 """
 
@@ -152,8 +151,7 @@ def estimate(
     shards = world if fsdp else 1
     n = s["n"]
     if fsdp:
-        kept = s["L"] if train_cfg.fsdp_reshard_after_forward is False else 2 + (train_cfg.fsdp_gathered_blocks or 0)
-        gathered = 2 * s["block"] * min(kept, s["L"])  # reshard auto: as true
+        gathered = 2 * s["block"] * (s["L"] if train_cfg.fsdp_reshard_after_forward is False else 2)  # auto: as true
         working = gathered + 4 * s["block"] + 6 * s["root"]  # + a block's fp32 grads, the root's bf16 + fp32
     else:
         working = 2 * n  # autocast's bf16 copies of the weights
@@ -354,8 +352,7 @@ def settle_reshard(
 ) -> tuple[TrainConfig, str | None]:
     """train.fsdp_reshard_after_forward=auto, after the checkpointing is settled: false (every block stays
     gathered from its forward to its backward, one all-gather a block instead of two) where that plan fits,
-    else true with the most last blocks still kept gathered that fit (train.fsdp_gathered_blocks, where
-    unset); with the startup line saying which. true under ddp (unused there) and on CPU, silently."""
+    else true; with the startup line saying which. true under ddp (unused there) and on CPU, silently."""
     if train_cfg.fsdp_reshard_after_forward != "auto":
         return train_cfg, None
     resharded = train_cfg.model_copy(update={"fsdp_reshard_after_forward": True})
@@ -367,16 +364,8 @@ def settle_reshard(
     if kept.fits:
         why = f"plan {_gib(kept)} of {kept.usable / GIB:.1f} GiB usable per GPU"
         return kept.train_cfg, f"fsdp: every block stays gathered from its forward to its backward ({why})"
-    L = n_layer(model_cfg, n_vocab)
-    if train_cfg.fsdp_gathered_blocks is None:
-        fits = (
-            n for n in range(L - 1, 0, -1) if _with(kept, fsdp_reshard_after_forward=True, fsdp_gathered_blocks=n).fits
-        )
-        resharded = resharded.model_copy(update={"fsdp_gathered_blocks": next(fits, None)})
     plan = estimate(model_cfg, resharded, world, device_bytes, n_vocab)
-    n = min(resharded.fsdp_gathered_blocks or 0, L)
-    but = f" but the last {n} of {L} (those stay gathered)" if n else ""
     return resharded, (
-        f"fsdp: each block{but} resharded after its forward, gathered again for backward (plan {_gib(plan)}; "
-        f"keeping every block gathered would need {_gib(kept)} of {kept.usable / GIB:.1f} GiB usable per GPU)"
+        f"fsdp: each block resharded after its forward, gathered again for backward (plan {_gib(plan)}; keeping "
+        f"them gathered would need {_gib(kept)} of {kept.usable / GIB:.1f} GiB usable per GPU)"
     )

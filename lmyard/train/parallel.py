@@ -169,7 +169,6 @@ def apply_fsdp(
     all_gather: str = "nccl",
     param_dtype: str = "float32",
     embedding: str = "gathered",
-    gathered_blocks: int = 0,
     tokens_per_rank: int = 0,
 ) -> nn.Module:
     """FSDP2: `fully_shard` the family's own units (its spec's `fsdp_units`: Llama's embeddings, and its final
@@ -178,8 +177,7 @@ def apply_fsdp(
     `param_dtype` bfloat16: the shards are bf16, their fp32 masters handed to the optimizer (keep_masters);
     `embedding` (train.fsdp_embedding) sharded, or auto where it pays for `tokens_per_rank` tokens a micro-step:
     a unit that is one untied nn.Embedding is looked up in its row shards instead (lmyard.train.
-    sharded_embedding); `gathered_blocks`: with reshard_after_forward, the last so many blocks
-    still keep their gathered parameters from forward to backward."""
+    sharded_embedding)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     masters = round_to_bf16(model, mesh) if param_dtype == "bfloat16" else []
@@ -194,9 +192,8 @@ def apply_fsdp(
             ignored.add(shard_rows(modules[0], mesh, mixed_precision(device).param_dtype, device))
             continue
         shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard and reshard_after_forward)
-    blocks = _blocks(model)
-    for i, block in enumerate(blocks):
-        shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - gathered_blocks)
+    for block in _blocks(model):
+        shard(block, reshard_after_forward=reshard_after_forward)
     shard(
         model, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None
     )  # root: gathered for backward
@@ -357,7 +354,6 @@ def parallelize(raw_model: nn.Module, cfg: RunConfig, world: int, device: torch.
         gather,
         t.fsdp_param_dtype,
         t.fsdp_embedding,
-        t.fsdp_gathered_blocks or 0,
         t.micro_batch * registry.model_spec(raw_model)["block_size"],
     )
 

@@ -58,7 +58,6 @@ EOT = 50256  # GPT-2's <|endoftext|>: begins each document, as lmyard's shards w
 WORKER_ARGS = (
     "all_gather",
     "embedding",
-    "gathered_blocks",
     "preset",
     "seq",
     "batch",
@@ -163,7 +162,6 @@ def worker(a: argparse.Namespace) -> None:
             f"train.fsdp_reduce_dtype={a.reduce}",
             f"train.fsdp_param_dtype={a.param_dtype}",
             f"train.fsdp_embedding={a.embedding}",
-            *gathered_overrides(a),
             f"train.device={a.device}",
             f"model.doc_mask={a.doc_mask == 'on'}",
             f"train.fsdp_all_gather={a.all_gather}",
@@ -233,7 +231,6 @@ def worker(a: argparse.Namespace) -> None:
         "reshard": cfg.train.fsdp_reshard_after_forward if a.parallel == "fsdp" else None,  # as settled
         "all_gather": gather if a.parallel == "fsdp" else None,
         "embedding": type(getattr(raw, "embed_tokens", None)).__name__,  # ShardedEmbedding: in row shards
-        "gathered_blocks": cfg.train.fsdp_gathered_blocks,
         "compile": a.compile,
         "float8": a.float8,
         "optimizer": a.optimizer,
@@ -316,7 +313,6 @@ def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
         f"train.fsdp_reduce_dtype={a.reduce}",
         f"train.fsdp_param_dtype={a.param_dtype}",
         f"train.fsdp_embedding={a.embedding}",
-        *gathered_overrides(a),
         f"train.fsdp_all_gather={a.all_gather}",
         f"train.float8={str(a.float8 != 'none').lower()}",
         f"train.float8_recipe={'tensorwise' if a.float8 == 'none' else a.float8}",
@@ -333,11 +329,6 @@ def ac_overrides(a: argparse.Namespace) -> list[str]:
     """lmyard's activation checkpointing from --ac and --ac-blocks (the first N blocks, selective or full)."""
     blocks = [] if a.ac_blocks is None else [f"train.activation_checkpointing_blocks={a.ac_blocks}"]
     return [f"train.activation_checkpointing={a.ac}", *blocks]
-
-
-def gathered_overrides(a: argparse.Namespace) -> list[str]:
-    """train.fsdp_gathered_blocks from --gathered-blocks (unset: the memory plan's choice under --reshard auto)."""
-    return [] if a.gathered_blocks is None else [f"train.fsdp_gathered_blocks={a.gathered_blocks}"]
 
 
 def titan_ac(ours: dict) -> str:
@@ -473,12 +464,6 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="train.fsdp_embedding (lmyard only): sharded looks the token table up in its row shards "
         "(lmyard.train.sharded_embedding); gathered: FSDP2 gathers it; auto: sharded where that moves less",
-    )
-    ap.add_argument(
-        "--gathered-blocks",
-        type=int,
-        help="train.fsdp_gathered_blocks (lmyard only): the last N blocks stay gathered from forward to backward "
-        "(default: the memory plan's choice under --reshard auto)",
     )
     ap.add_argument(
         "--all-gather",
