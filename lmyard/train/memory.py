@@ -13,7 +13,8 @@
 - working: bf16 copies of the weights made for compute: under ddp autocast's cast of every weight;
   under fsdp the gathered bf16 blocks (two at a time with reshard-after-forward, every block without),
   a block's fp32 unsharded gradients on their way to reduce-scatter, and the root unit (embeddings,
-  head) gathered with its unsharded gradients.
+  head) gathered with its unsharded gradients (the input table counted so even where it stays in its row
+  shards, train.fsdp_embedding: an upper end there).
 - activations: what backward keeps, bf16, for micro_batch x block_size tokens: per block and token the
   family's figure (its spec's `terms`, e.g. GPT-2 34d eager, Korthikanti et al. 2022 with flash attention;
   its `compiled` figure under torch.compile, train.compile, on by default on a GPU, where it has one);

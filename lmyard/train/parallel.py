@@ -11,6 +11,10 @@ With train.fsdp_param_dtype=bfloat16 the shards themselves are bf16 and the opti
 master weights (lmyard.train.optim), started from the fp32 weights before rounding: on CUDA FSDP2 then
 gathers the shards as they are and keeps the reduced gradients in bf16, where it otherwise casts the
 shards before every all-gather and the gradients after every reduce-scatter.
+With train.fsdp_embedding sharded (auto's choice where the ranks' tokens of a micro-step are fewer than its
+rows) an untied input token table is not a unit: it stays in its row shards and each rank looks up every
+rank's tokens in its own rows (lmyard.train.sharded_embedding), so FSDP2 neither gathers the table nor
+reduce-scatters its gradient.
 
 The all-gathers (train.fsdp_all_gather): with every rank on one host, `copy_engine` (auto's choice there)
 gathers into NCCL symmetric memory under NCCL's zero-CTA policy (`process_group_options`, given to
