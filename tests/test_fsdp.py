@@ -17,6 +17,7 @@ from lmyard.models.registry import build_model
 from lmyard.recipes import load_recipe
 from lmyard.train.optim import AdamW, clipped_update
 from lmyard.train.parallel import all_gather_mode, no_sync, parallelize, process_group_options
+from lmyard.train.sharded_embedding import in_row_shards
 
 STEPS, ACCUM, MICRO, WORLD = 4, 2, 2, 2
 
@@ -82,8 +83,7 @@ def _worker(rank: int, port: int, runs: list[tuple[str, str, bool, str]]) -> Non
                 ],
             )
             model = parallelize(model, cfg, WORLD, torch.device("cpu"))
-            sharded = type(getattr(model, "embed_tokens", None)).__name__ == "ShardedEmbedding"
-            assert sharded == (embedding == "sharded" and preset.startswith("llama")), (preset, embedding)
+            assert in_row_shards(model) == (embedding == "sharded" and preset.startswith("llama")), (preset, embedding)
             params = list(model.parameters())
             assert all(type(p).__name__ == "DTensor" for p in params)
             losses = _train(
@@ -275,7 +275,6 @@ def _embedding_resume_worker(rank: int, port: int, folder: str) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     from lmyard.checkpoint.dcp import state_dict
-    from lmyard.train.sharded_embedding import ShardedEmbedding
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -309,7 +308,7 @@ def _embedding_resume_worker(rank: int, port: int, folder: str) -> None:
             model, opt, then = trained(resumed, batches[2:], f"{folder}/{saved}")
             for (a, na), (b, nb) in zip(first + then, straight):
                 assert abs(a - b) < 1e-5 and abs(na - nb) < 1e-5, (saved, first + then, straight)
-            assert isinstance(model.embed_tokens, ShardedEmbedding) == (resumed == "auto")
+            assert in_row_shards(model) == (resumed == "auto")
     finally:
         dist.destroy_process_group()
 

@@ -41,6 +41,11 @@ def sharded_pays(world: int, tokens_per_rank: int, rows: int) -> bool:
     return world > 1 and world * tokens_per_rank <= rows
 
 
+def in_row_shards(model: nn.Module) -> bool:
+    """Whether a table of `model` is looked up in its row shards (a ShardedEmbedding)."""
+    return any(isinstance(m, ShardedEmbedding) for m in model.modules())
+
+
 class _Lookup(torch.autograd.Function):
     """ids (this rank's, any shape), table (this rank's rows, from row `first`) -> the rows of ids (module docstring)."""
 

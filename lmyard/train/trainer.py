@@ -80,6 +80,7 @@ from lmyard.train.components import (
 from lmyard.train.optim import AdamW, clipped_update
 from lmyard.train.parallel import init_process_group, no_sync
 from lmyard.train.parallelism import Parallelism
+from lmyard.train.sharded_embedding import in_row_shards
 from lmyard.train.watchdog import Heartbeat
 
 # How long a rollback waits for the last good checkpoint to reach the store before it gives up with
@@ -245,6 +246,9 @@ class Trainer:
             )
         self.parallel = Parallelism.of(self.cfg)  # chosen once: the trainer never asks train.parallel again
         self.parallel.shard(self.raw_model, self.planned, self.d.world, self.d.device)  # before the optimizer is made
+        if self.d.is_main and self.d.device.type == "cuda" and self.parallel.sharded:
+            table = "row shards" if in_row_shards(self.raw_model) else "gathered"
+            print(f"fsdp token table: {table} (train.fsdp_embedding={self.t.fsdp_embedding})", flush=True)
         self.optimizer = AdamW(
             self.raw_model.param_groups(self.t.weight_decay),
             lr=self.t.lr,
