@@ -270,9 +270,20 @@ def test_bf16_shards_keep_each_ranks_float32_part_of_the_initial_weights_as_mast
     mp.spawn(_bf16_shards_worker, args=(free_port(),), nprocs=WORLD, join=True)
 
 
-def _embedding_resume_worker(rank: int, port: int, folder: str) -> None:
+def _load_sharded(model, opt, folder: str) -> None:
+    """As the trainer resumes a sharded checkpoint (lmyard.checkpoint.dcp.load_sharded)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from lmyard.checkpoint.dcp import state_dict
+
+    target = state_dict(model, opt)
+    dcp.load(target, checkpoint_id=folder)
+    set_state_dict(model, opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
+
+
+def _embedding_resume_worker(rank: int, port: int, folder: str) -> None:
+    import torch.distributed.checkpoint as dcp
 
     from lmyard.checkpoint.dcp import state_dict
 
@@ -292,10 +303,8 @@ def _embedding_resume_worker(rank: int, port: int, folder: str) -> None:
         torch.manual_seed(0)
         model = parallelize(build_model(cfg.model, 257, (256, None)), cfg, WORLD, torch.device("cpu"))
         opt = AdamW(model.param_groups(0.1), lr=3e-3)
-        if folder_in is not None:  # as the trainer resumes a sharded checkpoint (dcp.load_sharded)
-            target = state_dict(model, opt)
-            dcp.load(target, checkpoint_id=folder_in)
-            set_state_dict(model, opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
+        if folder_in is not None:
+            _load_sharded(model, opt, folder_in)
         sync = lambda last, m=model: _null() if last else no_sync(m)
         return model, opt, _train(model, list(model.parameters()), batches, rank, WORLD, sync, float("inf"), opt)
 
@@ -323,7 +332,6 @@ def test_a_checkpoint_resumes_with_the_token_table_gathered_or_in_row_shards_eit
 
 def _bf16_params_worker(rank: int, port: int, folder: str) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from lmyard.checkpoint.dcp import state_dict
@@ -341,10 +349,8 @@ def _bf16_params_worker(rank: int, port: int, folder: str) -> None:
         with torch.device(device):
             model = parallelize(build_model(cfg.model, 257, (256, None)), cfg, WORLD, device)
         opt = AdamW(model.param_groups(0.1), lr=3e-3)
-        if opt_state is not None:  # as the trainer resumes a sharded checkpoint (dcp.load_sharded)
-            target = state_dict(model, opt)
-            dcp.load(target, checkpoint_id=opt_state)
-            set_state_dict(model, opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
+        if opt_state is not None:
+            _load_sharded(model, opt, opt_state)
         sync = lambda last, m=model: _null() if last else no_sync(m)
         with sdpa_kernel([SDPBackend.MATH]):  # deterministic, so the runs can be compared exactly
             losses = _train(model, list(model.parameters()), batches, rank, WORLD, sync, float("inf"), opt)
