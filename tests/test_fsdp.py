@@ -147,14 +147,21 @@ def _validate_worker(rank: int, port: int) -> None:
             "train.device=cpu",
             "train.activation_checkpointing=none",
         ]
-        cfg = load_recipe("smoke", [*sets, "train.fsdp_reshard_after_forward=false"])
+        # 5 sequences, 4 a call: rank 0 scores 3 in its one call, rank 1 scores 2
+        val = torch.randint(0, 257, (5, 65), generator=torch.Generator().manual_seed(2))
         torch.manual_seed(0)
-        model = parallelize(build_model(cfg.model, 257, (256, None)), cfg, WORLD, torch.device("cpu"))
-        val = torch.randint(0, 257, (4, 65), generator=torch.Generator().manual_seed(2))
-        loss = val_loss(model, val, 2, "cpu", rank=rank, world=WORLD)
-        assert loss > 0
-        kinds = {type(v).__name__ for v in [*model.parameters(), *model.state_dict().values()]}
-        assert kinds == {"DTensor"}, kinds  # sharded again: a checkpoint right after saves shards, not gathers
+        whole = val_loss(build_model(ModelConfig(preset="llama-tiny"), 257, (256, None)), val, 4, "cpu")
+        for embedding in ("gathered", "sharded"):
+            cfg = load_recipe(
+                "smoke", [*sets, "train.fsdp_reshard_after_forward=false", f"train.fsdp_embedding={embedding}"]
+            )
+            torch.manual_seed(0)
+            model = parallelize(build_model(cfg.model, 257, (256, None)), cfg, WORLD, torch.device("cpu"))
+            assert in_row_shards(model) == (embedding == "sharded")
+            loss = val_loss(model, val, 4, "cpu", rank=rank, world=WORLD)
+            assert abs(loss - whole) < 1e-5, (embedding, loss, whole)
+            kinds = {type(v).__name__ for v in [*model.parameters(), *model.state_dict().values()]}
+            assert kinds == {"DTensor"}, kinds  # sharded again: a checkpoint right after saves shards, not gathers
     finally:
         dist.destroy_process_group()
 
@@ -162,7 +169,8 @@ def _validate_worker(rank: int, port: int) -> None:
 def test_validation_under_fsdp_that_keeps_blocks_gathered_leaves_the_parameters_sharded():
     """With train.fsdp_reshard_after_forward=false a forward leaves each block gathered for its backward; the
     val loss runs forwards with no backward, so it reshards them itself, and a checkpoint saved after it holds
-    the shards."""
+    the shards. The ranks' last calls score different numbers of sequences (3 and 2), the token table gathered
+    or in its row shards, and the val loss is the one process's."""
     mp.spawn(_validate_worker, args=(free_port(),), nprocs=WORLD, join=True)
 
 

@@ -15,6 +15,9 @@ Both move world x tokens x d values a rank, against FSDP2's V x d: fewer whereve
 micro-step are fewer than the table's rows (train.fsdp_embedding=auto's test, `sharded_pays`). At Llama-3 8B
 on 4 GPUs (8,192 tokens a rank, 128,256 rows) that is 32,768 rows of 4,096 against 128,256.
 
+A forward with no backward (eval mode or no grad: the val loss, whose ranks may score different numbers of
+sequences in their last call) gathers the table whole for a plain lookup instead, as FSDP2 would.
+
 The weight stays the DTensor (Shard(0)) FSDP2 would make, so checkpoints, the optimizer (its bf16 master
 weights too) and the gradient norm see the same parameter either way. A table shared with another module
 (GPT-2's tied head) is left to FSDP2.
@@ -87,6 +90,8 @@ class ShardedEmbedding(nn.Embedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         weight = cast(DTensor, self.weight)
+        if not (self.training and torch.is_grad_enabled()):  # the ranks' token counts may differ (the val loss)
+            return F.embedding(ids, cast(DTensor, weight.to(self.compute_dtype)).full_tensor())
         table = weight.to_local().to(self.compute_dtype)
         group = weight.device_mesh.get_group()
         return _Lookup.apply(ids, table, self.first, group)
