@@ -198,9 +198,8 @@ def apply_fsdp(
         shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard and reshard_after_forward)
     for block in _blocks(model):
         shard(block, reshard_after_forward=reshard_after_forward)
-    shard(
-        model, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None
-    )  # root: gathered for backward
+    # the root, which FSDP2 keeps gathered for backward; a table in row shards is none of FSDP2's parameters
+    shard(model, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None)
     keep_masters(masters)
     if all_gather == "copy_engine":
         comm = symmetric_all_gather(mesh.get_group())
