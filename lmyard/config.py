@@ -398,6 +398,14 @@ class TrainConfig(_Section):
         "reduce-scattered (their gradients all-gathered), moving world x tokens rows instead of the table's; "
         "`auto`: sharded on two ranks or more where world x micro_batch x block_size is at most the table's rows.",
     )
+    fsdp_copies: Literal["auto", "compute", "side"] = Field(
+        "auto",
+        description="fsdp on CUDA: where FSDP2's layout copies run, the split of each all-gathered buffer into "
+        "the parameters and the cat of the gradients into each reduce-scatter's buffer. `compute`: on the "
+        "compute stream, as FSDP2 ships; `side`: on FSDP2's all-gather and reduce-scatter streams, beside the "
+        "matmuls (each block's parameters are then allocated a block ahead in forward: two gathered blocks "
+        "more); `auto`: side on two ranks or more where this torch's FSDP2 allows it (lmyard.train.fsdp_copies).",
+    )
     fsdp_all_gather: Literal["auto", "nccl", "copy_engine"] = Field(
         "auto",
         description="fsdp on CUDA: how each block's parameters are gathered. `copy_engine`: into NCCL symmetric "

@@ -196,7 +196,10 @@ def test_copy_engine_all_gather_is_chosen_only_on_one_cuda_host_and_refused_in_o
     assert process_group_options("nccl") is None
 
 
-def _copy_engine_worker(rank: int, port: int) -> None:
+def _cuda_runs(rank: int, port: int, modes: dict[str, list[str]]) -> dict[str, tuple]:
+    """Train llama-tiny from one init on the same batches once per entry of `modes` (its config overrides)
+    on two GPUs (the process group as copy_engine makes it): (losses, full weights, gathered into symmetric
+    memory) per mode. Math SDPA, so that runs can be compared exactly."""
     import torch.distributed._symmetric_memory as symm_mem
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -207,15 +210,14 @@ def _copy_engine_worker(rank: int, port: int) -> None:
     dist.init_process_group("nccl", rank=rank, world_size=WORLD, device_id=device, pg_options=options)
     try:
         runs = {}
-        for mode in ("nccl", "copy_engine"):
+        for mode, overrides in modes.items():
             sets = ["model.preset=llama-tiny", "train.parallel=fsdp", "train.device=cuda", "train.compile=false"]
-            sets += ["train.activation_checkpointing=none"]
-            cfg = load_recipe("smoke", [*sets, f"train.fsdp_all_gather={mode}"])
+            cfg = load_recipe("smoke", [*sets, "train.activation_checkpointing=none", *overrides])
             torch.manual_seed(0)
             with torch.device(device):
                 model = parallelize(build_model(cfg.model, 257, (256, None)), cfg, WORLD, device)
             batches = [[rows.to(device) for rows in step] for step in _batches()]
-            with sdpa_kernel([SDPBackend.MATH]):  # deterministic, so the two runs can be compared exactly
+            with sdpa_kernel([SDPBackend.MATH]):
                 losses = _train(
                     model,
                     list(model.parameters()),
@@ -224,17 +226,20 @@ def _copy_engine_worker(rank: int, port: int) -> None:
                     WORLD,
                     lambda last, m=model: _null() if last else no_sync(m),
                 )
-            runs[mode] = (
-                losses,
-                {k: v.full_tensor() for k, v in model.state_dict().items()},
-                device in symm_mem._symm_mem_pools,
-            )
-        (losses, weights, pooled), (ce_losses, ce_weights, ce_pooled) = runs["nccl"], runs["copy_engine"]
-        assert not pooled and ce_pooled  # only the copy-engine run gathered into symmetric memory
-        assert ce_losses == losses, (ce_losses, losses)
-        assert all(torch.equal(ce_weights[k], w) for k, w in weights.items())
+            weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
+            runs[mode] = (losses, weights, device in symm_mem._symm_mem_pools)
+        return runs
     finally:
         dist.destroy_process_group()
+
+
+def _copy_engine_worker(rank: int, port: int) -> None:
+    modes = {m: [f"train.fsdp_all_gather={m}", "train.fsdp_copies=compute"] for m in ("nccl", "copy_engine")}
+    runs = _cuda_runs(rank, port, modes)
+    (losses, weights, pooled), (ce_losses, ce_weights, ce_pooled) = runs["nccl"], runs["copy_engine"]
+    assert not pooled and ce_pooled  # only the copy-engine run gathered into symmetric memory
+    assert ce_losses == losses, (ce_losses, losses)
+    assert all(torch.equal(ce_weights[k], w) for k, w in weights.items())
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -242,6 +247,52 @@ def test_copy_engine_all_gather_trains_exactly_as_nccl_kernels_on_two_gpus():
     """The same init and batches under train.fsdp_all_gather=nccl and copy_engine (NCCL's zero-CTA policy,
     symmetric buffers): equal losses and equal weights after 4 steps."""
     mp.spawn(_copy_engine_worker, args=(free_port(),), nprocs=WORLD, join=True)
+
+
+def test_fsdp_copies_settle_to_side_streams_only_where_they_can_run():
+    """train.fsdp_copies=auto takes the side streams on CUDA with two ranks or more, the compute stream
+    elsewhere and under ddp; `side` asked for on the CPU or one rank is one line naming what is missing."""
+    from lmyard.train.parallel import copies_mode
+
+    fsdp = load_recipe("smoke", ["train.parallel=fsdp"]).train
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)  # device objects only: no GPU is touched
+    assert fsdp.fsdp_copies == "auto"
+    assert copies_mode(fsdp, cuda, 4) == "side" and copies_mode(fsdp, cpu, 2) == copies_mode(fsdp, cuda, 1) == "compute"
+    assert copies_mode(load_recipe("smoke", ["train.fsdp_copies=side"]).train, cuda, 4) == "compute"  # ddp
+    asked = fsdp.model_copy(update={"fsdp_copies": "side"})
+    for device, world, missing in [(cpu, 2, "a CUDA device"), (cuda, 1, "two or more ranks")]:
+        with pytest.raises(UserError) as e:
+            copies_mode(asked, device, world)
+        assert str(e.value) == f"train.fsdp_copies=side needs {missing}; set train.fsdp_copies=auto or compute"
+
+
+def _side_copies_worker(rank: int, port: int) -> None:
+    from lmyard.train import fsdp_copies
+
+    settings = {  # each block gathered again for backward, fp32 reduction; or kept from forward, all bf16
+        "resharded": ["train.fsdp_reshard_after_forward=true"],
+        "kept": ["train.fsdp_reshard_after_forward=false", "train.fsdp_reduce_dtype=bfloat16"]
+        + ["train.fsdp_param_dtype=bfloat16"],
+    }
+    modes = {
+        f"{where}-{k}": [f"train.fsdp_copies={where}", *v] for where in ("compute", "side") for k, v in settings.items()
+    }
+    runs = _cuda_runs(rank, port, modes)
+    for k in settings:
+        (losses, weights, _), (side_losses, side_weights, _) = runs[f"compute-{k}"], runs[f"side-{k}"]
+        assert side_losses == losses, (k, side_losses, losses)
+        assert all(torch.equal(side_weights[n], w) for n, w in weights.items()), k
+    assert not fsdp_copies._SPLIT_DONE  # every split queued on the all-gather stream was waited for
+    assert not fsdp_copies._HELD_GRADS  # and every gradient the cats read was let go at the end of backward
+    assert fsdp_copies._ORIGINAL  # FSDP2's internals were rebound
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_fsdp_copies_on_side_streams_train_exactly_as_on_the_compute_stream_on_two_gpus():
+    """train.fsdp_copies=side against compute, each block resharded after forward (fp32 reduction: FSDP2's own
+    cat) or kept gathered (bf16 shards and reduction: the cats by memcpy too; the head's 257 rows, uneven over
+    two ranks, by FSDP2's cat), with gradient accumulation: equal losses and bit-equal weights after 4 steps."""
+    mp.spawn(_side_copies_worker, args=(free_port(),), nprocs=WORLD, join=True)
 
 
 def _bf16_shards_worker(rank: int, port: int) -> None:

@@ -43,6 +43,8 @@ import torch.nn as nn
 from lmyard.config import RunConfig, TrainConfig
 from lmyard.errors import UserError
 from lmyard.models import registry
+from lmyard.train.fsdp_copies import missing as copies_missing
+from lmyard.train.fsdp_copies import move_off_compute
 from lmyard.train.sharded_embedding import shard_rows, sharded_pays
 
 
@@ -174,6 +176,7 @@ def apply_fsdp(
     param_dtype: str = "float32",
     embedding: str = "gathered",
     tokens_per_rank: int = 0,
+    copies: str = "compute",
 ) -> nn.Module:
     """FSDP2: `fully_shard` the family's own units (its spec's `fsdp_units`: Llama's embeddings, and its final
     norm with the head), then each block, then the root with what is left (GPT-2's tied table and head).
@@ -181,7 +184,7 @@ def apply_fsdp(
     `param_dtype` bfloat16: the shards are bf16, their fp32 masters handed to the optimizer (keep_masters);
     `embedding` (train.fsdp_embedding) sharded, or auto where it pays for `tokens_per_rank` tokens a micro-step:
     a unit that is one untied nn.Embedding is looked up in its row shards instead (lmyard.train.
-    sharded_embedding)."""
+    sharded_embedding); `copies` side: FSDP2's split and cat on its side streams (lmyard.train.fsdp_copies)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     masters = round_to_bf16(model, mesh) if param_dtype == "bfloat16" else []
@@ -205,6 +208,8 @@ def apply_fsdp(
         comm = symmetric_all_gather(mesh.get_group())
         for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
             unit.set_custom_all_gather(comm)
+    if copies == "side":
+        move_off_compute(model, list(_blocks(model)))
     return model
 
 
@@ -270,6 +275,17 @@ def _copy_engine_missing(device: torch.device, world: int, local_world: int) -> 
     if not hasattr(getattr(dist, "ProcessGroupNCCL", None), "NCCL_CTA_POLICY_ZERO"):
         return f"torch 2.11 or later (NCCL's zero-CTA policy), and this is torch {torch.__version__}"
     return None
+
+
+def copies_mode(t: TrainConfig, device: torch.device, world: int) -> str:
+    """train.fsdp_copies settled for this run: `side` or `compute` (also under ddp, which copies nothing).
+    `side` asked for where it cannot run is a UserError that names what is missing."""
+    if t.parallel != "fsdp" or t.fsdp_copies == "compute":
+        return "compute"
+    lacks = "a CUDA device" if device.type != "cuda" else "two or more ranks" if world < 2 else copies_missing()
+    if lacks and t.fsdp_copies == "side":
+        raise UserError(f"train.fsdp_copies=side needs {lacks}; set train.fsdp_copies=auto or compute")
+    return "compute" if lacks else "side"
 
 
 def init_process_group(t: TrainConfig, device: torch.device, world: int, local_world: int) -> str:
@@ -358,6 +374,7 @@ def parallelize(raw_model: nn.Module, cfg: RunConfig, world: int, device: torch.
         t.fsdp_param_dtype,
         t.fsdp_embedding,
         t.micro_batch * registry.model_spec(raw_model)["block_size"],
+        copies_mode(t, device, world),
     )
 
 

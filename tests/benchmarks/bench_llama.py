@@ -58,6 +58,7 @@ EOT = 50256  # GPT-2's <|endoftext|>: begins each document, as lmyard's shards w
 WORKER_ARGS = (
     "all_gather",
     "embedding",
+    "copies",
     "preset",
     "seq",
     "batch",
@@ -137,7 +138,7 @@ def worker(a: argparse.Namespace) -> None:
     from lmyard.recipes import load_recipe
     from lmyard.train.components import PEAK_FLOPS
     from lmyard.train.memory import resolve, use_expandable_segments
-    from lmyard.train.parallel import init_process_group, parallelize
+    from lmyard.train.parallel import copies_mode, init_process_group, parallelize
     from lmyard.train.parallelism import prepare_model
 
     rank, local, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
@@ -165,6 +166,7 @@ def worker(a: argparse.Namespace) -> None:
             f"train.device={a.device}",
             f"model.doc_mask={a.doc_mask == 'on'}",
             f"train.fsdp_all_gather={a.all_gather}",
+            f"train.fsdp_copies={a.copies}",
         ],
     )
     # the process group as the trainer makes it (lmyard.train.trainer.setup_distributed)
@@ -231,6 +233,7 @@ def worker(a: argparse.Namespace) -> None:
         "reshard": cfg.train.fsdp_reshard_after_forward if a.parallel == "fsdp" else None,  # as settled
         "all_gather": gather if a.parallel == "fsdp" else None,
         "embedding": type(getattr(raw, "embed_tokens", None)).__name__,  # ShardedEmbedding: in row shards
+        "copies": copies_mode(cfg.train, device, world) if a.parallel == "fsdp" else None,
         "compile": a.compile,
         "float8": a.float8,
         "optimizer": a.optimizer,
@@ -314,6 +317,7 @@ def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
         f"train.fsdp_param_dtype={a.param_dtype}",
         f"train.fsdp_embedding={a.embedding}",
         f"train.fsdp_all_gather={a.all_gather}",
+        f"train.fsdp_copies={a.copies}",
         f"train.float8={str(a.float8 != 'none').lower()}",
         f"train.float8_recipe={'tensorwise' if a.float8 == 'none' else a.float8}",
         "eval.val_tokens=16384",
@@ -471,6 +475,13 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="train.fsdp_all_gather (lmyard only): copy_engine gathers through NCCL's copy engines, nccl through "
         "its kernels; auto: copy_engine where it can run (the trainer's default)",
+    )
+    ap.add_argument(
+        "--copies",
+        choices=["auto", "compute", "side"],
+        default="auto",
+        help="train.fsdp_copies (lmyard only): side runs FSDP2's split of each all-gather and cat before each "
+        "reduce-scatter on its side streams (lmyard.train.fsdp_copies); compute: on the compute stream",
     )
     ap.add_argument(
         "--optimizer",
