@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ _ORIGINAL: dict[str, Any] = {}
 _SPLIT_DONE: dict[int, tuple[Any, torch.cuda.Event]] = {}  # id(fsdp_params) -> (its all-gather result, split's event)
 _HELD_GRADS: dict[int, tuple[list[torch.Tensor], torch.cuda.Event]] = {}  # id(comm_ctx) -> (grads, their cat's event)
 _REDUCING = contextvars.ContextVar("_REDUCING", default=None)  # the FSDPParamGroup in post_backward
+_GATHERING = contextvars.ContextVar("_GATHERING", default=False)  # a flagged FSDPParamGroup in unshard
 _FLAG = "_lmyard_copies_off_compute"
 
 
@@ -87,24 +89,54 @@ def _install() -> None:
         post_backward=cls.post_backward,
         finalize_backward=cls.finalize_backward,
         copy_out=group.foreach_all_gather_copy_out,
+        all_gather=group.foreach_all_gather,
         copy_in=collectives.foreach_reduce_scatter_copy_in,
     )
     cls.unshard = _unshard
     cls.post_backward = _post_backward
     cls.finalize_backward = _finalize_backward
     group.foreach_all_gather_copy_out = _copy_out
+    group.foreach_all_gather = _foreach_all_gather
     collectives.foreach_reduce_scatter_copy_in = _copy_in
 
 
 def _unshard(self, async_op: bool = False):
     pending = self._all_gather_result
-    _ORIGINAL["unshard"](self, async_op)
+    token = _GATHERING.set(getattr(self, _FLAG, False))
+    try:
+        _ORIGINAL["unshard"](self, async_op)
+    finally:
+        _GATHERING.reset(token)
     result = self._all_gather_result
     if result is None or result is pending or not getattr(self, _FLAG, False):
         return
     if result.all_gather_event is None or not result.param_all_gather_input_numels:  # async op, or one rank
         return
     _split_on_all_gather_stream(self, result)
+
+
+def _foreach_all_gather(fsdp_params, group, async_op, copy_in_stream, all_gather_stream, device, comm):
+    """FSDP2's foreach_all_gather (torch 2.11-2.13), its copy-in (the shards into this rank's part of the
+    buffer, a multi-tensor kernel on the copy-in stream) made one memcpy a parameter."""
+    if not _GATHERING.get() or os.environ.get("LMYARD_PROBE_COPY_IN") != "1":
+        return _ORIGINAL["all_gather"](fsdp_params, group, async_op, copy_in_stream, all_gather_stream, device, comm)
+    _, collectives, _ = _internals()
+    world, rank = group.size(), group.rank()
+    with torch.cuda.stream(copy_in_stream):
+        inputs = collectives._get_param_all_gather_inputs(fsdp_params)
+        dtypes, numels, dtype = collectives._get_all_gather_input_metadatas(inputs)
+        flat = [t.view(torch.uint8) if dtype == torch.uint8 else t for ts in inputs for t in ts]
+        sizes = [t.numel() for t in flat]
+        output = comm.allocate((sum(sizes) * world,), dtype=dtype, device=device)
+        mine = output.narrow(0, sum(sizes) * rank, sum(sizes))
+        with torch.no_grad():
+            for into, shard in zip(torch.split(mine, sizes), flat):
+                into.view(shard.shape).copy_(shard)
+        del inputs, flat
+    all_gather_stream.wait_stream(copy_in_stream)
+    with torch.cuda.stream(all_gather_stream):
+        work = comm(output_tensor=output, input_tensor=mine, group=group, async_op=async_op)
+        return collectives.AllGatherResult(output, all_gather_stream.record_event(), work, dtypes, numels, sizes)
 
 
 def _split_on_all_gather_stream(group, result) -> None:
