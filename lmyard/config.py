@@ -400,11 +400,12 @@ class TrainConfig(_Section):
     )
     fsdp_copies: Literal["auto", "compute", "side"] = Field(
         "auto",
-        description="fsdp on CUDA: where FSDP2's layout copies run, the split of each all-gathered buffer into "
-        "the parameters and the cat of the gradients into each reduce-scatter's buffer. `compute`: on the "
-        "compute stream, as FSDP2 ships; `side`: on FSDP2's all-gather and reduce-scatter streams, beside the "
-        "matmuls (each block's parameters are then allocated a block ahead in forward: two gathered blocks "
-        "more); `auto`: side on two ranks or more where this torch's FSDP2 allows it (lmyard.train.fsdp_copies).",
+        description="fsdp on CUDA: how FSDP2's layout copies run: the shards into each all-gather's buffer, its "
+        "split into the parameters, the gradients into each reduce-scatter's buffer. `compute`: as FSDP2 ships, "
+        "kernels, the split and the cat on the compute stream; `side`: memcpys on the copy engines, on FSDP2's "
+        "side streams, beside the matmuls (each block's parameters are then allocated while the block before "
+        "computes: one gathered block more); `auto`: side on two ranks or more where this torch's FSDP2 allows "
+        "it (lmyard.train.fsdp_copies).",
     )
     fsdp_all_gather: Literal["auto", "nccl", "copy_engine"] = Field(
         "auto",

@@ -1,31 +1,42 @@
-"""FSDP2's two layout copies off the compute stream (train.fsdp_copies).
+"""FSDP2's layout copies on the copy engines, off the compute stream (train.fsdp_copies).
 
-FSDP2 moves each unit's parameters and gradients through flat communication buffers, and two copies between
-those buffers and the tensors autograd sees run on the default (compute) stream, where nothing overlaps them:
+FSDP2 moves each unit's parameters and gradients through flat communication buffers, and three copies between
+those buffers and the tensors autograd sees run as kernels on the GPU's SMs, two of them on the compute stream:
 
-- after each all-gather, the split of the gathered buffer into the unit's parameters (`split_with_sizes_copy`);
-- before each reduce-scatter, the cat of the unit's gradients into the buffer it sends (`chunk_cat`).
+- before each all-gather, the shards into this rank's part of the buffer (a multi-tensor kernel, on FSDP2's
+  copy-in stream);
+- after it, the split of the gathered buffer into the unit's parameters (`split_with_sizes_copy`, on the
+  compute stream);
+- before each reduce-scatter, the cat of the unit's gradients into the buffer it sends (`chunk_cat`, on
+  the compute stream).
 
-At the Llama-3 8B shape on 4 GPUs they take 24 and 12 ms of an 800 ms step. Under `side` (`move_off_compute`):
+At the Llama-3 8B shape on 4 GPUs the last two take 24 and 12 ms of an 800 ms step. A kernel on a side stream
+gains little: the matmuls beside it fill every SM, so it mostly runs between them. Under `side`
+(`move_off_compute`) each copy is one contiguous `copy_` a parameter (and rank), a memcpy that the GPU's copy
+engines run beside the kernels:
 
-- the split runs on FSDP2's all-gather stream as soon as the all-gather is done, into parameters allocated
-  on the compute stream when the all-gather is issued; the compute stream waits for the split only where it
-  used to run it. So that the all-gather is issued a block ahead in forward as backward already does, each
-  block prefetches the next one's parameters (FSDP2's `set_modules_to_forward_prefetch`);
-- the cat runs on FSDP2's reduce-scatter stream, after the gradients are complete, and the gradients'
-  memory is not reused before it is done (`record_stream`).
+- the copy-in on FSDP2's copy-in stream, as before;
+- the split on FSDP2's all-gather stream as soon as the all-gather is done, into parameters allocated on the
+  compute stream when the all-gather is issued; the compute stream waits for the split only where it used to
+  run it. So that the all-gather is issued a block ahead in forward as backward already does, each block
+  prefetches the next one's parameters (FSDP2's `set_modules_to_forward_prefetch`);
+- the cat on FSDP2's reduce-scatter stream, after the gradients are complete, where each gradient is a
+  dim-0 multiple of the ranks in the reduce dtype (bf16 gradients reduced in fp32 keep FSDP2's cat, which
+  casts); the gradients are held until the next cat, or the end of backward, has the compute stream wait
+  for this one.
 
-The numerics are FSDP2's: the same kernels copy the same bytes, on another stream. The cost is memory: the
-next block's parameters are allocated while the current block computes (two gathered blocks more in forward).
-FSDP2 has no hook for either copy; this module rebinds three of its internals (FSDPParamGroup.unshard and
-post_backward, and the two copy functions its modules call), checked for by `missing`, in torch 2.11 to 2.13.
+The numerics are FSDP2's: the same bytes land in the same places. The cost is memory: the next block's
+parameters are allocated while the current block computes (one gathered block more in forward, where each
+block is resharded after it), and a block's gradients are let go one cat later. FSDP2 has no hook for these
+copies; this module rebinds FSDPParamGroup.unshard, post_backward and finalize_backward and the three
+functions FSDP2's modules call for the copies (foreach_all_gather, foreach_all_gather_copy_out,
+foreach_reduce_scatter_copy_in), checked for by `missing`, in torch 2.11 to 2.13.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from typing import Any
 
 import torch
@@ -52,7 +63,10 @@ def missing() -> str | None:
     except ImportError as e:
         return f"FSDP2's internals ({e})"
     needs = [
+        (group, "foreach_all_gather"),
         (group, "foreach_all_gather_copy_out"),
+        (collectives, "_get_param_all_gather_inputs"),
+        (collectives, "_get_all_gather_input_metadatas"),
         (collectives, "foreach_reduce_scatter_copy_in"),
         (group.FSDPParamGroup, "unshard"),
         (group.FSDPParamGroup, "post_backward"),
@@ -118,7 +132,7 @@ def _unshard(self, async_op: bool = False):
 def _foreach_all_gather(fsdp_params, group, async_op, copy_in_stream, all_gather_stream, device, comm):
     """FSDP2's foreach_all_gather (torch 2.11-2.13), its copy-in (the shards into this rank's part of the
     buffer, a multi-tensor kernel on the copy-in stream) made one memcpy a parameter."""
-    if not _GATHERING.get() or os.environ.get("LMYARD_PROBE_COPY_IN") != "1":
+    if not _GATHERING.get():
         return _ORIGINAL["all_gather"](fsdp_params, group, async_op, copy_in_stream, all_gather_stream, device, comm)
     _, collectives, _ = _internals()
     world, rank = group.size(), group.rank()

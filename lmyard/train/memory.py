@@ -12,7 +12,9 @@
   fp32 master weights too: 2 + 2 + 12 bytes a parameter where float32 shards are 4 + 4 + 8.
 - working: bf16 copies of the weights made for compute: under ddp autocast's cast of every weight;
   under fsdp the gathered bf16 blocks (two at a time with reshard-after-forward, every block without),
-  a block's fp32 unsharded gradients on their way to reduce-scatter, and the root unit (embeddings,
+  a block's fp32 unsharded gradients on their way to reduce-scatter (not there at the end of forward, the
+  activations' peak, where train.fsdp_copies=side holds the next block's bf16 parameters, allocated early,
+  instead), and the root unit (embeddings,
   head) gathered with its unsharded gradients (the input table counted so even where it stays in its row
   shards, train.fsdp_embedding: an upper end there).
 - activations: what backward keeps, bf16, for micro_batch x block_size tokens: per block and token the
