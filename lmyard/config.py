@@ -404,8 +404,9 @@ class TrainConfig(_Section):
         "split into the parameters, the gradients into each reduce-scatter's buffer. `compute`: as FSDP2 ships, "
         "kernels, the split and the cat on the compute stream; `side`: memcpys on the copy engines, on FSDP2's "
         "side streams, beside the matmuls (each block's parameters are then allocated while the block before "
-        "computes: one gathered block more); `auto`: side on two ranks or more where this torch's FSDP2 allows "
-        "it (lmyard.train.fsdp_copies).",
+        "computes: one gathered block more); `auto`: side on two ranks or more for blocks of 150M parameters or "
+        "more (Llama-3 8B's: faster there, slower at llama-1b's 60M) where this torch's FSDP2 allows it "
+        "(lmyard.train.fsdp_copies).",
     )
     fsdp_all_gather: Literal["auto", "nccl", "copy_engine"] = Field(
         "auto",

@@ -249,20 +249,32 @@ def test_copy_engine_all_gather_trains_exactly_as_nccl_kernels_on_two_gpus():
     mp.spawn(_copy_engine_worker, args=(free_port(),), nprocs=WORLD, join=True)
 
 
-def test_fsdp_copies_settle_to_side_streams_only_where_they_can_run():
-    """train.fsdp_copies=auto takes the side streams on CUDA with two ranks or more, the compute stream
-    elsewhere and under ddp; `side` asked for on the CPU or one rank is one line naming what is missing."""
-    from lmyard.train.parallel import copies_mode
+def test_fsdp_copies_settle_to_side_streams_only_for_big_blocks_where_they_can_run():
+    """train.fsdp_copies=auto takes the side streams on CUDA with two ranks or more for blocks of 150M
+    parameters or more (Llama-3 8B's), the compute stream for smaller blocks, elsewhere and under ddp;
+    `side` asked for on the CPU or one rank is one line naming what is missing."""
+    from lmyard.train.parallel import block_params, copies_mode
 
+    with torch.device("meta"):
+        big, small = (
+            block_params(build_model(ModelConfig(preset=p), 128256, (0, None))) for p in ("llama-8b", "llama-1b")
+        )
     fsdp = load_recipe("smoke", ["train.parallel=fsdp"]).train
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)  # device objects only: no GPU is touched
     assert fsdp.fsdp_copies == "auto"
-    assert copies_mode(fsdp, cuda, 4) == "side" and copies_mode(fsdp, cpu, 2) == copies_mode(fsdp, cuda, 1) == "compute"
-    assert copies_mode(load_recipe("smoke", ["train.fsdp_copies=side"]).train, cuda, 4) == "compute"  # ddp
+    assert copies_mode(fsdp, cuda, 4, big) == "side"
+    assert (
+        copies_mode(fsdp, cuda, 4, small)
+        == copies_mode(fsdp, cpu, 2, big)
+        == copies_mode(fsdp, cuda, 1, big)
+        == "compute"
+    )
     asked = fsdp.model_copy(update={"fsdp_copies": "side"})
+    assert copies_mode(asked, cuda, 4, small) == "side"
+    assert copies_mode(load_recipe("smoke", ["train.fsdp_copies=side"]).train, cuda, 4, big) == "compute"  # ddp
     for device, world, missing in [(cpu, 2, "a CUDA device"), (cuda, 1, "two or more ranks")]:
         with pytest.raises(UserError) as e:
-            copies_mode(asked, device, world)
+            copies_mode(asked, device, world, big)
         assert str(e.value) == f"train.fsdp_copies=side needs {missing}; set train.fsdp_copies=auto or compute"
 
 

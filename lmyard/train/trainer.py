@@ -78,7 +78,7 @@ from lmyard.train.components import (
     all_mean,
 )
 from lmyard.train.optim import AdamW, clipped_update
-from lmyard.train.parallel import init_process_group, no_sync
+from lmyard.train.parallel import block_params, copies_mode, init_process_group, no_sync
 from lmyard.train.parallelism import Parallelism
 from lmyard.train.sharded_embedding import in_row_shards
 from lmyard.train.watchdog import Heartbeat
@@ -249,6 +249,8 @@ class Trainer:
         if self.d.is_main and self.d.device.type == "cuda" and self.parallel.sharded:
             table = "row shards" if in_row_shards(self.raw_model) else "gathered"
             print(f"fsdp token table: {table} (train.fsdp_embedding={self.t.fsdp_embedding})", flush=True)
+            copies = copies_mode(self.t, self.d.device, self.d.world, block_params(self.raw_model))
+            print(f"fsdp layout copies: {copies} streams (train.fsdp_copies={self.t.fsdp_copies})", flush=True)
         self.optimizer = AdamW(
             self.raw_model.param_groups(self.t.weight_decay),
             lr=self.t.lr,

@@ -138,7 +138,7 @@ def worker(a: argparse.Namespace) -> None:
     from lmyard.recipes import load_recipe
     from lmyard.train.components import PEAK_FLOPS
     from lmyard.train.memory import resolve, use_expandable_segments
-    from lmyard.train.parallel import copies_mode, init_process_group, parallelize
+    from lmyard.train.parallel import block_params, copies_mode, init_process_group, parallelize
     from lmyard.train.parallelism import prepare_model
 
     rank, local, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
@@ -233,7 +233,7 @@ def worker(a: argparse.Namespace) -> None:
         "reshard": cfg.train.fsdp_reshard_after_forward if a.parallel == "fsdp" else None,  # as settled
         "all_gather": gather if a.parallel == "fsdp" else None,
         "embedding": type(getattr(raw, "embed_tokens", None)).__name__,  # ShardedEmbedding: in row shards
-        "copies": copies_mode(cfg.train, device, world) if a.parallel == "fsdp" else None,
+        "copies": copies_mode(cfg.train, device, world, block_params(raw)) if a.parallel == "fsdp" else None,
         "compile": a.compile,
         "float8": a.float8,
         "optimizer": a.optimizer,
