@@ -79,8 +79,9 @@ def missing() -> str | None:
 
 
 def move_off_compute(model: nn.Module, units: list[nn.Module]) -> None:
-    """Run the split and the cat of every FSDP2 unit of `model` (fully_shard applied) on FSDP2's side streams,
-    and prefetch `units` (the blocks, in forward order) one ahead in forward; the root prefetches the first."""
+    """Make the copy-in, the split and the cat of every FSDP2 unit of `model` (fully_shard applied) memcpys on
+    FSDP2's side streams, and prefetch `units` (the blocks, in forward order) one ahead in forward; the root
+    prefetches the first."""
     from torch.distributed.fsdp import FSDPModule
 
     _install()
@@ -115,6 +116,8 @@ def _install() -> None:
 
 
 def _unshard(self, async_op: bool = False):
+    """FSDPParamGroup.unshard: a flagged group's all-gather by _foreach_all_gather, and its split queued
+    right behind it."""
     pending = self._all_gather_result
     token = _GATHERING.set(getattr(self, _FLAG, False))
     try:
@@ -207,6 +210,7 @@ def _copy_out(all_gather_result, fsdp_params, group) -> None:
 
 
 def _post_backward(self, *unused: Any):
+    """FSDPParamGroup.post_backward, telling _copy_in which group reduces (FSDP2 does not pass it)."""
     token = _REDUCING.set(self if getattr(self, _FLAG, False) else None)
     try:
         return _ORIGINAL["post_backward"](self, *unused)
@@ -215,6 +219,7 @@ def _post_backward(self, *unused: Any):
 
 
 def _finalize_backward(self):
+    """FSDPParamGroup.finalize_backward (the end of backward), letting go of the gradients held last."""
     _ORIGINAL["finalize_backward"](self)
     _release_grads(self.comm_ctx)
 
