@@ -16,7 +16,7 @@ from lmyard.errors import UserError
 from lmyard.models.registry import build_model
 from lmyard.recipes import load_recipe
 from lmyard.train.optim import AdamW, clipped_update
-from lmyard.train.parallel import all_gather_mode, no_sync, parallelize, process_group_options
+from lmyard.train.parallel import all_gather_mode, init_process_group, no_sync, parallelize, process_group_options
 from lmyard.train.sharded_embedding import in_row_shards
 
 STEPS, ACCUM, MICRO, WORLD = 4, 2, 2, 2
@@ -276,6 +276,8 @@ def test_fsdp_copies_settle_to_side_streams_only_for_big_blocks_where_they_can_r
         with pytest.raises(UserError) as e:
             copies_mode(asked, device, world, big)
         assert str(e.value) == f"train.fsdp_copies=side needs {missing}; set train.fsdp_copies=auto or compute"
+    with pytest.raises(UserError, match="train.fsdp_copies=side needs a CUDA device"):  # as the trainer starts
+        init_process_group(asked, cpu, 1, 1)
 
 
 def _side_copies_worker(rank: int, port: int) -> None:

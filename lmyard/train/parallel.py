@@ -184,7 +184,8 @@ def apply_fsdp(
     `param_dtype` bfloat16: the shards are bf16, their fp32 masters handed to the optimizer (keep_masters);
     `embedding` (train.fsdp_embedding) sharded, or auto where it pays for `tokens_per_rank` tokens a micro-step:
     a unit that is one untied nn.Embedding is looked up in its row shards instead (lmyard.train.
-    sharded_embedding); `copies` side: FSDP2's split and cat on its side streams (lmyard.train.fsdp_copies)."""
+    sharded_embedding); `copies` side: FSDP2's copy-in, split and cat as memcpys on the copy engines, on its side
+    streams (lmyard.train.fsdp_copies)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     masters = round_to_bf16(model, mesh) if param_dtype == "bfloat16" else []
@@ -298,9 +299,11 @@ def copies_mode(t: TrainConfig, device: torch.device, world: int, block_params: 
 
 
 def init_process_group(t: TrainConfig, device: torch.device, world: int, local_world: int) -> str:
-    """Settle train.fsdp_all_gather (all_gather_mode: a copy_engine that cannot run stops here) and, on several
+    """Settle train.fsdp_all_gather (all_gather_mode: a copy_engine, or a side train.fsdp_copies, that cannot run
+    stops here, before the model is built) and, on several
     ranks, make the default process group: NCCL with that mode's options on CUDA, gloo on CPU. Returns the mode."""
     gather = all_gather_mode(t, device, world, local_world)
+    copies_mode(t, device, world, block_params=0)  # a train.fsdp_copies=side that cannot run stops here too
     if world > 1:
         cuda = device.type == "cuda"
         options = process_group_options(gather) if cuda else None
