@@ -422,19 +422,21 @@ class TrainConfig(_Section):
         "bytes through every norm, add and cast; GPT-2 124M 5.5% faster on an H100); fsdp: bfloat16 only. `auto`: "
         "float32 under ddp, bfloat16 under fsdp. On CPU the model runs in float32.",
     )
-    activation_checkpointing: Literal["auto", "none", "selective", "full"] = Field(
+    activation_checkpointing: Literal["auto", "none", "pointwise", "selective", "full"] = Field(
         "auto",
         description="Recompute activations in backward instead of keeping them: `full` recomputes every "
         "block; `selective` keeps matmul and attention outputs except every second matmul's (torchtitan's "
-        "op-level policy); either on the first train.activation_checkpointing_blocks only; `auto`: before the "
-        "first step, the lightest that the memory plan fits on the GPU, in order none, selective on the fewest "
-        "first blocks, selective on every block, full on the fewest first blocks, full on every block (none on CPU).",
+        "op-level policy); `pointwise` keeps every matmul's and attention's output and recomputes only the "
+        "elementwise ops (norms, RoPE, SwiGLU's product); each on the first train.activation_checkpointing_blocks "
+        "only; `auto`: before the first step, the lightest that the memory plan fits on the GPU, in order none, "
+        "pointwise on the fewest first blocks, pointwise on every block, selective on the fewest first blocks, "
+        "selective on every block, full on the fewest first blocks, full on every block (none on CPU).",
     )
     activation_checkpointing_blocks: int | None = Field(
         None,
         gt=0,
-        description="With activation_checkpointing=selective or full: checkpoint only the first N blocks (the "
-        "rest keep all their activations); default every block.",
+        description="With activation_checkpointing=pointwise, selective or full: checkpoint only the first N "
+        "blocks (the rest keep all their activations); default every block.",
     )
     float8: bool = Field(
         False,
@@ -459,14 +461,10 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _checkpointing_blocks(self) -> TrainConfig:
-        if self.activation_checkpointing_blocks is not None and self.activation_checkpointing not in (
-            "selective",
-            "full",
-        ):
+        if self.activation_checkpointing_blocks is not None and self.activation_checkpointing in ("none", "auto"):
             raise ValueError(
-                f"train.activation_checkpointing_blocks applies to activation_checkpointing=selective or full, not "
-                f"{self.activation_checkpointing}: set train.activation_checkpointing=selective or full, "
-                f"or unset the blocks"
+                f"train.activation_checkpointing_blocks applies to activation_checkpointing=pointwise, selective or "
+                f"full, not {self.activation_checkpointing}: set one of them, or unset the blocks"
             )
         return self
 

@@ -24,8 +24,8 @@ def test_overrides_reach_nested_fields_with_yaml_types():
     assert (cfg.train.max_steps, cfg.train.compile, cfg.eval.prompts, cfg.store) == (50, True, ["a", "b"], "/tmp/s")
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
-def test_checkpointing_the_first_blocks_is_accepted_for_selective_and_full(mode):
+@pytest.mark.parametrize("mode", ["pointwise", "selective", "full"])
+def test_checkpointing_the_first_blocks_is_accepted_for_every_mode_that_recomputes(mode):
     cfg = load_recipe("smoke", [f"train.activation_checkpointing={mode}", "train.activation_checkpointing_blocks=2"])
     assert (cfg.train.activation_checkpointing, cfg.train.activation_checkpointing_blocks) == (mode, 2)
 
@@ -71,7 +71,7 @@ def test_recipe_file_is_read_and_overridden(tmp_path):
                 "--set",
                 "train.activation_checkpointing_blocks=2",
             ],
-            "train.activation_checkpointing_blocks applies to activation_checkpointing=selective or full, not none",
+            "train.activation_checkpointing_blocks applies to activation_checkpointing=pointwise, selective or full, not none",
         ),
         (
             [

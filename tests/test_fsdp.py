@@ -111,12 +111,13 @@ class _null:
 def test_fsdp_on_two_ranks_trains_as_one_process_on_the_whole_batch_with_and_without_checkpointing():
     """Same init, same global batches, gradient accumulation (no_sync on the first micro-step), clipping:
     the 2-rank FSDP2 run's losses, grad norms and weights match the plain loop's: Llama with activation
-    checkpointing off and selective, GPT-2 (tied embeddings in the root unit) with full, and Llama with document
+    checkpointing off and selective, GPT-2 (tied embeddings in the root unit) with full and with pointwise (its
+    MLP on plain ops, every matmul's output kept), and Llama with document
     masking (model.doc_mask: the mask passed through the checkpointed, sharded blocks) under selective, and
     Llama with selective checkpointing on its first block only; Llama's table looked up in its row shards
     (train.fsdp_embedding=sharded, 257 rows split 129 + 128), without and with checkpointing."""
     runs = [("llama-tiny", "none", False, "gathered"), ("llama-tiny", "selective", False, "auto")]
-    runs += [("tiny", "full", False, "sharded")]  # GPT-2's table is tied to the head: FSDP2's root gathers it
+    runs += [("tiny", "full", False, "sharded"), ("tiny", "pointwise", False, "auto")]  # GPT-2: a tied table
     runs += [("llama-tiny", "selective", True, "gathered"), ("llama-tiny", "selective:1", False, "gathered")]
     runs += [("llama-tiny", "none", False, "sharded"), ("llama-tiny", "full", False, "sharded")]
     mp.spawn(_worker, args=(free_port(), runs), nprocs=WORLD, join=True)

@@ -142,7 +142,7 @@ def test_config_rejects_llama_fields_on_gpt2_and_mismatched_arch():
     assert cfg.model.architecture() == "llama" and model_config(cfg.model, 257).n_kv_head == 4
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "pointwise"])
 def test_activation_checkpointing_changes_no_loss_or_gradient(mode):
     x, y = torch.randint(0, 257, (2, 64)), torch.randint(0, 257, (2, 64))
     ref = _tiny()
@@ -159,7 +159,7 @@ def test_activation_checkpointing_changes_no_loss_or_gradient(mode):
         assert torch.allclose(p.grad, grads[name].grad, atol=1e-6), name
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "pointwise"])
 def test_checkpointing_the_first_blocks_trains_exactly_as_without(mode):
     """float64 on CPU: three AdamW steps with the first 2 of 4 blocks recomputed (whole, or selectively) give
     the very same losses, gradients and weights as keeping every activation (recomputation must not change the
@@ -193,7 +193,7 @@ def test_checkpointing_the_first_blocks_trains_exactly_as_without(mode):
     assert s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "pointwise"])
 def test_ddp_path_checkpoints_the_configured_blocks(mode):
     """train.parallel=ddp applies activation checkpointing too (it used to be planned for, not applied)."""
     cfg = load_recipe("smoke", ["model.preset=llama-tiny", f"train.activation_checkpointing={mode}"])
@@ -224,6 +224,51 @@ def test_compiled_blocks_keep_their_parameter_names():
     assert set(model.state_dict()) == names
 
 
+def _compiled_block_keeps(mode: str, c: LlamaConfig) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """Bytes per token a compiled bf16 block saves for backward under checkpointing `mode` (its parameters and
+    RoPE tables not counted), with its output and its input's gradient."""
+    from lmyard.models.llama.model import Block, rope_tables
+
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleList([Block(c).to(torch.bfloat16)])
+    apply_activation_checkpointing(holder, mode)
+    compile_blocks(holder)
+    cos, sin = (t.to(torch.bfloat16) for t in rope_tables(c.head_dim, c.block_size, c.rope_theta))
+    weights = {t.untyped_storage().data_ptr() for t in [*holder.parameters(), cos, sin]}
+    x = torch.randn(1, c.block_size, c.n_embd, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    x.requires_grad_()
+    kept: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            kept.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = holder.layers[0](x, cos, sin)
+    y.float().square().sum().backward()
+    return sum(kept) / c.block_size, y.detach(), x.grad
+
+
+def test_pointwise_checkpointing_keeps_only_matmul_and_attention_outputs_of_a_compiled_block():
+    """A compiled Llama block (bf16, CPU) under `pointwise` saves at most what the memory plan counts for it,
+    at least the norms' two outputs and SwiGLU's product (4d + 2f a token) less than the compiled block without
+    checkpointing, and computes the very same output and input gradient."""
+    c = LlamaConfig(vocab_size=64, block_size=256, n_layer=1, n_head=8, n_embd=256, n_kv_head=2, ffn_hidden=768)
+    none, y0, g0 = _compiled_block_keeps("none", c)
+    pointwise, y1, g1 = _compiled_block_keeps("pointwise", c)
+    figure = (
+        registry.spec("llama")
+        .terms({"n_embd": 256, "ffn_hidden": 768, "vocab_size": 64, "n_head": 8, "n_kv_head": 2})
+        .compiled["pointwise"]
+    )
+    d, f = c.n_embd, c.ffn_hidden
+    assert pointwise <= figure
+    assert none - pointwise >= 4 * d + 2 * f
+    assert torch.equal(y0, y1) and torch.equal(g0, g1)
+
+
 def _plan(preset, world, parallel, ac="none", micro_batch=1, device_bytes=GB80, **train):
     t = TrainConfig(parallel=parallel, activation_checkpointing=ac, micro_batch=micro_batch, **train)
     return estimate(ModelConfig(preset=preset), t, world, device_bytes)
@@ -244,7 +289,7 @@ def test_8b_on_four_80gb_gpus_keeps_every_activation_compiled_but_not_eager_or_a
     assert check(_plan("llama-8b", 4, "fsdp", ac="full")).fits
     assert check(_plan("llama-8b", 4, "fsdp", batch_tokens=one_step)).fits
     for other in ({"compile": False, "batch_tokens": one_step}, {"batch_tokens": 2 * one_step}):
-        with pytest.raises(UserError, match=r"train\.activation_checkpointing=(selective|full)"):
+        with pytest.raises(UserError, match=r"train\.activation_checkpointing=(pointwise|selective|full)"):
             check(_plan("llama-8b", 4, "fsdp", **other))
 
 
@@ -279,6 +324,10 @@ def test_compiled_blocks_are_planned_with_the_family_s_compiled_figure_where_it_
         _plan("llama-1b", 1, "fsdp", ac="selective").activations
         == _plan("llama-1b", 1, "fsdp", ac="selective", compile=False).activations
     )  # no compiled figure for selective: the same
+    pointwise = [_plan("llama-1b", 1, "fsdp", ac="pointwise", compile=c).activations for c in (False, None)]
+    assert pointwise[0] - pointwise[1] == 2048 * 16 * (
+        per_token.activations["pointwise"] - per_token.compiled["pointwise"]
+    )
 
 
 def test_planning_error_names_a_smaller_micro_batch_and_more_gpus():
@@ -295,6 +344,7 @@ def test_sharding_divides_the_static_memory_by_the_ranks():
     assert (
         _plan("llama-1b", 1, "fsdp", ac="full").activations
         < _plan("llama-1b", 1, "fsdp", ac="selective").activations
+        < _plan("llama-1b", 1, "fsdp", ac="pointwise").activations
         < one.activations
     )
     assert math.isclose(check(_plan("gpt2-124m", 1, "ddp", micro_batch=32)).params, 4 * 124_475_904, rel_tol=0.01)
@@ -318,16 +368,18 @@ def _wide_llama(n_layer: int) -> ModelConfig:
     "n_layer, batch_tokens, chosen",
     [
         (16, 4096, "none"),
-        (42, 4096, "selective on 12 of 42 blocks"),
+        (42, 4096, "pointwise on 21 of 42 blocks"),
+        (50, 4096, "selective on 39 of 50 blocks"),
         (55, 4096, "selective"),
         (60, 4096, "full on 37 of 60 blocks"),
         (73, 2 * 4 * 8192, "full on all 73 blocks"),  # two micro-steps: the gradients count at the peak
     ],
 )
 def test_auto_checkpointing_is_the_lightest_that_fits_as_the_model_grows(n_layer, batch_tokens, chosen):
-    """On four 80 GB GPUs under fsdp: none while it fits, then selective on the fewest first blocks, then
-    selective everywhere, then full on the fewest first blocks, then full everywhere; what auto chose fits, and
-    the next lighter setting does not."""
+    """On four 80 GB GPUs under fsdp: none while it fits, then pointwise on the fewest first blocks, then
+    selective on the fewest first blocks (once pointwise everywhere no longer fits), then selective everywhere,
+    then full on the fewest first blocks, then full everywhere; what auto chose fits, and the next lighter
+    setting does not."""
     model, auto = _wide_llama(n_layer), TrainConfig(parallel="fsdp", micro_batch=1, batch_tokens=batch_tokens)
     train, line = resolve(model, auto, 4, GB80)
     assert describe(train, n_layer) == chosen
@@ -337,8 +389,9 @@ def test_auto_checkpointing_is_the_lightest_that_fits_as_the_model_grows(n_layer
     n = train.activation_checkpointing_blocks or n_layer
     lighter = {
         "none": [],
-        "selective on 12 of 42 blocks": [("none", None), ("selective", n - 1)],
-        "selective": [("none", None), ("selective", n - 1)],
+        "pointwise on 21 of 42 blocks": [("none", None), ("pointwise", n - 1)],
+        "selective on 39 of 50 blocks": [("pointwise", None), ("selective", n - 1)],
+        "selective": [("pointwise", None), ("selective", n - 1)],
         "full on 37 of 60 blocks": [("selective", None), ("full", n - 1)],
         "full on all 73 blocks": [("selective", None), ("full", n - 1)],
     }[chosen]
@@ -348,18 +401,18 @@ def test_auto_checkpointing_is_the_lightest_that_fits_as_the_model_grows(n_layer
 
 
 def test_auto_fills_the_memory_left_with_blocks_that_keep_everything():
-    """Llama-3 8B at seq 8192 on four 80 GB GPUs with two micro-steps a step: selective everywhere fits with
+    """Llama-3 8B at seq 8192 on four 80 GB GPUs with two micro-steps a step: pointwise everywhere fits with
     GiBs to spare, so auto recomputes in the fewest first blocks only; the line names them and what keeping
     everything needed."""
     model = ModelConfig(preset="llama-8b")
     auto = TrainConfig(parallel="fsdp", micro_batch=1, batch_tokens=2 * 4 * 8192)
     train, line = resolve(model, auto, 4, GB80)
-    assert train.activation_checkpointing == "selective" and 0 < train.activation_checkpointing_blocks < 32
+    assert train.activation_checkpointing == "pointwise" and 0 < train.activation_checkpointing_blocks < 32
     n = train.activation_checkpointing_blocks
-    assert line is not None and line.startswith(f"activation checkpointing: selective on {n} of 32 blocks (plan ")
+    assert line is not None and line.startswith(f"activation checkpointing: pointwise on {n} of 32 blocks (plan ")
     assert "; none would need " in line
     everywhere = estimate(model, train.model_copy(update={"activation_checkpointing_blocks": None}), 4, GB80)
-    assert estimate(model, train, 4, GB80).total > everywhere.total  # it keeps more than selective everywhere
+    assert estimate(model, train, 4, GB80).total > everywhere.total  # it keeps more than pointwise everywhere
 
 
 def test_fsdp_keeps_blocks_gathered_until_backward_where_the_plan_fits_and_reshards_where_not():
@@ -396,8 +449,8 @@ def test_resharding_auto_is_true_silently_under_ddp_and_on_cpu_and_an_explicit_v
 
 
 def test_partial_checkpointing_is_costed_with_the_per_block_terms():
-    """Each block recomputed trades its whole activations for its input (full) or its selective ones
-    (selective); all blocks is `full` or `selective`, as before."""
+    """Each block recomputed trades its whole activations for its input (full), its selective ones (selective)
+    or its matmuls' and attention's outputs (pointwise); all blocks is the mode itself, as before."""
     model = _wide_llama(32)
 
     def act(ac="full", blocks=None):
@@ -418,6 +471,9 @@ def test_partial_checkpointing_is_costed_with_the_per_block_terms():
     assert act("selective", blocks=11) - act("selective", blocks=12) == sel
     assert act("selective", blocks=32) == act("selective")
     assert act("none") - act("selective", blocks=1) == sel  # no extra block's worth: recomputed op by op
+    pw = act("pointwise", blocks=10) - act("pointwise", blocks=11)
+    assert pw == 8192 * (per_token["none"] - per_token["pointwise"]) and 0 < pw < sel
+    assert act("none") - act("pointwise", blocks=1) == pw
 
 
 @pytest.mark.parametrize(
@@ -425,13 +481,15 @@ def test_partial_checkpointing_is_costed_with_the_per_block_terms():
     [
         (60, "none", None, "full with train.activation_checkpointing_blocks=37"),
         (60, "selective", None, "full with train.activation_checkpointing_blocks=37"),
-        (42, "none", None, "selective with train.activation_checkpointing_blocks=12"),
+        (42, "none", None, "pointwise with train.activation_checkpointing_blocks=21"),
+        (42, "pointwise", 5, "pointwise with train.activation_checkpointing_blocks=21"),
         (42, "selective", 5, "selective with train.activation_checkpointing_blocks=12"),
     ],
 )
 def test_explicit_checkpointing_that_does_not_fit_names_the_fewest_blocks_that_would(n_layer, ac, blocks, fix):
-    """The suggestion walks auto's order from the setting given: selective on the fewest first blocks before
-    selective everywhere, before full on the fewest first blocks."""
+    """The suggestion walks auto's order from the setting given: pointwise on the fewest first blocks before
+    pointwise everywhere, before selective on the fewest first blocks, ... before full on the fewest first
+    blocks."""
     t = TrainConfig(parallel="fsdp", micro_batch=1, activation_checkpointing=ac, activation_checkpointing_blocks=blocks)
     with pytest.raises(UserError, match=r"it would fit with train\.activation_checkpointing=" + fix + "( or |$)"):
         check(estimate(_wide_llama(n_layer), t, 4, GB80))

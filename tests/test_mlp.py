@@ -89,8 +89,8 @@ def test_gelu_mlp_is_not_taken_for_float8_linears_or_with_the_switch_off(monkeyp
     assert not mlp.fused(x, fc, proj)
 
 
-@pytest.mark.parametrize("mode,epilogues", [("selective", False), ("full", True)])
-def test_selective_checkpointing_keeps_gpt2s_mlp_on_plain_ops_so_its_policy_sees_the_matmuls(mode, epilogues):
+@pytest.mark.parametrize("mode,epilogues", [("selective", False), ("pointwise", False), ("full", True)])
+def test_op_level_checkpointing_keeps_gpt2s_mlp_on_plain_ops_so_its_policy_sees_the_matmuls(mode, epilogues):
     from lmyard.models.gpt2.model import GPT, GPTConfig
     from lmyard.train.parallel import apply_activation_checkpointing
 

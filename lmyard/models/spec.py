@@ -43,7 +43,8 @@ class Terms:
     lookup: int
     """Parameters used by lookup, not matmul (an untied input embedding): no FLOPs (torchtitan's count)."""
     activations: dict[str, int]
-    """Bytes kept for backward per token and block, by train.activation_checkpointing (none, selective, full)."""
+    """Bytes kept for backward per token and block, by train.activation_checkpointing (none, pointwise,
+    selective, full)."""
     compiled: dict[str, int] = field(default_factory=dict)
     """The same under torch.compile, for the modes where it keeps fewer (inductor recomputes pointwise ops in
     backward from what it keeps); a mode not here keeps `activations`' figure."""

@@ -20,12 +20,14 @@
 - activations: what backward keeps, bf16, for micro_batch x block_size tokens: per block and token the
   family's figure (its spec's `terms`, e.g. GPT-2 34d eager, Korthikanti et al. 2022 with flash attention;
   its `compiled` figure under torch.compile, train.compile, on by default on a GPU, where it has one);
-  `selective` keeps matmul and attention outputs but every second matmul's; `full` keeps each block's input
+  `pointwise` keeps every matmul's and attention's output (the norms' outputs and SwiGLU's product are made
+  again in backward); `selective` keeps those but every second matmul's; `full` keeps each block's input
   (2d) plus one block's worth during its recomputation; `full` on the first n of L blocks
   (train.activation_checkpointing_blocks) keeps n inputs, L - n blocks' whole activations and the one
   block being recomputed, so n = L is `full` and the step from n to n + 1 saves none - full per token;
-  `selective` on the first n keeps n blocks' selective and L - n blocks' whole activations (its recomputation
-  is op by op, no extra block's worth), so the step from n to n + 1 saves none - selective per token.
+  `pointwise` or `selective` on the first n keeps n blocks' own figure and L - n blocks' whole activations
+  (their recomputation is op by op, no extra block's worth), so the step from n to n + 1 saves none - that
+  figure per token.
   Plus the logits (bf16, their gradient is written in place).
 - reserve: 10% of the device for the CUDA context, NCCL buffers and allocator fragmentation.
 
@@ -34,13 +36,15 @@ tests/benchmarks/bench_llama.py prints beside the plan); `check(plan)` raises a
 UserError naming the changes that would fit: fsdp, activation checkpointing, a smaller micro-batch, more GPUs.
 
 `train.activation_checkpointing=auto` is settled here before the first step (`resolve`): the lightest policy
-whose plan fits, in order of recomputation: none; selective on the fewest first blocks that fit (in those
-blocks every second matmul and the pointwise ops run again, the rest run once); selective on every block;
-full on the fewest first blocks that fit (each such block runs its whole forward twice, the rest run once);
-full on every block. The order is fixed, not measured: a few fully recomputed blocks may cost
-less than selective everywhere (docs/benchmarks.md, to be measured). Memory is what decides, never speed: a
-plan that fits without recomputation keeps every activation, and one that fits with selective on 5 of 32
-blocks recomputes nothing in the other 27. On CPU there is no device to plan against, and auto is none.
+whose plan fits, in order of recomputation (LADDER): none; pointwise on the fewest first blocks that fit (in
+those blocks the elementwise ops run again: about 0.4% of the step at Llama-3 8B with every block so,
+docs/benchmarks.md); pointwise on every block; selective on the fewest first blocks that fit (every second
+matmul runs again as well); selective on every block; full on the fewest first blocks that fit (each such
+block runs its whole forward twice, the rest run once); full on every block. The order is fixed, not
+measured: a few fully recomputed blocks may cost less than selective everywhere. Memory is what decides,
+never speed: a plan that fits without recomputation keeps every activation, and one that fits with pointwise
+on 8 of 32 blocks recomputes nothing in the other 24. On CPU there is no device to plan against, and auto is
+none.
 
 `train.fsdp_reshard_after_forward=auto` is settled after the checkpointing (`settle_reshard`): every block
 stays gathered from its forward to its backward where that plan still fits (its backward then needs no
@@ -64,6 +68,7 @@ from lmyard.models import registry
 GIB = 2**30
 RESERVE = 0.10
 EXPANDABLE = "expandable_segments:True"
+LADDER = ("pointwise", "selective", "full")  # the checkpointing modes heavier than none, lightest first
 
 
 @dataclass(frozen=True)
@@ -200,7 +205,7 @@ def _with(plan: Plan, world: int | None = None, **train: Any) -> Plan:
 
 
 def _fewest_blocks(plan: Plan, mode: str, **train: Any) -> Plan | None:
-    """The plan of `mode` (selective or full) checkpointing on the fewest first blocks (fewer than all) that fits,
+    """The plan of `mode` (pointwise, selective or full) checkpointing on the fewest first blocks (fewer than all) that fits,
     else None. Each block checkpointed saves the same bytes, so the first n that fits is the lightest."""
     L = n_layer(plan.model_cfg, plan.n_vocab)
     for n in range(1, L):
@@ -212,22 +217,24 @@ def _fewest_blocks(plan: Plan, mode: str, **train: Any) -> Plan | None:
 
 def _ladder(plan: Plan, **train: Any) -> list[Callable[[], Plan | None]]:
     """The checkpointing heavier than none, lightest first (the module docstring's order), each step planned
-    when called: selective on the fewest first blocks, selective, full on the fewest first blocks, full. A
+    when called: for each of LADDER's modes, that mode on the fewest first blocks, then on every block. A
     partial step plans None where no n < L fits; the steps alternate partial (even) and every block (odd)."""
     every = {"activation_checkpointing_blocks": None}
     return [
-        partial(_fewest_blocks, plan, "selective", **train),
-        partial(_with, plan, activation_checkpointing="selective", **every, **train),
-        partial(_fewest_blocks, plan, "full", **train),
-        partial(_with, plan, activation_checkpointing="full", **every, **train),
+        step
+        for mode in LADDER
+        for step in (
+            partial(_fewest_blocks, plan, mode, **train),
+            partial(_with, plan, activation_checkpointing=mode, **every, **train),
+        )
     ]
 
 
 def describe(train_cfg: TrainConfig, L: int) -> str:
-    """The checkpointing of a resolved train config in words: `none`, `selective on 14 of 32 blocks`,
+    """The checkpointing of a resolved train config in words: `none`, `pointwise on 20 of 32 blocks`,
     `selective`, `full on 12 of 32 blocks`, `full on all 32 blocks`."""
     ac, n = train_cfg.activation_checkpointing, train_cfg.activation_checkpointing_blocks
-    if ac in ("selective", "full") and n is not None and n < L:
+    if ac in LADDER and n is not None and n < L:
         return f"{ac} on {n} of {L} blocks"
     return f"full on all {L} blocks" if ac == "full" else ac
 
@@ -238,7 +245,8 @@ def _checkpointing_alternative(plan: Plan) -> str | None:
     t, L = plan.train_cfg, n_layer(plan.model_cfg, plan.n_vocab)
     # where the plan's own step sits on the ladder; a partial step's fewest blocks that fit are more than its own
     every = (t.activation_checkpointing_blocks or L) >= L
-    start = {"none": 0, "selective": 2 if every else 0, "full": 4 if every else 2}[t.activation_checkpointing]
+    ac = t.activation_checkpointing
+    start = 0 if ac == "none" else 2 * LADDER.index(ac) + (2 if every else 0)
     extras: list[dict[str, Any]] = [{}, {"parallel": "fsdp"}] if t.parallel == "ddp" else [{}]
     for extra in extras:
         fit = next((c for step in _ladder(plan, **extra)[start:] if (c := step()) is not None and c.fits), None)
@@ -311,7 +319,7 @@ def choose(
             break
         plan = step()
         if plan is None:
-            mode = ("selective", "full")[i // 2]
+            mode = LADDER[i // 2]
             short = _with(none, activation_checkpointing=mode, activation_checkpointing_blocks=L - 1) if L > 1 else None
             continue
         chosen_here = plan.fits or i == len(steps) - 1

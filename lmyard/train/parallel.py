@@ -24,9 +24,12 @@ share the SMs with the matmuls they overlap.
 Activation checkpointing (under ddp too, lmyard.train.parallelism): `full` recomputes each whole block in
 backward; `selective` is torchtitan's op-level policy: inside each block the outputs of matmuls and attention
 are kept, except every second matmul's, and everything else (norms, RoPE, SwiGLU's pointwise ops) is
-recomputed; FlexAttention's output (model.doc_mask) is kept as SDPA's is. Either mode may wrap only the first
-train.activation_checkpointing_blocks blocks (the rest keep all their activations; lmyard.train.memory's
-`auto` picks that number); one wrapping loop for both modes, so the two mean the same blocks.
+recomputed; FlexAttention's output (model.doc_mask) is kept as SDPA's is. `pointwise` is the same policy
+keeping every matmul's output: only the elementwise ops run again (norms, RoPE, SwiGLU's product, GELU,
+layout copies), a pass over memory that backward's own elementwise kernels mostly read anyway, where the
+compiled default keeps their outputs because a matmul in backward reads them. Each mode may wrap only the
+first train.activation_checkpointing_blocks blocks (the rest keep all their activations; lmyard.train.memory's
+`auto` picks that number); one wrapping loop for every mode, so they mean the same blocks.
 """
 
 from __future__ import annotations
@@ -82,8 +85,9 @@ def apply_float8(model: nn.Module, device: torch.device, recipe: str = "tensorwi
     return True
 
 
-def _selective_policy():
-    """torchtitan's op-level SAC policy: keep matmul/attention outputs, except every second matmul's."""
+def _selective_policy(every_matmul: bool = False):
+    """torchtitan's op-level SAC policy: keep matmul/attention outputs, except every second matmul's (every
+    matmul's: `pointwise`)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
@@ -106,7 +110,7 @@ def _selective_policy():
         if func in mm_ops:
             mode = "recompute" if ctx.is_recompute else "forward"
             counts[mode] += 1
-            if counts[mode] % 2 == 0:
+            if counts[mode] % 2 == 0 and not every_matmul:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -114,14 +118,15 @@ def _selective_policy():
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, blocks: int | None = None) -> None:
-    """Wrap blocks for recomputation in backward: `none`, `full` or `selective` (see the module docstring);
-    `blocks`: only the first so many, in either mode (default every block). The wrapper keeps the blocks'
-    state_dict keys (checkpoint_wrapper strips its own prefix)."""
+    """Wrap blocks for recomputation in backward: `none`, `pointwise`, `selective` or `full` (see the module
+    docstring); `blocks`: only the first so many, in any mode (default every block). The wrapper keeps the
+    blocks' state_dict keys (checkpoint_wrapper strips its own prefix)."""
     if mode == "none":
         return
-    if mode not in ("full", "selective"):
+    if mode not in ("pointwise", "selective", "full"):
         raise ValueError(
-            f"activation checkpointing mode {mode!r}: choose none, selective or full (auto is resolved before)"
+            f"activation checkpointing mode {mode!r}: choose none, pointwise, selective or full (auto is resolved "
+            "before)"
         )
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts, noop_context_fn
@@ -130,12 +135,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, blocks: int | No
     if blocks is not None and not 0 < blocks <= len(layers):
         raise ValueError(f"{blocks} blocks of {mode} checkpointing: give 1 to {len(layers)}")
 
-    def selective():  # a fresh policy per forward: it counts the matmuls it has seen
-        return create_selective_checkpoint_contexts(_selective_policy())
+    def by_op():  # a fresh policy per forward: it counts the matmuls it has seen
+        return create_selective_checkpoint_contexts(_selective_policy(every_matmul=mode == "pointwise"))
 
-    context_fn = selective if mode == "selective" else noop_context_fn  # noop: full, torch's default
+    context_fn = noop_context_fn if mode == "full" else by_op  # noop: torch's default, the whole block
     for i, block in enumerate(layers[:blocks] if blocks is not None else layers):
-        if mode == "selective":
+        if mode != "full":
             _plain_ops(block)
         layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn)
 

@@ -56,6 +56,7 @@ from types import SimpleNamespace
 
 EOT = 50256  # GPT-2's <|endoftext|>: begins each document, as lmyard's shards write it
 WORKER_ARGS = (
+    "memory_gib",
     "all_gather",
     "embedding",
     "copies",
@@ -172,7 +173,7 @@ def worker(a: argparse.Namespace) -> None:
     # the process group as the trainer makes it (lmyard.train.trainer.setup_distributed)
     gather = init_process_group(cfg.train, device, world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     # auto settles here as in the trainer (lmyard.train.memory.resolve), with its startup line; none on CPU
-    total = torch.cuda.get_device_properties(device).total_memory if cuda else None
+    total = device_memory(device, a.memory_gib) if cuda else None
     train_cfg, line = resolve(cfg.model, cfg.train, world, total)
     cfg = cfg.model_copy(update={"train": train_cfg})
     if line and rank == 0:
@@ -254,10 +255,11 @@ def worker(a: argparse.Namespace) -> None:
             cfg.model,
             cfg.train.model_copy(update={"micro_batch": B}),
             world,
-            torch.cuda.get_device_properties(device).total_memory,
+            total,
         )
         out["planned_gib"] = round(plan.total / 2**30, 2)  # lmyard.memory's estimate, beside the measured peak
         out["device"] = torch.cuda.get_device_name(device)
+        out["memory_gib"] = a.memory_gib  # planned and capped at this, not the card's
         out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         out["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
         out["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
@@ -271,6 +273,17 @@ def worker(a: argparse.Namespace) -> None:
         print("RESULT " + json.dumps(out), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def device_memory(device, gib: float | None) -> int:
+    """The bytes lmyard plans against: the card's, or `gib` GiB with the caching allocator capped there."""
+    import torch
+
+    card = torch.cuda.get_device_properties(device).total_memory
+    if gib is None:
+        return card
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / card), device)
+    return int(gib * 2**30)
 
 
 def run_lmyard(a: argparse.Namespace, gpus: int, shard: Path) -> dict:
@@ -330,15 +343,16 @@ def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
 
 
 def ac_overrides(a: argparse.Namespace) -> list[str]:
-    """lmyard's activation checkpointing from --ac and --ac-blocks (the first N blocks, selective or full)."""
+    """lmyard's activation checkpointing from --ac and --ac-blocks (the first N blocks)."""
     blocks = [] if a.ac_blocks is None else [f"train.activation_checkpointing_blocks={a.ac_blocks}"]
     return [f"train.activation_checkpointing={a.ac}", *blocks]
 
 
 def titan_ac(ours: dict) -> str:
     """torchtitan's checkpointing for lmyard's row: what lmyard applied (selective or full on some blocks
-    counts as that mode on every block)."""
-    return ours.get("ac_applied") or ours["ac"]
+    counts as that mode on every block; pointwise, which torchtitan lacks, as none)."""
+    ac = ours.get("ac_applied") or ours["ac"]
+    return "none" if ac == "pointwise" else ac
 
 
 def run_titan(a: argparse.Namespace, gpus: int, ours: dict) -> dict | None:
@@ -418,7 +432,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
     ap.add_argument(
         "--ac",
-        choices=["none", "selective", "full", "auto"],
+        choices=["none", "pointwise", "selective", "full", "auto"],
         default="none",
         help="activation checkpointing; auto: the lightest that lmyard's memory plan fits (lmyard only: "
         "torchtitan gets what it settles to)",
@@ -426,7 +440,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--ac-blocks",
         type=int,
-        help="with --ac selective or full: checkpoint only the first N blocks (train.activation_checkpointing_blocks; "
+        help="with --ac pointwise, selective or full: checkpoint only the first N blocks (train.activation_checkpointing_blocks; "
         "lmyard only: torchtitan gets the mode on every block)",
     )
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (and torchtitan's loss)")
@@ -513,13 +527,20 @@ def parser() -> argparse.ArgumentParser:
         help="then N steps under torch.profiler: lmyard's step split (row key profile)",
     )
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument(
+        "--memory-gib",
+        type=float,
+        help="lmyard plans against this much GPU memory and its allocator is capped there (an 80 GB card on a "
+        "larger one: 79.1)",
+    )
     ap.add_argument("--titan", action="store_true", help="also run torchtitan 0.2.2 (run_torchtitan.py)")
     ap.add_argument("--trainer", action="store_true", help="also run lmyard's trainer (torchrun -m lmyard.train)")
     ap.add_argument("--titan-attn", default="sdpa", help="torchtitan's attention: sdpa (as lmyard) or flex")
     ap.add_argument(
         "--titan-ac",
         choices=["none", "selective", "full"],
-        help="torchtitan's activation checkpointing (default: what lmyard applied, full for some blocks)",
+        help="torchtitan's activation checkpointing (default: what lmyard applied, full for some blocks, none for "
+        "pointwise)",
     )
     ap.add_argument("--titan-log", help="append torchtitan's whole output to this file")
     ap.add_argument("--json", type=Path, help="also write every row to this file (a JSON list)")
@@ -532,8 +553,8 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     ap = parser()
     a = ap.parse_args()
-    if a.ac_blocks is not None and a.ac not in ("selective", "full"):
-        ap.error(f"--ac-blocks applies to --ac selective or full, not {a.ac}: pass one of them or drop --ac-blocks")
+    if a.ac_blocks is not None and a.ac in ("none", "auto"):
+        ap.error(f"--ac-blocks applies to --ac pointwise, selective or full, not {a.ac}: pass one or drop --ac-blocks")
     if a.param_dtype == "bfloat16" and a.optimizer == "torch":
         ap.error("--param-dtype bfloat16 keeps its float32 masters in lmyard's AdamW: drop --optimizer torch")
     if a.worker:  # one precision per worker

@@ -48,13 +48,14 @@ def config(fields: dict):
 def terms(c: dict) -> Terms:
     """Block: qkv 3d^2, out d^2, MLP 8d^2, with biases 9d more, two LayerNorms 2d (4d with biases). Root: the
     tied token table, the positions, ln_f. Activations per block and token, bf16 (Korthikanti et al. 2022,
-    flash attention): 34d eager, 16d keeping every second matmul's output, the block's input 2d under full."""
+    flash attention): 34d eager, 16d keeping every second matmul's output, 20d keeping every matmul's
+    (`pointwise`: both projections' outputs, 2d each, besides), the block's input 2d under full."""
     d, bias = c["n_embd"], c.get("bias", True)
     return Terms(
         block=12 * d * d + (13 * d if bias else 2 * d),
         root=c["vocab_size"] * d + c["block_size"] * d + (2 * d if bias else d),
         lookup=0,  # nanoGPT's 6N counts the tied table (it is the head's matmul too) and the positions
-        activations={"none": 34 * d, "selective": 16 * d, "full": 2 * d},
+        activations={"none": 34 * d, "pointwise": 20 * d, "selective": 16 * d, "full": 2 * d},
     )
 
 

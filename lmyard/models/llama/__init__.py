@@ -110,15 +110,23 @@ def terms(c: dict) -> Terms:
     4kv + 6f counted from a compiled block's saved tensors (the block's input, both norms' outputs, q k v,
     attention's output in two layouts, SwiGLU's three (T, f) tensors; SiLU and RoPE recomputed), plus d so
     that the plan stays above the measured peak (Llama-3 8B at seq 8192 on 4 H100s: 66.5 GiB allocated, 65.9
-    planned with 12d); 8d + 4kv + 2f keeping every second matmul's output; the block's input 2d under full."""
+    planned with 12d); 8d + 4kv + 2f keeping every second matmul's output; the block's input 2d under full.
+    `pointwise` keeps the input, qkv, attention's output, o_proj's, the gate's and the up projection's: 10d + 4kv +
+    4f eager (the down projection's output too); compiled 8d + 4kv + 4f counted from a compiled block's saved
+    tensors, plus d as for none."""
     d, f, V = c["n_embd"], c["ffn_hidden"], c["vocab_size"]
     kv = c["n_kv_head"] * (d // c["n_head"])
     return Terms(
         block=d * (d + 2 * kv) + d * d + 3 * d * f + 2 * d,
         root=2 * V * d + d,
         lookup=V * d,
-        activations={"none": 14 * d + 4 * kv + 8 * f, "selective": 8 * d + 4 * kv + 2 * f, "full": 2 * d},
-        compiled={"none": 13 * d + 4 * kv + 6 * f},
+        activations={
+            "none": 14 * d + 4 * kv + 8 * f,
+            "pointwise": 10 * d + 4 * kv + 4 * f,
+            "selective": 8 * d + 4 * kv + 2 * f,
+            "full": 2 * d,
+        },
+        compiled={"none": 13 * d + 4 * kv + 6 * f, "pointwise": 9 * d + 4 * kv + 4 * f},
     )
 
 
