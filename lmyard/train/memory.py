@@ -37,8 +37,8 @@ UserError naming the changes that would fit: fsdp, activation checkpointing, a s
 
 `train.activation_checkpointing=auto` is settled here before the first step (`resolve`): the lightest policy
 whose plan fits, in order of recomputation (LADDER): none; pointwise on the fewest first blocks that fit (in
-those blocks the elementwise ops run again: about 0.4% of the step at Llama-3 8B with every block so,
-docs/benchmarks.md); pointwise on every block; selective on the fewest first blocks that fit (every second
+those blocks the elementwise ops run again: 0.5-0.9% of the step at Llama-3 8B with every block so, where
+selective on the blocks that free as much cost 5.2%, docs/benchmarks.md); pointwise on every block; selective on the fewest first blocks that fit (every second
 matmul runs again as well); selective on every block; full on the fewest first blocks that fit (each such
 block runs its whole forward twice, the rest run once); full on every block. The order is fixed, not
 measured: a few fully recomputed blocks may cost less than selective everywhere. Memory is what decides,
