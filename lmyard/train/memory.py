@@ -38,13 +38,13 @@ UserError naming the changes that would fit: fsdp, activation checkpointing, a s
 `train.activation_checkpointing=auto` is settled here before the first step (`resolve`): the lightest policy
 whose plan fits, in order of recomputation (LADDER): none; pointwise on the fewest first blocks that fit (in
 those blocks the elementwise ops run again: 0.5-0.9% of the step at Llama-3 8B with every block so, where
-selective on the blocks that free as much cost 5.2%, docs/benchmarks.md); pointwise on every block; selective on the fewest first blocks that fit (every second
-matmul runs again as well); selective on every block; full on the fewest first blocks that fit (each such
-block runs its whole forward twice, the rest run once); full on every block. The order is fixed, not
-measured: a few fully recomputed blocks may cost less than selective everywhere. Memory is what decides,
-never speed: a plan that fits without recomputation keeps every activation, and one that fits with pointwise
-on 8 of 32 blocks recomputes nothing in the other 24. On CPU there is no device to plan against, and auto is
-none.
+selective on as many blocks as free the same memory cost 5.2%, docs/benchmarks.md); pointwise on every
+block; selective on the fewest first blocks that fit (every second matmul runs again as well); selective on
+every block; full on the fewest first blocks that fit (each such block runs its whole forward twice, the rest
+run once); full on every block. The order is fixed, not measured: a few fully recomputed blocks may cost
+less than selective everywhere. Memory is what decides, never speed: a plan that fits without recomputation
+keeps every activation, and one that fits with pointwise on 8 of 32 blocks recomputes nothing in the other
+24. On CPU there is no device to plan against, and auto is none.
 
 `train.fsdp_reshard_after_forward=auto` is settled after the checkpointing (`settle_reshard`): every block
 stays gathered from its forward to its backward where that plan still fits (its backward then needs no
@@ -205,7 +205,7 @@ def _with(plan: Plan, world: int | None = None, **train: Any) -> Plan:
 
 
 def _fewest_blocks(plan: Plan, mode: str, **train: Any) -> Plan | None:
-    """The plan of `mode` (pointwise, selective or full) checkpointing on the fewest first blocks (fewer than all) that fits,
+    """The plan of `mode` (one of LADDER) checkpointing on the fewest first blocks (fewer than all) that fits,
     else None. Each block checkpointed saves the same bytes, so the first n that fits is the lightest."""
     L = n_layer(plan.model_cfg, plan.n_vocab)
     for n in range(1, L):

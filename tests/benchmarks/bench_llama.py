@@ -440,8 +440,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--ac-blocks",
         type=int,
-        help="with --ac pointwise, selective or full: checkpoint only the first N blocks (train.activation_checkpointing_blocks; "
-        "lmyard only: torchtitan gets the mode on every block)",
+        help="with --ac pointwise, selective or full: checkpoint only the first N blocks "
+        "(train.activation_checkpointing_blocks; lmyard only: torchtitan gets the mode on every block)",
     )
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (and torchtitan's loss)")
     ap.add_argument(
