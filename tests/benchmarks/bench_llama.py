@@ -276,14 +276,16 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def device_memory(device, gib: float | None) -> int:
-    """The bytes lmyard plans against: the card's, or `gib` GiB with the caching allocator capped there."""
+    """The bytes lmyard plans against: the card's, or `gib` GiB (at most the card's) with the caching allocator
+    capped there."""
     import torch
 
     card = torch.cuda.get_device_properties(device).total_memory
     if gib is None:
         return card
-    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / card), device)
-    return int(gib * 2**30)
+    capped = min(card, int(gib * 2**30))  # no more than the card has
+    torch.cuda.set_per_process_memory_fraction(capped / card, device)
+    return capped
 
 
 def run_lmyard(a: argparse.Namespace, gpus: int, shard: Path) -> dict:
@@ -555,6 +557,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.ac_blocks is not None and a.ac in ("none", "auto"):
         ap.error(f"--ac-blocks applies to --ac pointwise, selective or full, not {a.ac}: pass one or drop --ac-blocks")
+    if a.memory_gib is not None and a.memory_gib <= 0:
+        ap.error(f"--memory-gib is {a.memory_gib}: give the GPU memory to plan against in GiB, e.g. 79.1")
     if a.param_dtype == "bfloat16" and a.optimizer == "torch":
         ap.error("--param-dtype bfloat16 keeps its float32 masters in lmyard's AdamW: drop --optimizer torch")
     if a.worker:  # one precision per worker
