@@ -254,8 +254,11 @@ class ModelConfig(_Section):
     )
     rope_theta: float | None = Field(None, gt=0, description="Llama: RoPE base; default 500000 (Llama 3).")
     norm_eps: float | None = Field(None, gt=0, description="Llama: RMSNorm epsilon; default 1e-5.")
-    attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
-        "auto", description="SDPA kernel: `auto` lets PyTorch choose; `cudnn` is often fastest on Hopper GPUs."
+    attention: Literal["auto", "fa4", "flash", "cudnn", "efficient", "math"] = Field(
+        "auto",
+        description="SDPA kernel: `auto` lets PyTorch choose (cuDNN's on Hopper GPUs); `fa4` runs "
+        "FlashAttention-4's kernels (Hopper or Blackwell GPUs, `pip install 'lmyard[fa4]'`; lmyard.models.flash4), "
+        "the fastest measured on H200.",
     )
     doc_mask: bool = Field(
         False,

@@ -19,12 +19,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lmyard.config import RunConfig
 from lmyard.evaluate.validation import autocast
+from lmyard.models import flash4
 from lmyard.models.base import LanguageModel
 from lmyard.train.parallel import apply_activation_checkpointing, apply_float8, parallelize
 
 
 class ComputeContext:
-    """bf16 autocast on CUDA, and the configured SDPA kernel; reusable across steps."""
+    """bf16 autocast on CUDA, and the configured SDPA kernel (model.attention; `fa4`: SDPA's flash backend
+    through FlashAttention-4, lmyard.models.flash4); reusable across steps."""
 
     def __init__(self, cuda: bool, attention: str):
         self.cuda, self.attention = cuda, attention
@@ -36,7 +38,10 @@ class ComputeContext:
         if self.attention != "auto":
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
+            if self.attention == "fa4":
+                flash4.activate()  # SDPA's flash backend now runs FlashAttention-4's kernels
             backend = {
+                "fa4": SDPBackend.FLASH_ATTENTION,
                 "flash": SDPBackend.FLASH_ATTENTION,
                 "cudnn": SDPBackend.CUDNN_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION,

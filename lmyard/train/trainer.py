@@ -61,6 +61,7 @@ from lmyard.errors import (
 )
 from lmyard.evaluate.validation import val_loss
 from lmyard.layout import RunLayout
+from lmyard.models import flash4
 from lmyard.models.base import LanguageModel
 from lmyard.models.registry import build_model, doc_fields, flops_per_token, model_from_spec, model_spec
 from lmyard.paths import no_space
@@ -124,6 +125,8 @@ def setup_distributed(cfg: RunConfig) -> Dist:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(cfg.train.threads_per_rank or max(1, (os.cpu_count() or 1) // local_world))
+    if cfg.model.attention == "fa4" and (lacks := flash4.missing(device)):
+        raise UserError(f"model.attention=fa4 needs {lacks}; otherwise set model.attention=auto")
     gather = init_process_group(cfg.train, device, world, local_world)  # a copy_engine that cannot run stops here
     if rank == 0 and use_cuda and cfg.train.parallel == "fsdp":
         print(f"fsdp all-gather: {gather} (train.fsdp_all_gather={cfg.train.fsdp_all_gather})", flush=True)

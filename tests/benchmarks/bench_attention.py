@@ -4,8 +4,9 @@
 
 bf16 q (batch, heads, seq, head_dim) and k, v with kv-heads heads, causal. Rows: SDPA with
 `enable_gqa` as lmyard's Llama calls it (PyTorch's choice of backend, then cuDNN and flash forced),
-SDPA on k and v repeated to every head (as torchtitan 0.2.2 calls it), and compiled FlexAttention with
-a causal BlockMask. Each row: the mean wall time of a forward + backward over 20 calls, the TFLOP/s
+SDPA on k and v repeated to every head (as torchtitan 0.2.2 calls it), compiled FlexAttention with
+a causal BlockMask, and, where the flash-attn-4 package is installed, SDPA's flash backend through
+FlashAttention-4 (model.attention=fa4, lmyard.models.flash4). Each row: the mean wall time of a forward + backward over 20 calls, the TFLOP/s
 that makes (causal: half of 4 x seq^2 x head_dim per head forward, backward 2.5x the forward), and the
 kernels that took the most time in one call. Prints one JSON line a row.
 """
@@ -86,7 +87,15 @@ def main() -> None:
         ("sdpa repeated k/v, cudnn (torchtitan)", repeated, SDPBackend.CUDNN_ATTENTION),
         ("flex_attention causal, compiled", lambda: flex(q, k, v, block_mask=mask, enable_gqa=groups > 1), None),
     ]
+    from lmyard.models import flash4
+
+    fa4 = flash4.missing(q.device)
+    if fa4 is None:  # last: from here on SDPA's flash backend runs FlashAttention-4
+        rows.append(("sdpa enable_gqa, flash through FlashAttention-4 (model.attention=fa4)", gqa, "fa4"))
     for name, make, backend in rows:
+        if backend == "fa4":
+            flash4.activate()
+            backend = SDPBackend.FLASH_ATTENTION
         try:
             out = timed(make, dy, [q, k, v], backend)
         except RuntimeError as e:  # a backend that does not take this shape on this GPU
@@ -94,6 +103,8 @@ def main() -> None:
         if "ms" in out:
             out["tflops"] = round(flops / out["ms"] / 1e9, 1)
         print(json.dumps({"attention": name, "device": torch.cuda.get_device_name(), **out}), flush=True)
+    if fa4 is not None:
+        print(json.dumps({"attention": "FlashAttention-4 (model.attention=fa4)", "skipped": f"needs {fa4}"}))
 
 
 if __name__ == "__main__":

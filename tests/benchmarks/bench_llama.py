@@ -135,6 +135,7 @@ def worker(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from lmyard.data.shards import read_shard
+    from lmyard.models import flash4
     from lmyard.models.registry import build_model, flops_per_token, model_spec
     from lmyard.recipes import load_recipe
     from lmyard.train.components import PEAK_FLOPS
@@ -208,8 +209,13 @@ def worker(a: argparse.Namespace) -> None:
         from torch.nn.attention import SDPBackend as K
         from torch.nn.attention import sdpa_kernel
 
+        if a.attention == "fa4":  # the flash backend through FlashAttention-4, as the trainer's ComputeContext
+            if lacks := flash4.missing(device):
+                raise SystemExit(f"--attention fa4 needs {lacks}")
+            flash4.activate()
         sdpa_kernel(
             {
+                "fa4": [K.FLASH_ATTENTION],
                 "flash": [K.FLASH_ATTENTION],
                 "cudnn": [K.CUDNN_ATTENTION, K.FLASH_ATTENTION, K.MATH],
                 "efficient": [K.EFFICIENT_ATTENTION],
@@ -509,9 +515,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--attention",
         default="auto",
-        choices=["auto", "flash", "cudnn", "efficient", "math"],
-        help="SDPA kernels for lmyard: auto (PyTorch's choice), cudnn (cuDNN, then flash, then math: "
-        "torchtitan's order), or one kernel",
+        choices=["auto", "fa4", "flash", "cudnn", "efficient", "math"],
+        help="SDPA kernels for lmyard: auto (PyTorch's choice), fa4 (FlashAttention-4, model.attention=fa4), "
+        "cudnn (cuDNN, then flash, then math: torchtitan's order), or one kernel",
     )
     ap.add_argument(
         "--doc-mask",
