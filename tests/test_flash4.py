@@ -36,6 +36,7 @@ def test_fa4_names_the_gpu_generation_and_the_package_it_lacks(monkeypatch):
 
 
 def _loss_and_grads(model, idx, attention: str, compiled: bool) -> tuple[torch.Tensor, dict, set[str]]:
+    torch._dynamo.reset()  # a compiled graph keeps the SDPA kernel it was traced with
     run = torch.compile(model) if compiled else model
     model.zero_grad(set_to_none=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -69,3 +70,21 @@ def test_fa4_attention_runs_flash_attention_4_kernels_and_trains_as_cudnn_attent
     for name, grad in grads.items():
         cosine = torch.nn.functional.cosine_similarity(fa4_grads[name].flatten(), grad.flatten(), dim=0)
         assert cosine > 0.999, (name, cosine.item())
+
+
+def _compiled_attention_ops(model, idx, choice: str) -> set[str]:
+    torch._dynamo.reset()  # a fresh trace: only inductor's cache can hand back an earlier graph
+    with torch.no_grad(), ComputeContext(False, choice), torch.profiler.profile() as prof:
+        torch.compile(model)(idx)
+    return {e.name for e in prof.events() if "scaled_dot_product" in e.name}
+
+
+def test_a_compiled_model_runs_the_attention_kernel_asked_for_even_where_a_cached_graph_used_another():
+    """The choice sits inside the model's graph (lmyard.models.attention.causal), so inductor's cache, which
+    keys a graph by its trace, does not serve the graph of one model.attention to a run of another."""
+    model = build_model(ModelConfig(preset="llama-tiny"), 257).eval()
+    idx = torch.randint(0, 257, (2, 64))
+    flash = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    assert flash in _compiled_attention_ops(model, idx, "flash")
+    assert flash not in _compiled_attention_ops(model, idx, "math")  # math: decomposed into inductor's kernels
+    assert flash in _compiled_attention_ops(model, idx, "flash")

@@ -27,17 +27,52 @@ The mask is built once per forward from the input ids and shared by every block:
   FlexAttention kernel also mis-reads q and k whose layout differs from v's, as Llama's RoPE output does in a
   compiled model: one more reason to keep CPU on SDPA.)
 
-With `model.doc_mask=false` (the default) no mask is made and the families call scaled_dot_product_attention
-with is_causal=True exactly as before.
+With `model.doc_mask=false` (the default) no mask is made and the families call `causal`:
+scaled_dot_product_attention with is_causal=True, under the SDPA kernel of `model.attention` (`use_kernel`).
+That choice sits inside the model's graph (an sdpa_kernel context around the call), not around it: a
+compiled graph keeps the kernel it was traced with, and inductor's cache would otherwise hand a graph traced
+under one choice (an earlier run's) to a run that asked for another.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from lmyard.models import flash4
+
 Mask = BlockMask | torch.Tensor  # a BlockMask (CUDA) or a dense boolean mask (CPU)
+
+KERNELS = {  # model.attention: the SDPA kernel `causal` allows (none: PyTorch's choice)
+    "auto": (),
+    "fa4": (SDPBackend.FLASH_ATTENTION,),  # with SDPA's flash backend routed to FlashAttention-4 (flash4)
+    "flash": (SDPBackend.FLASH_ATTENTION,),
+    "cudnn": (SDPBackend.CUDNN_ATTENTION,),
+    "efficient": (SDPBackend.EFFICIENT_ATTENTION,),
+    "math": (SDPBackend.MATH,),
+}
+_choice = "auto"  # this process's model.attention, read (and guarded on) where a graph is traced
+
+
+def use_kernel(choice: str) -> str:
+    """Make `model.attention=choice` this process's causal attention kernel (fa4: FlashAttention-4 activated in
+    SDPA's flash backend first, for the rest of the process); returns the choice it replaces."""
+    global _choice
+    if choice == "fa4":
+        flash4.activate()
+    before, _choice = _choice, choice
+    return before
+
+
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, enable_gqa: bool = False):
+    """Causal attention of (B, H, T, Dh) queries over (B, H_kv, T, Dh) keys and values, by `use_kernel`'s kernel."""
+    kernels = KERNELS[_choice]
+    if not kernels:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=enable_gqa)
+    with sdpa_kernel(list(kernels)):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=enable_gqa)
 
 
 def document_ids(idx: torch.Tensor, bos: int | None, eos: int | None) -> torch.Tensor:

@@ -19,14 +19,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lmyard.config import RunConfig
 from lmyard.evaluate.validation import autocast
-from lmyard.models import flash4
+from lmyard.models import attention
 from lmyard.models.base import LanguageModel
 from lmyard.train.parallel import apply_activation_checkpointing, apply_float8, parallelize
 
 
 class ComputeContext:
-    """bf16 autocast on CUDA, and the configured SDPA kernel (model.attention; `fa4`: SDPA's flash backend
-    through FlashAttention-4, lmyard.models.flash4); reusable across steps."""
+    """bf16 autocast on CUDA, and the causal attention kernel of model.attention (lmyard.models.attention.use_kernel:
+    inside the model's graph; `fa4`: SDPA's flash backend through FlashAttention-4); reusable across steps."""
 
     def __init__(self, cuda: bool, attention: str):
         self.cuda, self.attention = cuda, attention
@@ -35,19 +35,8 @@ class ComputeContext:
         self.stack = contextlib.ExitStack()
         if self.cuda:
             self.stack.enter_context(autocast("cuda"))
-        if self.attention != "auto":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            if self.attention == "fa4":
-                flash4.activate()  # SDPA's flash backend now runs FlashAttention-4's kernels
-            backend = {
-                "fa4": SDPBackend.FLASH_ATTENTION,
-                "flash": SDPBackend.FLASH_ATTENTION,
-                "cudnn": SDPBackend.CUDNN_ATTENTION,
-                "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                "math": SDPBackend.MATH,
-            }[self.attention]
-            self.stack.enter_context(sdpa_kernel(backend))
+        before = attention.use_kernel(self.attention)
+        self.stack.callback(attention.use_kernel, before)
         return self
 
     def __exit__(self, *exc):

@@ -135,7 +135,7 @@ def worker(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from lmyard.data.shards import read_shard
-    from lmyard.models import flash4
+    from lmyard.models import attention, flash4
     from lmyard.models.registry import build_model, flops_per_token, model_spec
     from lmyard.recipes import load_recipe
     from lmyard.train.components import PEAK_FLOPS
@@ -205,24 +205,9 @@ def worker(a: argparse.Namespace) -> None:
         rows = rows.pin_memory().to(device, non_blocking=True) if cuda else rows
         return rows[:, :-1], rows[:, 1:]
 
-    if a.attention != "auto":  # cudnn: torchtitan's order, cuDNN first, then flash, then math
-        from torch.nn.attention import SDPBackend as K
-        from torch.nn.attention import sdpa_kernel
-
-        if a.attention == "fa4":  # the flash backend through FlashAttention-4, as the trainer's ComputeContext
-            if lacks := flash4.missing(device):
-                raise SystemExit(f"--attention fa4 needs {lacks}")
-            flash4.activate()
-        sdpa_kernel(
-            {
-                "fa4": [K.FLASH_ATTENTION],
-                "flash": [K.FLASH_ATTENTION],
-                "cudnn": [K.CUDNN_ATTENTION, K.FLASH_ATTENTION, K.MATH],
-                "efficient": [K.EFFICIENT_ATTENTION],
-                "math": [K.MATH],
-            }[a.attention],
-            set_priority=True,
-        ).__enter__()
+    if a.attention == "fa4" and (lacks := flash4.missing(device)):
+        raise SystemExit(f"--attention fa4 needs {lacks}")
+    attention.use_kernel(a.attention)  # model.attention, as the trainer's ComputeContext sets it
     dt, losses = timed_steps(model, params, opt, batch, a.warmup, a.steps, device, ctx)
     tok_s = a.steps * B * T * world / dt
     peak = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None) if cuda else None
@@ -516,8 +501,7 @@ def parser() -> argparse.ArgumentParser:
         "--attention",
         default="auto",
         choices=["auto", "fa4", "flash", "cudnn", "efficient", "math"],
-        help="SDPA kernels for lmyard: auto (PyTorch's choice), fa4 (FlashAttention-4, model.attention=fa4), "
-        "cudnn (cuDNN, then flash, then math: torchtitan's order), or one kernel",
+        help="lmyard's model.attention: auto (PyTorch's choice), fa4 (FlashAttention-4), or one SDPA kernel",
     )
     ap.add_argument(
         "--doc-mask",

@@ -48,9 +48,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if mask is None:
-            y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-            )
+            y = attention.causal(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         else:  # documents (the config refuses attention dropout with model.doc_mask)
             y = attention.attend(q, k, v, mask)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))

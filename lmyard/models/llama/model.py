@@ -86,7 +86,7 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
         if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+            y = attention.causal(q, k, v, enable_gqa=self.n_kv_head != self.n_head)
         else:
             y = attention.attend(q, k, v, mask, enable_gqa=self.n_kv_head != self.n_head)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
