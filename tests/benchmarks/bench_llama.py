@@ -230,6 +230,7 @@ def worker(a: argparse.Namespace) -> None:
         "float8": a.float8,
         "optimizer": a.optimizer,
         "param_dtype": a.param_dtype,
+        "attention": a.attention,
         "doc_mask": a.doc_mask == "on",
         "tok_s": round(tok_s),
         "tok_s_per_gpu": round(tok_s / world),
