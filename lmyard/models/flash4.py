@@ -3,8 +3,8 @@
 PyTorch (2.11 and later) can route SDPA's flash backend to a registered implementation (the flash-attention
 registry of torch.nn.attention); its FA4 entry calls the forward and backward of the flash-attn-4 package
 (`flash_attn.cute.interface`, kernels written in the CuTe DSL and compiled on first use). The families keep
-calling scaled_dot_product_attention, compiled or not; lmyard.train.parallelism.ComputeContext activates the
-entry once per process and allows only the flash backend.
+calling scaled_dot_product_attention, compiled or not; lmyard.models.attention.use_kernel("fa4") activates the
+entry once per process, and `attention.causal` allows only the flash backend.
 
 Releases of flash-attn-4 from 4.0.0b20 on return more than (out, lse) from their forward, and torch's entry
 unpacks two; so lmyard registers that entry over this module, whose forward passes the first two on. Its
@@ -12,7 +12,7 @@ backward is flash-attn-4's own.
 
 Hopper (compute capability 9.x) and Blackwell (10.x) GPUs, bf16 or fp16, causal with grouped-query heads as
 the families call it. At Llama-3 8B's attention shape on one H200 (seq 8192, 32 query and 8 key/value heads
-of 128) its forward and backward take 3.42 ms against cuDNN's 3.81 (docs/benchmarks.md).
+of 128) its forward and backward take 3.16 ms against cuDNN's 3.60 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
