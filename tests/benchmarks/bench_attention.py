@@ -6,9 +6,10 @@ bf16 q (batch, heads, seq, head_dim) and k, v with kv-heads heads, causal. Rows:
 `enable_gqa` as lmyard's Llama calls it (PyTorch's choice of backend, then cuDNN and flash forced),
 SDPA on k and v repeated to every head (as torchtitan 0.2.2 calls it), compiled FlexAttention with
 a causal BlockMask, and, where the flash-attn-4 package is installed, SDPA's flash backend through
-FlashAttention-4 (model.attention=fa4, lmyard.models.flash4). Each row: the mean wall time of a forward + backward over 20 calls, the TFLOP/s
-that makes (causal: half of 4 x seq^2 x head_dim per head forward, backward 2.5x the forward), and the
-kernels that took the most time in one call. Prints one JSON line a row.
+FlashAttention-4 (model.attention=fa4, lmyard.models.flash4). Each row: the mean wall time of a
+forward + backward over 20 calls, the TFLOP/s that makes (causal: half of 4 x seq^2 x head_dim per
+head forward, backward 2.5x the forward), and the kernels that took the most time in one call.
+Prints one JSON line a row.
 """
 
 from __future__ import annotations
