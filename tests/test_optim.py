@@ -129,6 +129,33 @@ def test_adamw_kernel_matches_torch_adamw_in_the_triton_interpreter():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
+def test_gradient_norm_kernel_sums_every_gradient_as_torchs_norm_does_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    # The CUDA kernel's own code on CPU tensors in Triton's interpreter: float32 and bf16 gradients of odd
+    # sizes (the last block of each masked), an empty one; blocks of 64 so that each gradient spans several.
+    code = textwrap.dedent("""
+        import torch
+        import lmyard.train.optim as O
+        O.NORM_BLOCK = 64
+        O._summable = lambda grads: True
+        g = torch.Generator().manual_seed(0)
+        params = []
+        for n, dtype in ((300, torch.float32), (37, torch.float32), (0, torch.float32), (1000, torch.bfloat16), (65, torch.bfloat16)):
+            p = torch.nn.Parameter(torch.zeros(n, dtype=dtype))
+            p.grad = (torch.randn(n, generator=g) * 3).to(dtype)
+            params.append(p)
+        ours = O.grad_norm(params)
+        theirs = torch.nn.utils.get_total_norm([p.grad.float() for p in params])
+        assert abs(ours.item() - theirs.item()) <= 1e-6 * theirs.item(), (ours, theirs)
+        params[0].grad[7] = float("inf")
+        assert O.grad_norm(params).item() == float("inf")
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
 def test_bf16_weights_step_their_float32_masters_through_torchs_step_where_the_kernel_cannot_run():
     """On the CPU a bf16 parameter's float32 master moves as a float32 parameter holding its values does under
     torch's AdamW, given the same bf16 gradients; the parameter is its master rounded to bf16."""
@@ -233,7 +260,8 @@ def test_fused_step_updates_fsdp_shards_in_place_on_cuda():
         fully_shard(sharded, mesh=mesh)
         opt_a = AdamW(_groups(sharded), lr=1e-2, fused=True)
         opt_b = torch.optim.AdamW(_groups(plain), lr=1e-2, foreach=True)
-        _side_by_side(sharded, opt_a, plain, opt_b, 3, 0.5, "cuda")
+        for norm_a, norm_b in _side_by_side(sharded, opt_a, plain, opt_b, 3, 0.5, "cuda"):
+            assert abs(norm_a.item() - norm_b.item()) <= 1e-6 * norm_b.item()  # the kernel's norm of the shards
         for a, b in zip(sharded.parameters(), plain.parameters()):
             assert ((a.full_tensor() - b).norm() / b.norm()).item() < 1e-6
     finally:
