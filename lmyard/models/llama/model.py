@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from lmyard.models import attention
 from lmyard.models.base import LanguageModel
+from lmyard.models.llama.rope import qkv_heads, rope_tables
 from lmyard.models.losses import linear_cross_entropy
 
 
@@ -54,20 +55,6 @@ class LlamaConfig:
         return self.n_embd // self.n_head
 
 
-def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (length, head_dim) of RoPE in HF's layout: frequency i at columns i and i + head_dim/2."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
-    angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, T, Dh) by the position's angles: x*cos + rotate_half(x)*sin."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, c: LlamaConfig):
         super().__init__()
@@ -80,11 +67,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: attention.Mask | None = None
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
+        q, k, v = qkv_heads(self.qkv_proj(x), cos, sin, self.n_head, self.n_kv_head)
         if mask is None:
             y = attention.causal(q, k, v, enable_gqa=self.n_kv_head != self.n_head)
         else:

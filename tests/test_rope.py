@@ -1,0 +1,86 @@
+"""lmyard.models.llama.rope: the fused RoPE op on Llama's stacked qkv against the plain formula."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+
+def test_rope_kernels_split_and_rotate_qkv_and_its_gradient_as_the_plain_formula_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    # The CUDA kernels' own code on CPU tensors in Triton's interpreter: the op's q, k, v and qkv's gradient
+    # against the plain formula's, for head counts that fill the kernel's power-of-two rows and that do not.
+    # float32: equal bit for bit; bf16: the plain formula in float32 rounded once, as the kernels round, to
+    # within one bf16 step (the interpreter truncates where the GPU rounds to nearest).
+    code = textwrap.dedent("""
+        import torch
+        import lmyard.models.llama.rope as R
+        fused = R._fusable
+        R._fusable = lambda *a: False  # qkv_heads takes the plain formula
+        def both(qkv, cos, sin, H, Hkv, grads):
+            out = []
+            for run in (lambda x: [t.transpose(1, 2) for t in torch.ops.lmyard.rope_qkv(x, cos, sin, H, Hkv)],
+                        lambda x: R.qkv_heads(x.float(), cos.float(), sin.float(), H, Hkv)):
+                x = qkv.clone().requires_grad_()
+                heads = run(x)
+                sum((h.float() * g.float()).sum() for h, g in zip(heads, grads)).backward()
+                out.append([h.detach().to(qkv.dtype) for h in heads] + [x.grad.to(qkv.dtype)])
+            return out
+        for H, Hkv, D, dtype in ((4, 2, 16, torch.float32), (5, 1, 8, torch.float32), (6, 3, 16, torch.bfloat16)):
+            g = torch.Generator().manual_seed(H)
+            cos, sin = (t.to(dtype) for t in R.rope_tables(D, 7, 10000.0))
+            qkv = torch.randn(2, 7, (H + 2 * Hkv) * D, generator=g).to(dtype)
+            grads = [torch.randn(2, n, 7, D, generator=g).to(dtype) for n in (H, Hkv, Hkv)]
+            ours, plain = both(qkv, cos, sin, H, Hkv, grads)
+            for name, a, b in zip(("q", "k", "v", "qkv.grad"), ours, plain):
+                rtol = 0 if dtype == torch.float32 else 2**-7
+                ok = a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=rtol, atol=0)
+                assert ok, (H, Hkv, dtype, name, (a.float() - b.float()).abs().max())
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_llama_block_on_cuda_trains_with_the_fused_rope_as_with_the_plain_formula(compiled, monkeypatch):
+    """A bf16 Llama block: the fused op ran (the profiler sees its kernel), and the output and every gradient
+    match the plain formula's to bf16's rounding."""
+    import lmyard.models.llama.rope as R
+    from lmyard.models.llama.model import Block, LlamaConfig
+
+    c = LlamaConfig(vocab_size=64, block_size=256, n_layer=1, n_head=8, n_embd=512, n_kv_head=2, ffn_hidden=1024)
+    torch.manual_seed(0)
+    block = Block(c).cuda().to(torch.bfloat16)
+    cos, sin = (t.cuda().to(torch.bfloat16) for t in R.rope_tables(c.head_dim, 256, c.rope_theta))
+    x = torch.randn(2, 256, 512, device="cuda", dtype=torch.bfloat16)
+
+    fusable = R._fusable
+
+    def run(fused: bool):
+        monkeypatch.setattr(R, "_fusable", fusable if fused else lambda *a: False)
+        torch._dynamo.reset()
+        f = torch.compile(block) if compiled else block
+        xi = x.clone().requires_grad_()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            y = f(xi, cos, sin)
+            y.float().square().mean().backward()
+            torch.cuda.synchronize()
+        kernels = {e.name for e in prof.events()}
+        grads = [xi.grad] + [p.grad for p in block.parameters()]
+        block.zero_grad(set_to_none=True)
+        return y.detach(), grads, any("_rope_kernel" in k for k in kernels)
+
+    y0, g0, ran0 = run(False)
+    y1, g1, ran1 = run(True)
+    assert ran1 and not ran0
+    assert (y1.float() - y0.float()).abs().max().item() < 0.05
+    for a, b in zip(g1, g0):
+        assert torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0) > 0.999
