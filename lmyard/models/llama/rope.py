@@ -47,7 +47,7 @@ def qkv_heads(
     the (T, head_dim) tables."""
     B, T, width = qkv.shape
     head_dim = width // (n_head + 2 * n_kv_head)
-    if _fusable(qkv, cos, sin):
+    if width == (n_head + 2 * n_kv_head) * head_dim and _fusable(qkv, cos, sin, head_dim):
         q, k, v = torch.ops.lmyard.rope_qkv(qkv, cos, sin, n_head, n_kv_head)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     q, k, v = qkv.split([n_head * head_dim, n_kv_head * head_dim, n_kv_head * head_dim], dim=-1)
@@ -57,15 +57,15 @@ def qkv_heads(
     return apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype), v
 
 
-def _fusable(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether the kernels take these: CUDA tensors with Triton, tables (T, head_dim) of qkv's length."""
+def _fusable(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> bool:
+    """Whether the kernels take these: CUDA tensors with Triton, tables (T, head_dim) of qkv's length (other
+    shapes go to the plain formula, whose broadcasting names the mismatch)."""
     return (
         triton is not None
         and qkv.is_cuda
         and qkv.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and cos.shape == sin.shape
-        and cos.dim() == 2
-        and cos.shape[0] == qkv.shape[1]
+        and cos.shape == sin.shape == (qkv.shape[1], head_dim)
+        and head_dim % 2 == 0
     )
 
 
