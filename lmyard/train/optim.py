@@ -326,11 +326,7 @@ def _summable(grads: list[torch.Tensor]) -> bool:
     meshes = {getattr(g, "device_mesh", None) for g in grads}
     if meshes == {None}:
         return True
-    return (
-        len(meshes) == 1
-        and None not in meshes
-        and all(pl.is_shard() for g in grads for pl in getattr(g, "placements", ()))
-    )
+    return len(meshes) == 1 and all(pl.is_shard() for g in grads for pl in getattr(g, "placements", ()))
 
 
 def _sum_squares(grads: list[torch.Tensor]) -> torch.Tensor:
