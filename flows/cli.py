@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 
@@ -37,6 +38,14 @@ def _quiet_user_errors() -> None:
     for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs"):  # "": the console (lmyard.console)
         for handler in logging.getLogger(name).handlers:
             handler.addFilter(f)
+
+
+class _Terminated(SystemExit):
+    """SIGTERM to `lmyard run`: ends the command with 128 + 15, as a shell reports a terminated job."""
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated(128 + signum)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -129,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         console.install(config.store)  # what a person reads: lmyard/console.py
         _quiet_user_errors()
         start_temporary_server()  # out of reach of the terminal's Ctrl-C, so the run can record how it ended
+        # Prefect's flow engine turns a SIGTERM into its TerminationSignal (the flow stops its trainers, which
+        # checkpoint, and records the end), then sends it again to the handler it found: this one, so the command
+        # ends with its one line and 143 rather than dying by the signal
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
         # the tracking password goes to the environment before the config becomes the flow run's parameter
         result = flow_fn(config=credentials_to_env(config))
     except (UserError, Diverged, StoreOutage, NoSpace, Preempted, LeaseLost) as e:  # one line each, its exit code
@@ -137,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("lmyard: interrupted; run the same command again to resume from the latest checkpoint", file=sys.stderr)
         return 130
+    except _Terminated as e:
+        print("lmyard: terminated; run the same command again to resume from the latest checkpoint", file=sys.stderr)
+        return int(e.code or 143)
     if args.command == "run":
         from lmyard.console import where_next
 

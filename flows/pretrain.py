@@ -48,7 +48,7 @@ def pretrain(config: RunConfig = RunConfig(), recipe: str | None = None) -> RunS
             held.check()
             model = register_model(config, shards, lineage, final)
         except BaseException as exc:
-            stop_training()
+            stop_training(config)  # waits for the trainers' end: the lease is released after it
             close_lineage(lineage, ended_status(exc))
             raise
         return finish(config, shards, lineage, trained, evaluations, model)

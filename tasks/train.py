@@ -19,10 +19,19 @@ from lmyard.launch.follower import stop_all
 from lmyard.tracking.lineage import Lineage
 from tasks._common import artifact_key, launch_stage
 
+STOP_SLACK_S = 30.0  # beyond launch.grace_s: the follower kills what is left, reads the result, removes the job
+
+
+# flow runs whose training was stopped (an interrupt, a failure of the flow): their train task is not retried
+_STOPPED_FLOW_RUNS: set[str] = set()
+
 
 def retry_if_it_can_help(task, task_run, state) -> bool:
     """Retry condition: a crash, a lost node, a store outage or a preemption is retried (each resumes from the
-    newest checkpoint); bad input, divergence (the guard already had its say) and a lost lease are not."""
+    newest checkpoint); bad input, divergence (the guard already had its say) and a lost lease are not, nor a
+    training its flow stopped (stop_training)."""
+    if str(task_run.flow_run_id) in _STOPPED_FLOW_RUNS:
+        return False
     return retryable(state.result(raise_on_failure=False))
 
 
@@ -86,7 +95,12 @@ def _progress_artifact(config: RunConfig):
     return on_progress
 
 
-def stop_training() -> int:
+def stop_training(config: RunConfig) -> int:
     """Stop the trainers this process follows (SIGTERM: each checkpoints and ends as preempted), e.g. when the
-    flow fails while the train task runs in a worker thread. Local and Docker jobs alike."""
-    return stop_all()
+    flow fails or is interrupted while the train task runs in a worker thread; local, Docker and Ray jobs alike.
+
+    Waits until they have ended (the preemption checkpoint committed, or `launch.grace_s` spent): the flow
+    releases the lineage's lease only after this, and a trainer may commit only while the lease is held. The
+    stopped train task is not retried."""
+    _STOPPED_FLOW_RUNS.add(str(flow_run.get_id()))
+    return stop_all(wait_s=config.launch.grace_s + STOP_SLACK_S)

@@ -1,5 +1,9 @@
 """`lmyard run` interrupted from a terminal: Ctrl-C (SIGINT to the whole foreground process group) and SIGTERM.
 
+Each interrupt comes at a step that is not a checkpoint step (checkpoints every 1,000 steps, the signal after
+step 10): the trainer checkpoints the step it stopped at, the flow keeps the lineage's lease until that commit is
+done, and a rerun of the same command resumes from that step.
+
 The runs use Prefect's temporary server, as a person's terminal does (no PREFECT_API_URL). Bounds are derived
 from `launch.grace_s` and polled, never a fixed hair trigger: a loaded machine may take its time within them.
 """
@@ -8,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -27,29 +32,39 @@ GRACE_S = 60
 RECORD_S = 90
 
 
-def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
-    overrides = tiny_overrides(
+INTERVAL = 1000  # no regular checkpoint before the interrupt: what is committed is the preemption's
+
+
+def _overrides(tmp_path: Path, steps: int) -> list[str]:
+    return tiny_overrides(
         tmp_path,
-        steps=2000,
+        steps=steps,
         **{
-            "checkpoint.interval": 5,
+            "checkpoint.interval": INTERVAL,
             "launch.nproc_per_node": 1,
             "launch.grace_s": GRACE_S,
             "train.threads_per_rank": 1,
             "tracking.system_metrics": False,
         },
     )
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), LMYARD_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    return env
+
+
+def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     log = tmp_path / "out.log"
     # A terminal's foreground job takes Ctrl-C even where the tests were started in the background, which ignores
     # SIGINT and passes that on: with a handler here, the run starts with SIGINT's default instead.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         proc = subprocess.Popen(
-            lmyard_cmd("run", "smoke", *[a for o in overrides for a in ("--set", o)]),
+            lmyard_cmd("run", "smoke", *[a for o in _overrides(tmp_path, 2000) for a in ("--set", o)]),
             cwd=tmp_path,
-            env=env,
+            env=_env(tmp_path),
             stdout=open(log, "w"),
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, as a terminal's foreground job has
@@ -59,11 +74,11 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     return proc, log
 
 
-def _signal_after_first_checkpoint(proc: subprocess.Popen, log: Path, store, send) -> list[psutil.Process]:
-    """Wait for the first checkpoint, note every process of the run (the temporary server, torchrun, its ranks),
-    signal; returns those processes."""
+def _signal_after_step_10(proc: subprocess.Popen, log: Path, send) -> list[psutil.Process]:
+    """Wait until the trainer is past step 10, note every process of the run (the temporary server, torchrun, its
+    ranks), signal; returns those processes."""
     deadline = time.monotonic() + 300
-    while not complete_steps(store, "smoke"):
+    while not re.search(r"step (1\d|[2-9]\d|\d{3,})/2000", log.read_text()):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.2)
     family = psutil.Process(proc.pid).children(recursive=True)
@@ -92,27 +107,53 @@ def _left(family: list[psutil.Process]) -> list[str]:
     return [" ".join(p.cmdline()[:4]) for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-def test_ctrl_c_ends_the_run_killed_with_exit_130_within_its_grace_and_leaves_no_process(tmp_path):
+def _the_stopped_step_is_committed_and_a_rerun_resumes_from_it(tmp_path: Path, store) -> None:
+    """The interrupted step (not a checkpoint step) holds a complete checkpoint, and the same command, run again
+    (to two steps past it), resumes from it as the lineage's next attempt."""
+    steps = complete_steps(store, "smoke")
+    assert len(steps) == 1 and 10 < steps[0] < INTERVAL, steps  # the preemption checkpoint, committed
+    stopped = steps[0]
+    rerun = subprocess.run(
+        lmyard_cmd("run", "smoke", *[a for o in _overrides(tmp_path, stopped + 2) for a in ("--set", o)]),
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert re.search(rf"resumed from \S*step_{stopped:08d} at step {stopped}\b", rerun.stdout + rerun.stderr), (
+        rerun.stdout[-3000:]
+    )
+
+
+def test_ctrl_c_commits_the_step_it_stopped_at_exits_130_leaves_no_process_and_the_rerun_resumes_there(tmp_path):
     proc, log = _start(tmp_path)
     store = open_store(str(tmp_path / "store"))
-    family = _signal_after_first_checkpoint(proc, log, store, lambda: os.killpg(proc.pid, signal.SIGINT))
+    family = _signal_after_step_10(proc, log, lambda: os.killpg(proc.pid, signal.SIGINT))
     _wait_exit(proc, log, GRACE_S + RECORD_S)
     assert proc.returncode == 130, log.read_text()[-3000:]
+    assert "lease lost" not in log.read_text()
     assert not _left(family)
     run_id = json.loads(store.read_bytes("runs/smoke/lineage.json"))["mlflow_run_id"]
     assert MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id).info.status == "KILLED"
-    # the trainer was stopped with the flow, not left running: no checkpoint appears afterwards
+    # the trainer was stopped with the flow, not left running (nor retried): no checkpoint appears afterwards
     after_exit = complete_steps(store, "smoke")
     time.sleep(3)
-    assert complete_steps(store, "smoke") == after_exit and after_exit[-1] < 2000
+    assert complete_steps(store, "smoke") == after_exit
+    _the_stopped_step_is_committed_and_a_rerun_resumes_from_it(tmp_path, store)
 
 
-def test_sigterm_to_lmyard_run_ends_it_killed_and_orphans_no_server(tmp_path):
+def test_sigterm_to_lmyard_run_commits_the_step_it_stopped_at_exits_143_orphans_no_server_and_the_rerun_resumes(
+    tmp_path,
+):
     proc, log = _start(tmp_path)
     store = open_store(str(tmp_path / "store"))
-    family = _signal_after_first_checkpoint(proc, log, store, lambda: os.kill(proc.pid, signal.SIGTERM))
+    family = _signal_after_step_10(proc, log, lambda: os.kill(proc.pid, signal.SIGTERM))
     _wait_exit(proc, log, GRACE_S + RECORD_S)
-    assert proc.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), log.read_text()[-3000:]
+    assert proc.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    assert "lease lost" not in log.read_text()
     assert not _left(family)
     run_id = json.loads(store.read_bytes("runs/smoke/lineage.json"))["mlflow_run_id"]
     assert MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id).info.status == "KILLED"
+    _the_stopped_step_is_committed_and_a_rerun_resumes_from_it(tmp_path, store)

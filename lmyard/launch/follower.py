@@ -173,6 +173,7 @@ class Follower:
         ranks = cfg.launch.nnodes * cfg.launch.nproc_per_node if isinstance(job.spec, TrainSpec) else 0
         self.dog = watchdog.Watchdog(cfg.launch.watchdog_s, startup_s=cfg.launch.startup_timeout_s, ranks=ranks)
         self.stop_requested = threading.Event()
+        self.ended = threading.Event()  # set once run() has returned or raised, the job closed
         self.exits: dict[int, int] = {}
         self.started_seen, self.progress_seen = False, b""
 
@@ -192,9 +193,12 @@ class Follower:
                 raise
             return self._result(stalled)
         finally:
-            with _ACTIVE_LOCK:
-                _ACTIVE.discard(self)
-            self.job.close()
+            try:
+                self.job.close()
+            finally:
+                with _ACTIVE_LOCK:
+                    _ACTIVE.discard(self)
+                self.ended.set()
 
     def stop(self) -> None:
         self.stop_requested.set()
@@ -305,12 +309,19 @@ class Follower:
         )
 
 
-def stop_all() -> int:
-    """Ask every job this process is following to stop (SIGTERM, checkpoint, preempted); how many."""
+def stop_all(wait_s: float = 0.0) -> int:
+    """Ask every job this process is following to stop (SIGTERM, checkpoint, preempted); how many.
+
+    With `wait_s`, wait up to that long for each of them to end (its ranks exited, the preemption checkpoint
+    committed or its grace spent, the job closed): whoever then releases the lineage's lease must not do so while
+    its own trainer still commits (a commit without the lease is refused)."""
     with _ACTIVE_LOCK:
         active = list(_ACTIVE)
     for f in active:
         f.stop()
+    deadline = time.monotonic() + wait_s
+    for f in active:
+        f.ended.wait(max(0.0, deadline - time.monotonic()))
     return len(active)
 
 
