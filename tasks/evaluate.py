@@ -31,6 +31,7 @@ from tasks._common import artifact_key, launch_stage
 EVALUATED = "eval/val_loss"  # the metric whose steps say which checkpoints have been evaluated
 EVALUATED_COMMIT = "lmyard.evaluated.step_{:08d}"  # run tag: the commit time of the checkpoint evaluated there
 DAMAGED_EVALUATION = "lmyard.eval_of_damaged.step_{:08d}"  # run tag: the step's earlier result was of a damaged one
+OUTAGE_WARN_EVERY_S = 30.0  # a store that stays unreachable is said once, then again at this pace
 
 
 @task(name="evaluate-checkpoint", cache_policy=NO_CACHE, task_run_name="evaluate-step-{step}")
@@ -127,6 +128,7 @@ def new_checkpoints(config: RunConfig, lineage: Lineage, training: PrefectFuture
     done = evaluated_checkpoints(lineage)  # step -> commit id of the checkpoint evaluated there
     budget = outage_budget_s(config)
     failing_since: float | None = None
+    said_at = 0.0
     while True:
         training.wait(timeout=config.eval.poll_s)
         finished = training.state.is_final()  # read before listing: the last listing sees every checkpoint
@@ -138,12 +140,16 @@ def new_checkpoints(config: RunConfig, lineage: Lineage, training: PrefectFuture
                 failing_since = failing_since or now
                 if now - failing_since > budget:
                     raise
-                log(
-                    f"looking for new checkpoints failed ({str(e).splitlines()[0]}); trying again "
-                    f"(for up to {budget:.0f} s)"
-                )
+                if now - said_at >= OUTAGE_WARN_EVERY_S:  # once when it starts, then every 30 s
+                    said_at = now
+                    log(
+                        f"looking for new checkpoints failed ({one_line(e)}); trying again every "
+                        f"{config.eval.poll_s:g} s (for up to {budget:.0f} s)"
+                    )
+                if finished:  # the ended future's wait returns at once: wait here instead
+                    time.sleep(config.eval.poll_s)
                 continue
-            failing_since = None
+            failing_since, said_at = None, 0.0
             for step, commit in fresh:
                 done[step] = commit
                 yield step

@@ -75,3 +75,38 @@ def test_a_store_blip_while_looking_for_checkpoints_does_not_end_the_flow(s3_ser
         proxy.stop()
     assert seen == [10, 20]
     assert said and all("looking for new checkpoints failed" in s and "trying again" in s for s in said)
+
+
+class _Enough(BaseException):
+    """Ends the look for checkpoints from inside it (not an Exception: the look's own handler lets it through)."""
+
+
+def test_the_look_for_checkpoints_waits_between_tries_while_the_store_is_down_after_training(
+    s3_server, tmp_path, monkeypatch
+):
+    """Training has ended and the bucket is gone: the flow tries again every eval.poll_s, saying so once, rather
+    than spinning (it once printed one warning thousands of times in 40 s)."""
+    import tasks.evaluate as evaluate
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    cfg = load_recipe(
+        "smoke",
+        tiny_overrides(tmp_path, **{"store": f"s3://{(bucket := s3_server.new_bucket())}/s", "eval.poll_s": 0.5}),
+    )
+    lineage = Lineage.open(cfg, open_store(cfg.store), shard_address="a", code_version="test")
+    s3_server.remove_bucket(bucket)  # deleted mid-run
+    training, said, looks = _Training(), [], []
+    training.done.set()
+    look, start = evaluate._unevaluated, time.monotonic()
+
+    def counted(*args, **kwargs):
+        if time.monotonic() - start > 3.0:
+            raise _Enough
+        looks.append(time.monotonic())
+        return look(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "_unevaluated", counted)
+    with pytest.raises(_Enough):
+        list(evaluate.new_checkpoints(cfg, lineage, training, log=said.append))
+    assert 2 <= len(looks) <= 3.0 / 0.5 + 2, f"{len(looks)} looks in 3 s at eval.poll_s=0.5"
+    assert len(said) == 1 and "looking for new checkpoints failed" in said[0] and "does not exist" in said[0], said
