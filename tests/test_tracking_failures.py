@@ -96,6 +96,41 @@ def test_a_hung_tracking_server_costs_the_checkpoints_one_flush_timeout_and_lose
     assert history == [(s, float(s)) for s in range(1, 7)]
 
 
+def test_a_tracking_server_that_stops_answering_is_said_once_and_again_when_it_answers(
+    mlflow_server, mlflow_proxy, monkeypatch, capsys
+):
+    """MLflow's client waits out an outage inside one call (its retries); the training thread says so after
+    SLOW_S, once, and the sender says when the server answers again. No point is lost."""
+    monkeypatch.setattr(MLflowSink, "SLOW_S", 2.0)
+    client = MlflowClient(mlflow_server.uri)
+    run_id = client.create_run(client.create_experiment(f"sink-{time.time_ns()}")).info.run_id
+    sink = MLflowSink(mlflow_proxy.url, run_id)
+    sink.log({"train/loss": 1.0}, 1)
+    sink.flush()
+    mlflow_proxy.hold()  # requests neither answer nor fail
+    out, step = "", 2
+    try:
+        deadline = time.monotonic() + 60
+        while "has not answered" not in out and time.monotonic() < deadline:
+            sink.log({"train/loss": float(step)}, step)  # the training loop goes on logging
+            step += 1
+            time.sleep(0.5)
+            out += capsys.readouterr().out
+        for _ in range(4):  # more steps while it still hangs: nothing more is said
+            sink.log({"train/loss": float(step)}, step)
+            step += 1
+            time.sleep(0.5)
+    finally:
+        mlflow_proxy.release()
+    sink.close()
+    out += capsys.readouterr().out
+    assert out.count("the MLflow server has not answered") == 1, out
+    assert out.count("the MLflow server answers again") == 1, out
+    assert out.index("has not answered") < out.index("answers again")
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss"))
+    assert history == [(s, float(s)) for s in range(1, step)]
+
+
 def test_sink_that_cannot_send_at_close_warns_with_a_count_instead_of_failing(quick_mlflow_retries, capsys):
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens here
     sink = MLflowSink(uri, "0" * 32)

@@ -49,10 +49,14 @@ class MLflowSink:
     Each key's points at or below the highest step the run already holds are
     dropped (see the module docstring), so a resumed attempt does not log a
     step twice. A batch that cannot be sent is kept and sent with the next one;
-    the first failure of each kind is reported at once, in one line. Training
-    never fails for tracking: what still cannot be sent at close() is counted
-    in one warning line.
+    the first failure of each kind is reported at once, in one line. A send that
+    has not returned after `SLOW_S` (MLflow's client retries a server that is
+    down for minutes before it raises) is reported too, once, and so is its end.
+    Training never fails for tracking: what still cannot be sent at close() is
+    counted in one warning line.
     """
+
+    SLOW_S = 30.0  # a send still waiting for the tracking server this long is said, once per outage
 
     def __init__(self, tracking_uri: str, run_id: str):
         import queue
@@ -67,6 +71,8 @@ class MLflowSink:
         self.unsent: list = []  # points not sent yet (the server could not be reached), oldest first
         self.warned: set[str] = set()  # kinds of send errors already reported
         self.behind: threading.Event | None = None  # the marker of the last flush that timed out
+        self.sending_since: float | None = None  # monotonic start of the send under way, if any
+        self.said_slow = False  # the send under way was reported as waiting
         self.thread = threading.Thread(target=self._send, daemon=True, name="mlflow-sink")
         self.thread.start()
 
@@ -75,6 +81,18 @@ class MLflowSink:
 
         now = int(time.time() * 1000)
         self.queue.put([Metric(k, float(v), now, step) for k, v in metrics.items()])
+        self._say_if_waiting()
+
+    def _say_if_waiting(self) -> None:
+        """From the training thread (the sender is the one waiting): one line once a send has waited SLOW_S."""
+        since = self.sending_since
+        if since is not None and not self.said_slow and time.monotonic() - since > self.SLOW_S:
+            self.said_slow = True
+            print(
+                f"metrics: the MLflow server has not answered for {time.monotonic() - since:.0f} s; training goes on, "
+                "and the points are kept and sent once it answers",
+                flush=True,
+            )
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until everything logged so far has been sent, or tried (e.g. before a checkpoint commits), at most
@@ -117,7 +135,7 @@ class MLflowSink:
             assert floor is not None  # _fresh read it
             while self.unsent:
                 chunk = self.unsent[:1000]
-                self.client.log_batch(self.run_id, metrics=chunk)
+                self._send_chunk(chunk)
                 for m in chunk:
                     floor[m.key] = max(m.step, floor.get(m.key, -1))
                 del self.unsent[: len(chunk)]
@@ -131,6 +149,16 @@ class MLflowSink:
                     "keeping the points and retrying with the next batch",
                     flush=True,
                 )
+
+    def _send_chunk(self, chunk: list) -> None:
+        self.sending_since = time.monotonic()
+        try:
+            self.client.log_batch(self.run_id, metrics=chunk)
+        finally:
+            waited, self.sending_since = time.monotonic() - self.sending_since, None
+            if self.said_slow:
+                self.said_slow = False
+                print(f"metrics: the MLflow server answers again after {waited:.0f} s", flush=True)
 
     def _send(self) -> None:
         import threading
