@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
+from lmyard.config import DataConfig
 from lmyard.data import sharding, sources
 from lmyard.data import shards as fmt
 from lmyard.data.sharding import tokenize_and_shard
+from lmyard.data.sources import PYDOC_TOPICS
 from lmyard.errors import UserError
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store
@@ -48,13 +53,33 @@ def test_parallel_shards_are_byte_identical_to_serial(tmp_path, monkeypatch):
     assert results[1][1] == results[2][1]
 
 
+def test_the_builtin_corpus_is_the_shipped_copy_whatever_the_interpreters_own_documentation(tmp_path):
+    """An interpreter whose pydoc_data says something else (another patch release: the stage image's Python)
+    reads the same documents under the same fingerprint: a lineage keeps its shard set across backends."""
+    shadow = tmp_path / "shadow" / "pydoc_data"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")
+    (shadow / "topics.py").write_text("topics = {'assert': 'another release of the documentation'}\n")
+    probe = (
+        "import json, pydoc_data.topics as t; from lmyard.data.sources import open_source; "
+        "from lmyard.config import DataConfig; s = open_source(DataConfig(), ''); "
+        "print(json.dumps([len(t.topics), s.fingerprint, sum(1 for _ in s.documents())]))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "shadow"), *sys.path])}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    shadowed, fingerprint, documents = json.loads(out)
+    assert shadowed == 1  # that interpreter's own documentation is the shadow
+    here = sources.open_source(DataConfig(), "")
+    assert fingerprint == here.fingerprint and documents == sum(1 for _ in here.documents()) == 79
+
+
 def test_shards_equal_tiktoken_r50k_encoding_of_pydoc_topics(tmp_path):
     tiktoken = pytest.importorskip("tiktoken")
     try:
         enc = tiktoken.get_encoding("r50k_base")
     except Exception:
         pytest.skip("r50k_base is not loadable here (set TIKTOKEN_CACHE_DIR to a cache holding it)")
-    from pydoc_data.topics import topics
+    topics = json.loads(gzip.decompress(PYDOC_TOPICS.read_bytes()))  # the shipped copy the source reads
 
     cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", "tokenizer.name=gpt2", "data.shard_tokens=20000"])
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)

@@ -1,8 +1,11 @@
 """Text sources through HF `datasets`, each with a content fingerprint.
 
 `data.source` is one of:
-- `builtin:pydoc-topics`: the English documentation bundled with every CPython
-  (`pydoc_data.topics`), one document per topic. Offline; the smoke corpus.
+- `builtin:pydoc-topics`: the English documentation bundled with CPython
+  (`pydoc_data.topics`), one document per topic. Offline; the smoke corpus. lmyard
+  ships CPython 3.11.7's copy (`pydoc_topics.json.gz` beside this module, PSF
+  License): every interpreter, here or in a stage image, reads the same corpus, so
+  a lineage moves between backends with the same shard set.
 - a local file or glob: .txt (one document per file), .jsonl/.json, .parquet.
 - s3://bucket/key-or-glob: the same file types, fetched through boto3.
 - anything else: a Hugging Face hub dataset name (streamed).
@@ -30,13 +33,14 @@ from __future__ import annotations
 import codecs
 import fnmatch
 import glob
+import gzip
 import hashlib
 import json
 import os
-import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from lmyard.config import DataConfig
@@ -82,15 +86,18 @@ class Source:
         return self._documents()
 
 
-def _pydoc_topics() -> Source:
-    from pydoc_data.topics import topics
+PYDOC_TOPICS = Path(__file__).with_name("pydoc_topics.json.gz")  # CPython 3.11.7's pydoc_data.topics
+PYDOC_TOPICS_FROM = "cpython-3.11.7"
 
+
+def _pydoc_topics() -> Source:
+    topics = json.loads(gzip.decompress(PYDOC_TOPICS.read_bytes()))
     keys = sorted(topics)
     h = hashlib.sha256()
     for k in keys:
         h.update(k.encode())
         h.update(topics[k].encode())
-    fp = {"kind": "builtin", "name": "pydoc-topics", "python": sys.version.split()[0], "sha256": h.hexdigest()}
+    fp = {"kind": "builtin", "name": "pydoc-topics", "from": PYDOC_TOPICS_FROM, "sha256": h.hexdigest()}
     return Source("builtin", fp, lambda: (topics[k] for k in keys), size_bytes=sum(len(topics[k]) for k in keys))
 
 
