@@ -218,3 +218,20 @@ def test_shards_and_sidecars_are_the_only_files_left(tmp_path):
     bins = sorted(f["name"] for f in shards.manifest["shards"])
     assert names == sorted(bins + [b.replace(".bin", ".json") for b in bins] + ["manifest.json"])
     assert not [p for p in cache.rglob("*") if p.is_file()], "no temporary shard stays behind"
+
+
+def test_a_val_split_that_takes_most_of_the_tokens_is_warned_about(tmp_path):
+    """Document 0 goes to validation: one huge document there leaves training a sliver of the corpus."""
+    docs = ["word " * 20_000] + [f"document {i} is short." for i in range(1, 40)]
+    cfg = load_recipe(
+        "smoke", [f"store={tmp_path / 'store'}", f"data.source={_jsonl(tmp_path / 'c.jsonl', docs)}", "data.num_proc=1"]
+    )
+    said: list[str] = []
+    shards, _ = tokenize_and_shard(cfg, log=said.append)
+    warned = [s for s in said if "the val split holds" in s]
+    assert len(warned) == 1 and "data.val_every=10" in warned[0], said
+    assert shards.tokens("val") > 50 * shards.tokens("train")
+    balanced = load_recipe("smoke", [f"store={tmp_path / 'store2'}", "data.num_proc=1"])  # the built-in corpus
+    said.clear()
+    tokenize_and_shard(balanced, log=said.append)
+    assert not [s for s in said if "the val split holds" in s], said
