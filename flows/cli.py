@@ -143,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         # ends with its one line and 143 rather than dying by the signal
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
         # the tracking password goes to the environment before the config becomes the flow run's parameter
-        result = flow_fn(config=credentials_to_env(config))
+        from prefect import tags
+
+        with tags("lmyard"):  # as every deployment's runs: lmyard's automations act on this tag only
+            result = flow_fn(config=credentials_to_env(config))
     except (UserError, Diverged, StoreOutage, NoSpace, Preempted, LeaseLost) as e:  # one line each, its exit code
         print(f"lmyard: error: {e}", file=sys.stderr)
         return int(e.exit_code)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, prefect_server, stop_group
+from prefect import flow
 
 from lmyard.checkpoint.catalog import complete_steps
 from lmyard.store import open_store
@@ -245,3 +246,34 @@ def test_a_killed_worker_leaves_a_crashed_flow_run_a_failed_mlflow_run_and_the_n
     tags = mlflow.get_run(run_id).data.tags
     assert tags["lmyard.attempts"] == "2" and tags["lmyard.attempt.2.resumed_from"].endswith("step_00000250")
     assert mlflow.get_run(run_id).info.status == "FINISHED"
+
+
+@flow(name="another-teams-flow")
+def _another_teams_flow() -> None:
+    """A flow of someone else's on the same Prefect server: never run, only its flow runs are made."""
+
+
+def test_a_crash_of_another_teams_flow_run_triggers_nothing_of_lmyards_and_an_lmyard_crash_still_does(prefect_stack):
+    """On a shared server lmyard's automations act on flow runs tagged `lmyard` only: a foreign flow run that
+    crashes starts no `close` run, an lmyard-tagged one does (unscoped, both did)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Crashed
+
+    *_, env = prefect_stack
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
+        close = client.read_deployment_by_name("lineage-crashed/close")
+        foreign = client.create_flow_run(_another_teams_flow, tags=["another-team"])
+        ours = client.create_flow_run(_another_teams_flow, tags=["lmyard"])
+        for run_ in (foreign, ours):
+            client.set_flow_run_state(run_.id, Crashed(message="its process died"), force=True)
+
+        def closes() -> list[str]:
+            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[close.id])))
+            return [str(r.parameters.get("flow_run_id", "")) for r in runs]
+
+        _wait("the close run of the lmyard flow run's crash", lambda: any(str(ours.id) in c for c in closes()), 120)
+        # the triggers handle events in no set order: watch a while longer for a close of the foreign crash
+        with pytest.raises(AssertionError, match="timed out"):
+            _wait("a close run of the foreign crash", lambda: any(str(foreign.id) in c for c in closes()), 20, 1)
