@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_)
         s.add_argument(
             "recipe",
-            nargs="?" if name == "config" else None,
+            nargs="?",
             default="smoke",
             help="`smoke` (CPU default), another name under deploy/recipes, or a YAML path",
         )
@@ -103,6 +103,10 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # a reader that stops early (`lmyard config --reference | head`) ends the command quietly, as for any tool
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    # Prefect's client telemetry (and its first-run notice) is off unless the operator turns it on (DO_NOT_TRACK=0)
+    os.environ.setdefault("DO_NOT_TRACK", "1")
     args = _parser().parse_args(argv)
     from lmyard.contracts import ShardSet
     from lmyard.errors import Diverged, LeaseLost, NoSpace, Preempted, StoreOutage, UserError

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 
 from lmyard import console
 
@@ -95,3 +96,38 @@ def test_installed_libraries_warnings_are_filtered_and_lmyards_are_not():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "from lmyard" in done.stderr and "from mlflow" not in done.stderr
+
+
+def test_lmyard_run_and_shard_default_to_smoke_as_their_help_says():
+    from flows.cli import _parser
+
+    for command in ("run", "shard", "config"):
+        assert _parser().parse_args([command]).recipe == "smoke"
+    assert "`smoke` (CPU default)" in _parser()._subparsers._group_actions[0].choices["run"].format_help()
+
+
+def test_a_reader_that_stops_early_ends_the_command_without_a_traceback():
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "config", "--reference"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None
+    proc.stdout.close()  # a reader gone before the first line (`| true`; `| head` once it has its lines)
+    _, err = proc.communicate(timeout=120)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()[-2000:]
+
+
+def test_prefects_client_telemetry_is_off_unless_the_operator_turns_it_on(monkeypatch):
+    from flows.cli import main
+
+    monkeypatch.delenv("DO_NOT_TRACK", raising=False)
+    assert main(["config"]) == 0
+    assert os.environ["DO_NOT_TRACK"] == "1"
+    monkeypatch.setenv("DO_NOT_TRACK", "0")  # the operator's choice stands
+    assert main(["config"]) == 0
+    assert os.environ["DO_NOT_TRACK"] == "0"
