@@ -19,6 +19,18 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 REPO = Path(__file__).resolve().parents[1]
 
 
+def gpt2_ranks_or_skip():
+    """GPT-2's BPE (tiktoken r50k_base), or the test skips saying how to provide it: offline, tiktoken reads its
+    ranks from TIKTOKEN_CACHE_DIR (.ci/run points it at ../shared/tiktoken when that folder exists)."""
+    tiktoken = pytest.importorskip("tiktoken")
+    try:
+        return tiktoken.get_encoding("r50k_base")
+    except Exception:
+        pytest.skip(
+            "GPT-2's BPE ranks (tiktoken r50k_base) do not load here: set TIKTOKEN_CACHE_DIR to a tiktoken cache"
+        )
+
+
 def tiny_overrides(tmp: Path, steps: int = 6, **extra) -> list[str]:
     """`--set` assignments for a fast run: a 2-layer model, small batches, everything under tmp."""
     values = {

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import gpt2_ranks_or_skip
 
 from lmyard.config import DataConfig
 from lmyard.data import sharding, sources
@@ -74,11 +75,7 @@ def test_the_builtin_corpus_is_the_shipped_copy_whatever_the_interpreters_own_do
 
 
 def test_shards_equal_tiktoken_r50k_encoding_of_pydoc_topics(tmp_path):
-    tiktoken = pytest.importorskip("tiktoken")
-    try:
-        enc = tiktoken.get_encoding("r50k_base")
-    except Exception:
-        pytest.skip("r50k_base is not loadable here (set TIKTOKEN_CACHE_DIR to a cache holding it)")
+    enc = gpt2_ranks_or_skip()
     topics = json.loads(gzip.decompress(PYDOC_TOPICS.read_bytes()))  # the shipped copy the source reads
 
     cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", "tokenizer.name=gpt2", "data.shard_tokens=20000"])
