@@ -4,6 +4,8 @@
     lmyard shard RECIPE [--set dotted.key=value ...]   tokenize-and-shard only
     lmyard config [RECIPE] [--set ...]                 print the resolved config (YAML)
     lmyard --version                                   the package version
+    lmyard runs [--store URI] [--json]                 the lineages of a store
+    lmyard status RUN [--store URI] [--json]           one lineage (checkpoint, attempts, lease, MLflow)
     lmyard export RUN_OR_CHECKPOINT_URI [--step N] --to DIR_OR_S3_URI
                                                        a checkpoint as a Hugging Face model folder
 
@@ -76,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
         )
         if name == "config":
             s.add_argument("--reference", action="store_true", help="print the reference of every key (Markdown)")
+    from flows import ops
+
+    ops.add_parsers(sub)  # runs, status: what a store holds
     e = sub.add_parser("export", help="a checkpoint as a Hugging Face transformers model folder")
     e.add_argument(
         "source",
@@ -115,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "export":
             return _export(args)
+        if args.command in ("runs", "status"):
+            from flows import ops
+
+            return ops.runs(args) if args.command == "runs" else ops.status(args)
         if args.command == "config" and args.reference:
             from lmyard.config_reference import reference_markdown
 

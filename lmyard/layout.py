@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 
 MANIFEST = "manifest.json"
+RUNS = "runs"  # the folder of every lineage
 EVALUATED = "evaluated.json"
 _STEP_DIR = re.compile(r"(?:^|/)step_(\d{8})(?:/|$)")
 _DAMAGED_DIR = re.compile(r"/damaged/step_(\d{8})-[^/]+/")
@@ -35,7 +36,7 @@ class RunLayout:
 
     @property
     def root(self) -> str:
-        return f"runs/{self.run_name}"
+        return f"{RUNS}/{self.run_name}"
 
     @property
     def lineage(self) -> str:

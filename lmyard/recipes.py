@@ -185,6 +185,14 @@ def load_recipe(recipe: str = "smoke", overrides: list[str] | tuple[str, ...] = 
     return _over_environment(data)
 
 
+def site_config(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """No recipe: the defaults, the LMYARD_* environment (a site's store and tracking URI) and overrides."""
+    data: dict[str, Any] = {}
+    for assignment in overrides:
+        apply_override(data, assignment)
+    return _over_environment(data)
+
+
 def with_recipe(config: RunConfig, recipe: str | None) -> RunConfig:
     """`config` on top of a recipe (over the LMYARD_* environment): the recipe's values, then every field
     `config` sets explicitly.

@@ -198,7 +198,7 @@ class _S3Lease:
         return self._call(self.store.client.delete_object, IfMatch=tag) is not None
 
 
-def _expired(record: dict, now: float) -> bool:
+def expired(record: dict, now: float) -> bool:
     if now - float(record.get("heartbeat", 0)) > float(record.get("ttl_s", 0)):
         return True
     if record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int):
@@ -357,7 +357,7 @@ def acquire(
         current, tag = backend.read()
         now = time.time()
         tag = None if current is None else tag
-        if current is None or _expired(current, now):
+        if current is None or expired(current, now):
             if current is not None:
                 print(f"lineage {run_name}: taking over the expired lease of {describe(current)}", flush=True)
             mine = {**record, "epoch": int(current["epoch"]) + 1 if current else 1, "heartbeat": now}

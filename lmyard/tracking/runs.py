@@ -1,0 +1,176 @@
+"""What an operator asks of a store: its lineages (`lmyard runs`) and the state of one (`lmyard status RUN`).
+
+Both read what lmyard itself wrote: the store's `runs/<run>/` folders (complete checkpoints, the lease, the
+lineage's MLflow run id) and, for one lineage, its MLflow run (attempts, last evaluation, registered versions).
+Nothing here writes. The types are what `--json` prints.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from pydantic import BaseModel
+
+from lmyard.checkpoint import catalog
+from lmyard.config import redact_uri
+from lmyard.errors import UserError
+from lmyard.layout import RUNS, RunLayout
+from lmyard.store import Store
+from lmyard.tracking import lease
+
+
+class LeaseHolder(BaseModel):
+    holder: str  # host, pid, flow run, since
+    heartbeat_age_s: float
+    expired: bool  # a run started now would take it over
+
+
+class RunRow(BaseModel):
+    """One lineage of the store, from the store alone."""
+
+    run_name: str
+    checkpoints: int  # complete ones
+    newest_step: int | None
+    newest_checkpoint: str | None  # its URI
+    lease: LeaseHolder | None  # None: no run holds the lineage
+    mlflow_run_id: str | None
+
+
+class Attempt(BaseModel):
+    number: int
+    start_step: int | None
+    resumed_from: str | None
+    outcome: str | None  # None while it runs (or when it died without a word)
+
+
+class LastEvaluation(BaseModel):
+    step: int
+    val_loss: float
+
+
+class ModelVersion(BaseModel):
+    name: str
+    version: str
+    aliases: list[str]
+    uri: str  # models:/NAME/VERSION
+
+
+class RunStatus(RunRow):
+    """One lineage: the store's view and its MLflow run's."""
+
+    tokens_seen: int | None  # at the newest complete checkpoint
+    mlflow_status: str | None  # RUNNING, FINISHED, FAILED, KILLED
+    mlflow_run_url: str | None  # the run's page, for a tracking server over HTTP
+    attempts: list[Attempt]
+    last_evaluation: LastEvaluation | None
+    registered_versions: list[ModelVersion]
+
+
+def run_names(store: Store) -> list[str]:
+    """Names of the lineages in the store (folders under runs/ that hold a lineage, a lease or checkpoints)."""
+    names = set()
+    for key in store.list(f"{RUNS}/"):
+        parts = key.split("/")
+        if len(parts) >= 3 and parts[0] == RUNS:
+            names.add(parts[1])
+    return sorted(names)
+
+
+def _lease(store: Store, run_name: str) -> LeaseHolder | None:
+    key = RunLayout(run_name).lease
+    if not store.exists(key):
+        return None
+    record = lease.parse(store.read_bytes(key), store.uri(key))
+    now = time.time()
+    return LeaseHolder(
+        holder=lease.describe(record),
+        heartbeat_age_s=round(now - float(record.get("heartbeat", 0)), 1),
+        expired=lease.expired(record, now),
+    )
+
+
+def _mlflow_run_id(store: Store, run_name: str) -> str | None:
+    key = RunLayout(run_name).lineage
+    if not store.exists(key):
+        return None
+    try:
+        return json.loads(store.read_bytes(key))["mlflow_run_id"]
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{store.uri(key)} is not a lineage file lmyard wrote; move it aside") from None
+
+
+def run_row(store: Store, run_name: str) -> RunRow:
+    steps = catalog.complete_steps(store, run_name)
+    return RunRow(
+        run_name=run_name,
+        checkpoints=len(steps),
+        newest_step=steps[-1] if steps else None,
+        newest_checkpoint=store.uri(RunLayout(run_name).step(steps[-1])) if steps else None,
+        lease=_lease(store, run_name),
+        mlflow_run_id=_mlflow_run_id(store, run_name),
+    )
+
+
+def list_runs(store: Store) -> list[RunRow]:
+    return [run_row(store, name) for name in run_names(store)]
+
+
+def _attempts(tags: dict[str, str]) -> list[Attempt]:
+    def tag(n: int, key: str) -> str | None:
+        return tags.get(f"lmyard.attempt.{n}.{key}") or None
+
+    return [
+        Attempt(
+            number=n,
+            start_step=int(s) if (s := tag(n, "start_step")) is not None else None,
+            resumed_from=tag(n, "resumed_from"),
+            outcome=tag(n, "outcome"),
+        )
+        for n in range(1, int(tags.get("lmyard.attempts", "0")) + 1)
+    ]
+
+
+def _run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
+    uri = tracking_uri.rstrip("/")
+    if not uri.startswith(("http://", "https://")):
+        return None
+    return redact_uri(f"{uri}/#/experiments/{experiment_id}/runs/{run_id}")
+
+
+def run_status(store: Store, run_name: str, tracking_uri: str) -> RunStatus:
+    """The state of lineage `run_name`; UserError when the store holds no such lineage."""
+    from mlflow.tracking import MlflowClient
+
+    if run_name not in run_names(store):
+        known = ", ".join(run_names(store)) or "none"
+        raise UserError(f"no lineage {run_name!r} in {store.uri(RUNS)} (lineages there: {known})")
+    row = run_row(store, run_name)
+    tokens = catalog.read_state(store, run_name, row.newest_step).tokens_seen if row.newest_step is not None else None
+    status = RunStatus(
+        **row.model_dump(),
+        tokens_seen=tokens,
+        mlflow_status=None,
+        mlflow_run_url=None,
+        attempts=[],
+        last_evaluation=None,
+        registered_versions=[],
+    )
+    if row.mlflow_run_id is None:
+        return status
+    client = MlflowClient(tracking_uri)
+    run = client.get_run(row.mlflow_run_id)
+    history = client.get_metric_history(row.mlflow_run_id, "eval/val_loss")
+    last = max(history, key=lambda m: m.step) if history else None
+    versions = client.search_model_versions(f"run_id = '{row.mlflow_run_id}'")
+    status.mlflow_status = run.info.status
+    status.mlflow_run_url = _run_url(tracking_uri, run.info.experiment_id, row.mlflow_run_id)
+    status.attempts = _attempts(run.data.tags)
+    status.last_evaluation = LastEvaluation(step=last.step, val_loss=last.value) if last else None
+    status.registered_versions = [
+        ModelVersion(
+            name=v.name, version=str(v.version), aliases=list(v.aliases or []), uri=f"models:/{v.name}/{v.version}"
+        )
+        for v in sorted(versions, key=lambda v: int(v.version))
+    ]
+    return status
