@@ -10,6 +10,8 @@ from lmyard.contracts import RunSummary
 from lmyard.evaluate.harness import check_tasks
 from lmyard.recipes import with_recipe
 from lmyard.tracking.credentials import credentials_to_env
+from lmyard.tracking.registered import check as check_registered
+from lmyard.tracking.registered import is_registered
 from tasks.checkpoint import record_checkpoint
 from tasks.evaluate import evaluate_checkpoint, new_checkpoints
 from tasks.finish import finish
@@ -27,6 +29,8 @@ def pretrain(config: RunConfig = RunConfig(), recipe: str | None = None) -> RunS
     `recipe` (a name under deploy/recipes): its config, with `config`'s explicitly set fields on top."""
     config = credentials_to_env(with_recipe(config, recipe))  # the tracking password: environment only
     check_tasks(config.eval)  # an lm-eval task that cannot load would fail every evaluation, after all the training
+    if is_registered(config.model.init_from):  # a registered model that is not there: one line, before anything
+        check_registered(str(config.model.init_from), config.tracking.uri)
     with lineage_lease(config) as held:  # one run writes a lineage at a time; others wait, then refuse
         shards = tokenize_and_shard(config)
         lineage = open_lineage(config, shards)

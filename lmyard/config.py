@@ -270,8 +270,9 @@ class ModelConfig(_Section):
     init_from: str | None = Field(
         None,
         description="A Hugging Face model folder (local or s3://; GPT2LMHeadModel or LlamaForCausalLM, one "
-        "model.safetensors) to continue pretraining from: its weights and sizes replace the preset's "
-        "(lmyard.export.init_from_hf).",
+        "model.safetensors), or a model lmyard registered (models:/NAME/VERSION, models:/NAME@ALIAS, "
+        "models:/NAME/latest, looked up through tracking.uri), to continue pretraining from: its weights and "
+        "sizes replace the preset's (lmyard.export.init_from_hf).",
     )
 
     @field_validator("preset")

@@ -82,3 +82,38 @@ def test_a_lineage_held_by_a_running_flow_shows_its_holder_and_an_unknown_one_is
     missing = _lmyard(env, "status", "nope", "--store", store, "--tracking-uri", tracking, check=False)
     assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0, missing.stderr
     assert "no lineage 'nope'" in missing.stderr and "lineages there: smoke" in missing.stderr
+
+
+def test_a_run_initialised_from_a_registered_model_starts_at_that_models_val_loss(finished_run, tmp_path):
+    """`model.init_from: models:/smoke/1` through the tracking server: the registered export's weights, one step at
+    a learning rate too small to move them, give the registered run's final val loss on the same val split."""
+    from mlflow.tracking import MlflowClient
+
+    env, store, tracking = finished_run
+    client = MlflowClient(tracking)
+    (registered,) = client.search_model_versions("name = 'smoke'")
+    final = max(client.get_metric_history(registered.run_id, "eval/val_loss"), key=lambda m: m.step)
+    overrides = tiny_overrides(
+        tmp_path,
+        steps=1,
+        **{
+            "store": store,
+            "tracking.uri": tracking,
+            "run_name": "from-registry",
+            "model.init_from": "models:/smoke/1",
+            "train.lr": 1e-12,
+            "tracking.system_metrics": False,
+        },
+    )
+    _lmyard(env, "run", "smoke", *[a for o in overrides for a in ("--set", o)])
+    status = json.loads(
+        _lmyard(env, "status", "from-registry", "--store", store, "--tracking-uri", tracking, "--json").stdout
+    )
+    assert status["last_evaluation"]["step"] == 1
+    assert abs(status["last_evaluation"]["val_loss"] - final.value) < 1e-5, (status["last_evaluation"], final.value)
+    missing = [o.replace("models:/smoke/1", "models:/smoke/7") for o in overrides]
+    refused = _lmyard(env, "run", "smoke", *[a for o in missing for a in ("--set", o)], check=False)
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    (line,) = [ln for ln in refused.stderr.splitlines() if ln.startswith("lmyard: error:")]
+    assert "models:/smoke/7: no such registered model version" in line
+    assert "train" not in [ln.split()[1].rstrip(":") for ln in refused.stdout.splitlines() if len(ln.split()) > 1]

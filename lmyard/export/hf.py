@@ -39,6 +39,7 @@ from lmyard.layout import RunLayout
 from lmyard.models import registry
 from lmyard.models.spec import HFAdapter
 from lmyard.store import open_store
+from lmyard.tracking.registered import export_folder, is_registered
 
 WEIGHTS = "model.safetensors"
 
@@ -243,7 +244,13 @@ def export(source: str, dest: str, step: int | None = None, cache_dir: str | Non
 # ---------------------------------------------------------------- reading a folder (model.init_from)
 
 
-def _local_folder(path: str, cache_dir: str | None) -> str:
+def _local_folder(path: str, cache_dir: str | None, tracking_uri: str | None = None) -> str:
+    if is_registered(path):  # models:/NAME/VERSION: the export that version was logged from
+        from lmyard.data.loader import default_cache_dir
+
+        if not tracking_uri:
+            raise UserError(f"model.init_from {path}: a registered model is looked up through tracking.uri; set it")
+        return export_folder(path, tracking_uri, os.path.join(cache_dir or default_cache_dir(), "init_from"))
     if not path.startswith("s3://"):
         if not os.path.isdir(path):
             raise UserError(f"model.init_from {path!r} is not a folder: give a Hugging Face model folder")
@@ -258,12 +265,13 @@ def _local_folder(path: str, cache_dir: str | None) -> str:
     return local
 
 
-def init_from_hf(path: str, cache_dir: str | None = None) -> tuple[dict, dict]:
-    """(state_dict, model spec) from a Hugging Face model folder (local or s3://): build the model with
+def init_from_hf(path: str, cache_dir: str | None = None, tracking_uri: str | None = None) -> tuple[dict, dict]:
+    """(state_dict, model spec) from a Hugging Face model folder (local, s3://, or a registered model version
+    models:/NAME/VERSION or models:/NAME@ALIAS through `tracking_uri`): build the model with
     `lmyard.models.registry.model_from_spec(spec)` and load the state_dict into it."""
     from safetensors.torch import load_file
 
-    folder = _local_folder(path, cache_dir)
+    folder = _local_folder(path, cache_dir, tracking_uri)
     try:
         with open(os.path.join(folder, "config.json")) as f:
             config = json.load(f)

@@ -135,7 +135,7 @@ def _run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
     uri = tracking_uri.rstrip("/")
     if not uri.startswith(("http://", "https://")):
         return None
-    return redact_uri(f"{uri}/#/experiments/{experiment_id}/runs/{run_id}")
+    return redact_uri(f"{uri}/#/experiments/{experiment_id}/runs/{run_id}")  # not a store key: the UI page
 
 
 def run_status(store: Store, run_name: str, tracking_uri: str) -> RunStatus:

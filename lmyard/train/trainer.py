@@ -264,7 +264,7 @@ class Trainer:
     def _from_hf(self, path: str) -> LanguageModel:
         from lmyard.export.hf import init_from_hf
 
-        state, spec = init_from_hf(path, os.path.join(self.cache, "init-from"))
+        state, spec = init_from_hf(path, os.path.join(self.cache, "init-from"), self.cfg.tracking.uri)
         model = model_from_spec({**spec, **doc_fields(self.cfg.model, self.shards.separators)})
         model.load_state_dict(state)
         if self.d.is_main:

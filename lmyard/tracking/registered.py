@@ -1,0 +1,77 @@
+"""A registered model version back to the Hugging Face export it was logged from (`model.init_from:
+models:/NAME/VERSION`, `models:/NAME@ALIAS`, `models:/NAME/latest`).
+
+lmyard registers each final model as a logged pyfunc model whose artifact `hf_model` is the export
+(lmyard.tracking.registry). Resolving goes through the tracking server's registry: the version (by number,
+alias or the newest), its logged model, then the model's files from the artifact store (S3, or the server's
+proxied artifacts); the export's folder is the one the pyfunc's MLmodel names.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from lmyard.config import redact_uri
+from lmyard.errors import UserError
+
+_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+|latest)|@(?P<alias>[\w-]+))$")
+
+
+def is_registered(uri: str | None) -> bool:
+    return bool(uri) and str(uri).startswith("models:/")
+
+
+def _version(client, uri: str, tracking_uri: str):
+    """The model version `uri` names; a UserError naming it and where it was looked for."""
+    from mlflow.exceptions import MlflowException
+
+    m = _URI.match(uri)
+    if m is None:
+        raise UserError(
+            f"model.init_from {uri!r} is not a registered model URI: give models:/NAME/VERSION, models:/NAME@ALIAS "
+            "or models:/NAME/latest"
+        )
+    name, version, alias = m["name"], m["version"], m["alias"]
+    missing = f"model.init_from {uri}: no such registered model version at {redact_uri(tracking_uri)}"
+    try:
+        if alias:
+            return client.get_model_version_by_alias(name, alias)
+        if version != "latest":
+            return client.get_model_version(name, version)
+        versions = client.search_model_versions(f"name = '{name}'")
+    except MlflowException as e:
+        if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
+            raise UserError(f"{missing} (check the name, version or alias in the MLflow UI)") from None
+        raise
+    if not versions:
+        raise UserError(f"{missing} (the model has no versions)")
+    return max(versions, key=lambda v: int(v.version))
+
+
+def check(uri: str, tracking_uri: str) -> None:
+    """A UserError now, before any training, when `uri` names no registered version."""
+    from mlflow.tracking import MlflowClient
+
+    _version(MlflowClient(tracking_uri, registry_uri=tracking_uri), uri, tracking_uri)
+
+
+def export_folder(uri: str, tracking_uri: str, cache_dir: str) -> str:
+    """The local folder of the Hugging Face export that registered version `uri` was logged from (downloaded
+    under `cache_dir`)."""
+    import mlflow.artifacts
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
+    version = _version(client, uri, tracking_uri)
+    model_id = version.model_id or str(version.source).removeprefix("models:/")
+    location = client.get_logged_model(model_id).artifact_location
+    dest = os.path.join(cache_dir, re.sub(r"[^A-Za-z0-9._-]", "_", f"{version.name}-{version.version}-{model_id}"))
+    local = mlflow.artifacts.download_artifacts(artifact_uri=location, dst_path=dest, tracking_uri=tracking_uri)
+    with open(os.path.join(local, "MLmodel")) as f:
+        flavor = yaml.safe_load(f).get("flavors", {}).get("python_function", {})
+    hf = (flavor.get("artifacts") or {}).get("hf_model", {}).get("path")
+    if not hf:
+        raise UserError(f"model.init_from {uri}: that version is not a model lmyard registered (no hf_model artifact)")
+    return os.path.join(local, hf)
