@@ -23,7 +23,10 @@ for the store are *pending*; while the store is down training goes on until
 `checkpoint.max_pending` are pending, then stops with StoreOutage naming where
 they are staged. A full staging disk is NoSpace (lmyard.paths.no_space): the
 half-written folder is deleted at once, and `discard()` deletes the run's
-staging folder as the run ends.
+staging folder as the run ends. A full local store is StoreFull
+(lmyard.checkpoint.commit): the staged folders stay, each with its manifest
+(`staged.json`, written last), and the next writer of the run uploads those newer
+than the store's newest checkpoint before anything else (`recover`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from collections.abc import Callable
 
 import torch
 
+from lmyard.checkpoint.catalog import complete_steps
 from lmyard.checkpoint.commit import PARKED_WAKE_S, Parked, RetryPolicy, outage, publish
 from lmyard.checkpoint.manifest import DamagedCheckpoint, Manifest, check_file, file_meta
 from lmyard.checkpoint.state import Checkpoint
@@ -48,6 +52,7 @@ from lmyard.paths import confined, no_space
 from lmyard.store import Store
 
 FILES = ("model.pt", "optim.pt", "rng.pt", "state.json")
+STAGED = "staged.json"  # a staged folder's manifest, written last: the folder is whole (never uploaded)
 EMPTY_OPTIM: dict[str, dict | list] = {"state": {}, "param_groups": []}
 
 
@@ -68,7 +73,7 @@ def stage(folder: str, model: dict, optim: dict, rng: list, state: dict) -> Mani
             raise
         shutil.rmtree(folder, ignore_errors=True)  # half a checkpoint is of no use: give its space back
         raise full from None
-    return Manifest(
+    manifest = Manifest(
         format="full",
         step=state["step"],
         val_loss=state.get("val_loss"),
@@ -76,6 +81,23 @@ def stage(folder: str, model: dict, optim: dict, rng: list, state: dict) -> Mani
         files={name: file_meta(os.path.join(folder, name)) for name in FILES},
         serialize_s=round(time.perf_counter() - t0, 3),
     )
+    try:
+        with open(os.path.join(folder, STAGED), "wb") as f:
+            f.write(manifest.to_bytes())
+    except OSError as e:
+        full = no_space(e, os.path.dirname(folder))
+        shutil.rmtree(folder, ignore_errors=True)
+        raise full or e from None
+    return manifest
+
+
+def staged(folder: str) -> Manifest | None:
+    """The manifest of a whole staged folder (`stage` finished it), else None."""
+    try:
+        with open(os.path.join(folder, STAGED), "rb") as f:
+            return Manifest.model_validate_json(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 class Snapshot:
@@ -175,7 +197,7 @@ class FullCheckpointer:
     ):
         self.store, self.run_name, self.writes = store, run_name, rank == 0
         self.staging = os.path.join(staging_dir, run_name)
-        self.max_pending, self.policy = max_pending, RetryPolicy(retries, backoff_s, say)
+        self.max_pending, self.policy = max_pending, RetryPolicy(retries, backoff_s, say, store, recovers=True)
         self.on_commit, self.say = on_commit or (lambda step, uri: None), say
         self.snapshot = Snapshot()
         self.cond = threading.Condition()
@@ -193,8 +215,28 @@ class FullCheckpointer:
             )
         ]
         if self.writes:
+            self.recover()
             for thread in self.threads:
                 thread.start()
+
+    def recover(self) -> None:
+        """Queue the checkpoints an earlier writer of this run left staged (the store was full): those newer than
+        the store's newest are uploaded first, oldest first; older or half-written ones are deleted. When the
+        store cannot be listed, they stay for the next writer."""
+        if not os.path.isdir(self.staging):
+            return
+        try:
+            newest = max(complete_steps(self.store, self.run_name), default=-1)
+        except Exception:
+            return
+        for name in sorted(os.listdir(self.staging)):
+            folder = os.path.join(self.staging, name)
+            manifest = staged(folder)
+            if manifest is None or manifest.step <= newest:
+                shutil.rmtree(folder, ignore_errors=True)
+                continue
+            self.say(f"checkpoint step {manifest.step} was left staged in {folder}: uploading it")
+            self.pending.append((folder, manifest))
 
     # -- the training loop's side
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict, rng: list) -> float:
