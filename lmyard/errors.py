@@ -11,7 +11,9 @@ exception, and the train task's retry policy follows `retryable()`:
     3  diverged       the loss went non-finite or spiked beyond the guard's policy: never retried
     4  store_outage   checkpoints could not reach the store in time: retried (the store may come back)
     4  no_space       the local cache disk (LMYARD_CACHE) is full or over quota: not retried (a retry would
-                      fill it again); the run's staging is deleted, and a rerun once space is freed resumes
+                      fill it again); the run's staging is deleted, and a rerun once space is freed resumes.
+                      A full local store (StoreFull) is no_space too, but keeps the staged checkpoints: a
+                      rerun once space is freed uploads them
     5  preempted      SIGTERM (a spot reclaim, `docker stop`, a cancelled run): checkpointed, retried
     6  lease_lost     another run took over the lineage's lease (lmyard.tracking.lease): this one stopped
                       without writing further; never retried (the lineage has its writer)
@@ -72,6 +74,11 @@ class NoSpace(StageFailed):
     a retry would run into the same full disk (lmyard.paths.no_space makes it from an OSError)."""
 
     exit_code = ExitCode.STORE_OUTAGE
+
+
+class StoreFull(NoSpace):
+    """The disk of a local store is full or over quota: the checkpoints that could not be uploaded stay staged in
+    LMYARD_CACHE (not deleted), and a rerun once space is freed uploads them (lmyard.checkpoint.commit)."""
 
 
 class Preempted(StageFailed):

@@ -78,6 +78,17 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def free_space(folder: str) -> str:
+    """ "N MiB free" on the disk of `folder` (or of its nearest existing parent)."""
+    probe = folder
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    try:
+        return f"{_mib(shutil.disk_usage(probe or '/').free)} free"
+    except OSError:
+        return "free space unknown"
+
+
 def no_space(exc: BaseException, folder: str | None = None, needed: int | None = None) -> NoSpace | None:
     """A NoSpace naming the folder, its free space and the fix when `exc` comes from a full disk (or quota), else
     None. `folder`: where the write went (default: the file the error names, else the cache root); `needed`:
@@ -86,13 +97,7 @@ def no_space(exc: BaseException, folder: str | None = None, needed: int | None =
     if found is None or isinstance(found, NoSpace):
         return found
     where = folder or (os.path.dirname(str(found.filename)) if found.filename else cache_root())
-    probe = where
-    while probe and not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    try:
-        free = f"{_mib(shutil.disk_usage(probe or '/').free)} free"
-    except OSError:
-        free = "free space unknown"
+    free = free_space(where)
     what = "quota exceeded" if found.errno == errno.EDQUOT else "no space left"
     wanted = f", {_mib(needed)} needed" if needed else ""
     return NoSpace(

@@ -17,7 +17,11 @@ either format:
   the run resumes from the last committed one) when `checkpoint.max_pending`
   checkpoints are waiting at the next save, when a flush's deadline passes
   (rollback, preemption), or when a round fails after close() (no more saves
-  will come to retry it).
+  will come to retry it: the last checkpoint gets one round, then the run ends).
+- when the last failure was a full disk (ENOSPC, EDQUOT) of a local store, that
+  error is StoreFull instead (exit 4, no_space, not retried): one line naming the
+  store's folder and its free space; the staged copies are kept, and a writer that
+  `recovers` (the full format: `FullCheckpointer.recover`) uploads them on the rerun.
 
 Fencing: `RetryPolicy.fence` (the trainer's lmyard.tracking.lease.Fence, set by
 make_checkpointer when the run holds a lease) is called right before every
@@ -41,8 +45,9 @@ from typing import TypeVar
 
 from lmyard import faults
 from lmyard.checkpoint.manifest import Manifest
-from lmyard.errors import LeaseLost, StoreOutage
+from lmyard.errors import LeaseLost, StoreFull, StoreOutage
 from lmyard.layout import RunLayout
+from lmyard.paths import free_space, no_space
 from lmyard.store import Store
 
 T = TypeVar("T")
@@ -60,9 +65,18 @@ class Parked(StoreOutage):
 class RetryPolicy:
     """`checkpoint.upload_retries` for every put of a checkpoint (see the module doc); one per writer."""
 
-    def __init__(self, retries: int = 6, backoff_s: float = 1.0, say: Callable[[str], None] = print):
+    def __init__(
+        self,
+        retries: int = 6,
+        backoff_s: float = 1.0,
+        say: Callable[[str], None] = print,
+        store: Store | None = None,
+        recovers: bool = False,
+    ):
         self.retries, self.backoff_s, self.say = retries, backoff_s, say
+        self.store, self.recovers = store, recovers  # for StoreFull: the folder, and what a rerun does
         self.failures = 0  # failed puts in a row, for the StoreOutage message
+        self.last_error: BaseException | None = None  # the newest failed put's error
         self.wake = threading.Event()  # a save or flush: a parked checkpoint tries a new round now
         self.closing = threading.Event()  # no save will come: a spent round is final
         self.fence: Callable[[], None] | None = None  # LeaseLost once the lineage's lease is not ours (module doc)
@@ -81,14 +95,16 @@ class RetryPolicy:
             except (StepExists, LeaseLost):
                 raise
             except Exception as e:
-                self.failures += 1
+                self.failures, self.last_error = self.failures + 1, e
                 if attempt == self.retries:
                     raise self._parked(step, staged, e) from e
                 self.say(f"checkpoint step {step}: upload failed ({e}); retrying in {self.delay(attempt):.0f}s")
                 time.sleep(self.delay(attempt))
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _parked(self, step: int, staged: str, error: Exception) -> Parked:
+    def _parked(self, step: int, staged: str, error: Exception) -> Parked | StoreFull:
+        if self.closing.is_set() and (full := self.store_full(f"checkpoint step {step}", staged)) is not None:
+            return full
         if self.closing.is_set():
             return Parked(f"checkpoint step {step}: the store still fails ({error}); it stays staged in {staged}")
         self.say(
@@ -97,14 +113,29 @@ class RetryPolicy:
         )
         return Parked(f"checkpoint step {step} is parked in {staged}")
 
+    def store_full(self, what: str, staged: str) -> StoreFull | None:
+        """StoreFull when the newest failed put met a full disk (or quota) of a local store, else None."""
+        local = self.store.local_path("") if self.store is not None else None
+        full = no_space(self.last_error) if self.last_error is not None and local is not None else None
+        if full is None or local is None:
+            return None
+        what_full = "quota exceeded" if str(full).startswith("quota") else "no space left"
+        rerun = "uploads it first" if self.recovers else "resumes from the last committed checkpoint"
+        return StoreFull(
+            f"{what_full} in the store {local} ({free_space(local)}): {what} is kept staged in {staged}; free "
+            f"space there, lower checkpoint.keep_last or point `store` at a bigger disk, then rerun: it {rerun}"
+        )
+
     def wait(self) -> None:
         """A parked writer waits for the next save or flush (or PARKED_WAKE_S) before its next round."""
         self.wake.wait(PARKED_WAKE_S)
         self.wake.clear()
 
 
-def outage(what: str, policy: RetryPolicy, staged: str) -> StoreOutage:
-    """The StoreOutage the training loop gets (see the module doc)."""
+def outage(what: str, policy: RetryPolicy, staged: str) -> StoreOutage | StoreFull:
+    """The StoreOutage the training loop gets (see the module doc); StoreFull when the store's disk is full."""
+    if (full := policy.store_full(what, staged)) is not None:
+        return full
     return StoreOutage(
         f"{what}; the store has failed {policy.failures} uploads in a row, and they are staged in "
         f"{staged}. Fix the store and rerun: the run resumes from the last committed checkpoint"

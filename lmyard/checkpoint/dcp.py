@@ -188,7 +188,7 @@ class ShardedCheckpointer:
         process_group=None,
     ):
         self.store, self.run_name = store, run_name
-        self.policy, self.commit_timeout_s = RetryPolicy(retries, backoff_s, say), commit_timeout_s
+        self.policy, self.commit_timeout_s = RetryPolicy(retries, backoff_s, say, store), commit_timeout_s
         self.max_pending, self.layout = max_pending, RunLayout(run_name)
         self.stopping = threading.Event()  # set by close(): the upload thread stops retrying
         self.on_commit, self.say = on_commit or (lambda step, uri: None), say
@@ -340,13 +340,14 @@ class ShardedCheckpointer:
         self._raise_if_failed()
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Wait for every checkpoint, then stop the upload thread and free the staging buffers."""
+        """Wait for every checkpoint, then stop the upload thread and free the staging buffers. No save comes
+        after: a checkpoint still failing gets one more round of retries, then the error (never a wait forever)."""
+        self.stopping.set()
+        self.policy.closing.set()
+        self.policy.wake.set()
         try:
             self.flush(timeout_s)
         finally:
-            self.stopping.set()
-            self.policy.closing.set()
-            self.policy.wake.set()
             self.jobs.put(None)
             self.thread.join(5)
             if self.stager is not None:

@@ -23,11 +23,17 @@ for the store are *pending*; while the store is down training goes on until
 `checkpoint.max_pending` are pending, then stops with StoreOutage naming where
 they are staged. A full staging disk is NoSpace (lmyard.paths.no_space): the
 half-written folder is deleted at once, and `discard()` deletes the run's
-staging folder as the run ends.
+staging folder as the run ends. A full local store is StoreFull
+(lmyard.checkpoint.commit): the staged folders stay, each given its manifest
+(`staged.json`), and the next writer of the run uploads those newer than the
+store's newest checkpoint before anything else (`recover`). Other leftovers (a
+crash, a preemption past its grace) have none and are not uploaded: such a rerun
+resumes from the last committed checkpoint, as their messages say.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -38,16 +44,18 @@ from collections.abc import Callable
 
 import torch
 
+from lmyard.checkpoint.catalog import complete_steps
 from lmyard.checkpoint.commit import PARKED_WAKE_S, Parked, RetryPolicy, outage, publish
 from lmyard.checkpoint.manifest import DamagedCheckpoint, Manifest, check_file, file_meta
 from lmyard.checkpoint.state import Checkpoint
 from lmyard.contracts import CheckpointState
-from lmyard.errors import StoreOutage
+from lmyard.errors import StoreFull, StoreOutage
 from lmyard.layout import RunLayout
 from lmyard.paths import confined, no_space
 from lmyard.store import Store
 
 FILES = ("model.pt", "optim.pt", "rng.pt", "state.json")
+STAGED = "staged.json"  # the manifest of a staged folder kept for the rerun (the store was full); never uploaded
 EMPTY_OPTIM: dict[str, dict | list] = {"state": {}, "param_groups": []}
 
 
@@ -76,6 +84,15 @@ def stage(folder: str, model: dict, optim: dict, rng: list, state: dict) -> Mani
         files={name: file_meta(os.path.join(folder, name)) for name in FILES},
         serialize_s=round(time.perf_counter() - t0, 3),
     )
+
+
+def staged(folder: str) -> Manifest | None:
+    """The manifest of a staged folder kept for the rerun (`FullCheckpointer.keep_for_rerun`), else None."""
+    try:
+        with open(os.path.join(folder, STAGED), "rb") as f:
+            return Manifest.model_validate_json(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 class Snapshot:
@@ -175,7 +192,7 @@ class FullCheckpointer:
     ):
         self.store, self.run_name, self.writes = store, run_name, rank == 0
         self.staging = os.path.join(staging_dir, run_name)
-        self.max_pending, self.policy = max_pending, RetryPolicy(retries, backoff_s, say)
+        self.max_pending, self.policy = max_pending, RetryPolicy(retries, backoff_s, say, store, recovers=True)
         self.on_commit, self.say = on_commit or (lambda step, uri: None), say
         self.snapshot = Snapshot()
         self.cond = threading.Condition()
@@ -193,8 +210,39 @@ class FullCheckpointer:
             )
         ]
         if self.writes:
+            self.recover()
             for thread in self.threads:
                 thread.start()
+
+    def keep_for_rerun(self) -> None:
+        """The store is full (StoreFull): give each pending folder its manifest, so the next writer uploads it."""
+        with self.cond:
+            kept = list(self.pending)
+        for folder, manifest in kept:
+            with contextlib.suppress(OSError):  # a cache disk too full for it: that rerun resumes from the store
+                with open(os.path.join(folder, STAGED), "wb") as f:
+                    f.write(manifest.to_bytes())
+
+    def recover(self) -> None:
+        """Queue the checkpoints an earlier writer of this run kept for the rerun (the store was full): those newer
+        than the store's newest are uploaded first, oldest first; older ones are deleted. When the store cannot be
+        listed, they stay for the next writer."""
+        if not os.path.isdir(self.staging):
+            return
+        try:
+            newest = max(complete_steps(self.store, self.run_name), default=-1)
+        except Exception:
+            return
+        for name in sorted(os.listdir(self.staging)):
+            folder = os.path.join(self.staging, name)
+            manifest = staged(folder)
+            if manifest is None:
+                continue  # not kept for a rerun (a crash, a preemption): the rerun resumes from the store
+            if manifest.step <= newest:
+                shutil.rmtree(folder, ignore_errors=True)
+                continue
+            self.say(f"checkpoint step {manifest.step} was left staged in {folder}: uploading it")
+            self.pending.append((folder, manifest))
 
     # -- the training loop's side
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict, rng: list) -> float:
@@ -210,11 +258,14 @@ class FullCheckpointer:
             self._raise_if_failed()
             if len(self.pending) >= self.max_pending:
                 steps = [m.step for _, m in self.pending]
-                raise outage(
+                error = outage(
                     f"{len(self.pending)} checkpoints (steps {steps}) are waiting for {self.store.root}",
                     self.policy,
                     self.staging,
                 )
+                if isinstance(error, StoreFull):
+                    self.keep_for_rerun()
+                raise error
             while self.prepare_job is not None and self.error is None:
                 self.cond.wait()
             if self.copy_job is not None:
@@ -345,6 +396,9 @@ class FullCheckpointer:
             files = {name: os.path.join(folder, name) for name in FILES}
             try:
                 uri = publish(self.store, self.run_name, files, manifest, self.policy, folder)
+            except StoreFull:
+                self.keep_for_rerun()
+                raise
             except Parked:
                 if self.closed:
                     raise

@@ -106,6 +106,13 @@ def model_from_checkpoint(ckpt, device: str = "cpu"):
     return model.to(device).eval()
 
 
+def parameters(fields: dict) -> int:
+    """Parameters of the model of `model_spec`'s dict (or `resolve`'s with `arch`), from its family's terms."""
+    fields = dict(fields)
+    t = FAMILIES[fields.pop("arch", DEFAULT)].terms(fields)
+    return fields["n_layer"] * t.block + t.root
+
+
 def flops_per_token(fields: dict) -> int:
     """Training FLOPs per token of the model of `model_spec`'s dict: 6 * (parameters - lookup tables) +
     12 * L * d * T (PaLM appendix B; torchtitan's get_dense_model_nparams_and_flops). 6N': each weight of a

@@ -186,12 +186,13 @@ class Preemption:
             self.requested_at = time.monotonic()
             print(f"rank {os.environ.get('RANK', 0)}: SIGTERM received; checkpointing after this step", flush=True)
 
-    def due(self) -> bool:
-        """True on every rank once any rank was asked to stop (collective: call on every rank each step)."""
-        flag = torch.tensor([1 if self.requested_at is not None else 0], dtype=torch.int32)
+    def poll(self, failed: bool = False) -> tuple[bool, bool]:
+        """(asked to stop, a checkpoint failed), the same on every rank: any rank's SIGTERM, any rank's `failed`
+        (its background checkpoint writer stopped). One collective on the CPU group: call on every rank each step."""
+        flags = torch.tensor([self.requested_at is not None, failed], dtype=torch.int32)
         if self.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flags[0]), bool(flags[1])
 
     def barrier(self) -> None:
         """Every rank waits here for the others (collective): a preempted rank that has nothing to upload waits

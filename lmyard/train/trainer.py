@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lmyard.checkpoint import resume, retention
+from lmyard.checkpoint import budget, resume, retention
 from lmyard.checkpoint.catalog import complete_steps, quarantine
 from lmyard.checkpoint.checkpointer import make_checkpointer
 from lmyard.checkpoint.state import Loaded, rng_state, set_rng_state
@@ -53,6 +53,7 @@ from lmyard.errors import (
     ExitCode,
     NoSpace,
     Preempted,
+    StoreFull,
     StoreOutage,
     UserError,
     error_for,
@@ -63,7 +64,7 @@ from lmyard.evaluate.validation import val_loss
 from lmyard.layout import RunLayout
 from lmyard.models import flash4
 from lmyard.models.base import LanguageModel
-from lmyard.models.registry import build_model, doc_fields, flops_per_token, model_from_spec, model_spec
+from lmyard.models.registry import build_model, doc_fields, flops_per_token, model_from_spec, model_spec, resolve
 from lmyard.paths import no_space
 from lmyard.store import open_store
 from lmyard.tracking.lease import Fence
@@ -204,7 +205,11 @@ class Trainer:
         self.store, self.cache = open_store(cfg.store), default_cache_dir()
         self.exchange = Exchange.from_env() if d.is_main else None
         seed_everything(self.t.seed, d.rank)
+        if not cfg.model.init_from:  # the checkpoints' disk budget from the config, before the model is made
+            self._check_disks({"arch": cfg.model.architecture(), **resolve(cfg.model, shards.n_vocab)})
         self._build_model()
+        if cfg.model.init_from:  # its sizes are the Hugging Face folder's
+            self._check_disks(model_spec(self.raw_model))
         self._build_data()
         self.state = CheckpointState(
             step=0,
@@ -261,6 +266,13 @@ class Trainer:
             fused=self.d.device.type == "cuda",
         )
 
+    def _check_disks(self, fields: dict) -> None:
+        """Before the first step: the checkpoints fit this node's disks (lmyard.checkpoint.budget). The full format
+        stages on rank 0's node (ranks 0 .. LOCAL_WORLD_SIZE - 1), fsdp each node its ranks' shards."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        share = local / self.d.world if self.cfg.train.parallel == "fsdp" else float(self.d.rank < local)
+        budget.check(self.cfg, self.store, self.cache, fields, node_share=share)
+
     def _from_hf(self, path: str) -> LanguageModel:
         from lmyard.export.hf import init_from_hf
 
@@ -312,11 +324,15 @@ class Trainer:
                 if self.checkpointing.due(self.state.step):
                     self.save()
                 self.faults.after_step(self.state.step, self.flush)
-                if self.preemption.due():
+                stop, failed = self.preemption.poll(self.checkpointer.error is not None)
+                if failed:  # a background save failed: the run stops at it, not at the next checkpoint
+                    self._raise_together(self.checkpointer.error)
+                if stop:
                     self.preempt()
         except BaseException as e:
-            if no_space(e) is not None:  # the cache disk is full: give the staging space back, wait for nothing
-                self.checkpointer.discard()
+            full = no_space(e)
+            if full is not None and not isinstance(full, StoreFull):  # the cache disk is full: give the staging
+                self.checkpointer.discard()  # space back, wait for nothing (a full store keeps it: a rerun uploads it)
                 raise
             # let committed-so-far uploads finish, but not hang on a dead store; preempted, the grace is spent
             # and the message has said what is committed
@@ -330,25 +346,36 @@ class Trainer:
         return self.result(ExitCode.DONE)
 
     def _close_together(self) -> None:
-        """Wait for the last upload, and end every rank alike: rank 0's known error there (a full cache disk, a
-        store outage) is raised on every rank, so no other rank crashes in the final collective."""
-        failure = None
+        """Wait for the last upload (a failing one gets checkpoint.upload_retries, then its error), and end every
+        rank alike."""
+        error = None
         try:
             self.checkpointer.close()
         except Exception as e:
-            known = no_space(e) or e
-            if exit_code_of(known) == ExitCode.CRASHED:
-                raise
-            failure = (int(exit_code_of(known)), one_line(known), status_of(known))
+            error = e
+        self._raise_together(error)
+
+    def _raise_together(self, error: BaseException | None) -> None:
+        """Every rank raises the first failing rank's checkpoint error (a full cache disk or store, a store outage,
+        a lost lease), so no other rank crashes in a collective; a full cache disk gives the staging space back.
+        A collective when world > 1: call on every rank alike; returns when no rank has an error."""
+        failure = None
+        if error is not None:
+            known = no_space(error) or error
+            failure = (int(exit_code_of(known)), one_line(known), status_of(known), isinstance(known, StoreFull))
         if self.d.world > 1:  # every rank's outcome (a barrier too)
             outcomes: list = [None] * self.d.world
             dist.all_gather_object(outcomes, failure)
             failure = next((f for f in outcomes if f), None)
-        if failure is not None:
-            error = error_for(*failure)
-            if isinstance(error, NoSpace):
-                self.checkpointer.discard()
-            raise error
+        if failure is None:
+            return
+        code, message, status, store_full = failure
+        if error is not None and code == ExitCode.CRASHED:
+            raise error  # unexpected: with its traceback
+        agreed = StoreFull(message) if store_full else error_for(code, message, status)
+        if isinstance(agreed, NoSpace) and not store_full:
+            self.checkpointer.discard()
+        raise agreed
 
     def step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step; advances step, cursor and tokens seen."""
@@ -448,7 +475,11 @@ class Trainer:
         self.checkpointer.flush(timeout_s)
 
     def resume(self) -> None:
-        """Load the newest complete checkpoint (damaged ones are moved aside), exactly; report what was loaded."""
+        """Load the newest complete checkpoint (damaged ones are moved aside), exactly; report what was loaded.
+        Checkpoints an earlier attempt left staged (a full store) are committed first, so it resumes from them."""
+        self.flush()
+        if self.d.world > 1:
+            dist.barrier()
         ckpt, damaged = self._find_latest()
         if self.d.world > 1:
             found = [None] * self.d.world

@@ -1,0 +1,128 @@
+"""The disk budget of a run's checkpoints, checked before the first step: a plan that cannot fit is a UserError.
+
+A checkpoint is 12 bytes a parameter (float32 weights, AdamW's two float32
+moments), 14 with train.fsdp_param_dtype=bfloat16 (bf16 weights; float32 masters
+and moments), parameters from the family's terms (lmyard.models.registry). Where
+the copies lie at most:
+
+    a local store       kept: checkpoint.keep_last, the best (checkpoint.keep_best), every
+                        checkpoint.keep_every-th step up to train.max_steps; plus the one being committed
+    LMYARD_CACHE        pending: checkpoint.max_pending waiting for the store, plus the one being staged
+                        (staging/<run>); this node's share: the whole checkpoint on rank 0's node for the
+                        full format, its ranks' shards under fsdp
+
+A store on the cache's filesystem adds the two (a commit there is a rename, so
+the one being committed is counted once). An S3 store is not checked; the cache
+still is. Space the run holds already (its checkpoints in a local store, its
+staging folder) counts as free: a rerun is not refused for what it wrote itself.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from lmyard.config import RunConfig
+from lmyard.errors import UserError
+from lmyard.layout import RunLayout
+from lmyard.models import registry
+from lmyard.store import Store
+
+MIB = 2**20
+
+
+def checkpoint_bytes(cfg: RunConfig, fields: dict) -> int:
+    """Bytes of one whole checkpoint of the model of `fields` (`model_spec`'s dict, or `resolve`'s with arch)."""
+    low = cfg.train.parallel == "fsdp" and cfg.train.fsdp_param_dtype == "bfloat16"
+    return registry.parameters(fields) * (14 if low else 12)
+
+
+def kept(cfg: RunConfig) -> int:
+    """Checkpoints retention keeps in the store at most."""
+    c = cfg.checkpoint
+    every = cfg.train.max_steps // c.keep_every if c.keep_every else 0
+    return c.keep_last + int(c.keep_best) + every
+
+
+@dataclass(frozen=True)
+class Disk:
+    """One filesystem the run writes checkpoints to: what it needs there and what it has."""
+
+    folder: str
+    needed: int
+    free: int  # free bytes plus what the run holds there already
+    what: str  # the copies counted, as the line says them
+    fix: str  # the keys to change
+
+
+def _held(folder: str | None) -> int:
+    """Bytes of the files under `folder` (none when it is absent)."""
+    total = 0
+    for root, _, files in os.walk(folder or ""):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _device(folder: str) -> tuple[int, int]:
+    """(filesystem id, free bytes) of `folder`, or of its nearest existing parent."""
+    probe = folder
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    st = os.statvfs(probe)
+    return os.stat(probe).st_dev, st.f_bavail * st.f_frsize
+
+
+def disks(cfg: RunConfig, store: Store, cache_dir: str, size: int, node_share: int) -> list[Disk]:
+    """The disks this node writes checkpoints to, with their needs: the cache's staging, and a local store.
+    `size`: one whole checkpoint's bytes; `node_share`: the bytes of one this node stages (0: none)."""
+    c, staging = cfg.checkpoint, os.path.join(cache_dir, "staging", cfg.run_name)
+    pending = f"checkpoint.max_pending={c.max_pending} pending + 1 being staged"
+    stored = f"{kept(cfg)} kept (checkpoint.keep_last={c.keep_last}, keep_best, keep_every)"
+    fix_cache = "lower checkpoint.max_pending or point LMYARD_CACHE at a bigger disk"
+    fix_store = "lower checkpoint.keep_last (or keep_every, keep_best) or point `store` at a bigger disk"
+    cache_dev, cache_free = _device(staging)
+    cache = Disk(
+        f"LMYARD_CACHE {cache_dir}",
+        (c.max_pending + 1) * node_share,
+        cache_free + _held(staging),
+        pending,
+        fix_cache,
+    )
+    local = store.local_path(RunLayout(cfg.run_name).checkpoints)
+    if local is None:
+        return [cache] if node_share else []
+    store_dev, store_free = _device(local)
+    if store_dev == cache_dev:  # one disk: the commit is a rename
+        return [
+            Disk(
+                f"LMYARD_CACHE {cache_dir} and the store {store.local_path('')}",
+                kept(cfg) * size + cache.needed,
+                cache.free + _held(local),
+                f"{stored} + {pending}",
+                f"{fix_store}, {fix_cache}",
+            )
+        ]
+    held = Disk(
+        f"the store {store.local_path('')}",
+        (kept(cfg) + 1) * size,
+        store_free + _held(local),
+        f"{stored} + 1 being committed",
+        fix_store,
+    )
+    return [held, cache] if node_share else [held]
+
+
+def check(cfg: RunConfig, store: Store, cache_dir: str, fields: dict, *, node_share: float) -> None:
+    """A UserError, one line, when the checkpoints of `cfg` cannot fit the disks this node writes them to (see
+    the module doc). `node_share`: the fraction of a checkpoint this node stages (0 to 1)."""
+    size = checkpoint_bytes(cfg, fields)
+    for disk in disks(cfg, store, cache_dir, size, int(size * node_share)):
+        if disk.needed > disk.free:
+            raise UserError(
+                f"checkpoints do not fit {disk.folder}: {disk.needed / MIB:,.1f} MiB needed ({disk.what}, "
+                f"{size / MIB:,.1f} MiB each) but {disk.free / MIB:,.1f} MiB free; {disk.fix}"
+            )
