@@ -98,7 +98,8 @@ def train(cfg, shards: dict, work: Path, env: dict | None = None, prefix: str = 
         "--standalone",
         "--nproc_per_node=1",
         "-m",
-        "lmyard.train",
+        "lmyard.stages",
+        "train",
         "--spec",
         str(spec),
     ]

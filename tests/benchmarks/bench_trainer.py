@@ -93,7 +93,8 @@ def run_lmyard(
         "--standalone",
         f"--nproc_per_node={gpus}",
         "-m",
-        "lmyard.train",
+        "lmyard.stages",
+        "train",
         "--spec",
         str(spec),
     ]
