@@ -107,59 +107,80 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command(args: argparse.Namespace) -> int:
+    """Every command but the flows' is quick and starts nothing; run and shard run their flow (_run_flow)."""
+    from lmyard.recipes import load_recipe
+
+    if args.command == "export":
+        return _export(args)
+    if args.command in ("runs", "status"):
+        from flows import ops
+
+        return ops.runs(args) if args.command == "runs" else ops.status(args)
+    if args.command == "config" and args.reference:
+        from lmyard.config_reference import reference_markdown
+
+        print(reference_markdown())
+        return 0
+    config = load_recipe(args.recipe, args.overrides)
+    if args.command == "config":
+        import yaml
+
+        print(yaml.safe_dump(config.redacted_dump(), sort_keys=False), end="")
+        return 0
+    return _run_flow(args.command, config)
+
+
+def _run_flow(command: str, config) -> int:
+    """The pretrain flow (`run`) or the shard flow (`shard`) here, on Prefect's temporary server unless
+    PREFECT_API_URL names one; its last lines."""
+    from prefect import tags
+
+    from flows.prefect_server import start_temporary_server
+    from lmyard import console
+    from lmyard.contracts import ShardSet
+    from lmyard.store import open_store
+    from lmyard.tracking.credentials import credentials_to_env
+
+    open_store(config.store).check_writable()  # a read-only store fails here, before Prefect starts
+    # Offline-friendly Prefect defaults; an operator's own settings win.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if command == "run":
+        from flows.pretrain import pretrain as flow_fn
+    else:
+        from flows.shard import shard as flow_fn  # type: ignore[assignment]  # both take config=, return a dict
+    console.install(config.store)  # what a person reads: lmyard/console.py
+    _quiet_user_errors()
+    start_temporary_server()  # out of reach of the terminal's Ctrl-C, so the run can record how it ended
+    # Prefect's flow engine turns a SIGTERM into its TerminationSignal (the flow stops its trainers, which
+    # checkpoint, and records the end), then sends it again to the handler it found: this one, so the command
+    # ends with its one line and 143 rather than dying by the signal
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    with tags("lmyard"):  # as every deployment's runs: lmyard's automations act on this tag only
+        # the tracking password goes to the environment before the config becomes the flow run's parameter
+        result = flow_fn(config=credentials_to_env(config))
+    if isinstance(result, ShardSet):  # `lmyard shard`
+        print(f"lmyard: shard set {result.address} at {result.uri}")
+        return 0
+    val = f"val loss {result.val_loss:.4f}" if result.val_loss is not None else "no val loss"
+    failed = f"; evaluation failed at steps {sorted(result.failed_evaluations)}" if result.failed_evaluations else ""
+    print(
+        f"lmyard: {result.run_name} finished at step {result.steps}: {val} (MLflow run {result.mlflow_run_id}){failed}"
+    )
+    print(f"lmyard: {console.where_next(config.tracking.uri, result.mlflow_run_id, result.registered_model)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     # a reader that stops early (`lmyard config --reference | head`) ends the command quietly, as for any tool
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     # Prefect's client telemetry (and its first-run notice) is off unless the operator turns it on (DO_NOT_TRACK=0)
     os.environ.setdefault("DO_NOT_TRACK", "1")
     args = _parser().parse_args(argv)
-    from lmyard.contracts import ShardSet
     from lmyard.errors import Diverged, LeaseLost, NoSpace, Preempted, StoreOutage, UserError
-    from lmyard.recipes import load_recipe
 
     try:
-        if args.command == "export":
-            return _export(args)
-        if args.command in ("runs", "status"):
-            from flows import ops
-
-            return ops.runs(args) if args.command == "runs" else ops.status(args)
-        if args.command == "config" and args.reference:
-            from lmyard.config_reference import reference_markdown
-
-            print(reference_markdown())
-            return 0
-        config = load_recipe(args.recipe, args.overrides)
-        if args.command == "config":
-            import yaml
-
-            print(yaml.safe_dump(config.redacted_dump(), sort_keys=False), end="")
-            return 0
-        from lmyard.store import open_store
-
-        open_store(config.store).check_writable()  # a read-only store fails here, before Prefect starts
-        # Offline-friendly Prefect defaults; an operator's own settings win.
-        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-        if args.command == "run":
-            from flows.pretrain import pretrain as flow_fn
-        else:
-            from flows.shard import shard as flow_fn  # type: ignore[assignment]  # both take config=, return a dict
-        from flows.prefect_server import start_temporary_server
-        from lmyard import console
-        from lmyard.tracking.credentials import credentials_to_env
-
-        console.install(config.store)  # what a person reads: lmyard/console.py
-        _quiet_user_errors()
-        start_temporary_server()  # out of reach of the terminal's Ctrl-C, so the run can record how it ended
-        # Prefect's flow engine turns a SIGTERM into its TerminationSignal (the flow stops its trainers, which
-        # checkpoint, and records the end), then sends it again to the handler it found: this one, so the command
-        # ends with its one line and 143 rather than dying by the signal
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        # the tracking password goes to the environment before the config becomes the flow run's parameter
-        from prefect import tags
-
-        with tags("lmyard"):  # as every deployment's runs: lmyard's automations act on this tag only
-            result = flow_fn(config=credentials_to_env(config))
+        return _command(args)
     except (UserError, Diverged, StoreOutage, NoSpace, Preempted, LeaseLost) as e:  # one line each, its exit code
         print(f"lmyard: error: {e}", file=sys.stderr)
         return int(e.exit_code)
@@ -169,22 +190,6 @@ def main(argv: list[str] | None = None) -> int:
     except _Terminated as e:
         print("lmyard: terminated; run the same command again to resume from the latest checkpoint", file=sys.stderr)
         return int(e.code or 143)
-    if args.command == "run":
-        from lmyard.console import where_next
-
-        val = f"val loss {result.val_loss:.4f}" if result.val_loss is not None else "no val loss"
-        failed = (
-            f"; evaluation failed at steps {sorted(result.failed_evaluations)}" if result.failed_evaluations else ""
-        )
-        print(
-            f"lmyard: {result.run_name} finished at step {result.steps}: {val} "
-            f"(MLflow run {result.mlflow_run_id}){failed}"
-        )
-        print(f"lmyard: {where_next(config.tracking.uri, result.mlflow_run_id, result.registered_model)}")
-    else:
-        assert isinstance(result, ShardSet)  # `lmyard shard` returns the shard set
-        print(f"lmyard: shard set {result.address} at {result.uri}")
-    return 0
 
 
 if __name__ == "__main__":

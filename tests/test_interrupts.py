@@ -78,11 +78,17 @@ def _signal_after_step_10(proc: subprocess.Popen, log: Path, send) -> list[psuti
     """Wait until the trainer is past step 10, note every process of the run (the temporary server, torchrun, its
     ranks), signal; returns those processes."""
     deadline = time.monotonic() + 300
-    while not re.search(r"step (1\d|[2-9]\d|\d{3,})/2000", log.read_text()):
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.2)
-    family = psutil.Process(proc.pid).children(recursive=True)
-    assert any("uvicorn" in p.cmdline() for p in family), "no temporary Prefect server among the run's processes"
+    try:
+        while not re.search(r"step (1\d|[2-9]\d|\d{3,})/2000", log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        servers = [p for p in family if "prefect server start" in " ".join(p.cmdline())]
+        assert servers, "no temporary Prefect server among the run's processes"
+        assert all(os.getsid(p.pid) == p.pid for p in servers), "the temporary server shares the run's session"
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)  # the run, not left behind by a failed test
+        raise
     send()
     return family
 

@@ -667,21 +667,6 @@ def _reporter(sources, readers, writers, stats, log, progress):
     return report
 
 
-def _lopsided(tokens: dict[str, int], val_every: int) -> str | None:
-    """A warning when the val split holds far more of the tokens than data.val_every's share of the documents
-    (one huge document landed in it): training would see little of the corpus."""
-    share = tokens["val"] / max(1, tokens["train"] + tokens["val"])
-    expected = 1 / val_every
-    if tokens["val"] <= 5 * tokens["train"] / (val_every - 1):  # up to 5x its share of documents' tokens
-        return None
-    return (
-        f"warning: the val split holds {100 * share:.1f}% of the tokens ({tokens['val']:,} val against "
-        f"{tokens['train']:,} train), where data.val_every={val_every} puts {100 * expected:.1f}% of the documents "
-        "there: a few large documents fell into it. Split large documents (one per line or file), or change "
-        "data.val_every"
-    )
-
-
 def _finish(cfg, store, layout, sources, address, key, version, dtype, entries, counts, stats, log, report):
     docs = stats["docs"]
     if docs == 0:
@@ -695,7 +680,7 @@ def _finish(cfg, store, layout, sources, address, key, version, dtype, entries, 
                 f"{_describe(cfg)} gave no {split} tokens from {docs} documents; "
                 f"add documents or lower data.val_every (now {cfg.data.val_every})"
             )
-    if lopsided := _lopsided(tokens, cfg.data.val_every):
+    if lopsided := fmt.lopsided_split(tokens, cfg.data.val_every):
         log(lopsided)
     skipped = {k: v for s in sources for k, v in s.skipped.items()}
     if skipped:

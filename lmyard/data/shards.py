@@ -104,3 +104,18 @@ def load_manifest(store, address: str) -> ShardSet | None:
         return None
     manifest = json.loads(store.read_bytes(layout.manifest))
     return ShardSet(address=address, uri=store.uri(layout.root), manifest=manifest)
+
+
+def lopsided_split(tokens: dict[str, int], val_every: int) -> str | None:
+    """A warning when the val split holds far more of the tokens than data.val_every's share of the documents
+    (one huge document landed in it): training would see little of the corpus."""
+    share = tokens["val"] / max(1, tokens["train"] + tokens["val"])
+    expected = 1 / val_every
+    if tokens["val"] <= 5 * tokens["train"] / (val_every - 1):  # up to 5x its share of documents' tokens
+        return None
+    return (
+        f"warning: the val split holds {100 * share:.1f}% of the tokens ({tokens['val']:,} val against "
+        f"{tokens['train']:,} train), where data.val_every={val_every} puts {100 * expected:.1f}% of the documents "
+        "there: a few large documents fell into it. Split large documents (one per line or file), or change "
+        "data.val_every"
+    )

@@ -14,7 +14,10 @@ ARGS` with two differences.
 
    Preempted ranks wait for each other's commit before exiting (lmyard.train.components.
    Preemption.barrier), so the second path is rare; it still must not cut a commit short.
-   Every close of the ranks here waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT.
+   Every close of the ranks here waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT. torchrun's own
+   option (`--shutdown-timeout`, or that variable) reaches only the first path, and no
+   public option the second, so PContext.close is rebound here: the one patch of torch
+   in lmyard, listed in tests/test_habits.py, which also fails if torch changes the method.
 
 2. A rank that fails ends it with one line, not torchrun's traceback of its own ChildFailedError. The ranks say
    why they failed themselves (one line for a known error, a traceback for a crash) and rank 0's result file

@@ -21,7 +21,9 @@ decides, through `set_alias`); the newest version of a name is always
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from lmyard.tracking.lineage import Lineage
@@ -116,11 +118,7 @@ def register_model(
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    # MLflow's SQL registry store (a sqlite:// URI, no server) looks the logged model up through the process's
-    # global tracking URI rather than this client's: point that at ours for the call
-    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
-
-    with _use_tracking_uri(lineage.tracking_uri):
+    with _global_tracking_uri(lineage.tracking_uri):
         version = client.create_model_version(
             name,
             source=f"models:/{model_id}",
@@ -134,6 +132,22 @@ def register_model(
         {"lmyard.registered_model": f"{name}/{version.version}", "lmyard.final_checkpoint": checkpoint_uri}
     )
     return str(version.version)
+
+
+@contextlib.contextmanager
+def _global_tracking_uri(uri: str) -> Iterator[None]:
+    """The process's global MLflow tracking URI set to `uri` for a call, then as it was (unset included).
+
+    MLflow's SQL registry store (a sqlite:// URI, no server) looks the logged model of a `models:/<model id>`
+    source up through the global tracking URI rather than the client's."""
+    import mlflow
+
+    previous = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(previous)  # type: ignore[arg-type]  # None unsets it, as before the call
 
 
 def list_version_on_model(lineage: Lineage, model_id: str, name: str, version: str) -> None:

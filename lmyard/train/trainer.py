@@ -17,12 +17,10 @@ stay light (no mlflow or boto3 until used) so the entrypoint starts fast.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass
 
@@ -739,14 +737,3 @@ def train_stage(spec_path: str | None = None) -> int:
             run["sink"].close()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m lmyard.train [--spec spec.json]`: the same as `python -m lmyard.stages train`."""
-    parser = argparse.ArgumentParser(prog="python -m lmyard.train", description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", help="run spec JSON file (default: the LMYARD_SPEC environment variable)")
-    return train_stage(parser.parse_args(argv).spec)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,328 @@
+"""Habits the tools hold the code to (lmyard/, flows/, tasks/), read from the source with ast:
+
+- no reach into other projects' internals: no `subprocess.Popen` swapped, no torch elastic `PContext` patched but
+  the one listed, no private (`_`-prefixed) name of mlflow or prefect; the private names of torch kept for speed
+  are listed here, and each is looked up, so a torch that moves one fails here rather than in a run;
+- functions of at most MAX_FUNCTION_LINES lines and MAX_PARAMETERS parameters, modules of at most
+  MAX_MODULE_LINES lines but those listed (with their line counts as ceilings: they shrink, never grow);
+- one way into training: `python -m lmyard.stages train`.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FOLDERS = ("lmyard", "flows", "tasks")
+
+
+def _sources() -> list[tuple[str, ast.Module]]:
+    return [
+        (str(p.relative_to(REPO)), ast.parse(p.read_text()))
+        for folder in FOLDERS
+        for p in sorted((REPO / folder).rglob("*.py"))
+    ]
+
+
+def _private(name: str) -> bool:
+    return any(part.startswith("_") and not part.endswith("__") for part in name.split("."))
+
+
+def _chain(node: ast.expr) -> list[str] | None:
+    """`a.b.c` -> ["a", "b", "c"]; None where the chain does not start at a name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+
+def names_used(tree: ast.Module, project: str) -> set[str]:
+    """The dotted names of `project` a module imports or looks up (through the names it imported them as), each
+    as far as the source spells it: `from torch.x import _y as z` then `z.w` is `torch.x._y.w`."""
+    aliases: dict[str, str] = {}
+    used: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == project:
+                    aliases[a.asname or project] = a.name if a.asname else project
+                    used.add(a.name)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == project:
+            for a in node.names:
+                aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                used.add(f"{node.module}.{a.name}")
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and id(node) not in inner:
+            chain = _chain(node)
+            if chain and chain[0] in aliases:
+                used.add(".".join([aliases[chain[0]], *chain[1:]]))
+    return used
+
+
+def private_names(project: str) -> dict[str, set[str]]:
+    """Private name of `project` -> the files that use it; only the longest spelling of each use (a module
+    imported and then looked into is the name looked up)."""
+    found: dict[str, set[str]] = {}
+    for path, tree in _sources():
+        for name in names_used(tree, project):
+            if _private(name):
+                found.setdefault(name, set()).add(path)
+    return {n: files for n, files in found.items() if not any(o.startswith(n + ".") for o in found)}
+
+
+def test_name_scan_follows_aliases_and_keeps_the_longest_spelling(tmp_path):
+    tree = ast.parse(
+        "import torch\n"
+        "import torch.distributed._x as x\n"
+        "from torch.a import _b as b, c\n"
+        "def f():\n"
+        "    from torch._inductor import config\n"
+        "    config.flag = True\n"
+        "    torch._foreach_add_(x.y.z, b.k)\n"
+        "    return c.public\n"
+    )
+    used = names_used(tree, "torch")
+    assert {
+        "torch._foreach_add_",
+        "torch.distributed._x.y.z",
+        "torch.a._b.k",
+        "torch._inductor.config.flag",
+        "torch.a.c.public",
+    } <= used
+
+
+# ---------------------------------------------------------------- other projects' internals
+
+
+def test_no_private_name_of_mlflow_or_prefect_is_used():
+    found = {**private_names("mlflow"), **private_names("prefect")}
+    assert not found, "use MLflow's and Prefect's public API: " + "; ".join(
+        f"{n} in {', '.join(sorted(files))}" for n, files in sorted(found.items())
+    )
+
+
+def _assigned_attributes(tree: ast.Module) -> list[tuple[list[str], int]]:
+    """Each `a.b = ...` (augmented and annotated included) and `setattr(a, "b", ...)`: (["a", "b"], line)."""
+    out = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[0], ast.Name):
+                out.append(([node.args[0].id, str(node.args[1].value)], node.lineno))
+        for t in targets:
+            for el in t.elts if isinstance(t, ast.Tuple) else [t]:
+                if isinstance(el, ast.Attribute) and (chain := _chain(el)):
+                    out.append((chain, node.lineno))
+    return out
+
+
+# torch's agent closes the other ranks with a fixed 30 s when one exits (SubprocessContext._poll -> close()),
+# whatever --shutdown-timeout says (torch 2.13); no public option reaches that path, so the launcher's torchrun
+# rebinds PContext.close to honour the timeout there too (the canary below and test_preemption's
+# test_torchrun_waits_launch_grace_s_not_30_s_before_killing_the_ranks_left_after_one_exited hold it)
+PCONTEXT_PATCHES = {"lmyard/launch/torchrun.py"}
+
+
+def test_no_popen_swapped_and_no_pcontext_patched_but_the_listed_one():
+    popen, pcontext = [], set()
+    for path, tree in _sources():
+        for chain, line in _assigned_attributes(tree):
+            if chain[-1] == "Popen" or chain[:2] == ["subprocess", "Popen"]:
+                popen.append(f"{path}:{line}")
+            if "PContext" in chain[:-1]:
+                pcontext.add(path)
+    assert not popen, f"subprocess.Popen reassigned (start the process yourself): {popen}"
+    assert pcontext == PCONTEXT_PATCHES, f"PContext patched in {sorted(pcontext)}; listed: {sorted(PCONTEXT_PATCHES)}"
+
+
+def test_the_assignment_scan_sees_patches_in_every_spelling():
+    tree = ast.parse(
+        "import subprocess\n"
+        "subprocess.Popen = Mine\n"
+        "popen, subprocess.Popen = subprocess.Popen, Mine\n"
+        "PContext.close = close\n"
+        "setattr(PContext, 'close', close)\n"
+    )
+    chains = [chain for chain, _ in _assigned_attributes(tree)]
+    assert chains == [["subprocess", "Popen"], ["subprocess", "Popen"], ["PContext", "close"], ["PContext", "close"]]
+
+
+def test_the_pcontext_close_the_launcher_rebinds_is_where_and_what_it_expects():
+    from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessContext
+
+    params = inspect.signature(PContext.close).parameters
+    assert list(params) == ["self", "death_sig", "timeout"], f"PContext.close changed: {list(params)}"
+    assert params["timeout"].default == 30, "torch's default grace changed: is lmyard.launch.torchrun's patch needed?"
+    assert issubclass(SubprocessContext, PContext) and "close" not in vars(SubprocessContext)
+
+
+# torch's private names that lmyard uses, each for a reason of speed or memory (the module that uses it says
+# which). A new one is added here; one no longer used is removed.
+TORCH_PRIVATE = {
+    "torch._C": "memory: the allocator's settings in this process (torch >= 2.11)",
+    "torch._foreach_add_": "optim: one launch for every parameter's step",
+    "torch._foreach_mul_": "optim: one launch for the clipping scale",
+    "torch._foreach_norm": "optim: one launch for the gradients' norms",
+    "torch._inductor.config.emulate_precision_casts": "parallel: float8 rowwise as torchtitan compiles it",
+    "torch._weights_only_unpickler": "checkpoint.readahead: loading from memory already read",
+    "torch.autograd._unsafe_preserve_version_counter": "fsdp_copies: copies off the compute stream",
+    "torch.cuda.memory._set_allocator_settings": "memory: the allocator's settings (torch < 2.11)",
+    "torch.distributed._shard._utils.narrow_tensor_by_index": "checkpoint.dcp: reading shards in place",
+    "torch.distributed._symmetric_memory.get_mem_pool": "parallel: copy-engine all-gathers",
+    "torch.distributed._symmetric_memory.rendezvous": "parallel: copy-engine all-gathers",
+    "torch.distributed._symmetric_memory.set_backend": "parallel: copy-engine all-gathers",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper": "parallel: activation ckpt",
+    "torch.distributed.checkpoint._state_dict_stager.StateDictStager": "checkpoint.dcp: staging to pinned memory",
+    "torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner": "checkpoint.dcp: loading to full",
+    "torch.distributed.checkpoint.state_dict_loader._load_state_dict": "checkpoint.dcp: one load, no collective",
+    "torch.distributed.fsdp._fully_shard._fsdp_api.AllGather": "parallel: copy-engine all-gathers",
+    "torch.distributed.fsdp._fully_shard._fsdp_collectives": "fsdp_copies (lmyard.train.fsdp_copies.missing)",
+    "torch.distributed.fsdp._fully_shard._fsdp_param": "fsdp_copies (lmyard.train.fsdp_copies.missing)",
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group": "fsdp_copies (lmyard.train.fsdp_copies.missing)",
+    "torch.nn.attention._fa4.register_flash_attention_fa4": "flash4: FlashAttention-4 through torch's registry",
+    "torch.ops._c10d_functional.reduce_scatter_tensor.default": "parallel: selective checkpointing's policy",
+    "torch.serialization._load": "checkpoint.readahead: loading from memory already read",
+    "torch.serialization._open_zipfile_reader": "checkpoint.readahead: loading from memory already read",
+    "torch.utils._pytree.tree_map_only": "checkpoint.dcp",
+}
+# looked up only where torch has them: the code checks for them and takes another path otherwise
+TORCH_OPTIONAL = {"torch.nn.attention._fa4.register_flash_attention_fa4", "torch.cuda.memory._set_allocator_settings"}
+
+
+def test_the_private_names_of_torch_in_use_are_the_listed_ones():
+    found = private_names("torch")
+    new = {n: sorted(f) for n, f in found.items() if n not in TORCH_PRIVATE}
+    assert not new, f"torch's private names not listed in TORCH_PRIVATE (list each, with why): {new}"
+    gone = sorted(set(TORCH_PRIVATE) - set(found))
+    assert not gone, f"listed in TORCH_PRIVATE but no longer used (remove them): {gone}"
+
+
+def lookup(name: str) -> object:
+    """The object a dotted name names: the longest importable module, then attributes."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        module = ".".join(parts[:i])
+        try:
+            obj: object = importlib.import_module(module)
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(name)
+
+
+@pytest.mark.parametrize("name", sorted(set(TORCH_PRIVATE) - TORCH_OPTIONAL))
+def test_each_private_name_of_torch_in_use_is_where_lmyard_looks_it_up(name):
+    try:
+        lookup(name)
+    except (ImportError, AttributeError) as e:
+        pytest.fail(f"torch moved {name} ({e}); {TORCH_PRIVATE[name]}")
+
+
+def test_the_fsdp2_internals_that_side_copies_rebind_are_all_there():
+    from lmyard.train.fsdp_copies import missing
+
+    assert missing() is None
+
+
+# ---------------------------------------------------------------- sizes
+
+MAX_FUNCTION_LINES = 60
+MAX_PARAMETERS = 13  # self and cls not counted; keyword-only counted
+MAX_MODULE_LINES = 500
+# modules over MAX_MODULE_LINES and their line counts: a ceiling each; split one and remove it from here
+LONG_MODULES = {
+    "lmyard/config.py": 849,
+    "lmyard/checkpoint/dcp.py": 827,
+    "lmyard/data/sharding.py": 721,
+    "lmyard/train/trainer.py": 739,
+}
+
+
+def _functions():
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield path, node
+
+
+def _lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """From `def` to the function's last line (decorators not counted, its docstring counted)."""
+    return (fn.end_lineno or fn.lineno) - fn.lineno + 1
+
+
+def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = fn.args
+    positional = [p.arg for p in a.posonlyargs + a.args]
+    return len(positional) + len(a.kwonlyargs) - (1 if positional[:1] in (["self"], ["cls"]) else 0)
+
+
+def test_no_function_is_over_60_lines():
+    long = [
+        f"{path}:{fn.lineno} {fn.name} ({_lines(fn)} lines)"
+        for path, fn in _functions()
+        if _lines(fn) > MAX_FUNCTION_LINES
+    ]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them): {long}"
+
+
+def test_no_function_takes_more_than_the_parameter_bound():
+    many = [
+        f"{path}:{fn.lineno} {fn.name} ({_parameters(fn)})"
+        for path, fn in _functions()
+        if _parameters(fn) > MAX_PARAMETERS
+    ]
+    assert not many, f"functions with more than {MAX_PARAMETERS} parameters (group them in a dataclass): {many}"
+
+
+def test_no_module_grows_past_its_line_bound():
+    lines = {path: len((REPO / path).read_text().splitlines()) for path, _ in _sources()}
+    over = {p: n for p, n in lines.items() if n > LONG_MODULES.get(p, MAX_MODULE_LINES)}
+    assert not over, f"modules over their bound ({MAX_MODULE_LINES} lines, or LONG_MODULES' ceiling): {over}"
+    shrunk = sorted(p for p in LONG_MODULES if lines.get(p, 0) <= MAX_MODULE_LINES)
+    assert not shrunk, f"within {MAX_MODULE_LINES} lines now: remove them from LONG_MODULES: {shrunk}"
+
+
+def test_the_size_checks_count_lines_and_parameters_as_they_say():
+    [cls] = ast.parse(
+        "class A:\n    @staticmethod\n    def f(self, a, /, b, *args, c, d=1, **kw):\n        pass\n"
+    ).body
+    [fn] = cls.body
+    assert _parameters(fn) == 4 and _lines(fn) == 2
+
+
+# ---------------------------------------------------------------- one way into training
+
+
+TRAIN_MODULE_RUN = re.compile(r"""-m["',\s]*lmyard\.train(?![\w.])""")  # `-m lmyard.train`, also as list items
+
+
+def test_training_has_one_entry_the_train_stage():
+    assert importlib.util.find_spec("lmyard.train.__main__") is None, "python -m lmyard.train is back"
+    import lmyard.train.trainer as trainer
+
+    assert not hasattr(trainer, "main"), "lmyard.train.trainer.main is a second entry: use lmyard.stages"
+    users = [
+        str(p.relative_to(REPO))
+        for p in REPO.rglob("*")
+        if p.is_file()
+        and ".git" not in p.parts
+        and p != Path(__file__)
+        and (p.suffix in {".py", ".md", ".yaml", ".toml", ".sh"} or p.name == "Dockerfile")
+        and TRAIN_MODULE_RUN.search(p.read_text(errors="replace"))
+    ]
+    assert not users, f"these start training as `-m lmyard.train`: use `-m lmyard.stages train`: {users}"
