@@ -11,7 +11,8 @@ after step S (a stuck collective, for the watchdog); `hang_before@S` stops the
 last rank before step S (S=1: before its first step and heartbeat, as a rank
 stuck in rendezvous or resume would, for the startup timeout); `pause@S` makes
 every rank sleep LMYARD_FAULT_PAUSE_S seconds (default 5) after step S, a window
-in which a drill acts at a known step. Each fires once per process, or once for
+in which a drill acts at a known step; `kill@S` makes the last rank SIGKILL itself
+after step S (the kernel's OOM killer, a `kill -9`). Each fires once per process, or once for
 good when LMYARD_FAULTS_STATE names a folder where fired faults are recorded (so
 a retried job does not meet the same fault again).
 Unset in production: nothing here fires.

@@ -110,3 +110,20 @@ def test_torchrun_waits_launch_grace_s_not_30_s_before_killing_the_ranks_left_af
         cmd, env={**os.environ, **stage_env(cfg)}, capture_output=True, text=True, timeout=SLOW_UPLOAD_S + 60
     )
     assert done.exists(), "torchrun killed rank 0 before launch.grace_s:\n" + proc.stderr[-2000:]
+
+
+def test_a_rank_killed_by_sigkill_is_named_first_not_through_the_survivors_broken_collective(tmp_path, monkeypatch):
+    """Rank 1 SIGKILLs itself after step 3 (as the OOM killer would): rank 0 then fails on the broken gloo
+    collective, and the error names rank 1's signal first, the survivor's error after it."""
+    from lmyard.errors import TrainingFailed
+
+    monkeypatch.setenv("LMYARD_FAULTS", "kill@3")
+    monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
+    cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=20, **{"launch.grace_s": 10}))
+    shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
+    spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
+    with pytest.raises(TrainingFailed) as info:
+        run_local(cfg, spec, on_line=lambda line: None)
+    first = str(info.value).splitlines()[0]
+    assert "rank 1 was killed by signal 9 (SIGKILL: the kernel's out-of-memory killer, or a kill -9)" in first, first
+    assert first.index("rank 1 was killed") < first.index("the other ranks failed after it")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import json
 import os
 import queue
 import shutil
@@ -287,6 +288,14 @@ class Follower:
             raise error_for(result.exit_code, result.message, result.status)
         self._crashed(result)
 
+    def _killed_ranks(self) -> str | None:
+        """The ranks torchrun saw killed by a signal, on any node (its `exits/` files), in words."""
+        exits: dict[int, int] = {}
+        for raw in self.job.read_all("exits").values():
+            with contextlib.suppress(ValueError, AttributeError):
+                exits.update({int(r): int(c) for r, c in json.loads(raw).items()})
+        return killed_by_signal(exits)
+
     def _crashed(self, failure: StageError | None) -> None:
         stage = self.job.spec.stage
         failed = {i: c for i, c in self.exits.items() if c != 0}
@@ -299,7 +308,11 @@ class Follower:
             if self.job.nodes > 1
             else f"{stage} exited with code {code}{self.job.why(i, code)}"
         )
-        if failure is not None and failure.message and failure.message != failure.status:
+        if killed := self._killed_ranks():  # they died first; the others' errors are about their absence
+            what += f": {killed}; the other ranks failed after it"
+            if failure is not None and failure.message and failure.message != failure.status:
+                what += f" ({failure.message})"
+        elif failure is not None and failure.message and failure.message != failure.status:
             what += f": {failure.message}"
         raise TrainingFailed(
             what
@@ -307,6 +320,21 @@ class Follower:
             + ". Last lines:\n"
             + "\n".join([*self.tails[i], *others])
         )
+
+
+def killed_by_signal(exits: dict[int, int]) -> str | None:
+    """Words on the ranks a signal ended (torchrun reports them with a negative code), or None."""
+    killed = sorted((r, -c) for r, c in exits.items() if c < 0)
+    if not killed:
+        return None
+    names = {signal.SIGKILL: "SIGKILL: the kernel's out-of-memory killer, or a kill -9", signal.SIGTERM: "SIGTERM"}
+    words = [
+        f"rank {r} was killed by signal {sig} ({names.get(signal.Signals(sig), signal.Signals(sig).name)})"
+        if sig in signal.Signals._value2member_map_
+        else f"rank {r} was killed by signal {sig}"
+        for r, sig in killed
+    ]
+    return "; ".join(words)
 
 
 def stop_all(wait_s: float = 0.0) -> int:

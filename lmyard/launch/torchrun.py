@@ -53,10 +53,33 @@ def main() -> int:
     try:
         torchrun()
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        exits = {rank: f.exitcode for rank, f in e.failures.items()}
+        rank = first_to_fail(exits, {rank: f.timestamp for rank, f in e.failures.items()})
+        failure = e.failures[rank]
         print(f"torchrun: rank {rank} exited with code {failure.exitcode} (pid {failure.pid})", file=sys.stderr)
+        _record_exits(exits)
         return 1
     return 0
+
+
+def first_to_fail(exits: dict[int, int], timestamps: dict[int, int]) -> int:
+    """The rank that failed first: one killed by a signal (negative code: SIGKILL by the OOM killer, a kill -9)
+    before any that exited with an error (the others fail after it, on the broken collective), else the earliest."""
+    return min(exits, key=lambda r: (exits[r] >= 0, timestamps.get(r, 0), r))
+
+
+def _record_exits(exits: dict[int, int]) -> None:
+    """Every failed rank's exit code, for the launcher (its exchange folder's exits/, one file per node)."""
+    import json
+    import socket
+
+    folder = os.environ.get("LMYARD_EXCHANGE_DIR")
+    if not folder:
+        return
+    os.makedirs(os.path.join(folder, "exits"), exist_ok=True)
+    path = os.path.join(folder, "exits", f"{socket.gethostname()}-{os.getpid()}")
+    with open(path, "w") as f:
+        json.dump({str(rank): code for rank, code in exits.items()}, f)
 
 
 if __name__ == "__main__":

@@ -224,6 +224,9 @@ class FaultHook:
         if self.rank == self.world - 1 and faults.fires("hang", step):
             print(f"injected hang of rank {self.rank} after step {step}", flush=True)
             time.sleep(1e6)
+        if self.rank == self.world - 1 and faults.fires("kill", step):
+            print(f"injected SIGKILL of rank {self.rank} after step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         if faults.fires("crash", step):
             flush()  # crash at a reproducible point: earlier checkpoints committed
             print(f"injected crash after step {step}", flush=True)
