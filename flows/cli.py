@@ -113,9 +113,12 @@ def main(argv: list[str] | None = None) -> int:
 
             print(yaml.safe_dump(config.redacted_dump(), sort_keys=False), end="")
             return 0
+        from lmyard.layout import RunLayout
         from lmyard.store import open_store
 
-        open_store(config.store).check_writable()  # a read-only store fails here, before Prefect starts
+        # a read-only store (or its runs/) fails here, before Prefect starts
+        run_folder = [RunLayout(config.run_name).root] if args.command == "run" else []
+        open_store(config.store).check_writable(*run_folder)
         # Offline-friendly Prefect defaults; an operator's own settings win.
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
         if args.command == "run":
