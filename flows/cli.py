@@ -9,7 +9,8 @@
 
 RECIPE is a built-in name (`smoke`, the CPU default) or a YAML path.
 User mistakes print one line, `lmyard: error: ...`, and exit 2; a diverged run exits 3, a store
-outage or a full cache disk 4, a preempted run 5 (lmyard.errors.ExitCode).
+outage or a full cache disk 4, a preempted run 5 (lmyard.errors.ExitCode). A failed run's last line is
+that one line, whatever ended it (a crash exits 1), said once (lmyard.console).
 """
 
 from __future__ import annotations
@@ -21,14 +22,18 @@ import sys
 
 
 class _NoTracebackForUserErrors(logging.Filter):
-    """Prefect logs failed runs with their traceback; a user mistake needs only its message."""
+    """Prefect logs failed runs with their traceback; a user mistake, or a stage's failure (a crash, a stall),
+    needs only its message: a traceback is kept for an error outside lmyard's, where the code went wrong."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from lmyard.errors import ExitCode, exit_code_of
+        from lmyard.errors import ExitCode, StageFailed, UserError, exit_code_of
 
         error = record.exc_info[1] if record.exc_info else None
-        if error is not None and exit_code_of(error) != ExitCode.CRASHED:
+        if error is not None and (
+            isinstance(error, (UserError, StageFailed)) or exit_code_of(error) != ExitCode.CRASHED
+        ):
             record.exc_info, record.exc_text = None, None
+            record.error = error  # what the console says of it (lmyard.console: each failure said once)
         return True
 
 
@@ -93,12 +98,22 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _failed(error: BaseException, code: int, kind: str = "") -> int:
+    """The last line of a failed command: the error, once (the console prints nothing more of it)."""
+    from lmyard import console
+
+    console.settle(error)
+    print(f"lmyard: error: {kind}{console.headline(error)}", file=sys.stderr)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from lmyard.contracts import ShardSet
-    from lmyard.errors import Diverged, LeaseLost, NoSpace, Preempted, StoreOutage, UserError
+    from lmyard.errors import StageFailed, UserError
     from lmyard.recipes import load_recipe
 
+    running = False  # the flow runs: the console prints its failures
     try:
         if args.command == "export":
             return _export(args)
@@ -133,16 +148,21 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_user_errors()
         start_temporary_server()  # out of reach of the terminal's Ctrl-C, so the run can record how it ended
         # the tracking password goes to the environment before the config becomes the flow run's parameter
+        running = True
         result = flow_fn(config=credentials_to_env(config))
-    except (UserError, Diverged, StoreOutage, NoSpace, Preempted, LeaseLost) as e:  # one line each, its exit code
-        print(f"lmyard: error: {e}", file=sys.stderr)
-        return int(e.exit_code)
+    except (UserError, StageFailed) as e:  # one line each, the last: its exit code
+        return _failed(e, int(e.exit_code))
+    except Exception as e:  # a flaw of the code: the console printed its traceback once, above
+        if not running:
+            raise
+        return _failed(e, 1, f"{type(e).__name__}: ")
     except KeyboardInterrupt:
         print("lmyard: interrupted; run the same command again to resume from the latest checkpoint", file=sys.stderr)
         return 130
-    if args.command == "run":
-        from lmyard.console import where_next
+    from lmyard.console import settle, where_next
 
+    settle(None)  # a failure the flow went on from (an evaluation) prints before the result
+    if args.command == "run":
         val = f"val loss {result.val_loss:.4f}" if result.val_loss is not None else "no val loss"
         failed = (
             f"; evaluation failed at steps {sorted(result.failed_evaluations)}" if result.failed_evaluations else ""

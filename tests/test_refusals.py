@@ -12,7 +12,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import REPO, lmyard_cmd
+from conftest import REPO, lmyard_cmd, tiny_overrides
 
 # Tests run as root, which writes anywhere: drop the capabilities that bypass file permissions.
 UNPRIVILEGED = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner"]
@@ -75,3 +75,39 @@ def test_export_to_a_folder_whose_parent_is_not_writable_is_one_line(tmp_path):
     proc = _lmyard("export", uri, "--to", str(parent / "hf"), env=env, timeout=300)
     _assert_one_line_exit_2(proc, f"destination {parent / 'hf'}: cannot write in {parent} (Permission denied)")
     assert list(parent.iterdir()) == []
+
+
+# ---------------------------------------------------------------- each failure said once
+
+
+def _run(overrides: list[str], env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        lmyard_cmd("run", "smoke", *[x for o in overrides for x in ("--set", o)]),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def _ends_with_its_one_line(out: str) -> str:
+    """The output's last line, lmyard's `lmyard: error:` line, with no dump before it from Prefect."""
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("lmyard: error: "), out[-3000:]
+    assert out.count("lmyard: error:") == 1, out[-3000:]
+    for dump in ("Traceback", "Encountered exception", "Finished in state Failed", "Last lines:"):
+        assert dump not in out, f"{dump!r} in:\n{out[-3000:]}"
+    return last.removeprefix("lmyard: error: ")
+
+
+def test_a_crash_with_its_retries_spent_ends_in_its_one_line_and_says_each_attempt_once(cli_env, tmp_path):
+    overrides = tiny_overrides(tmp_path, steps=4, **{"run_name": "crashing", "launch.retries": 1})
+    done = _run(overrides, {**cli_env, "LMYARD_FAULTS": "crash@2"})  # every attempt crashes after step 2
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    error = _ends_with_its_one_line(done.stderr)
+    assert error == "train exited with code 1 (its last lines are above)"
+    assert out.count("injected crash after step 2") >= 2  # the failed ranks' last lines, as they printed them
+    assert out.count("train exited with code 1") == 2  # the first attempt's, with its retry, and the last line
+    assert out.count("retry 1/1 starts") == 1
