@@ -26,6 +26,7 @@ a flow here, it installs `Console` as the handler of what Prefect prints, and th
 from __future__ import annotations
 
 import ast
+import contextlib
 import logging
 import os
 import re
@@ -109,9 +110,10 @@ class Console(logging.Handler):
     def settle(self, error: BaseException | None) -> None:
         """The run ended (with `error`, which the command line's last line says): a held failure line that says
         the same prints nothing, any other prints now."""
-        if error is not None and self._held is not None and self._held[0] == headline(error):
-            self._held = None
-        self._release()
+        with self.lock or contextlib.nullcontext():  # emit() holds it too: Prefect logs from its own threads
+            if error is not None and self._held is not None and self._held[0] == headline(error):
+                self._held = None
+            self._release()
 
     def line(self, record: logging.LogRecord) -> str | None:
         """The record as printed, or None for chatter a person does not need."""
@@ -203,7 +205,7 @@ _STAGE_ERROR = re.compile(r"^(?:\[node \d+\] )?lmyard: error: (?P<message>.*)$",
 _EXCEPTION = re.compile(r"^(?:Task|Flow) run encountered an exception:? (?:[\w.]+: )?", re.S)
 
 
-def headline(error: BaseException | str) -> str:
+def headline(error: object) -> str:
     """An error as one line: its message's first line. The "last lines" a stage's failure carries (what its
     output said last) are on the lines above it already, as the run printed them."""
     text = str(error).strip() or type(error).__name__
@@ -220,7 +222,7 @@ def _failure(record: logging.LogRecord) -> tuple[str, str, str] | None:
         return None
     message, args = str(record.msg), record.args
     if message == _RETRY and isinstance(args, tuple) and len(args) == 5:
-        return "retry", headline(str(args[1])), f"; retry {args[2]}/{args[3]} starts {args[4]}"
+        return "retry", headline(args[1]), f"; retry {args[2]}/{args[3]} starts {args[4]}"
     error = record.exc_info[1] if record.exc_info else getattr(record, "error", None)  # without its traceback
     scope = "task" if record.name.startswith("prefect.task_runs") else "flow"
     stage = _STAGE_ERROR.match(message) if scope == "task" and not args else None
