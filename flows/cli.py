@@ -11,7 +11,8 @@
 
 RECIPE is a built-in name (`smoke`, the CPU default) or a YAML path.
 User mistakes print one line, `lmyard: error: ...`, and exit 2; a diverged run exits 3, a store
-outage or a full cache disk 4, a preempted run 5 (lmyard.errors.ExitCode).
+outage or a full cache disk 4, a preempted run 5 (lmyard.errors.ExitCode). A failed run's last line is
+that one line, whatever ended it (a crash exits 1), said once (lmyard.console).
 """
 
 from __future__ import annotations
@@ -24,14 +25,18 @@ import sys
 
 
 class _NoTracebackForUserErrors(logging.Filter):
-    """Prefect logs failed runs with their traceback; a user mistake needs only its message."""
+    """Prefect logs failed runs with their traceback; a user mistake, or a stage's failure (a crash, a stall),
+    needs only its message: a traceback is kept for an error outside lmyard's, where the code went wrong."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from lmyard.errors import ExitCode, exit_code_of
+        from lmyard.errors import ExitCode, StageFailed, UserError, exit_code_of
 
         error = record.exc_info[1] if record.exc_info else None
-        if error is not None and exit_code_of(error) != ExitCode.CRASHED:
+        if error is not None and (
+            isinstance(error, (UserError, StageFailed)) or exit_code_of(error) != ExitCode.CRASHED
+        ):
             record.exc_info, record.exc_text = None, None
+            record.error = error  # what the console says of it (lmyard.console: each failure said once)
         return True
 
 
@@ -107,6 +112,15 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _failed(error: BaseException, code: int, kind: str = "") -> int:
+    """The last line of a failed command: the error, once (the console prints nothing more of it)."""
+    from lmyard import console
+
+    console.settle(error)
+    print(f"lmyard: error: {kind}{console.headline(error)}", file=sys.stderr)
+    return code
+
+
 def _command(args: argparse.Namespace) -> int:
     """Every command but the flows' is quick and starts nothing; run and shard run their flow (_run_flow)."""
     from lmyard.recipes import load_recipe
@@ -139,10 +153,13 @@ def _run_flow(command: str, config) -> int:
     from flows.prefect_server import start_temporary_server
     from lmyard import console
     from lmyard.contracts import ShardSet
+    from lmyard.errors import StageFailed, UserError
+    from lmyard.layout import RunLayout
     from lmyard.store import open_store
     from lmyard.tracking.credentials import credentials_to_env
 
-    open_store(config.store).check_writable()  # a read-only store fails here, before Prefect starts
+    # a read-only store (or its runs/) fails here, before Prefect starts
+    open_store(config.store).check_writable(*([RunLayout(config.run_name).root] if command == "run" else []))
     # Offline-friendly Prefect defaults; an operator's own settings win.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if command == "run":
@@ -157,8 +174,13 @@ def _run_flow(command: str, config) -> int:
     # ends with its one line and 143 rather than dying by the signal
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with tags("lmyard"):  # as every deployment's runs: lmyard's automations act on this tag only
-        # the tracking password goes to the environment before the config becomes the flow run's parameter
-        result = flow_fn(config=credentials_to_env(config))
+        try:  # the tracking password goes to the environment before the config becomes the flow run's parameter
+            result = flow_fn(config=credentials_to_env(config))
+        except (UserError, StageFailed):
+            raise
+        except Exception as e:  # a flaw of the code: the console printed its traceback once, above
+            return _failed(e, 1, f"{type(e).__name__}: ")
+    console.settle(None)  # a failure the flow went on from (an evaluation) prints before the result
     if isinstance(result, ShardSet):  # `lmyard shard`
         print(f"lmyard: shard set {result.address} at {result.uri}")
         return 0
@@ -177,13 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     # Prefect's client telemetry (and its first-run notice) is off unless the operator turns it on (DO_NOT_TRACK=0)
     os.environ.setdefault("DO_NOT_TRACK", "1")
     args = _parser().parse_args(argv)
-    from lmyard.errors import Diverged, LeaseLost, NoSpace, Preempted, StoreOutage, UserError
+    from lmyard.errors import StageFailed, UserError
 
     try:
         return _command(args)
-    except (UserError, Diverged, StoreOutage, NoSpace, Preempted, LeaseLost) as e:  # one line each, its exit code
-        print(f"lmyard: error: {e}", file=sys.stderr)
-        return int(e.exit_code)
+    except (UserError, StageFailed) as e:  # one line each, the last: its exit code
+        return _failed(e, int(e.exit_code))
     except KeyboardInterrupt:
         print("lmyard: interrupted; run the same command again to resume from the latest checkpoint", file=sys.stderr)
         return 130

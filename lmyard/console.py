@@ -15,6 +15,9 @@ a flow here, it installs `Console` as the handler of what Prefect prints, and th
 - on a terminal (a TTY) tokenization and training get progress bars with an ETA (tqdm), fed by the progress
   both stages already report as typed records (`progress()`); lines print above the bars. Elsewhere (a file,
   CI, a pipe) no bars: the plain lines are the record;
+- a failure is said once (`Console.settle`): the stage's `lmyard: error:` line and Prefect's lines of the
+  task's and the flow's failure print nothing when the command line's last line says it; a retried attempt's
+  failure is one line with its retry; a stage's "last lines" are not repeated (they printed as they came);
 - the last line says where to look next: the MLflow UI and the registered model (`where_next`).
 
 `progress()` is a no-op where no console is installed (a deployment run by a Prefect worker).
@@ -22,6 +25,8 @@ a flow here, it installs `Console` as the handler of what Prefect prints, and th
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import logging
 import os
 import re
@@ -52,15 +57,63 @@ class Console(logging.Handler):
         self._stores = _store_prefixes(store)
         self._bars: dict[str, Any] = {}  # tqdm bars by name
         self._lock = threading.RLock()
+        self._held: tuple[str, str, str] | None = None  # a failure not printed yet: its headline, line, task
+        self._said: set[str] = set()  # the headlines of failures printed
 
     # ---- lines
     def emit(self, record: logging.LogRecord) -> None:
         try:
+            failure = _failure(record)
+            if failure is not None:
+                self._failed(record, *failure)
+                return
             text = self.line(record)
             if text is not None:
+                if self._held is not None and self._held[2] != _who(record):
+                    self._release()  # another task or the flow goes on: the failure was not the run's end
                 self.write(text)
         except Exception:
             self.handleError(record)
+
+    # ---- failures: each said once
+    def _failed(self, record: logging.LogRecord, scope: str, said: str, suffix: str = "") -> None:
+        """A failure is said by the stage (its `lmyard: error:` line), the task (its failure, its state), the
+        flow (its exception, its state) and the command line's last line. Here it prints once: a stage's or a
+        task's failure as one line, held back until a line of another task or of the flow shows the run goes on
+        (else the command line's last line says it, see `settle`); the flow's lines of it print nothing; a
+        retried attempt's failure prints with its retry. A traceback (an error outside lmyard's) prints once."""
+        held = self._held[0] if self._held is not None else None
+        if scope == "flow" and (not record.exc_info or said in self._said):
+            return
+        if scope in ("task", "stage") and (said in self._said or said == held):
+            return
+        if scope == "retry" and said == held:
+            self._held = None  # said now, with its retry
+        self._release()
+        keep = {"exc_info": record.exc_info if said not in self._said else None, "exc_text": None, "args": None}
+        text = self.line(logging.makeLogRecord({**record.__dict__, **keep, "msg": f"failed: {said}{suffix}"}))
+        if text is None:
+            return
+        if scope in ("task", "stage") and not record.exc_info:
+            self._held = (said, text, _who(record))
+        else:
+            self.write(text)
+            self._said.add(said)
+
+    def _release(self) -> None:
+        if self._held is not None:
+            said, text, _ = self._held
+            self._held = None
+            self.write(text)
+            self._said.add(said)
+
+    def settle(self, error: BaseException | None) -> None:
+        """The run ended (with `error`, which the command line's last line says): a held failure line that says
+        the same prints nothing, any other prints now."""
+        with self.lock or contextlib.nullcontext():  # emit() holds it too: Prefect logs from its own threads
+            if error is not None and self._held is not None and self._held[0] == headline(error):
+                self._held = None
+            self._release()
 
     def line(self, record: logging.LogRecord) -> str | None:
         """The record as printed, or None for chatter a person does not need."""
@@ -146,6 +199,49 @@ def _who(record: logging.LogRecord) -> str:
     return getattr(record, "flow_name", None) or "lmyard"
 
 
+_RETRY = "Task run failed with %s: %r - Retry %s/%s will start %s"  # Prefect's task engine
+_FAILED_STATE = re.compile(r"Finished in state Failed\((?P<quoted>'.*'|\".*\")\)$", re.S)
+_STAGE_ERROR = re.compile(r"^(?:\[node \d+\] )?lmyard: error: (?P<message>.*)$", re.S)  # lmyard.contracts.run_stage
+_EXCEPTION = re.compile(r"^(?:Task|Flow) run encountered an exception:? (?:[\w.]+: )?", re.S)
+
+
+def headline(error: object) -> str:
+    """An error as one line: its message's first line. The "last lines" a stage's failure carries (what its
+    output said last) are on the lines above it already, as the run printed them."""
+    text = str(error).strip() or type(error).__name__
+    first, _, rest = text.partition("\n")
+    first = re.sub(r"[.;:]?\s*last lines:?\s*$", "", first.strip(), flags=re.IGNORECASE)
+    return first + (" (its last lines are above)" if rest.strip() else "")
+
+
+def _failure(record: logging.LogRecord) -> tuple[str, str, str] | None:
+    """(scope, headline, suffix) for a line about a failure: `stage` (a stage's own `lmyard: error:` line),
+    `retry` (a task's attempt failed and is retried: the suffix says when), `task` (a task failed) or `flow`
+    (the flow failed); None for any other record."""
+    if not record.name.startswith(("prefect.flow_runs", "prefect.task_runs")) or record.levelno < logging.INFO:
+        return None
+    message, args = str(record.msg), record.args
+    if message == _RETRY and isinstance(args, tuple) and len(args) == 5:
+        return "retry", headline(args[1]), f"; retry {args[2]}/{args[3]} starts {args[4]}"
+    error = record.exc_info[1] if record.exc_info else getattr(record, "error", None)  # without its traceback
+    scope = "task" if record.name.startswith("prefect.task_runs") else "flow"
+    stage = _STAGE_ERROR.match(message) if scope == "task" and not args else None
+    if stage is not None:
+        return "stage", headline(stage["message"]), ""
+    if message.startswith("Task run failed with ") and error is not None:
+        return "task", headline(error), ""
+    if message.startswith("Encountered exception during execution") and error is not None:
+        return "flow", headline(error), ""
+    state = _FAILED_STATE.match(message)
+    if state is None:
+        return None
+    try:
+        text = ast.literal_eval(state["quoted"])
+    except (ValueError, SyntaxError):
+        text = state["quoted"][1:-1]
+    return scope, headline(_EXCEPTION.sub("", str(text))), ""
+
+
 def _is_chatter(record: logging.LogRecord, message: str) -> bool:
     if not record.name.startswith(("prefect.flow_runs", "prefect.task_runs")):
         return True  # Prefect's own INFO lines (the temporary server and its hints), libraries' INFO lines
@@ -170,6 +266,12 @@ def install(store: str, stream: TextIO | None = None) -> Console:
     _console = Console(store, stream)
     root.addHandler(_console)
     return _console
+
+
+def settle(error: BaseException | None) -> None:
+    """The run ended, with `error` or none: see Console.settle. A no-op where no console is installed."""
+    if _console is not None:
+        _console.settle(error)
 
 
 def progress(name: str, done: float, total: float | None, text: str = "") -> None:

@@ -38,7 +38,7 @@ class Store(Protocol):
     def size(self, key: str) -> int | None: ...
     def local_path(self, key: str) -> str | None: ...
     def sha256(self, key: str) -> str | None: ...
-    def check_writable(self) -> None: ...
+    def check_writable(self, *keys: str) -> None: ...
 
 
 @contextlib.contextmanager
@@ -57,6 +57,38 @@ def _replacing(path: Path) -> Iterator:
         raise
 
 
+def _nearest_existing(path: Path) -> Path:
+    """`path` or its nearest existing parent. A folder on the way this user cannot enter is an OSError that
+    names it (its filename)."""
+    for p in (path, *path.parents):
+        try:
+            os.stat(p)
+            return p
+        except FileNotFoundError:
+            continue
+        except PermissionError as e:
+            blocked = next((q for q in p.parents if _stats(q)), Path(p.anchor))
+            raise PermissionError(e.errno, f"{e.strerror}: this user cannot enter {blocked}", str(blocked)) from None
+    return Path(path.anchor)
+
+
+def _stats(path: Path) -> bool:
+    try:
+        os.stat(path)
+        return True
+    except OSError:
+        return False
+
+
+def _probe(folder: Path) -> None:
+    """Create and remove an empty file in `folder` (an OSError when this process cannot)."""
+    if not folder.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, f"{folder} is a file")
+    probe = folder / f".lmyard-write-probe.{os.getpid()}.{secrets.token_hex(4)}"
+    probe.write_bytes(b"")
+    probe.unlink()
+
+
 class LocalStore:
     """A folder. Writes go to a temp file in the same folder, then rename (atomic)."""
 
@@ -66,22 +98,21 @@ class LocalStore:
     def _path(self, key: str) -> Path:
         return Path(confined(self.root, key, "store key"))
 
-    def check_writable(self) -> None:
-        """A UserError now, before hours of work, when this process cannot create files in the folder (or in
-        its nearest existing parent, where the folder would be made). Leaves nothing behind."""
-        path = Path(self.root)
-        existing = next(p for p in (path, *path.parents) if p.exists())
-        probe = existing / f".lmyard-write-probe.{os.getpid()}.{secrets.token_hex(4)}"
-        try:
-            if not existing.is_dir():
-                raise NotADirectoryError(errno.ENOTDIR, f"{existing} is a file")
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
-            raise UserError(
-                f"store {self.root} is not writable ({e.strerror or type(e).__name__}): choose a folder this user "
-                "can write with --set store=PATH, or fix its permissions"
-            ) from None
+    def check_writable(self, *keys: str) -> None:
+        """A UserError now, before hours of work, when this process cannot create files in the folder, or in the
+        folders `keys` name under it (`runs/<run>`: a read-only `runs/`), each checked in its nearest existing
+        folder, where it would be made. Leaves nothing behind."""
+        for folder in (Path(self.root), *(self._path(key) for key in keys)):
+            try:
+                existing = folder
+                existing = _nearest_existing(folder)
+                _probe(existing)
+            except OSError as e:
+                where = f"store {self.root}" + (f": its folder {existing}" if str(existing) != self.root else "")
+                raise UserError(
+                    f"{where} is not writable ({e.strerror or type(e).__name__}): "
+                    "choose a folder this user can write with --set store=PATH, or fix its permissions"
+                ) from None
 
     def uri(self, key: str) -> str:
         return str(self._path(key))
@@ -218,7 +249,7 @@ class S3Store:
     def _errors(self, key: str = ""):
         return s3_errors(f"store {self.uri(key) if key else self.root}")
 
-    def check_writable(self) -> None:
+    def check_writable(self, *keys: str) -> None:
         """The bucket exists (a denied write names its fix when it happens: s3_errors)."""
         self._check_bucket()
 

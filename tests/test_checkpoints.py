@@ -312,8 +312,8 @@ def test_keeping_fewer_than_two_checkpoints_is_refused():
 
 
 def test_a_lineage_rerun_with_another_model_shape_exits_2_naming_both_shapes(cli_env, tmp_path):
-    """Same run_name, another preset: one line naming the run and both shapes, before any tensor is read; the
-    checkpoint is not damage (no quarantine, no retry)."""
+    """Same run_name, another preset: one line naming the run and both shapes, before any tensor is read, said
+    once (not again by Prefect's lines); the checkpoint is not damage (no quarantine, no retry)."""
     import subprocess
 
     from conftest import lmyard_cmd
@@ -338,5 +338,7 @@ def test_a_lineage_rerun_with_another_model_shape_exits_2_naming_both_shapes(cli
     assert "run 'shape'" in errors[0] and "arch=gpt2" in errors[0] and "arch=llama" in errors[0]
     assert "use a new run_name or model.init_from" in errors[0]
     assert "Traceback" not in again.stderr.split("lmyard: error:")[-1], again.stderr
+    assert again.stderr.strip().splitlines()[-1] == errors[0]  # the last line
+    assert (again.stdout + again.stderr).count("use a new run_name") == 1, again.stderr[-3000:]  # said once
     assert "retrying" not in again.stdout + again.stderr
     assert complete_steps(store, "shape") == [3] and store.list("runs/shape/damaged") == []

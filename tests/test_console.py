@@ -131,3 +131,65 @@ def test_prefects_client_telemetry_is_off_unless_the_operator_turns_it_on(monkey
     monkeypatch.setenv("DO_NOT_TRACK", "0")  # the operator's choice stands
     assert main(["config"]) == 0
     assert os.environ["DO_NOT_TRACK"] == "0"
+
+
+def test_a_failure_the_run_ends_with_is_left_to_the_last_line():
+    """The stage's own line, the task's state, the flow's exception and state all say one failure: the console
+    prints none of them when the command line's last line says it."""
+    from lmyard.errors import UserError
+
+    out = io.StringIO()
+    c = console.Console("/s", out)
+    error = UserError("run 'smoke' has checkpoint step 5 of another model (n_embd=32)")
+    train = {"task_name": "train", "task_run_name": "train-6b9"}
+    c.handle(_record(f"lmyard: error: {error}", **train))
+    c.handle(_record("torchrun: rank 1 exited with code 2 (pid 7)", **train))
+    c.handle(_record(f"Finished in state Failed('Task run encountered an exception UserError: {error}')", 40, **train))
+    flow = {"logger": "prefect.flow_runs", "flow_name": "pretrain"}
+    encountered = _record("Encountered exception during execution: %r", 40, error=error, **flow)
+    encountered.args = (error,)
+    c.handle(encountered)
+    c.handle(_record(f"Finished in state Failed('Flow run encountered an exception: UserError: {error}')", 40, **flow))
+    c.settle(error)
+    assert "another model" not in out.getvalue() and "torchrun: rank 1 exited" in out.getvalue()
+
+
+def test_a_failure_the_flow_goes_on_from_prints_once_before_the_next_line():
+    out = io.StringIO()
+    c = console.Console("/s", out)
+    evaluate = {"task_name": "evaluate-checkpoint", "task_run_name": "evaluate-step-3"}
+    failed = "Finished in state Failed('Task run encountered an exception UserError: no val shard\\nsecond line')"
+    c.handle(_record(failed, 40, **evaluate))
+    c.handle(_record(failed, 40, **evaluate))
+    c.handle(_record("step 4/6 | loss 5.1", task_name="train", task_run_name="train-6b9"))
+    c.settle(None)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and "Finished in state" not in out.getvalue(), lines
+    assert lines[0].endswith("evaluate-step-3: error: failed: no val shard (its last lines are above)")
+    assert lines[1].endswith("train: step 4/6 | loss 5.1")
+
+
+def test_a_retried_attempt_says_its_failure_and_its_retry_in_one_line():
+    from lmyard.errors import TrainingFailed
+
+    out = io.StringIO()
+    c = console.Console("/s", out)
+    retry = _record(
+        "Task run failed with %s: %r - Retry %s/%s will start %s", task_name="train", task_run_name="train-6b9"
+    )
+    retry.args = (
+        "exception",
+        TrainingFailed("train exited with code 1. Last lines:\na\nb"),
+        1,
+        2,
+        "5 second(s) from now",
+    )
+    c.handle(retry)
+    assert (
+        out.getvalue()
+        .rstrip("\n")
+        .endswith(
+            "train: failed: train exited with code 1 (its last lines are above); retry 1/2 starts 5 second(s) from now"
+        )
+    )
+    assert out.getvalue().count("\n") == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import subprocess
 import threading
 import time
 
@@ -484,3 +485,55 @@ def test_devices_mode_keeps_the_images_library_path_after_the_drivers(docker_cli
         assert _ours(docker_client, "ld-path") == ([], [])
     finally:
         docker_client.images.remove(image.id, force=True)
+
+
+def _engine_refuses_memlock(client, image) -> bool:
+    """Whether this engine refuses memlock unlimited (no CAP_SYS_RESOURCE), as the default ulimits ask."""
+    import docker
+    from docker.types import Ulimit
+
+    probe = client.containers.create(image, ["true"], ulimits=[Ulimit(name="memlock", soft=-1, hard=-1)])
+    try:
+        probe.start()
+        return False
+    except docker.errors.APIError:
+        return True
+    finally:
+        probe.remove(force=True)
+
+
+@pytest.mark.parametrize("ulimits", ["{bogus: 1}", "{memlock: -1, stack: 67108864}"])
+def test_a_container_the_engine_refuses_is_one_line_naming_node_engine_and_key_and_not_retried(
+    docker_client, base_image, cli_env, tmp_path, ulimits
+):
+    from conftest import lmyard_cmd
+
+    if "memlock" in ulimits and not _engine_refuses_memlock(docker_client, base_image):
+        pytest.skip("this engine may raise memlock (it has CAP_SYS_RESOURCE)")
+    run_name = f"refused-{'memlock' if 'memlock' in ulimits else 'bogus'}"
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "run_name": run_name,
+            "launch.backend": "docker",
+            "launch.docker.image": base_image,  # never runs: the engine refuses the container at its start
+            "launch.docker.ulimits": ulimits,
+            "launch.retries": 2,
+        },
+    )
+    engine = load_recipe("smoke", overrides).launch.docker.nodes[0]
+    done = subprocess.run(
+        lmyard_cmd("run", "smoke", *[x for o in overrides for x in ("--set", o)]),
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = done.stderr
+    assert done.returncode == 2, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(f"lmyard: error: node 0: the Docker engine {engine} refused its container ("), out[-3000:]
+    assert "rlimit" in last and "change launch.docker.ulimits" in last
+    assert "memlock" not in ulimits or "(memlock): operation not permitted" in last and "CAP_SYS_RESOURCE" in last
+    assert out.count("refused its container") == 1 and "Traceback" not in out and "Retry" not in out, out[-3000:]
+    assert _ours(docker_client, run_name) == ([], [])

@@ -163,6 +163,53 @@ def test_a_lost_node_fails_the_attempt_and_the_retry_resumes_from_the_checkpoint
     assert not [p.pid for p in psutil.process_iter(["cmdline"]) if launches & set(p.info["cmdline"] or [])]
 
 
+def test_a_lost_raylet_is_one_line_said_once_and_the_run_ends_in_its_one_line(ray_cluster, cli_env, tmp_path):
+    """Ray's driver is told of a raylet's death by each agent of its node, with the tail of its log: lmyard
+    folds that into one line, once; the run's last line is lmyard's one line."""
+    sets = tiny_overrides(
+        tmp_path,
+        steps=30,
+        **{
+            "run_name": "raylet",
+            "launch.backend": "ray",
+            "launch.nnodes": 2,
+            "launch.nproc_per_node": 1,
+            "launch.retries": 0,
+            "checkpoint.interval": 10,
+            "eval.interval": 1000,
+            "train.log_interval": 10,
+        },
+    )
+    # every rank pauses 60 s after step 10: the node is lost in that window
+    env = {**cli_env, "RAY_ADDRESS": ray_cluster.address, "LMYARD_FAULTS": "pause@10", "LMYARD_FAULT_PAUSE_S": "60"}
+    log = tmp_path / "run.log"
+    with open(log, "w") as out:
+        run = subprocess.Popen(
+            lmyard_cmd("run", "smoke", *[a for s in sets for a in ("--set", s)]),
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 400
+            while "step 10/30" not in log.read_text() and run.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert "step 10/30" in log.read_text(), log.read_text()[-3000:]
+            _lose_node(ray_cluster, "raylet")
+            assert run.wait(timeout=600) == 1, log.read_text()[-3000:]
+        finally:
+            if run.poll() is None:
+                run.kill()
+    text = log.read_text()
+    assert text.count("Raylet is terminated") == 1, text[-5000:]
+    (said,) = [line for line in text.splitlines() if "Raylet is terminated" in line]
+    assert said.endswith("Ray: Raylet is terminated. Termination is unexpected."), said
+    assert "[state-dump]" not in text
+    assert text.strip().splitlines()[-1].startswith("lmyard: error: lost node "), text[-3000:]
+    assert _leftovers("raylet") == ([], [])
+
+
 @pytest.mark.parametrize(
     ("sets", "resource"),
     [({"launch.ray.gpus_per_node": 1}, "GPU >= 1"), ({"launch.ray.resources": "{TPU: 4}"}, "TPU >= 4")],

@@ -221,6 +221,22 @@ def publish(folder: str, dest: str) -> str:
     return store.uri("").rstrip("/")
 
 
+def _staging_beside(dest: str) -> str:
+    """A new temporary folder beside a local `dest` (the final move is a rename), or in the system's temporary
+    folder for S3. A parent this user cannot write is a UserError that names it."""
+    parent = os.path.dirname(os.path.abspath(dest)) if not dest.startswith("s3://") else None
+    try:
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        return tempfile.mkdtemp(prefix=".lmyard-export-", dir=parent)
+    except OSError as e:
+        where = f"destination {dest}: cannot write in {parent}" if parent else "the temporary folder"
+        raise UserError(
+            f"{where} ({e.strerror or type(e).__name__}): choose --to a folder this user can write, or fix its "
+            "permissions"
+        ) from None
+
+
 def export(source: str, dest: str, step: int | None = None, cache_dir: str | None = None) -> dict:
     """Export the checkpoint `source` (STORE/runs/RUN[/checkpoints/step_N], `step`) to the folder or S3 prefix
     `dest`; returns lmyard_export.json's content and the destination's URI."""
@@ -228,12 +244,9 @@ def export(source: str, dest: str, step: int | None = None, cache_dir: str | Non
 
     check_destination(dest)
     cache = cache_dir or default_cache_dir()
-    ckpt = load_checkpoint(source, step, os.path.join(cache, "export"))
-    parent = os.path.dirname(os.path.abspath(dest)) if not dest.startswith("s3://") else None
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".lmyard-export-", dir=parent)  # beside dest: the final move is a rename
+    tmp = _staging_beside(dest)  # before the checkpoint is read: a destination this user cannot write stops here
     try:
+        ckpt = load_checkpoint(source, step, os.path.join(cache, "export"))
         info = write_folder(ckpt, tmp)
         readable_by_all(tmp)
         return {**info, "uri": publish(tmp, dest)}

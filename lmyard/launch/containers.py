@@ -47,6 +47,7 @@ from lmyard.contracts import EXCHANGE_ENV, SPEC_ENV, StageSpec, TrainSpec
 from lmyard.errors import UserError
 from lmyard.launch.follower import Follower, stage_command, stage_env
 from lmyard.launch.gpus import check_engine, node_gpus
+from lmyard.launch.refusals import refused
 
 LABEL = "lmyard"  # label keys: lmyard.run_name, lmyard.flow_run_id, lmyard.launch_id, lmyard.stage, lmyard.node
 EXCHANGE_DIR = "/tmp/lmyard-exchange"  # inside each container
@@ -362,16 +363,22 @@ class DockerJob:
                 ) from None
             here = [n for n in self.plan.nodes if n.url == url]
             check_engine(client, url, here, image, mode=dc.gpu_mode, driver_dir=dc.driver_dir, labels=self.plan.labels)
+        first = self.plan.nodes[0].url
         if self.plan.network:
-            self.network = self.clients[self.plan.nodes[0].url].networks.create(
-                self.plan.network, driver="bridge", labels=self.plan.labels
-            )
+            with refused(f"network {self.plan.network}", first):
+                self.network = self.clients[first].networks.create(
+                    self.plan.network, driver="bridge", labels=self.plan.labels
+                )
         for node in self.plan.nodes:
             self.on_line(self.mask(describe(node)))
-            self.containers.append(self.clients[node.url].containers.create(**node.kwargs))
-        for i, c in enumerate(self.containers):
-            c.start()
-            threading.Thread(target=self._pump, args=(i, c, events), daemon=True, name=f"docker-logs-{i}").start()
+            with refused(f"node {node.index}", node.url):
+                self.containers.append(self.clients[node.url].containers.create(**node.kwargs))
+        for node, c in zip(self.plan.nodes, self.containers):
+            with refused(f"node {node.index}", node.url):
+                c.start()
+            threading.Thread(
+                target=self._pump, args=(node.index, c, events), daemon=True, name=f"docker-logs-{node.index}"
+            ).start()
 
     def _pump(self, i: int, c, events: queue.Queue) -> None:
         try:

@@ -29,6 +29,9 @@ exchange folders, kills the actors and removes the placement group. Both are
 also owned by the driver's Ray job: if the launching process dies, Ray removes
 them, and torchrun follows its actor (a parent-death signal, lmyard.launch.follower).
 
+What the cluster tells its drivers (a raylet's death with the tail of its log, a node marked dead, once
+per agent that saw it) is one warning line each, said once (`_fold_cluster_errors`).
+
 Credentials (every AWS_* variable of the launching process, and the names in
 launch.ray.pass_env) reach torchrun as arguments of the actor's `start`, not
 through the runtime_env (which Ray records and shows); output lines mask them.
@@ -42,6 +45,7 @@ import itertools
 import logging
 import os
 import queue
+import re
 import socket
 import threading
 import time
@@ -142,10 +146,39 @@ def _connect(addr: str) -> None:
         else:
             try:
                 ray.init(address=addr, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+                _fold_cluster_errors()
             except (ConnectionError, ValueError, RuntimeError) as e:
                 raise no_cluster(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
             _ours = True
         _users += 1
+
+
+_said: set[str] = set()  # the cluster's errors folded so far (each is published once per agent that saw it)
+_log = logging.getLogger(__name__)
+
+
+def _fold_cluster_errors() -> None:
+    """Ray's driver prints what its cluster publishes (a raylet's death with the tail of its log, a node marked
+    dead) straight to stdout, dozens of lines each, once per agent that saw it. Ray has no public hook for it:
+    its printer is wrapped, where it is found, so that each such error is logged once, as its first line."""
+    import ray._private.worker as ray_worker
+
+    printer = getattr(ray_worker, "print_to_stdstream", None)
+    if printer is None or getattr(printer, "folded", False):
+        return
+
+    def folded(data: dict, ignore_prefix: bool) -> None:
+        if data.get("pid") != "raylet":
+            return printer(data, ignore_prefix)
+        for text in data.get("lines", []):
+            lines = re.sub(r"\x1b\[[0-9;]*m", "", str(text)).strip().splitlines()
+            first = lines[0].split(" Possible reasons", 1)[0][:300] if lines else ""
+            if first and first not in _said:
+                _said.add(first)
+                _log.warning(f"Ray: {first}")
+
+    folded.folded = True  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = folded
 
 
 def _disconnect() -> None:
