@@ -19,6 +19,18 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 REPO = Path(__file__).resolve().parents[1]
 
 
+# a test is `integration` when it is `slow` or uses one of these servers (directly or through another fixture), or
+# is marked so by hand (it trains, compiles or runs Triton's interpreter for seconds; a server through
+# request.getfixturevalue): `pytest -m "not integration"` runs the unit tests alone (README.md)
+SERVER_FIXTURES = {"prefect_api_url", "cli_env", "s3_server", "s3_bucket", "mlflow_server"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") or SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
 def gpt2_ranks_or_skip():
     """GPT-2's BPE (tiktoken r50k_base), or the test skips saying how to provide it: offline, tiktoken reads its
     ranks from TIKTOKEN_CACHE_DIR (.ci/run points it at ../shared/tiktoken when that folder exists)."""

@@ -177,6 +177,7 @@ def test_bad_inputs_are_one_clear_error_and_leave_nothing_at_the_destination(tmp
         export.init_from_hf(str(tmp_path / "mistral"))
 
 
+@pytest.mark.integration
 def test_export_command_writes_the_folder_and_names_a_bad_destination(tmp_path, monkeypatch):
     uri, _ = write_checkpoint(tmp_path / "store")
     env = {**os.environ, "LMYARD_CACHE": str(tmp_path / "cache")}

@@ -79,6 +79,7 @@ def _compiled_attention_ops(model, idx, choice: str) -> set[str]:
     return {e.name for e in prof.events() if "scaled_dot_product" in e.name}
 
 
+@pytest.mark.integration
 def test_a_compiled_model_runs_the_attention_kernel_asked_for_even_where_a_cached_graph_used_another():
     """The choice sits inside the model's graph (lmyard.models.attention.causal), so inductor's cache, which
     keys a graph by its trace, does not serve the graph of one model.attention to a run of another."""

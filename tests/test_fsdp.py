@@ -108,6 +108,7 @@ class _null:
         return False
 
 
+@pytest.mark.integration
 def test_fsdp_on_two_ranks_trains_as_one_process_on_the_whole_batch_with_and_without_checkpointing():
     """Same init, same global batches, gradient accumulation (no_sync on the first micro-step), clipping:
     the 2-rank FSDP2 run's losses, grad norms and weights match the plain loop's: Llama with activation
@@ -167,6 +168,7 @@ def _validate_worker(rank: int, port: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.integration
 def test_validation_under_fsdp_that_keeps_blocks_gathered_leaves_the_parameters_sharded():
     """With train.fsdp_reshard_after_forward=false a forward leaves each block gathered for its backward; the
     val loss runs forwards with no backward, so it reshards them itself, and a checkpoint saved after it holds
@@ -336,6 +338,7 @@ def _bf16_shards_worker(rank: int, port: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.integration
 def test_bf16_shards_keep_each_ranks_float32_part_of_the_initial_weights_as_master():
     """train.fsdp_param_dtype=bfloat16: FSDP2 shards bf16 weights (the float32 ones rounded), and each sharded
     parameter carries, for the optimizer, a float32 DTensor of the same sharding whose parts are exactly the
@@ -396,6 +399,7 @@ def _embedding_resume_worker(rank: int, port: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.integration
 def test_a_checkpoint_resumes_with_the_token_table_gathered_or_in_row_shards_either_way(tmp_path):
     """The row-sharded table (train.fsdp_embedding=sharded; auto's choice here, where the ranks' 256 tokens of a
     micro-step are no more than the 257 rows) is the same DTensor parameter FSDP2 shards: 2 steps under one

@@ -326,3 +326,28 @@ def test_training_has_one_entry_the_train_stage():
         and TRAIN_MODULE_RUN.search(p.read_text(errors="replace"))
     ]
     assert not users, f"these start training as `-m lmyard.train`: use `-m lmyard.stages train`: {users}"
+
+
+# ---------------------------------------------------------------- markers
+
+
+@pytest.mark.integration
+def test_integration_marks_slow_tests_and_those_using_a_server_and_leaves_the_unit_tests():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "integration", "-p", "no:cacheprovider"]
+        + ["tests/test_lease.py", "tests/test_tracking.py", "tests/test_interrupts.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    marked = {line.split("::", 1)[1] for line in out.stdout.splitlines() if "::" in line}
+    assert "test_retention_retires_the_logged_models_of_the_checkpoints_it_deletes" in marked, out.stdout  # a server
+    assert "test_second_acquirer_refuses_naming_the_holder[s3]" in marked  # the S3 server, through getfixturevalue
+    assert "test_sigterm_to_lmyard_run_ends_it_killed_and_orphans_no_server" in marked  # slow
+    assert "test_registered_version_is_listed_on_its_logged_model_and_its_alias_resolves" in marked  # by hand
+    assert "test_second_acquirer_refuses_naming_the_holder[local]" not in marked
+    assert "test_mlflow_tracking_uri_from_the_environment_is_the_default_and_an_explicit_one_wins" not in marked

@@ -36,6 +36,7 @@ def _examples(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
+@pytest.mark.integration
 def test_lm_eval_hellaswag_gives_lmyards_acc_and_acc_norm(tmp_path):
     data = tmp_path / "hellaswag.jsonl"
     data.write_text("".join(json.dumps(ex) + "\n" for ex in _examples(24)))
@@ -52,6 +53,7 @@ def test_lm_eval_hellaswag_gives_lmyards_acc_and_acc_norm(tmp_path):
     assert theirs["hellaswag_local/acc_norm"] == pytest.approx(ours["acc_norm"], abs=1e-9)
 
 
+@pytest.mark.integration
 def test_harness_names_what_is_missing(tmp_path):
     from lmyard.errors import UserError
 
@@ -79,6 +81,7 @@ def _task_yaml(folder, name: str, data_file) -> None:
     (folder / f"{name}.yaml").write_text(json.dumps(task))
 
 
+@pytest.mark.integration
 def test_harness_check_passes_a_local_task_and_names_one_whose_data_cannot_load(tmp_path):
     from lmyard.errors import UserError
 

@@ -26,7 +26,7 @@ from lmyard.store import open_store
 from lmyard.tracking import lease
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.integration)])  # s3: the S3 test server
 def store(request, tmp_path):
     if request.param == "local":
         return open_store(str(tmp_path / "store"))

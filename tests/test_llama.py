@@ -159,6 +159,7 @@ def test_activation_checkpointing_changes_no_loss_or_gradient(mode):
         assert torch.allclose(p.grad, grads[name].grad, atol=1e-6), name
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("mode", ["full", "selective", "pointwise"])
 def test_checkpointing_the_first_blocks_trains_exactly_as_without(mode):
     """float64 on CPU: three AdamW steps with the first 2 of 4 blocks recomputed (whole, or selectively) give
@@ -252,6 +253,7 @@ def _compiled_block_keeps(mode: str, c: LlamaConfig) -> tuple[float, torch.Tenso
     return sum(kept) / c.block_size, y.detach(), x.grad
 
 
+@pytest.mark.integration
 def test_pointwise_checkpointing_keeps_only_matmul_and_attention_outputs_of_a_compiled_block():
     """A compiled Llama block (bf16, CPU) under `pointwise` saves at most what the memory plan counts for it,
     at least the norms' two outputs and SwiGLU's product (4d + 2f a token) less than the compiled block without

@@ -64,6 +64,7 @@ def test_fused_head_without_gradients_gives_the_same_loss():
         assert torch.allclose(linear_cross_entropy(x, w, y), F.cross_entropy(x @ w.t(), y), atol=1e-5)
 
 
+@pytest.mark.integration
 def test_model_loss_is_the_mean_cross_entropy_of_its_logits_and_compiles():
     torch.manual_seed(0)
     from lmyard.config import ModelConfig
@@ -76,6 +77,7 @@ def test_model_loss_is_the_mean_cross_entropy_of_its_logits_and_compiles():
     assert torch.allclose(torch.compile(model)(x, y), plain, atol=1e-4)  # the op traces (fake impl) under compile
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("block", [128, 512], ids=["several-blocks-a-row", "one-block-a-row"])
 def test_triton_kernel_matches_the_torch_path_in_the_triton_interpreter(block):
     pytest.importorskip("triton")

@@ -32,7 +32,7 @@ def _rel(a, b):
     return (torch.linalg.norm((a - b).double()) / torch.linalg.norm(b.double())).item()
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.integration)])
 def test_gelu_mlp_output_and_gradients_equal_the_plain_mlp(compiled):
     fc, proj = _mlp()
     x = torch.randn(3, 7, 48, dtype=torch.float64)

@@ -90,6 +90,7 @@ def test_state_dict_moves_between_lmyard_adamw_and_torch_adamw_both_ways():
     assert float(back.state[next(ours.parameters())]["step"]) == 2.0
 
 
+@pytest.mark.integration
 def test_adamw_kernel_matches_torch_adamw_in_the_triton_interpreter():
     pytest.importorskip("triton")
     # The CUDA kernel's own code on CPU tensors in Triton's interpreter (set before triton is imported); the
@@ -129,6 +130,7 @@ def test_adamw_kernel_matches_torch_adamw_in_the_triton_interpreter():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
+@pytest.mark.integration
 def test_gradient_norm_kernel_sums_every_gradient_as_torchs_norm_does_in_the_triton_interpreter():
     pytest.importorskip("triton")
     # The CUDA kernel's own code on CPU tensors in Triton's interpreter: float32 and bf16 gradients of odd
@@ -184,6 +186,7 @@ def test_bf16_weights_step_their_float32_masters_through_torchs_step_where_the_k
     assert len(opt_a.state) == len(list(ours.parameters()))  # the masters' own entries are gone after the step
 
 
+@pytest.mark.integration
 def test_bf16_weights_step_their_float32_masters_as_float32_weights_step_in_the_triton_interpreter():
     pytest.importorskip("triton")
     # bf16 weights with float32 masters (train.fsdp_param_dtype=bfloat16) beside float32 weights holding the

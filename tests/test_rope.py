@@ -11,6 +11,7 @@ import pytest
 import torch
 
 
+@pytest.mark.integration
 def test_rope_kernels_split_and_rotate_qkv_and_its_gradient_as_the_plain_formula_in_the_triton_interpreter():
     pytest.importorskip("triton")
     # The CUDA kernels' own code on CPU tensors in Triton's interpreter: the op's q, k, v and qkv's gradient

@@ -79,6 +79,7 @@ def test_shards_hold_each_document_after_one_eot(tmp_path):
     assert len(shards.files("train")) > 1
 
 
+@pytest.mark.integration
 def test_same_inputs_reuse_the_shard_set_and_changed_input_moves_it(tmp_path):
     src = _corpus(tmp_path, [f"doc {i}" for i in range(20)])
     overrides = [f"store={tmp_path / 'store'}", f"data.source={src}"]

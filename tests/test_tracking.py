@@ -3,11 +3,13 @@ linked to logged models."""
 
 from __future__ import annotations
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from lmyard.tracking.sink import MLflowSink
 
 
+@pytest.mark.integration
 def test_resumed_sink_does_not_log_a_step_twice(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
@@ -31,6 +33,7 @@ def test_resumed_sink_does_not_log_a_step_twice(tmp_path):
     assert second.skipped == 3
 
 
+@pytest.mark.integration
 def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_model(tmp_path):
     from lmyard.contracts import EvalResult
     from lmyard.recipes import load_recipe
@@ -83,6 +86,7 @@ def _sqlite_lineage(tmp_path, *overrides: str):
     return cfg, Lineage.open(cfg, open_store(cfg.store), shard_address="a" * 64, code_version="test")
 
 
+@pytest.mark.integration
 def test_registered_version_is_listed_on_its_logged_model_and_its_alias_resolves(tmp_path, monkeypatch):
     import json
 

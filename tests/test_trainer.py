@@ -93,6 +93,7 @@ def straight(shard_env):
     return "straight"
 
 
+@pytest.mark.integration
 def test_two_fresh_runs_of_one_config_write_identical_checkpoints_every_rng_state_included(shard_env, straight):
     _run(shard_env, "straight-again")
     for step in (4, 12):
@@ -101,6 +102,7 @@ def test_two_fresh_runs_of_one_config_write_identical_checkpoints_every_rng_stat
         )
 
 
+@pytest.mark.integration
 def test_resume_after_a_crash_reproduces_the_uninterrupted_run_bit_for_bit(shard_env, straight):
     err, lines = _run(shard_env, "crashed", faults="crash@10", expect_fail=True)
     assert "injected crash after step 10" in "\n".join(lines)
@@ -110,6 +112,7 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run_bit_for_bit(shard
     _assert_identical(_whole_checkpoint(shard_env, "straight", 12), _whole_checkpoint(shard_env, "crashed", 12))
 
 
+@pytest.mark.integration
 def test_sigterm_mid_training_checkpoints_that_step_and_the_resumed_run_equals_the_uninterrupted_one(
     shard_env, straight
 ):
@@ -129,6 +132,7 @@ def test_sigterm_mid_training_checkpoints_that_step_and_the_resumed_run_equals_t
     _assert_identical(_whole_checkpoint(shard_env, "straight", 12), _whole_checkpoint(shard_env, "preempted", 12))
 
 
+@pytest.mark.integration
 def test_resume_on_another_world_size_continues_the_same_token_stream(shard_env, straight):
     _run(shard_env, "two-ranks-crashed", faults="crash@5", expect_fail=True)
     result, lines = _run(shard_env, "two-ranks-crashed", nproc=1)
@@ -140,6 +144,7 @@ def test_resume_on_another_world_size_continues_the_same_token_stream(shard_env,
         torch.testing.assert_close(m1[k], m2[k], rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.integration
 def test_guard_rolls_back_on_a_nan_loss_and_continues(shard_env):
     result, lines = _run(shard_env, "nan-rollback", faults="nan_loss@6", **{"train.guard.policy": "rollback"})
     text = "\n".join(lines)
@@ -149,11 +154,13 @@ def test_guard_rolls_back_on_a_nan_loss_and_continues(shard_env):
     assert all(torch.isfinite(t).all() for t in model.values())
 
 
+@pytest.mark.integration
 def test_guard_stops_as_diverged_not_a_user_error_when_policy_is_stop(shard_env):
     err, _ = _run(shard_env, "nan-stop", faults="nan_loss@6", expect_fail=True)
     assert isinstance(err, Diverged) and "training diverged at step 6: loss is nan" in str(err)
 
 
+@pytest.mark.integration
 def test_k_micro_steps_equal_one_step_on_a_k_times_larger_batch():
     def fresh():
         torch.manual_seed(0)
@@ -197,11 +204,13 @@ def test_batch_that_does_not_divide_names_a_valid_size():
         grad_accum_steps(cfg, 2, 128)
 
 
+@pytest.mark.integration
 def test_shard_vocabulary_larger_than_the_model_is_refused(shard_env):
     err, _ = _run(shard_env, "small-vocab", expect_fail=True, **{"model.vocab_size": 128})
     assert isinstance(err, UserError) and "smaller than the shard set's vocabulary (257" in str(err)
 
 
+@pytest.mark.integration
 def test_model_init_from_a_hugging_face_folder_continues_from_its_weights(shard_env, straight):
     from lmyard.export.hf import export
 
@@ -220,6 +229,7 @@ def test_model_init_from_a_hugging_face_folder_continues_from_its_weights(shard_
         torch.testing.assert_close(continued[name], start[name], rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.integration
 def test_doc_mask_trains_to_a_finite_loss_and_exports_as_a_causal_model(shard_env):
     """`--set model.doc_mask=true` on the smoke recipe; Hugging Face's model of it runs causal attention; that
     folder continued with model.init_from and model.doc_mask trains masked again."""
