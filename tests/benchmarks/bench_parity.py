@@ -2,7 +2,8 @@
 
     TIKTOKEN_CACHE_DIR=... python tests/benchmarks/bench_parity.py                      # GPT-2 124M, 1 GPU, bf16
     TIKTOKEN_CACHE_DIR=... python tests/benchmarks/bench_parity.py --preset llama-1b
-    TIKTOKEN_CACHE_DIR=... python tests/benchmarks/bench_parity.py --device cpu --preset tiny --steps 10
+    TIKTOKEN_CACHE_DIR=... python tests/benchmarks/bench_parity.py --device cpu --preset tiny --steps 4 \\
+        --accum 1 --micro-batch 2 --corpus-mb 2 --configs fused loss
 
 The corpus is the Python installation's own .py files (bench_pylib.write_corpus, the first `--corpus-mb`),
 sharded by lmyard's tokenize-and-shard stage with GPT-2's BPE (r50k_base). The plain side is Hugging Face's
