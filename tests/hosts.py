@@ -167,6 +167,12 @@ class Host:
                     raise RuntimeError(f"{self.name}: dockerd did not answer:\n{tail}") from None
                 time.sleep(0.3)
 
+    def stop_dockerd(self, timeout_s: float = 120) -> None:
+        """SIGTERM to this host's engine (it stops its containers first) and wait for it to exit."""
+        assert self.dockerd is not None
+        self.dockerd.send_signal(signal.SIGTERM)
+        self.dockerd.wait(timeout=timeout_s)
+
     def docker(self):
         import docker
 

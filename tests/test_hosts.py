@@ -241,14 +241,40 @@ def services(hosts):
     )
 
 
+def _launch(hosts: Hosts, services: Services, tmp: Path, bucket: str, out: Path, **sets) -> list[str]:
+    """The command that launches the tiny run on hosts a and b from the services host (tests/launch_on_host.py)."""
+    a, b = hosts["a"], hosts["b"]
+    overrides = tiny_overrides(
+        tmp,
+        **{
+            "store": f"s3://{bucket}/lmyard",
+            "tracking.uri": services.mlflow,
+            "launch.backend": "docker",
+            "launch.nnodes": 2,
+            "launch.nproc_per_node": 1,
+            "launch.docker.nodes": f"[{a.docker_url}, {b.docker_url}]",
+            "launch.docker.node_addrs": f"[{a.addr}, {b.addr}]",
+            "launch.docker.socket_ifname": "eth0",
+            "launch.docker.registry": hosts.registry,
+            "launch.docker.shm_size": "256m",
+            **NO_MEMLOCK,
+            **sets,
+        },
+    )
+    launcher = Path(__file__).with_name("launch_on_host.py")
+    return [sys.executable, str(launcher), str(out), *(f"--set={s}" for s in overrides)]
+
+
 def test_two_hosts_train_one_node_each_and_end_at_the_val_loss_of_two_local_ranks(
     hosts, services, pushed, tmp_path, monkeypatch
 ):
     """Host a and host b run one container each, through their own engines, on their hosts' networks; the
     rendezvous is at host a's address; the store is S3 and MLflow a server, both on the services host, where
     the launch runs too. The same config with two ranks on this machine (launch.backend=local) ends at the
-    same validation loss, bitwise: the same torch build (the image's wheel is the one installed here), the same
-    CPU, one thread a rank and gloo's all-reduce of two ranks summing in the same order."""
+    same validation loss within a relative 1e-6, not bitwise: the same torch build (the image's wheel is the
+    one installed here) and data, but the image's Python and libraries are Debian's, not this machine's, and
+    float32 round-off then differs in the last bits (measured: 1.2e-8 relative at step 6); a wrong gradient
+    sync, data order or learning-rate schedule moves it by more than 1e-3."""
     from mlflow.tracking import MlflowClient
 
     from lmyard.checkpoint.catalog import complete_steps
@@ -260,34 +286,15 @@ def test_two_hosts_train_one_node_each_and_end_at_the_val_loss_of_two_local_rank
     a, b = hosts["a"], hosts["b"]
     bucket = services.s3.new_bucket()
     common = {"run_name": "two-hosts", "launch.nproc_per_node": 1}
-    sets = tiny_overrides(
-        tmp_path,
-        **common,
-        **{
-            "store": f"s3://{bucket}/lmyard",
-            "tracking.uri": services.mlflow,
-            "launch.backend": "docker",
-            "launch.nnodes": 2,
-            "launch.docker.nodes": f"[{a.docker_url}, {b.docker_url}]",
-            "launch.docker.node_addrs": f"[{a.addr}, {b.addr}]",
-            "launch.docker.socket_ifname": "eth0",
-            "launch.docker.registry": hosts.registry,
-            "launch.docker.shm_size": "256m",
-            **NO_MEMLOCK,
-        },
-    )
     out = tmp_path / "launch.json"
-    launcher = Path(__file__).with_name("launch_on_host.py")
     t0 = time.perf_counter()
-    ran = hosts.services.run(
-        [sys.executable, str(launcher), str(out), *(f"--set={s}" for s in sets)], env=services.env, timeout=900
-    )
+    ran = hosts.services.run(_launch(hosts, services, tmp_path, bucket, out, **common), env=services.env, timeout=900)
     print(f"two hosts: {time.perf_counter() - t0:.0f} s")
     launched = json.loads(out.read_text()) if out.exists() else {"lines": [ran.stdout, ran.stderr]}
     text = "\n".join(launched["lines"])
     assert "result" in launched, f"{launched.get('error')}\n{text[-4000:]}"
     result = launched["result"]
-    assert result["status"] == "ok" and result["step"] == 6, text[-3000:]
+    assert result["status"] == "done" and result["step"] == 6, text[-3000:]
 
     # two containers, at two hosts' names and addresses, the image by digest from the registry
     joined = sorted(line.split(": ranks")[0] for line in launched["lines"] if "of 2 joined" in line)
@@ -310,4 +317,44 @@ def test_two_hosts_train_one_node_each_and_end_at_the_val_loss_of_two_local_rank
     shards, _ = tokenize_and_shard(local, log=lambda s: None)
     here = run_local(local, TrainSpec(config=local, shards=shards), on_line=lambda s: None)
     assert here.step == 6 and here.val_loss is not None
-    assert result["val_loss"] == here.val_loss, (result["val_loss"], here.val_loss)
+    assert result["val_loss"] == pytest.approx(here.val_loss, rel=1e-6), (result["val_loss"], here.val_loss)
+    assert result["train_loss"] == pytest.approx(here.train_loss, rel=1e-6), (result["train_loss"], here.train_loss)
+
+
+def test_host_bs_engine_stopping_mid_run_fails_the_launch_naming_node_1_and_leaves_nothing_on_host_a(
+    hosts, services, pushed, tmp_path, monkeypatch
+):
+    """Last in this module: host b's engine does not come back."""
+    import subprocess
+
+    from lmyard.checkpoint.catalog import complete_steps
+    from lmyard.store import open_store
+
+    a, b = hosts["a"], hosts["b"]
+    bucket = services.s3.new_bucket()
+    out = tmp_path / "launch.json"
+    cmd = _launch(hosts, services, tmp_path, bucket, out, run_name="engine-stops", **{"train.max_steps": 5000})
+    launcher = subprocess.Popen(hosts.services.argv(cmd), env=hosts.services.env(services.env))
+    for k, v in services.s3.env.items():
+        monkeypatch.setenv(k, v)
+    store = open_store(f"s3://{bucket}/lmyard")
+    try:
+        deadline = time.monotonic() + 600
+        while not complete_steps(store, "engine-stops"):  # training runs on both hosts
+            assert launcher.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(1)
+        t0 = time.monotonic()
+        assert len(_ours(a)) == len(_ours(b)) == 1
+        b.stop_dockerd()  # what `systemctl stop docker` does: the engine stops its containers, then exits
+        launcher.wait(timeout=600)
+        print(f"the launch ended {time.monotonic() - t0:.0f} s after host b's engine stopped")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    launched = json.loads(out.read_text())
+    assert "result" not in launched, launched["result"]
+    message = launched["error"]
+    assert launched["error_type"] == "TrainingFailed" and "node 1" in message, message
+    assert message.splitlines()[0].startswith(("lost node 1", "node 1")), message
+    assert _ours(a) == []  # host a's container removed; host b's engine is gone
+    assert complete_steps(store, "engine-stops")  # the checkpoint written before is kept

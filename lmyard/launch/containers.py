@@ -388,9 +388,11 @@ class DockerJob:
             if buf:
                 events.put(("line", i, self.mask(buf.decode(errors="replace"))))
             events.put(("exit", i, c.wait()["StatusCode"]))
-        except Exception as e:
+        except Exception as e:  # the engine stopped answering (stopped, unreachable)
             if not self.stopping.is_set():
-                events.put(("error", i, e))
+                events.put(
+                    ("error", i, f"its engine {self.plan.nodes[i].url} stopped answering: {' '.join(str(e).split())}")
+                )
 
     def _files(self, i: int, path: str) -> dict[str, bytes]:
         """Regular files at `path` (a file or a folder) in container i, by base name; {} when absent."""
@@ -450,7 +452,8 @@ class DockerJob:
         return " (killed)" if code == 137 else ""
 
     def close(self) -> None:
-        """Kill and remove every container, then the network; each step tolerates what is already gone."""
+        """Kill and remove every container, then the network; each step tolerates what is already gone, an engine
+        that stopped answering included (the containers on the other engines are removed all the same)."""
         import docker
 
         self.stopping.set()
@@ -459,6 +462,8 @@ class DockerJob:
                 c.remove(force=True, v=True)
             except docker.errors.NotFound:
                 pass
+            except Exception as e:  # the engine is gone (stopped, unreachable): nothing to remove through it
+                self.on_line(f"container {c.name} not removed, its engine does not answer: {' '.join(str(e).split())}")
         if self.network is not None:
             try:
                 self.network.remove()
