@@ -272,8 +272,7 @@ class Hosts:
                 with contextlib.suppress(Exception), contextlib.closing(host.docker()) as client:
                     for c in client.containers.list(all=True):
                         c.remove(force=True, v=True)
-        for proc in reversed(self.procs):  # servers and relays, then the engines (SIGTERM: they stop cleanly)
-            _end(proc, grace_s=30)
+        _end_all(self.procs, grace_s=30)  # servers, relays and engines at once (SIGTERM: engines stop cleanly)
         for ns in self._namespaces():  # whatever still runs in a namespace of ours (shims, stray children)
             pids = _ip("netns", "pids", ns, check=False).stdout.split()
             for pid in pids:
@@ -302,17 +301,21 @@ class Hosts:
         return left
 
 
-def _end(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM to the process group, then SIGKILL to what is left."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=grace_s)
-            break
-        except subprocess.TimeoutExpired:
-            pass
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5)
+def _end_all(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM to every process group, `grace_s` for all of them together, then SIGKILL to what is left."""
+    import time
+
+    def signal_all(sig: int) -> None:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+
+    signal_all(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    signal_all(signal.SIGKILL)
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)

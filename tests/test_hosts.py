@@ -333,7 +333,9 @@ def test_host_bs_engine_stopping_mid_run_fails_the_launch_naming_node_1_and_leav
     a, b = hosts["a"], hosts["b"]
     bucket = services.s3.new_bucket()
     out = tmp_path / "launch.json"
-    cmd = _launch(hosts, services, tmp_path, bucket, out, run_name="engine-stops", **{"train.max_steps": 5000})
+    # launch.grace_s: how long node 0 is given to end on its own after node 1 failed, before it is stopped
+    sets = {"run_name": "engine-stops", "train.max_steps": 5000, "launch.grace_s": 10}
+    cmd = _launch(hosts, services, tmp_path, bucket, out, **sets)
     launcher = subprocess.Popen(hosts.services.argv(cmd), env=hosts.services.env(services.env))
     for k, v in services.s3.env.items():
         monkeypatch.setenv(k, v)
@@ -354,6 +356,7 @@ def test_host_bs_engine_stopping_mid_run_fails_the_launch_naming_node_1_and_leav
     launched = json.loads(out.read_text())
     assert "result" not in launched, launched["result"]
     message = launched["error"]
+    print(f"the launch failed: {message.splitlines()[0]}")
     assert launched["error_type"] == "TrainingFailed" and "node 1" in message, message
     assert message.splitlines()[0].startswith(("lost node 1", "node 1")), message
     assert _ours(a) == []  # host a's container removed; host b's engine is gone

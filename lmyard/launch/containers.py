@@ -427,7 +427,7 @@ class DockerJob:
         def run(c) -> None:
             try:
                 action(c)
-            except docker.errors.APIError:
+            except (docker.errors.APIError, OSError):  # gone, or its engine is (requests' errors are OSErrors)
                 pass
 
         threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in self.containers]
