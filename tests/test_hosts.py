@@ -111,6 +111,23 @@ def pushed(hosts, stage_image):
     return f"{hosts.registry}/{ref.split('/', 1)[1]}"
 
 
+def test_a_push_to_a_registry_nobody_answers_at_is_one_line_and_exit_2_and_leaves_no_tag(stage_image, docker_client):
+    import subprocess
+
+    from conftest import free_port
+
+    registry = f"127.0.0.1:{free_port()}"  # nothing listens there
+    done = subprocess.run(
+        [sys.executable, "-m", "lmyard.launch.images", "build", "--push", registry],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and f"to the registry {registry} failed" in done.stderr, done.stderr
+    assert not [t for img in docker_client.images.list() for t in img.tags if t.startswith(registry)]
+
+
 def test_each_engine_pulls_the_stage_image_from_the_registry_pinned_to_its_digest(
     hosts,
     pushed,
