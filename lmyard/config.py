@@ -560,7 +560,20 @@ class DockerConfig(_Section):
     image: str | None = Field(
         None,
         description="Stage image; default lmyard-stage:<code version> "
-        "(built by `python -m lmyard.launch.images build`).",
+        "(built by `python -m lmyard.launch.images build`), under `registry` when that is set. An image from a "
+        "registry is pinned to its digest and pulled by every engine that lacks it, before any container starts.",
+    )
+    registry: str | None = Field(
+        None,
+        description="Image registry (host[:port]) the stage image was pushed to "
+        "(`python -m lmyard.launch.images build --push REGISTRY`); the default image is then "
+        "REGISTRY/lmyard-stage:<code version>.",
+    )
+    node_addrs: list[str] | None = Field(
+        None,
+        description="The address of each node's host as the other nodes reach it, one per node of launch.nnodes "
+        "(torchrun's --local_addr; node 0's is the rendezvous host unless launch.rdzv_endpoint is set). "
+        "Default: the host of each engine URL (loopback aliases for nodes on one local engine).",
     )
     network: Literal["host", "bridge"] = Field(
         "host",
@@ -711,6 +724,12 @@ class LaunchConfig(_Section):
             raise ValueError(
                 f"launch.docker.nodes lists {len(self.docker.nodes)} engines for launch.nnodes="
                 f"{self.nnodes}: give one URL per node, or one for all"
+            )
+        addrs = self.docker.node_addrs
+        if self.backend == "docker" and addrs is not None and len(addrs) != self.nnodes:
+            raise ValueError(
+                f"launch.docker.node_addrs lists {len(addrs)} addresses for launch.nnodes={self.nnodes}: "
+                "give one per node"
             )
         urls = self.docker.nodes * (self.nnodes // len(self.docker.nodes))
         remote = [u for u in urls if not u.startswith("unix://")]

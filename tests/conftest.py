@@ -199,6 +199,23 @@ class S3Server:
         self.env: dict[str, str] = {}  # AWS_* for this server's admin user; also set in os.environ
         self._n = 0
 
+    @classmethod
+    def with_admin(cls, endpoint: str) -> S3Server:
+        """The server at `endpoint`, started with INITIAL_NO_AUTH_ACTION_COUNT=3: its first requests make the
+        admin user whose keys go into `env`."""
+        import boto3
+
+        server = cls(endpoint)
+        bootstrap = boto3.client(
+            "iam",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="bootstrap",
+            aws_secret_access_key="bootstrap",
+        )
+        server.env = server.user_env("admin", [{"Effect": "Allow", "Action": "*", "Resource": "*"}], iam=bootstrap)
+        return server
+
     def client(self, service: str = "s3", env: dict[str, str] | None = None):
         import boto3
 
@@ -263,17 +280,7 @@ def s3_server():
     )
     try:
         wait_for_http(f"{endpoint}/moto-api/", proc, 30)
-        server = S3Server(endpoint)
-        import boto3
-
-        bootstrap = boto3.client(
-            "iam",
-            endpoint_url=endpoint,
-            region_name="us-east-1",
-            aws_access_key_id="bootstrap",
-            aws_secret_access_key="bootstrap",
-        )
-        server.env = server.user_env("admin", [{"Effect": "Allow", "Action": "*", "Resource": "*"}], iam=bootstrap)
+        server = S3Server.with_admin(endpoint)
         with pytest.MonkeyPatch.context() as mp:
             for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
                 mp.delenv(k, raising=False)

@@ -303,3 +303,21 @@ def test_per_node_gpus_that_do_not_fit_the_nodes_are_refused_in_one_line(tmp_pat
 def test_gpu_settings_that_contradict_each_other_are_refused_when_the_config_loads(sets, message):
     with pytest.raises(UserError, match=message):
         load_recipe("smoke", ["launch.backend=docker", *sets])
+
+
+def test_node_addresses_are_each_nodes_local_address_and_node_zeros_the_rendezvous(tmp_path):
+    # engines on local sockets of simulated hosts (or a management network): their URLs say nothing of the
+    # addresses the nodes reach each other at
+    _, p = _plan(
+        tmp_path,
+        "launch.nnodes=2",
+        "launch.docker.nodes=[unix:///run/a.sock, unix:///run/b.sock]",
+        "launch.docker.node_addrs=[10.0.0.2, 10.0.0.3]",
+    )
+    for node, addr in zip(p.nodes, ["10.0.0.2", "10.0.0.3"], strict=True):
+        cmd = node.kwargs["command"]
+        assert cmd[cmd.index("--local_addr") + 1] == addr
+        assert cmd[cmd.index("--rdzv_endpoint") + 1] == "10.0.0.2:29400"
+        assert "pid_mode" not in node.kwargs and node.kwargs["network_mode"] == "host"
+    with pytest.raises(ValueError, match="node_addrs lists 1 addresses for launch.nnodes=2"):
+        _plan(tmp_path, "launch.nnodes=2", "launch.docker.node_addrs=[10.0.0.2]")

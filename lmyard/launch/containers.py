@@ -179,7 +179,9 @@ def plan(
 
     # torchrun: c10d rendezvous hosted by node 0's agent; a fresh rendezvous id per launch, so a
     # straggler from an earlier attempt cannot join this one.
-    rdzv = f"{names[0]}:{dc.rdzv_port}" if network else launch.rdzv_endpoint or f"{_node_host(urls[0])}:{dc.rdzv_port}"
+    addrs = dc.node_addrs or [_local_addr(urls, i) for i in range(nnodes)]
+    node0 = dc.node_addrs[0] if dc.node_addrs else _node_host(urls[0])
+    rdzv = f"{names[0]}:{dc.rdzv_port}" if network else launch.rdzv_endpoint or f"{node0}:{dc.rdzv_port}"
     env, secrets = _environment(cfg, spec, environ)
     gpus = node_gpus(launch, urls[:nnodes])  # devices, mounts, namespaces per node (lmyard.launch.gpus)
     nodes = []
@@ -191,7 +193,7 @@ def plan(
             rdzv_endpoint=rdzv,
             rdzv_id=launch_id,
             node=i,
-            local_addr=None if network else _local_addr(urls, i),
+            local_addr=None if network else addrs[i],
         )
         kwargs = dict(
             image=image,
@@ -336,7 +338,8 @@ class DockerJob:
         if image is None:
             from lmyard.launch.images import image_tag
 
-            image = cfg.launch.docker.image or image_tag()
+            registry = cfg.launch.docker.registry
+            image = cfg.launch.docker.image or (f"{registry}/{image_tag()}" if registry else image_tag())
         self.cfg, self.spec, self.on_line, self.image, self.flow_run_id = cfg, spec, on_line, image, flow_run_id
         self.plan = plan(cfg, spec, image=image, flow_run_id=flow_run_id)
         self.nodes = len(self.plan.nodes)
@@ -347,22 +350,23 @@ class DockerJob:
         self.stopping = threading.Event()
 
     def start(self, events: queue.Queue) -> None:
-        import docker
+        from lmyard.launch.images import ensure_images
 
         dc = self.cfg.launch.docker
         self.clients = {url: connect(url, dc) for url in dict.fromkeys(n.url for n in self.plan.nodes)}
+        # every engine gets the image (pinned to the registry's digest, pulled where missing) before any container
+        on = {url: [n.index for n in self.plan.nodes if n.url == url] for url in self.clients}
+        self.image, images = ensure_images(self.clients, self.image, on, self.on_line)
+        self.plan.image = self.image
         for url, client in self.clients.items():
             if self.flow_run_id:
                 remove_leftovers(client, self.flow_run_id, self.on_line, self.spec.stage)
-            try:
-                image = client.images.get(self.image)
-            except docker.errors.ImageNotFound:
-                raise UserError(
-                    f"image {self.image} is not on the engine {url}: build it there "
-                    "(python -m lmyard.launch.images build) or load it (docker save | docker load)"
-                ) from None
             here = [n for n in self.plan.nodes if n.url == url]
-            check_engine(client, url, here, image, mode=dc.gpu_mode, driver_dir=dc.driver_dir, labels=self.plan.labels)
+            for n in here:
+                n.kwargs["image"] = self.image
+            check_engine(
+                client, url, here, images[url], mode=dc.gpu_mode, driver_dir=dc.driver_dir, labels=self.plan.labels
+            )
         first = self.plan.nodes[0].url
         if self.plan.network:
             with refused(f"network {self.plan.network}", first):
@@ -391,9 +395,11 @@ class DockerJob:
             if buf:
                 events.put(("line", i, self.mask(buf.decode(errors="replace"))))
             events.put(("exit", i, c.wait()["StatusCode"]))
-        except Exception as e:
+        except Exception as e:  # the engine stopped answering (stopped, unreachable)
             if not self.stopping.is_set():
-                events.put(("error", i, e))
+                events.put(
+                    ("error", i, f"its engine {self.plan.nodes[i].url} stopped answering: {' '.join(str(e).split())}")
+                )
 
     def _files(self, i: int, path: str) -> dict[str, bytes]:
         """Regular files at `path` (a file or a folder) in container i, by base name; {} when absent."""
@@ -428,7 +434,7 @@ class DockerJob:
         def run(c) -> None:
             try:
                 action(c)
-            except docker.errors.APIError:
+            except (docker.errors.APIError, OSError):  # gone, or its engine is (requests' errors are OSErrors)
                 pass
 
         threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in self.containers]
@@ -453,7 +459,8 @@ class DockerJob:
         return " (killed)" if code == 137 else ""
 
     def close(self) -> None:
-        """Kill and remove every container, then the network; each step tolerates what is already gone."""
+        """Kill and remove every container, then the network; each step tolerates what is already gone, an engine
+        that stopped answering included (the containers on the other engines are removed all the same)."""
         import docker
 
         self.stopping.set()
@@ -462,6 +469,8 @@ class DockerJob:
                 c.remove(force=True, v=True)
             except docker.errors.NotFound:
                 pass
+            except Exception as e:  # the engine is gone (stopped, unreachable): nothing to remove through it
+                self.on_line(f"container {c.name} not removed, its engine does not answer: {' '.join(str(e).split())}")
         if self.network is not None:
             try:
                 self.network.remove()

@@ -1,11 +1,12 @@
 """Build the stage image offline: a local Debian base, a local wheelhouse, `docker build`.
 
     python -m lmyard.launch.images build                       # base + wheelhouse + image, cached
+    python -m lmyard.launch.images build --push registry.internal:5000   # and push it; prints its digest
     python -m lmyard.launch.images build --base pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime --no-torch
     python -m lmyard.launch.images tag                         # the tag this checkout builds
     python -m lmyard.launch.images prune --keep 3              # drop older stage images (~1.1 GB each)
 
-No image registry is needed. Three steps, each cached under LMYARD_IMAGE_CACHE
+No image registry is needed to build. Three steps, each cached under LMYARD_IMAGE_CACHE
 (default `images` in the cache root, LMYARD_CACHE or ~/.cache/lmyard) or in the engine:
 
 1. Base `lmyard-base:bookworm`: debootstrap Debian bookworm (minbase + python3,
@@ -20,6 +21,11 @@ No image registry is needed. Three steps, each cached under LMYARD_IMAGE_CACHE
 The tag is `lmyard-stage:<code version>` (`+` becomes `-`); a checkout with
 uncommitted changes adds a digest of the sources, so an edit never reuses a
 stale image. Needs root for debootstrap and a running Docker engine.
+
+With `--push REGISTRY` the image is pushed as `REGISTRY/lmyard-stage:<tag>` and its digest reference
+`REGISTRY/lmyard-stage@sha256:...` printed. The Docker launcher (`ensure_images`) pins an image from a
+registry to its digest, asked through node 0's engine, and each engine that lacks it pulls it by that
+digest before any container starts: every node runs the same bytes.
 """
 
 from __future__ import annotations
@@ -292,6 +298,101 @@ def build_image(
     return tag
 
 
+def push_image(tag: str, registry: str, log: Callable[[str], None] = print) -> str:
+    """Push the local image `tag` as REGISTRY/<tag>; its digest reference REGISTRY/<repo>@sha256:... The
+    registry's tag is dropped here afterwards (the local image keeps its own tag)."""
+    import docker
+
+    client = _client()
+    repo, _, version = tag.rpartition(":")
+    remote = f"{registry}/{repo}"
+    client.images.get(tag).tag(remote, version)
+    digest = None
+    try:
+        log(f"docker push {remote}:{version}")
+        for chunk in client.api.push(remote, version, stream=True, decode=True):
+            if "error" in chunk:
+                raise UserError(f"push of {tag} to the registry {registry} failed: {_one_line(chunk['error'])}")
+            digest = chunk.get("aux", {}).get("Digest", digest)
+    except docker.errors.APIError as e:
+        raise UserError(f"push of {tag} to the registry {registry} failed: {_one_line(e)}") from None
+    finally:
+        client.images.remove(f"{remote}:{version}")
+    if digest is None:
+        raise UserError(f"push of {tag} to the registry {registry}: the registry returned no digest")
+    return f"{remote}@{digest}"
+
+
+def _one_line(error) -> str:
+    text = getattr(error, "explanation", None) or str(error)
+    return " ".join(str(text).split())
+
+
+def registry_of(ref: str) -> str | None:
+    """The registry host of an image reference (`reg:5000/lmyard-stage@sha256:...`: reg:5000); None for a
+    name without one (an image that only exists on the engines, or Docker Hub's)."""
+    first, sep, _ = ref.partition("/")
+    return first if sep and ("." in first or ":" in first or first == "localhost") else None
+
+
+def ensure_images(
+    clients: dict, ref: str, nodes: dict[str, list[int]], log: Callable[[str], None] = print
+) -> tuple[str, dict]:
+    """`ref` on every engine (clients by URL): an image from a registry pinned to the digest node 0's engine
+    reads there, and pulled by that digest where missing, all engines at once. The pinned reference and each
+    engine's image; an engine that cannot get it is one line naming its nodes, the engine and the registry."""
+    import concurrent.futures
+
+    first = next(iter(clients))
+    ref = _pinned(clients[first], f"nodes {_nums(nodes[first])} on {first}", ref)
+    with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
+        futures = {
+            url: pool.submit(_ensure, client, f"nodes {_nums(nodes[url])} on {url}", ref, log)
+            for url, client in clients.items()
+        }
+    return ref, {url: f.result() for url, f in futures.items()}  # the first engine's failure, in node order
+
+
+def _nums(indices: list[int]) -> str:
+    return ", ".join(map(str, indices))
+
+
+def _pinned(client, where: str, ref: str) -> str:
+    """`ref` by digest: as it is when it has one or no registry, else the digest its registry has for the tag."""
+    import docker
+
+    registry = registry_of(ref)
+    if registry is None or "@" in ref:
+        return ref
+    try:
+        data = client.images.get_registry_data(ref)
+    except docker.errors.APIError as e:
+        raise UserError(f"{where}: cannot read {ref} from the registry {registry}: {_one_line(e)}") from None
+    return f"{ref.rpartition(':')[0] if ':' in ref.split('/')[-1] else ref}@{data.id}"
+
+
+def _ensure(client, where: str, ref: str, log: Callable[[str], None]):
+    """The image `ref` on one engine: there already, or pulled from its registry."""
+    import docker
+
+    try:
+        return client.images.get(ref)
+    except docker.errors.ImageNotFound:
+        pass
+    registry = registry_of(ref)
+    if registry is None:
+        raise UserError(
+            f"image {ref} is not on the engine {where.partition(' on ')[2]}: build it there "
+            "(python -m lmyard.launch.images build), push it to a registry (build --push REGISTRY, "
+            "launch.docker.registry) or load it (docker save | docker load)"
+        )
+    log(f"{where}: pulling {ref}")
+    try:
+        return client.images.pull(ref)
+    except docker.errors.APIError as e:
+        raise UserError(f"{where}: cannot pull {ref} from the registry {registry}: {_one_line(e)}") from None
+
+
 def _created(img) -> tuple[str, str]:
     """Sort key of an image's creation time (RFC 3339 in UTC with 0-9 fraction digits)."""
     whole, _, frac = img.attrs["Created"].rstrip("Z").partition(".")
@@ -329,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--no-torch", action="store_true", help="keep the base image's torch (CUDA bases)")
     b.add_argument("--tag", help="image tag (default: from the code version)")
     b.add_argument("--force", action="store_true", help="rebuild even if the tag exists")
+    b.add_argument("--push", metavar="REGISTRY", help="then push it to REGISTRY (host[:port]); prints its digest")
     sub.add_parser("tag", help="print the tag this checkout builds")
     pr = sub.add_parser("prune", help=f"remove all but the newest {STAGE_REPO} images (and those in use)")
     pr.add_argument("--keep", type=int, default=3, help="how many of the newest images to keep (default 3)")
@@ -346,6 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     tag = build_image(args.tag, args.base, include_torch=not args.no_torch, force=args.force)
     size = _client().images.get(tag).attrs["Size"]
     print(f"{tag}: {size / 1e6:,.0f} MB, {time.perf_counter() - t0:.0f} s")
+    if args.push:
+        try:
+            print(push_image(tag, args.push))
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -1,0 +1,54 @@
+"""Launch a training run on the Docker backend from the host this runs in (tests/test_hosts.py runs it in the
+services host, the launching machine of a multi-host run): shard, open the lineage, follow the containers.
+
+    python tests/launch_on_host.py OUT.json --set KEY=VALUE ...
+
+Writes {"result": TrainResult, "lines": [...], "mlflow_run_id": ...}, or {"error", "error_type", "exit_code",
+"lines"} when the launch fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from lmyard.data.sharding import tokenize_and_shard
+from lmyard.errors import UserError
+from lmyard.launch.containers import run_docker
+from lmyard.recipes import load_recipe
+from lmyard.store import open_store
+from lmyard.tracking.lineage import Lineage
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--set", action="append", default=[], dest="sets")
+    p.add_argument("--flow-run-id", default="hosts")
+    args = p.parse_args()
+    cfg = load_recipe("smoke", args.sets)
+    lines: list[str] = []
+    out: dict = {"lines": lines}
+    try:
+        shards, _ = tokenize_and_shard(cfg, log=lines.append)
+        lineage = Lineage.open(cfg, open_store(cfg.store), shard_address=shards.address, code_version="test")
+        lineage = lineage.record_attempt(resumed_from=None, start_step=0, info={})
+        out["mlflow_run_id"] = lineage.mlflow_run_id
+        spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": lineage.to_dict()}
+        out["result"] = run_docker(cfg, spec, on_line=lines.append, flow_run_id=args.flow_run_id).model_dump(
+            mode="json"
+        )
+    except Exception as e:
+        out.update(error=str(e), error_type=type(e).__name__, exit_code=getattr(e, "exit_code", None))
+        if not isinstance(e, UserError):
+            import traceback
+
+            lines.append(traceback.format_exc())
+    with open(args.out, "w") as f:
+        json.dump(out, f)
+    return 0 if "result" in out else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
