@@ -19,7 +19,7 @@ from lmyard.config import RunConfig
 _INTRO = [
     "# Config reference",
     "",
-    "Generated from `lmyard/config.py` by `lmyard config --reference`; the defaults are the `smoke` recipe.",
+    "Generated from `lmyard/config/` (one module a section) by `lmyard config --reference`; the defaults are the `smoke` recipe.",
     "Set any key in a recipe YAML, with `--set key=value`, or in the environment as `LMYARD_` + the key",
     "upper-cased, sections joined by `__` (`LMYARD_STORE`, `LMYARD_TRAIN__MAX_STEPS`, `LMYARD_TRACKING__URI`;",
     "lists and mappings as JSON). Later wins, key by key:",
