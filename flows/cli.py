@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
             "recipe",
             nargs="?",
             default="smoke",
-            help="`smoke` (CPU default), another name under deploy/recipes, or a YAML path",
+            help="`smoke` (CPU default), a shipped recipe (lmyard/recipes) or deploy/recipes/NAME, or a YAML path",
         )
         s.add_argument(
             "--set",

@@ -26,7 +26,7 @@ from tasks.train import stop_training, train
 def pretrain(config: RunConfig = RunConfig(), recipe: str | None = None) -> RunSummary:
     """Pretrain a GPT on config.data; resumes the lineage config.run_name if it exists.
 
-    `recipe` (a name under deploy/recipes): its config, with `config`'s explicitly set fields on top."""
+    `recipe` (a recipe's name, lmyard.recipes): its config, with `config`'s explicitly set fields on top."""
     config = credentials_to_env(with_recipe(config, recipe))  # the tracking password: environment only
     check_tasks(config.eval)  # an lm-eval task that cannot load would fail every evaluation, after all the training
     if is_registered(config.model.init_from):  # a registered model that is not there: one line, before anything

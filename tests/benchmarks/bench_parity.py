@@ -296,7 +296,9 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=4, help="micro-batches a step")
     p.add_argument("--micro-batch", type=int, default=None, help="default 16 (gpt2-124m), else 4")
     p.add_argument("--lr", type=float, default=None, help="default 6e-4 (GPT-2), 3e-4 (Llama)")
-    p.add_argument("--corpus-mb", type=float, default=40.0, help="the first MB of the .py files (40: 16.5M GPT-2 tokens)")
+    p.add_argument(
+        "--corpus-mb", type=float, default=40.0, help="the first MB of the .py files (40: 16.5M GPT-2 tokens)"
+    )
     p.add_argument("--configs", nargs="*", default=None, help=f"of {', '.join(SWITCHES)}; default: all that apply")
     p.add_argument("--fa4", action="store_true", help="also the fa4 configuration (Hopper or Blackwell)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

@@ -38,7 +38,8 @@ from lmyard.errors import UserError
 
 ENV_PREFIX = "LMYARD_"
 ENV_NESTED = "__"
-RECIPE_DIRS = (Path.cwd() / "deploy" / "recipes", Path(__file__).resolve().parents[1] / "deploy" / "recipes")
+# a site's own recipes (deploy/recipes/ of the working folder) first, then the ones lmyard ships (package data)
+RECIPE_DIRS = (Path.cwd() / "deploy" / "recipes", Path(__file__).resolve().parent)
 
 
 class _EnvFields(BaseSettings, RunConfig):
