@@ -20,8 +20,15 @@ PREFECT = [sys.executable, "-m", "prefect"]
 
 @pytest.fixture(scope="module")
 def prefect_stack(tmp_path_factory):
-    """A Prefect server (sqlite) and a worker on the lmyard-process pool, with the repo's deployments."""
+    """A Prefect server (sqlite) and a worker on the lmyard-process pool, with the repo's deployments. The worker
+    works in a folder of its own, not this checkout: each flow run clones the repository (a bare copy of this
+    checkout's commit, LMYARD_REPOSITORY) through the deployments' `pull:` step, as a worker on another machine
+    would."""
     tmp = tmp_path_factory.mktemp("prefect-stack")
+    bare = tmp / "lmyard.git"
+    cloned = subprocess.run(["git", "clone", "-q", "--bare", str(REPO), str(bare)], capture_output=True, text=True)
+    assert cloned.returncode == 0, cloned.stderr
+    (workdir := tmp / "worker").mkdir()
     procs = []
     with prefect_server(tmp) as env:
         env.update(
@@ -29,6 +36,7 @@ def prefect_stack(tmp_path_factory):
                 "PREFECT_WORKER_QUERY_SECONDS": "1",
                 "PREFECT_WORKER_PREFETCH_SECONDS": "1",
                 "LMYARD_IMAGE": "lmyard-stage:test",
+                "LMYARD_REPOSITORY": f"file://{bare}",
             }
         )
         try:
@@ -53,7 +61,7 @@ def prefect_stack(tmp_path_factory):
                 worker = subprocess.Popen(
                     [*PREFECT, "worker", "start", "--pool", "lmyard-process"],
                     env=env,
-                    cwd=REPO,
+                    cwd=workdir,  # not the checkout: the flow code comes from the pull step's clone
                     stdout=open(worker_log, "a"),
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
@@ -137,6 +145,8 @@ def test_deployment_runs_and_scheduled_retraining_continues_only_on_new_data(pre
     )
     assert first.returncode == 0 and "Completed" in first.stdout, first.stdout[-2000:] + worker_log.read_text()[-4000:]
     assert complete_steps(store, "deployed")[-1] == 8
+    # the flow ran from the pull step's clone in the worker's own folder, not from this checkout
+    assert list((tmp / "worker").glob("*/flows/pretrain.py")), sorted(p.name for p in (tmp / "worker").iterdir())
 
     _write_corpus(corpus, 60)  # new documents appended
     params = {"config": _config(tmp, corpus, 8), "extra_steps": 4}
