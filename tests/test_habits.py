@@ -189,9 +189,9 @@ TORCH_PRIVATE = {
     "torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner": "checkpoint.dcp: loading to full",
     "torch.distributed.checkpoint.state_dict_loader._load_state_dict": "checkpoint.dcp: one load, no collective",
     "torch.distributed.fsdp._fully_shard._fsdp_api.AllGather": "parallel: copy-engine all-gathers",
-    "torch.distributed.fsdp._fully_shard._fsdp_collectives": "fsdp_copies (lmyard.train.fsdp_copies.missing)",
-    "torch.distributed.fsdp._fully_shard._fsdp_param": "fsdp_copies (lmyard.train.fsdp_copies.missing)",
-    "torch.distributed.fsdp._fully_shard._fsdp_param_group": "fsdp_copies (lmyard.train.fsdp_copies.missing)",
+    "torch.distributed.fsdp._fully_shard._fsdp_collectives": "fsdp_copies (lmyard.train.distributed.fsdp_copies.missing)",
+    "torch.distributed.fsdp._fully_shard._fsdp_param": "fsdp_copies (lmyard.train.distributed.fsdp_copies.missing)",
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group": "fsdp_copies (lmyard.train.distributed.fsdp_copies.missing)",
     "torch.nn.attention._fa4.register_flash_attention_fa4": "flash4: FlashAttention-4 through torch's registry",
     "torch.ops._c10d_functional.reduce_scatter_tensor.default": "parallel: selective checkpointing's policy",
     "torch.serialization._load": "checkpoint.readahead: loading from memory already read",
@@ -234,7 +234,7 @@ def test_each_private_name_of_torch_in_use_is_where_lmyard_looks_it_up(name):
 
 
 def test_the_fsdp2_internals_that_side_copies_rebind_are_all_there():
-    from lmyard.train.fsdp_copies import missing
+    from lmyard.train.distributed.fsdp_copies import missing
 
     assert missing() is None
 

@@ -22,7 +22,6 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -60,14 +59,12 @@ from lmyard.errors import (
 )
 from lmyard.evaluate.validation import val_loss
 from lmyard.layout import RunLayout
-from lmyard.models import flash4
 from lmyard.models.base import LanguageModel
 from lmyard.models.registry import build_model, doc_fields, flops_per_token, model_from_spec, model_spec, resolve
 from lmyard.paths import no_space
 from lmyard.store import open_store
 from lmyard.tracking.lease import Fence
 from lmyard.tracking.sink import MetricsSink, NullSink, metrics_sink, system_metrics
-from lmyard.train import memory
 from lmyard.train.components import (
     Checkpointing,
     DivergenceGuard,
@@ -77,10 +74,8 @@ from lmyard.train.components import (
     Validator,
     all_mean,
 )
+from lmyard.train.distributed import Dist, Parallelism, no_sync, plan_memory, setup_distributed
 from lmyard.train.optim import AdamW, clipped_update
-from lmyard.train.parallel import block_params, copies_mode, init_process_group, no_sync
-from lmyard.train.parallelism import Parallelism
-from lmyard.train.sharded_embedding import in_row_shards
 from lmyard.train.watchdog import Heartbeat
 
 # How long a rollback waits for the last good checkpoint to reach the store before it gives up with
@@ -88,18 +83,6 @@ from lmyard.train.watchdog import Heartbeat
 FLUSH_TIMEOUT_S = 300.0
 # How long a checkpoint waits for the metrics logged so far to reach MLflow (lmyard.tracking.sink.MLflowSink.flush).
 CHECKPOINT_FLUSH_S = 5.0
-
-
-@dataclass(frozen=True)
-class Dist:
-    rank: int
-    local_rank: int
-    world: int
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -111,27 +94,6 @@ def lr_at(step: int, t: TrainConfig) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * coeff)
 
 
-def setup_distributed(cfg: RunConfig) -> Dist:
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    world, local_world = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        if not torch.cuda.is_available():
-            raise UserError("train.device is `cuda` but no GPU is visible; set train.device=cpu")
-        memory.use_expandable_segments()
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(cfg.train.threads_per_rank or max(1, (os.cpu_count() or 1) // local_world))
-    if cfg.model.attention == "fa4" and (lacks := flash4.missing(device)):
-        raise UserError(f"model.attention=fa4 needs {lacks}; otherwise set model.attention=auto")
-    gather = init_process_group(cfg.train, device, world, local_world)  # a copy_engine that cannot run stops here
-    if rank == 0 and use_cuda and cfg.train.parallel == "fsdp":
-        print(f"fsdp all-gather: {gather} (train.fsdp_all_gather={cfg.train.fsdp_all_gather})", flush=True)
-    return Dist(rank, local_rank, world, device)
-
-
 def grad_accum_steps(cfg: RunConfig, world: int, seq_len: int) -> int:
     per_micro = cfg.train.micro_batch * seq_len * world
     if cfg.train.batch_tokens % per_micro:
@@ -141,23 +103,6 @@ def grad_accum_steps(cfg: RunConfig, world: int, seq_len: int) -> int:
             f"e.g. --set train.batch_tokens={per_micro * max(1, round(cfg.train.batch_tokens / per_micro))}"
         )
     return cfg.train.batch_tokens // per_micro
-
-
-def plan_memory(cfg: RunConfig, n_vocab: int, d: Dist) -> RunConfig:
-    """Before the first step: the config with train.activation_checkpointing settled (auto: the lightest that
-    fits, said in one line) and, on a GPU, each GPU's parameters, gradients, optimizer state and activations
-    (lmyard.train.memory); a UserError naming what would fit (fsdp, activation checkpointing, a smaller
-    micro-batch, more GPUs) when they will not."""
-    cuda = d.device.type == "cuda"
-    total = torch.cuda.get_device_properties(d.device).total_memory if cuda else None
-    train, line = memory.resolve(cfg.model, cfg.train, d.world, total, n_vocab)
-    if d.is_main and line:
-        print(line, flush=True)
-    if total is not None:
-        plan = memory.check(memory.estimate(cfg.model, train, d.world, total, n_vocab))
-        if d.is_main:
-            print(f"memory plan per GPU: {plan.summary()}", flush=True)
-    return cfg.model_copy(update={"train": train})
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -251,12 +196,7 @@ class Trainer:
                 f"({self.shards.n_vocab}, {self.shards.manifest['tokenizer']['name']}); unset it or raise it"
             )
         self.parallel = Parallelism.of(self.cfg)  # chosen once: the trainer never asks train.parallel again
-        self.parallel.shard(self.raw_model, self.planned, self.d.world, self.d.device)  # before the optimizer is made
-        if self.d.is_main and self.d.device.type == "cuda" and self.parallel.sharded:
-            table = "row shards" if in_row_shards(self.raw_model) else "gathered"
-            print(f"fsdp token table: {table} (train.fsdp_embedding={self.t.fsdp_embedding})", flush=True)
-            copies = copies_mode(self.t, self.d.device, self.d.world, block_params(self.raw_model))
-            print(f"fsdp layout copies: {copies} streams (train.fsdp_copies={self.t.fsdp_copies})", flush=True)
+        self.parallel.shard(self.raw_model, self.planned, self.d)  # before the optimizer is made
         self.optimizer = AdamW(
             self.raw_model.param_groups(self.t.weight_decay),
             lr=self.t.lr,
