@@ -5,8 +5,8 @@
     fsdp  every rank holds its shards (FSDP2 units, made before the optimizer so it holds
           DTensors); FSDP2 keeps bf16 weights itself (its mixed-precision policy): no autocast
 
-The trainer asks a `Parallelism` (shard, wrap) and its checkpointer
-(lmyard.checkpoint.checkpointer), never `train.parallel` itself.
+The trainer asks a `Parallelism` (shard, wrap) and its CheckpointManager
+(lmyard.checkpoint.manager, given `sharded`), never `train.parallel` itself.
 """
 
 from __future__ import annotations
