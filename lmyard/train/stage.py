@@ -47,6 +47,13 @@ class TrainRun:
             dist.destroy_process_group()
 
 
+# The train runs of this process, kept until the interpreter exits. Freed as train_stage returns, a DDP model's
+# reducer would destroy the gloo process group while that group's thread waits for the GIL to release a tensor
+# of the last collective (torch's ProcessGroupGloo destructor joins its threads holding the GIL): a rank that
+# hangs after its run has ended. At exit Python stops such threads before it frees what is left.
+_KEPT: list[TrainRun] = []
+
+
 def out_of_memory(e: BaseException, cfg: RunConfig, step: int) -> UserError | None:
     """A UserError naming the settings to change when `e` is an allocation failure, else None."""
     text = str(e)
@@ -106,6 +113,7 @@ def train_stage(spec_path: str | None = None) -> int:
     """`python -m lmyard.stages train` on every rank: rank 0 writes result.json, any other rank that fails
     writes failures/rank-R.json (lmyard.contracts.run_stage, the one path from an exception to an exit code)."""
     run = TrainRun()
+    _KEPT.append(run)
     exchange = Exchange.from_env()
     rank = int(os.environ.get("RANK", 0))  # torchrun's; the same as the process group's once it is set up
     try:
