@@ -16,7 +16,7 @@ result back; training runs under torchrun on every node
 process. The log says what happens, for people.
 
 The bodies live where their subject does (lmyard.data.sharding,
-lmyard.train.trainer, lmyard.evaluate.evals, lmyard.export.hf); this module
+lmyard.train.stage, lmyard.evaluate.evals, lmyard.export.hf); this module
 only turns a spec into their call and their answer into a result.
 """
 
@@ -84,7 +84,7 @@ def export(spec: ExportSpec) -> ExportResult:
     return result
 
 
-# stage name -> (its spec type, its body); training runs under torchrun (lmyard.train.trainer.train_stage)
+# stage name -> (its spec type, its body); training runs under torchrun (lmyard.train.stage.train_stage)
 STAGES: dict[str, tuple[type[StageSpec], Callable[[Any], BaseModel]]] = {
     "shard": (ShardSpec, shard),
     "evaluate": (EvalSpec, evaluate),
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="where the result goes (default: result.json in the exchange folder)")
     args = p.parse_args(argv)
     if args.stage == "train":  # every rank, under torchrun: rank 0 writes the result, failing ranks their own
-        from lmyard.train.trainer import train_stage
+        from lmyard.train.stage import train_stage
 
         return train_stage(args.spec)
     cls, body = STAGES[args.stage]

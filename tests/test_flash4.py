@@ -10,8 +10,8 @@ from lmyard.errors import UserError
 from lmyard.models import flash4
 from lmyard.models.registry import build_model
 from lmyard.recipes import load_recipe
-from lmyard.train.parallelism import ComputeContext
-from lmyard.train.trainer import setup_distributed
+from lmyard.train.distributed import setup_distributed
+from lmyard.train.distributed.parallelism import ComputeContext
 
 CUDA = torch.device("cuda", 0)
 FA4_RUNS = torch.cuda.is_available() and flash4.missing(CUDA) is None

@@ -15,9 +15,15 @@ from lmyard.config import ModelConfig
 from lmyard.errors import UserError
 from lmyard.models.registry import build_model
 from lmyard.recipes import load_recipe
+from lmyard.train.distributed.parallel import (
+    all_gather_mode,
+    init_process_group,
+    no_sync,
+    parallelize,
+    process_group_options,
+)
+from lmyard.train.distributed.sharded_embedding import in_row_shards
 from lmyard.train.optim import AdamW, clipped_update
-from lmyard.train.parallel import all_gather_mode, init_process_group, no_sync, parallelize, process_group_options
-from lmyard.train.sharded_embedding import in_row_shards
 
 STEPS, ACCUM, MICRO, WORLD = 4, 2, 2, 2
 
@@ -125,7 +131,7 @@ def test_fsdp_on_two_ranks_trains_as_one_process_on_the_whole_batch_with_and_wit
 
 
 def test_fsdp_reduce_dtype_sets_the_gradient_reduction_on_cuda_and_stays_float32_on_cpu():
-    from lmyard.train.parallel import mixed_precision
+    from lmyard.train.distributed.parallel import mixed_precision
 
     default, cfg = load_recipe("smoke"), load_recipe("smoke", ["train.fsdp_reduce_dtype=bfloat16"])
     assert default.train.fsdp_reduce_dtype == "float32"
@@ -256,7 +262,7 @@ def test_fsdp_copies_settle_to_side_streams_only_for_big_blocks_where_they_can_r
     """train.fsdp_copies=auto takes the side streams on CUDA with two ranks or more for blocks of 150M
     parameters or more (Llama-3 8B's), the compute stream for smaller blocks, elsewhere and under ddp;
     `side` asked for on the CPU or one rank is one line naming what is missing."""
-    from lmyard.train.parallel import block_params, copies_mode
+    from lmyard.train.distributed.parallel import block_params, copies_mode
 
     with torch.device("meta"):
         big, small = (
@@ -284,7 +290,7 @@ def test_fsdp_copies_settle_to_side_streams_only_for_big_blocks_where_they_can_r
 
 
 def _side_copies_worker(rank: int, port: int) -> None:
-    from lmyard.train import fsdp_copies
+    from lmyard.train.distributed import fsdp_copies
 
     settings = {  # each block gathered again for backward, fp32 reduction; or kept from forward, all bf16
         "resharded": ["train.fsdp_reshard_after_forward=true"],
@@ -313,8 +319,8 @@ def test_fsdp_copies_on_side_streams_train_exactly_as_on_the_compute_stream_on_t
 
 
 def _bf16_shards_worker(rank: int, port: int) -> None:
+    from lmyard.train.distributed.parallel import apply_fsdp, fsdp_mesh
     from lmyard.train.optim import MASTER_ATTR
-    from lmyard.train.parallel import apply_fsdp, fsdp_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

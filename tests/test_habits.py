@@ -189,9 +189,9 @@ TORCH_PRIVATE = {
     "torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner": "checkpoint.dcp: loading to full",
     "torch.distributed.checkpoint.state_dict_loader._load_state_dict": "checkpoint.dcp: one load, no collective",
     "torch.distributed.fsdp._fully_shard._fsdp_api.AllGather": "parallel: copy-engine all-gathers",
-    "torch.distributed.fsdp._fully_shard._fsdp_collectives": "fsdp_copies (lmyard.train.fsdp_copies.missing)",
-    "torch.distributed.fsdp._fully_shard._fsdp_param": "fsdp_copies (lmyard.train.fsdp_copies.missing)",
-    "torch.distributed.fsdp._fully_shard._fsdp_param_group": "fsdp_copies (lmyard.train.fsdp_copies.missing)",
+    "torch.distributed.fsdp._fully_shard._fsdp_collectives": "fsdp_copies (lmyard.train.distributed.fsdp_copies.missing)",
+    "torch.distributed.fsdp._fully_shard._fsdp_param": "fsdp_copies (lmyard.train.distributed.fsdp_copies.missing)",
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group": "fsdp_copies (lmyard.train.distributed.fsdp_copies.missing)",
     "torch.nn.attention._fa4.register_flash_attention_fa4": "flash4: FlashAttention-4 through torch's registry",
     "torch.ops._c10d_functional.reduce_scatter_tensor.default": "parallel: selective checkpointing's policy",
     "torch.serialization._load": "checkpoint.readahead: loading from memory already read",
@@ -234,7 +234,7 @@ def test_each_private_name_of_torch_in_use_is_where_lmyard_looks_it_up(name):
 
 
 def test_the_fsdp2_internals_that_side_copies_rebind_are_all_there():
-    from lmyard.train.fsdp_copies import missing
+    from lmyard.train.distributed.fsdp_copies import missing
 
     assert missing() is None
 
@@ -248,7 +248,6 @@ MAX_MODULE_LINES = 500
 LONG_MODULES = {
     "lmyard/checkpoint/dcp.py": 827,
     "lmyard/data/sharding.py": 721,
-    "lmyard/train/trainer.py": 739,
 }
 
 
@@ -294,6 +293,78 @@ def test_no_module_grows_past_its_line_bound():
     assert not over, f"modules over their bound ({MAX_MODULE_LINES} lines, or LONG_MODULES' ceiling): {over}"
     shrunk = sorted(p for p in LONG_MODULES if lines.get(p, 0) <= MAX_MODULE_LINES)
     assert not shrunk, f"within {MAX_MODULE_LINES} lines now: remove them from LONG_MODULES: {shrunk}"
+
+
+# ---------------------------------------------------------------- the trainer is the loop
+
+TRAINER = REPO / "lmyard" / "train" / "trainer.py"
+TRAINER_MAX_LINES, TRAINER_MAX_LMYARD_MODULES = 400, 15
+
+
+def lmyard_modules_imported(path: Path) -> set[str]:
+    """The lmyard modules `path` imports, at module level or inside functions: `from lmyard.a import b` is
+    `lmyard.a.b` where b is a module of its own, else `lmyard.a`."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "lmyard"}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "lmyard":
+            base = node.module or ""
+            folder = REPO.joinpath(*base.split("."))
+            subs = {f"{base}.{a.name}" for a in node.names if (folder / f"{a.name}.py").is_file()}
+            subs |= {f"{base}.{a.name}" for a in node.names if (folder / a.name / "__init__.py").is_file()}
+            found |= subs or {base}
+    return found
+
+
+def _branches_on_parallel(tree: ast.AST) -> list[int]:
+    """Lines of each `if` (statement or expression) whose test reads `train.parallel` (also as `t.parallel`, t
+    the train section) or names "fsdp"; asking the strategy (`self.parallel.sharded`) is not reading it."""
+
+    def train_section(n: ast.AST) -> bool:
+        return (isinstance(n, ast.Attribute) and n.attr == "train") or (isinstance(n, ast.Name) and n.id == "t")
+
+    def names_it(test: ast.AST) -> bool:
+        return any(
+            (isinstance(n, ast.Attribute) and n.attr == "parallel" and train_section(n.value))
+            or (isinstance(n, ast.Constant) and n.value == "fsdp")
+            for n in ast.walk(test)
+        )
+
+    return sorted(n.lineno for n in ast.walk(tree) if isinstance(n, (ast.If, ast.IfExp)) and names_it(n.test))
+
+
+def test_the_trainer_is_the_loop_with_one_door_to_checkpoints_and_no_branch_on_the_strategy():
+    lines = len(TRAINER.read_text().splitlines())
+    assert lines <= TRAINER_MAX_LINES, f"lmyard/train/trainer.py has {lines} lines, over {TRAINER_MAX_LINES}"
+    modules = lmyard_modules_imported(TRAINER)
+    assert len(modules) <= TRAINER_MAX_LMYARD_MODULES, f"the trainer imports {len(modules)}: {sorted(modules)}"
+    checkpoint = sorted(m for m in modules if m.startswith("lmyard.checkpoint"))
+    assert checkpoint == ["lmyard.checkpoint.manager"], f"the trainer's checkpoint imports: {checkpoint}"
+    branches = _branches_on_parallel(ast.parse(TRAINER.read_text()))
+    assert not branches, f"lmyard/train/trainer.py branches on train.parallel or fsdp at lines {branches}"
+
+
+def test_the_trainer_checks_see_submodules_and_branches_on_the_strategy(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "from lmyard.train import build, components\n"
+        "from lmyard.errors import UserError\n"
+        "def f(cfg):\n"
+        "    import lmyard.checkpoint.resume\n"
+        "    x = 1 if cfg.train.parallel == 'ddp' else 2\n"
+        "    if cfg.train.kind == 'fsdp':\n"
+        "        pass\n"
+        "    if self.parallel.sharded or t.parallel:\n"
+        "        pass\n"
+    )
+    assert lmyard_modules_imported(sample) == {
+        "lmyard.train.build",
+        "lmyard.train.components",
+        "lmyard.errors",
+        "lmyard.checkpoint.resume",
+    }
+    assert _branches_on_parallel(ast.parse(sample.read_text())) == [5, 6, 8]
 
 
 def test_the_size_checks_count_lines_and_parameters_as_they_say():

@@ -16,10 +16,10 @@ from lmyard.models.llama import ffn_hidden_size
 from lmyard.models.llama.model import Llama, LlamaConfig
 from lmyard.models.registry import build_model, flops_per_token, model_config, model_from_spec, model_spec
 from lmyard.recipes import load_recipe
-from lmyard.train.memory import check, describe, estimate, resolve
-from lmyard.train.parallel import apply_activation_checkpointing, compile_blocks
-from lmyard.train.parallelism import prepare_model
-from lmyard.train.trainer import Dist, plan_memory
+from lmyard.train.distributed import Dist, plan_memory
+from lmyard.train.distributed.memory import check, describe, estimate, resolve
+from lmyard.train.distributed.parallel import apply_activation_checkpointing, compile_blocks
+from lmyard.train.distributed.parallelism import prepare_model
 
 GB80 = 80 * 10**9
 
@@ -354,7 +354,7 @@ def test_sharding_divides_the_static_memory_by_the_ranks():
 
 
 def test_float8_is_skipped_with_a_warning_where_the_device_has_no_float8_matmuls():
-    from lmyard.train.parallel import apply_float8
+    from lmyard.train.distributed.parallel import apply_float8
 
     model = _tiny()
     with pytest.warns(UserWarning, match="train.float8 skipped"):

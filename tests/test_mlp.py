@@ -92,7 +92,7 @@ def test_gelu_mlp_is_not_taken_for_float8_linears_or_with_the_switch_off(monkeyp
 @pytest.mark.parametrize("mode,epilogues", [("selective", False), ("pointwise", False), ("full", True)])
 def test_op_level_checkpointing_keeps_gpt2s_mlp_on_plain_ops_so_its_policy_sees_the_matmuls(mode, epilogues):
     from lmyard.models.gpt2.model import GPT, GPTConfig
-    from lmyard.train.parallel import apply_activation_checkpointing
+    from lmyard.train.distributed.parallel import apply_activation_checkpointing
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=16))
     apply_activation_checkpointing(model, mode, blocks=2)

@@ -56,7 +56,7 @@ def test_a_bf16_residual_stream_reaches_every_block_in_bf16_and_keeps_the_loss(f
 
 def _prepared(residual: str, device: str) -> GPT:
     from lmyard.recipes import load_recipe
-    from lmyard.train.parallelism import prepare_model
+    from lmyard.train.distributed.parallelism import prepare_model
 
     over = [f"train.residual_dtype={residual}", "train.compile=false", "train.activation_checkpointing=none"]
     torch.manual_seed(0)

@@ -255,7 +255,7 @@ def test_fused_step_updates_fsdp_shards_in_place_on_cuda():
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from lmyard.train.parallel import fsdp_mesh
+    from lmyard.train.distributed.parallel import fsdp_mesh
 
     mesh = fsdp_mesh(1, torch.device("cuda", torch.cuda.current_device()))
     try:

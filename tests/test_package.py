@@ -4,6 +4,7 @@ every recipe it ships, and a site's environment reaches each of them."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -20,8 +21,12 @@ pytestmark = pytest.mark.integration  # builds a wheel
 def installed(tmp_path_factory) -> tuple[Path, list[str]]:
     """(the folder the wheel is installed in, the recipe names it ships)."""
     tmp = tmp_path_factory.mktemp("package")
+    # the build writes build/ and *.egg-info beside the sources: build a copy, not the checkout
+    source = tmp / "source"
+    ignore = shutil.ignore_patterns(".git", ".venv", ".whl", "build", "*.egg-info", ".lmyard", "__pycache__", "tests")
+    shutil.copytree(REPO, source, ignore=ignore)
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp), str(source)],
         capture_output=True,
         text=True,
         timeout=600,

@@ -219,7 +219,7 @@ def _llama_with_activation_checkpointing(rank, world, tmp):
     """lmyard's Llama as `train.parallel=fsdp` wraps it (checkpoint_wrapper per block, FSDP2 units)."""
     from lmyard.config import ModelConfig
     from lmyard.models.registry import build_model
-    from lmyard.train.parallel import apply_activation_checkpointing, apply_fsdp, fsdp_mesh
+    from lmyard.train.distributed.parallel import apply_activation_checkpointing, apply_fsdp, fsdp_mesh
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(preset="llama-tiny"), 300)

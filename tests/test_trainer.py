@@ -17,7 +17,8 @@ from lmyard.launch.follower import run_local
 from lmyard.models.gpt2.model import GPT, GPTConfig
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store
-from lmyard.train.trainer import grad_accum_steps, train_step
+from lmyard.train.build import grad_accum_steps
+from lmyard.train.trainer import train_step
 
 
 @pytest.fixture(scope="module")

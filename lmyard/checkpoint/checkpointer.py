@@ -64,7 +64,7 @@ def make_checkpointer(
     on_commit: Callable[[int, str], None] | None = None,
     fence: Callable[[], None] | None = None,
 ) -> Checkpointer:
-    """The checkpointer for a model `sharded` over the ranks (train.parallel=fsdp, as lmyard.train.parallelism
+    """The checkpointer for a model `sharded` over the ranks (train.parallel=fsdp, as lmyard.train.distributed.parallelism
     decided) or not; every rank makes it at the same point (a collective for DCP). `fence` runs before each
     manifest is written (lmyard.checkpoint.commit: the lineage's lease)."""
     c, staging = cfg.checkpoint, os.path.join(cache_dir, "staging")

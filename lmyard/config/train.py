@@ -99,7 +99,7 @@ class TrainConfig(_Section):
         "side streams, beside the matmuls (each block's parameters are then allocated while the block before "
         "computes: one gathered block more); `auto`: side on two ranks or more for blocks of 150M parameters or "
         "more (Llama-3 8B's: faster there, slower at llama-1b's 60M) where this torch's FSDP2 allows it "
-        "(lmyard.train.fsdp_copies).",
+        "(lmyard.train.distributed.fsdp_copies).",
     )
     fsdp_all_gather: Literal["auto", "nccl", "copy_engine"] = Field(
         "auto",

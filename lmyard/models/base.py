@@ -2,7 +2,7 @@
 
 A family's model subclasses LanguageModel and has `config` (its frozen config dataclass, with
 `block_size`), `family` (its `model.arch`), `layers` (the ModuleList of blocks that
-lmyard.train.parallel wraps one by one) and `forward(idx, targets=None)`: logits (B, T, V), or with
+lmyard.train.distributed.parallel wraps one by one) and `forward(idx, targets=None)`: logits (B, T, V), or with
 targets only the mean cross-entropy (lmyard.models.losses.linear_cross_entropy).
 """
 

@@ -70,7 +70,7 @@ class ModelSpec:
     """Config fields -> the family's config dataclass; imports torch (it lives beside the module)."""
     hf: HFAdapter
     terms: Callable[[dict], Terms]
-    """Config fields -> parameter counts and activation bytes (lmyard.train.memory, FLOPs)."""
+    """Config fields -> parameter counts and activation bytes (lmyard.train.distributed.memory, FLOPs)."""
     fsdp_units: Callable[[Any], list[tuple[list, bool]]] = field(default=lambda model: [])
     """Modules sharded as units of their own before the blocks, with whether they reshard after forward
-    (lmyard.train.parallel.apply_fsdp); what is left goes to the root unit."""
+    (lmyard.train.distributed.parallel.apply_fsdp); what is left goes to the root unit."""

@@ -121,7 +121,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def keep_master(param: torch.Tensor, master: torch.Tensor) -> None:
     """Give a bf16 parameter the float32 weights AdamW starts its master copy from (the weights before they
-    were rounded to bf16: lmyard.train.parallel casts FSDP2's shards); without one the master starts from the
+    were rounded to bf16: lmyard.train.distributed.parallel casts FSDP2's shards); without one the master starts from the
     bf16 values."""
     setattr(param, MASTER_ATTR, master)
 

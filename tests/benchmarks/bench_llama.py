@@ -12,7 +12,7 @@
 For each GPU count it runs `torchrun --nproc_per_node=N bench_llama.py --worker`: the model from
 lmyard.models.build_model (made on the GPU, seeded), lmyard.parallel.parallelize (float8 -> activation
 checkpointing -> torch.compile per block -> FSDP2 with bf16 parameters and fp32 reduction), or with
-`--parallel ddp` the trainer's ddp path (lmyard.train.parallelism.prepare_model: float8, checkpointing, DDP
+`--parallel ddp` the trainer's ddp path (lmyard.train.distributed.parallelism.prepare_model: float8, checkpointing, DDP
 on several ranks, whole-model compile, bf16 autocast; on one GPU torchtitan's own path), fused AdamW,
 gradient clipping at 1.0, one micro-batch per step, reading uniformly random GPT-2 token ids from a shard
 file (tests/benchmarks/random_shards.py): rank r, step s takes sequences (s * world + r) * batch ... of
@@ -139,15 +139,15 @@ def worker(a: argparse.Namespace) -> None:
     from lmyard.models.registry import build_model, flops_per_token, model_spec
     from lmyard.recipes import load_recipe
     from lmyard.train.components import PEAK_FLOPS
-    from lmyard.train.memory import resolve, use_expandable_segments
-    from lmyard.train.parallel import block_params, copies_mode, init_process_group, parallelize
-    from lmyard.train.parallelism import prepare_model
+    from lmyard.train.distributed.memory import resolve, use_expandable_segments
+    from lmyard.train.distributed.parallel import block_params, copies_mode, init_process_group, parallelize
+    from lmyard.train.distributed.parallelism import prepare_model
 
     rank, local, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     cuda = a.device == "cuda"
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
-        use_expandable_segments()  # as the trainer does (lmyard.train.memory)
+        use_expandable_segments()  # as the trainer does (lmyard.train.distributed.memory)
         torch.cuda.set_device(device)
     cfg = load_recipe(
         "smoke",
@@ -171,9 +171,9 @@ def worker(a: argparse.Namespace) -> None:
             f"train.fsdp_copies={a.copies}",
         ],
     )
-    # the process group as the trainer makes it (lmyard.train.trainer.setup_distributed)
+    # the process group as the trainer makes it (lmyard.train.distributed.setup_distributed)
     gather = init_process_group(cfg.train, device, world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    # auto settles here as in the trainer (lmyard.train.memory.resolve), with its startup line; none on CPU
+    # auto settles here as in the trainer (lmyard.train.distributed.memory.resolve), with its startup line; none on CPU
     total = device_memory(device, a.memory_gib) if cuda else None
     train_cfg, line = resolve(cfg.model, cfg.train, world, total)
     cfg = cfg.model_copy(update={"train": train_cfg})
@@ -241,7 +241,7 @@ def worker(a: argparse.Namespace) -> None:
         "loss_last": round(float(losses[-1]), 4),
     }
     if cuda:
-        from lmyard.train.memory import estimate
+        from lmyard.train.distributed.memory import estimate
 
         plan = estimate(
             cfg.model,
@@ -475,7 +475,7 @@ def parser() -> argparse.ArgumentParser:
         choices=["auto", "gathered", "sharded"],
         default="auto",
         help="train.fsdp_embedding (lmyard only): sharded looks the token table up in its row shards "
-        "(lmyard.train.sharded_embedding); gathered: FSDP2 gathers it; auto: sharded where that moves less",
+        "(lmyard.train.distributed.sharded_embedding); gathered: FSDP2 gathers it; auto: sharded where that moves less",
     )
     ap.add_argument(
         "--all-gather",
@@ -489,7 +489,7 @@ def parser() -> argparse.ArgumentParser:
         choices=["auto", "compute", "side"],
         default="auto",
         help="train.fsdp_copies (lmyard only): side runs FSDP2's split of each all-gather and cat before each "
-        "reduce-scatter on its side streams (lmyard.train.fsdp_copies); compute: on the compute stream",
+        "reduce-scatter on its side streams (lmyard.train.distributed.fsdp_copies); compute: on the compute stream",
     )
     ap.add_argument(
         "--optimizer",

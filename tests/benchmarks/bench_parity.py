@@ -254,7 +254,8 @@ class Recorder:
 def lmyard_run(cfg, shards) -> dict:
     """lmyard's Trainer in this process, no lineage: per-step train loss and the final val loss from its sink.
     Its log lines go to stderr (stdout holds the JSON lines)."""
-    from lmyard.train.trainer import Trainer, setup_distributed
+    from lmyard.train.distributed import setup_distributed
+    from lmyard.train.trainer import Trainer
 
     sink = Recorder()
     with contextlib.redirect_stdout(sys.stderr):

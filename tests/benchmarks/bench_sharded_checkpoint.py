@@ -69,7 +69,7 @@ def build_llama(preset: str, device: torch.device, seq: int):
     from lmyard.config import ModelConfig
     from lmyard.models.llama.model import Llama
     from lmyard.models.registry import model_config
-    from lmyard.train.parallel import apply_fsdp, fsdp_mesh
+    from lmyard.train.distributed.parallel import apply_fsdp, fsdp_mesh
 
     cfg = model_config(ModelConfig(preset=preset), 128256)
     with torch.device("meta"):

@@ -31,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lmyard.models.gpt2.model import GPT
 from lmyard.models.registry import model_config
 from lmyard.recipes import load_recipe
+from lmyard.train.distributed import setup_distributed
+from lmyard.train.distributed.parallelism import prepare_model
 from lmyard.train.optim import AdamW
-from lmyard.train.parallelism import prepare_model
-from lmyard.train.trainer import setup_distributed, train_step
+from lmyard.train.trainer import train_step
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -98,7 +98,7 @@ class GPT(LanguageModel):
 
     @property
     def layers(self) -> nn.ModuleList:
-        """The blocks, under the name lmyard.train.parallel wraps them by (FSDP2 units, checkpointing, compile)."""
+        """The blocks, under the name lmyard.train.distributed.parallel wraps them by (FSDP2 units, checkpointing, compile)."""
         return self.h
 
     def _init(self, m: nn.Module) -> None:

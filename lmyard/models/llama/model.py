@@ -4,7 +4,7 @@ embeddings, no biases.
 The interface is lmyard.models.base.LanguageModel's: `forward(idx, targets=None)` gives the mean loss
 through lmyard.models.losses.linear_cross_entropy (the logits without targets), `num_params()`,
 `param_groups()`, `generate()`, `config.block_size`, and `layers`, the ModuleList of blocks that
-lmyard.train.parallel wraps one by one (FSDP2 units, activation checkpointing, torch.compile).
+lmyard.train.distributed.parallel wraps one by one (FSDP2 units, activation checkpointing, torch.compile).
 
 Weight names follow Hugging Face's LlamaForCausalLM without its `model.` prefix
 (`embed_tokens`, `layers.i.self_attn.o_proj`, `layers.i.mlp.gate_proj`, `norm`, `lm_head`), except
@@ -142,7 +142,9 @@ class Llama(LanguageModel):
         c = self.config
         nn.init.normal_(self.embed_tokens.weight, std=1.0)
         for i, block in enumerate(self.layers):
-            assert isinstance(block, Block), "called from __init__, before lmyard.train.parallel wraps the blocks"
+            assert isinstance(block, Block), (
+                "called from __init__, before lmyard.train.distributed.parallel wraps the blocks"
+            )
             deep = 0.02 / math.sqrt(2 * (i + 1))
             a, m = block.self_attn, block.mlp
             for lin, std in (

@@ -13,7 +13,7 @@ gathers the shards as they are and keeps the reduced gradients in bf16, where it
 shards before every all-gather and the gradients after every reduce-scatter.
 With train.fsdp_embedding sharded (auto's choice where the ranks' tokens of a micro-step are fewer than its
 rows) an untied input token table is not a unit: it stays in its row shards and each rank looks up every
-rank's tokens in its own rows (lmyard.train.sharded_embedding), so FSDP2 neither gathers the table nor
+rank's tokens in its own rows (lmyard.train.distributed.sharded_embedding), so FSDP2 neither gathers the table nor
 reduce-scatters its gradient.
 
 The all-gathers (train.fsdp_all_gather): with every rank on one host, `copy_engine` (auto's choice there)
@@ -21,14 +21,14 @@ gathers into NCCL symmetric memory under NCCL's zero-CTA policy (`process_group_
 init_process_group), so NCCL moves the parameters with the GPU's copy engines instead of kernels that would
 share the SMs with the matmuls they overlap.
 
-Activation checkpointing (under ddp too, lmyard.train.parallelism): `full` recomputes each whole block in
+Activation checkpointing (under ddp too, lmyard.train.distributed.parallelism): `full` recomputes each whole block in
 backward; `selective` is torchtitan's op-level policy: inside each block the outputs of matmuls and attention
 are kept, except every second matmul's, and everything else (norms, RoPE, SwiGLU's pointwise ops) is
 recomputed; FlexAttention's output (model.doc_mask) is kept as SDPA's is. `pointwise` is the same policy
 keeping every matmul's output: only the elementwise ops run again (norms, RoPE, SwiGLU's product, GELU,
 layout copies), a pass over memory that backward's own elementwise kernels mostly read anyway, where the
 compiled default keeps their outputs because a matmul in backward reads them. Each mode may wrap only the
-first train.activation_checkpointing_blocks blocks (the rest keep all their activations; lmyard.train.memory's
+first train.activation_checkpointing_blocks blocks (the rest keep all their activations; lmyard.train.distributed.memory's
 `auto` picks that number); one wrapping loop for every mode, so they mean the same blocks.
 """
 
@@ -46,9 +46,9 @@ import torch.nn as nn
 from lmyard.config import RunConfig, TrainConfig
 from lmyard.errors import UserError
 from lmyard.models import registry
-from lmyard.train.fsdp_copies import missing as copies_missing
-from lmyard.train.fsdp_copies import move_off_compute
-from lmyard.train.sharded_embedding import shard_rows, sharded_pays
+from lmyard.train.distributed.fsdp_copies import missing as copies_missing
+from lmyard.train.distributed.fsdp_copies import move_off_compute
+from lmyard.train.distributed.sharded_embedding import shard_rows, sharded_pays
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList:
@@ -190,7 +190,7 @@ def apply_fsdp(
     `embedding` (train.fsdp_embedding) sharded, or auto where it pays for `tokens_per_rank` tokens a micro-step:
     a unit that is one untied nn.Embedding is looked up in its row shards instead (lmyard.train.
     sharded_embedding); `copies` side: FSDP2's copy-in, split and cat as memcpys on the copy engines, on its side
-    streams (lmyard.train.fsdp_copies)."""
+    streams (lmyard.train.distributed.fsdp_copies)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     masters = round_to_bf16(model, mesh) if param_dtype == "bfloat16" else []
@@ -366,7 +366,7 @@ def fsdp_mesh(world: int, device: torch.device):
 
 def parallelize(raw_model: nn.Module, cfg: RunConfig, world: int, device: torch.device) -> nn.Module:
     """The model to train under train.parallel=fsdp: float8 (train.float8) -> activation checkpointing
-    (train.activation_checkpointing, resolved: not auto; lmyard.train.memory.resolve) -> torch.compile per block (train.compile; default on CUDA) -> FSDP2
+    (train.activation_checkpointing, resolved: not auto; lmyard.train.distributed.memory.resolve) -> torch.compile per block (train.compile; default on CUDA) -> FSDP2
     (train.fsdp_reshard_after_forward, train.fsdp_reduce_dtype, train.fsdp_all_gather, train.fsdp_param_dtype). Modifies and returns raw_model; its parameters become DTensor shards
     on `device`, so build the optimizer after this call."""
     t = cfg.train

@@ -5,8 +5,8 @@
     fsdp  every rank holds its shards (FSDP2 units, made before the optimizer so it holds
           DTensors); FSDP2 keeps bf16 weights itself (its mixed-precision policy): no autocast
 
-The trainer asks a `Parallelism` (shard, wrap) and its checkpointer
-(lmyard.checkpoint.checkpointer), never `train.parallel` itself.
+The trainer asks a `Parallelism` (shard, wrap) and its CheckpointManager
+(lmyard.checkpoint.manager, given `sharded`), never `train.parallel` itself.
 """
 
 from __future__ import annotations
@@ -21,7 +21,14 @@ from lmyard.config import RunConfig
 from lmyard.evaluate.validation import autocast
 from lmyard.models import attention
 from lmyard.models.base import LanguageModel
-from lmyard.train.parallel import apply_activation_checkpointing, apply_float8, parallelize
+from lmyard.train.distributed.parallel import (
+    apply_activation_checkpointing,
+    apply_float8,
+    block_params,
+    copies_mode,
+    parallelize,
+)
+from lmyard.train.distributed.sharded_embedding import in_row_shards
 
 
 class ComputeContext:
@@ -90,10 +97,18 @@ class Parallelism:
     def sharded(self) -> bool:
         return self.name == "fsdp"
 
-    def shard(self, model: torch.nn.Module, cfg: RunConfig, world: int, device: torch.device) -> None:
-        """Sharded: FSDP2 units, before the optimizer is made (it holds the shards of this rank)."""
-        if self.sharded:
-            parallelize(model, cfg, world, device)
+    def shard(self, model: torch.nn.Module, cfg: RunConfig, d) -> None:
+        """Sharded: FSDP2 units, before the optimizer is made (it holds the shards of this rank); on a GPU, rank 0
+        says how the token table and the layout copies run. `d`: this rank (lmyard.train.distributed.group.Dist)."""
+        if not self.sharded:
+            return
+        parallelize(model, cfg, d.world, d.device)
+        if d.is_main and d.device.type == "cuda":
+            t = cfg.train
+            table = "row shards" if in_row_shards(model) else "gathered"
+            print(f"fsdp token table: {table} (train.fsdp_embedding={t.fsdp_embedding})", flush=True)
+            copies = copies_mode(t, d.device, d.world, block_params(model))
+            print(f"fsdp layout copies: {copies} streams (train.fsdp_copies={t.fsdp_copies})", flush=True)
 
     def wrap(self, raw_model: torch.nn.Module, cfg: RunConfig, d) -> tuple[torch.nn.Module, ComputeContext]:
         """The model the step runs and its compute context (FSDP2: the sharded model as it is, no autocast)."""

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from lmyard.config import ModelConfig, TrainConfig
+from lmyard.config import ModelConfig, RunConfig, TrainConfig
 from lmyard.errors import UserError
 from lmyard.models import registry
 
@@ -380,3 +380,22 @@ def settle_reshard(
         f"fsdp: each block resharded after its forward, gathered again for backward (plan {_gib(plan)}; keeping "
         f"them gathered would need {_gib(kept)} of {kept.usable / GIB:.1f} GiB usable per GPU)"
     )
+
+
+def plan_memory(cfg: RunConfig, n_vocab: int, d) -> RunConfig:
+    """Before the first step: the config with train.activation_checkpointing settled (auto: the lightest that
+    fits, said in one line) and, on a GPU, each GPU's parameters, gradients, optimizer state and activations;
+    a UserError naming what would fit (fsdp, activation checkpointing, a smaller micro-batch, more GPUs) when
+    they will not. `d`: this rank (lmyard.train.distributed.group.Dist: world, device, is_main)."""
+    import torch
+
+    cuda = d.device.type == "cuda"
+    total = torch.cuda.get_device_properties(d.device).total_memory if cuda else None
+    train, line = resolve(cfg.model, cfg.train, d.world, total, n_vocab)
+    if d.is_main and line:
+        print(line, flush=True)
+    if total is not None:
+        plan = check(estimate(cfg.model, train, d.world, total, n_vocab))
+        if d.is_main:
+            print(f"memory plan per GPU: {plan.summary()}", flush=True)
+    return cfg.model_copy(update={"train": train})

@@ -1,0 +1,103 @@
+"""What the trainer is made of before its first step: the seeded generators, the model (from `model.*` or a
+Hugging Face folder, model.init_from) and the data (the train stream in this rank's batches, the val
+sequences), with gradient accumulation settled from train.batch_tokens, and where a resumed lineage's data
+continues when its shard set changed."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+
+from lmyard.config import RunConfig
+from lmyard.contracts import CheckpointState
+from lmyard.data.loader import TrainBatches, split_stream, val_sequences
+from lmyard.data.shards import ShardSet
+from lmyard.errors import UserError
+from lmyard.models.base import LanguageModel
+from lmyard.models.registry import build_model, doc_fields, model_from_spec
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    """Seed every generator a run touches: the same init on every rank (torch), per-rank streams for Python's
+    and numpy's global generators, so two runs of one config save identical RNG states."""
+    torch.manual_seed(seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+
+
+def grad_accum_steps(cfg: RunConfig, world: int, seq_len: int) -> int:
+    per_micro = cfg.train.micro_batch * seq_len * world
+    if cfg.train.batch_tokens % per_micro:
+        raise UserError(
+            f"train.batch_tokens ({cfg.train.batch_tokens}) must be a multiple of micro_batch * block_size * "
+            f"world size ({cfg.train.micro_batch} * {seq_len} * {world} = {per_micro}); "
+            f"e.g. --set train.batch_tokens={per_micro * max(1, round(cfg.train.batch_tokens / per_micro))}"
+        )
+    return cfg.train.batch_tokens // per_micro
+
+
+def model(cfg: RunConfig, shards: ShardSet, device: torch.device, cache_dir: str, is_main: bool) -> LanguageModel:
+    """The model on `device`: a Hugging Face folder's sizes and weights (model.init_from; a checkpoint wins at
+    resume), else freshly initialised; a UserError when its vocabulary is smaller than the shard set's."""
+    with torch.device(device):
+        if cfg.model.init_from:
+            built = _from_hf(cfg, shards, cfg.model.init_from, cache_dir, is_main)
+        else:
+            built = build_model(cfg.model, shards.n_vocab, shards.separators)
+    if built.config.vocab_size < shards.n_vocab:
+        raise UserError(
+            f"model.vocab_size ({built.config.vocab_size}) is smaller than the shard set's vocabulary "
+            f"({shards.n_vocab}, {shards.manifest['tokenizer']['name']}); unset it or raise it"
+        )
+    return built
+
+
+def _from_hf(cfg: RunConfig, shards: ShardSet, path: str, cache_dir: str, is_main: bool) -> LanguageModel:
+    from lmyard.export.hf import init_from_hf
+
+    state, spec = init_from_hf(path, os.path.join(cache_dir, "init-from"), cfg.tracking.uri)
+    built = model_from_spec({**spec, **doc_fields(cfg.model, shards.separators)})
+    built.load_state_dict(state)
+    if is_main:
+        print(f"initialised from {path}: {spec}", flush=True)
+    return built
+
+
+def data(
+    cfg: RunConfig, shards: ShardSet, block_size: int, rank: int, world: int, cache_dir: str
+) -> tuple[int, TrainBatches, torch.Tensor]:
+    """(micro-steps per step, this rank's train batches, the val sequences)."""
+    accum = grad_accum_steps(cfg, world, block_size)
+    batches = TrainBatches(
+        split_stream(shards, cfg.store, "train", cache_dir),
+        block_size,
+        cfg.train.micro_batch,
+        accum,
+        rank,
+        world,
+        shuffle_seed=cfg.train.seed if cfg.data.shuffle_sequences else None,
+    )
+    val = val_sequences(split_stream(shards, cfg.store, "val", cache_dir), block_size, cfg.eval.val_tokens)
+    return accum, batches, val
+
+
+def new_data_cursor(state: CheckpointState, data: TrainBatches, is_main: bool) -> int:
+    """Where a lineage continues when its shard set changed (retraining on new data).
+
+    An append-only source keeps the old train stream as a prefix of the new one:
+    continue at the first sequence past the old tokens. Otherwise start the new stream.
+    """
+    old_tokens = state.train_tokens
+    first_new = old_tokens // data.T
+    if data.shuffle_seed is not None:  # a shuffled order has no "past the old tokens": the new stream, from its start
+        where, cursor = "from the start of the new shard set (sequences are shuffled)", 0
+    elif 0 < old_tokens < data.stream.total and first_new < data.n_seq:
+        where, cursor = f"at the first sequence past its {old_tokens:,} tokens (the data that is new)", first_new
+    else:
+        where, cursor = "from the start of the new shard set", 0
+    if is_main:
+        print(f"the shard set changed from {state.shard_address} to this run's: continuing {where}", flush=True)
+    return cursor
