@@ -193,16 +193,29 @@ def _run_flow(command: str, config) -> int:
     return 0
 
 
+def _printing(args: argparse.Namespace) -> int:
+    """A command that prints and ends (config, runs, status, export): a reader that stops early
+    (`lmyard config --reference | head`) ends it quietly, as for any tool. Only here: in a flow's process a broken
+    connection must stay an error, never a silent SIGPIPE death."""
+    try:
+        code = _command(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more reaches the closed pipe
+        return 128 + signal.SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
-    # a reader that stops early (`lmyard config --reference | head`) ends the command quietly, as for any tool
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     # Prefect's client telemetry (and its first-run notice) is off unless the operator turns it on (DO_NOT_TRACK=0)
     os.environ.setdefault("DO_NOT_TRACK", "1")
     args = _parser().parse_args(argv)
     from lmyard.errors import StageFailed, UserError
 
     try:
-        return _command(args)
+        if args.command in ("run", "shard"):
+            return _command(args)
+        return _printing(args)
     except (UserError, StageFailed) as e:  # one line each, the last: its exit code
         return _failed(e, int(e.exit_code))
     except KeyboardInterrupt:
