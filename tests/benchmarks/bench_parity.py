@@ -134,10 +134,13 @@ def _loss(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), rows[:, 1:].reshape(-1))
 
 
-def plain_run(model: torch.nn.Module, tokens: np.ndarray, val: np.ndarray, t, T: int, device: str) -> dict:
+def plain_run(
+    model: torch.nn.Module, tokens: np.ndarray, val: np.ndarray, t, T: int, device: str, eval_every: int = 0
+) -> dict:
     """The plain loop over `t.max_steps` steps (t: lmyard's TrainConfig, for its numbers only): per-step train
-    loss (the mean of the micro-batches' mean losses) and the val loss at the end (the mean token loss over
-    the val sequences, val: (n, T+1))."""
+    loss (the mean of the micro-batches' mean losses), the val loss (the mean token loss over the val sequences,
+    val: (n, T+1)) at the end and every `eval_every` steps ({step: loss}), and the training seconds at each of
+    those steps (evaluation time left out, the first steps' compile time in)."""
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -147,8 +150,9 @@ def plain_run(model: torch.nn.Module, tokens: np.ndarray, val: np.ndarray, t, T:
     opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
     B, N = t.micro_batch, t.batch_tokens // T
     cast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else contextlib.nullcontext()
-    losses = []
+    losses, curve, seconds, trained_s = [], {}, {}, 0.0
     for step in range(t.max_steps):
+        t0 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, t.lr, t.warmup_steps, t.max_steps, t.min_lr_ratio)
         total = torch.zeros((), device=device)
@@ -163,11 +167,19 @@ def plain_run(model: torch.nn.Module, tokens: np.ndarray, val: np.ndarray, t, T:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(total / (N // B)))
+        trained_s += time.perf_counter() - t0
+        if step + 1 == t.max_steps or (eval_every and (step + 1) % eval_every == 0):
+            curve[step + 1], seconds[step + 1] = plain_val(model, val, B, device, cast), trained_s
+    return {"train": losses, "val": curve[t.max_steps], "curve": curve, "seconds": seconds}
+
+
+def plain_val(model: torch.nn.Module, val: np.ndarray, B: int, device: str, cast) -> float:
     model.eval()
     with torch.no_grad(), cast:
         val_sum = sum(float(_loss(model, torch.from_numpy(val[i : i + B]).to(device))) * len(val[i : i + B])
                       for i in range(0, len(val), B))  # fmt: skip
-    return {"train": losses, "val": val_sum / len(val)}
+    model.train()
+    return val_sum / len(val)
 
 
 def val_rows(store, shards, T: int, val_tokens: int) -> np.ndarray:
@@ -239,10 +251,23 @@ class Recorder:
 
     def __init__(self):
         self.points: dict[str, dict[int, float]] = {}
+        self.at: dict[str, dict[int, float]] = {}  # key -> {step: time.perf_counter() when it was logged}
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        now = time.perf_counter()
         for key, value in metrics.items():
             self.points.setdefault(key, {})[step] = float(value)
+            self.at.setdefault(key, {})[step] = now
+
+    def trained_s(self, start: float) -> dict[int, float]:
+        """The training seconds since `start` at each validated step: evaluation time left out (a validation's
+        time is from its step's train/loss point to its val/loss point)."""
+        train, val = self.at["train/loss"], self.at.get("val/loss", {})
+        out, evals_s = {}, 0.0
+        for step in sorted(val):
+            out[step] = train[step] - start - evals_s
+            evals_s += val[step] - train[step]
+        return out
 
     def flush(self, timeout: float | None = None) -> None:
         pass
@@ -258,10 +283,16 @@ def lmyard_run(cfg, shards) -> dict:
     from lmyard.train.trainer import Trainer
 
     sink = Recorder()
+    start = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):
         Trainer(cfg, shards, None, setup_distributed(cfg), sink).train()
     steps = cfg.train.max_steps
-    return {"train": [sink.points["train/loss"][s] for s in range(1, steps + 1)], "val": sink.points["val/loss"][steps]}
+    return {
+        "train": [sink.points["train/loss"][s] for s in range(1, steps + 1)],
+        "val": sink.points["val/loss"][steps],
+        "curve": sink.points["val/loss"],
+        "seconds": sink.trained_s(start),
+    }
 
 
 def settings(a: argparse.Namespace, work: Path, corpus: Path) -> list[str]:
@@ -304,18 +335,23 @@ def main() -> None:
     p.add_argument("--fa4", action="store_true", help="also the fa4 configuration (Hopper or Blackwell)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--tmp", default=None, help="work folder (default: a new temporary one, removed)")
+    p.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="end to end over these initial-weight seeds (e.g. 0,1,2,3) instead of the switches")  # fmt: skip
+    p.add_argument("--eval-every", type=int, default=100, help="with --seeds: validate every this many steps")
+    p.add_argument("--plain-compile", action="store_true", help="with --seeds: torch.compile the plain model")
+    p.add_argument("--target", type=float, default=None, help="with --seeds: the val loss to time (default: the "
+                   "plain loop's mean final val loss)")  # fmt: skip
     a = p.parse_args()
     llama = a.preset.startswith("llama")
     family_only = {"mlp_epilogues": not llama, "rope_op": llama, "fa4": a.fa4}  # the rest apply to both
     configs = a.configs or [c for c in SWITCHES if family_only.get(c, True)]
     with contextlib.ExitStack() as stack:
         work = Path(a.tmp) if a.tmp else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-")))
-        run(a, configs, work)
+        seeds_run(a, work) if a.seeds else run(a, configs, work)
 
 
-def run(a: argparse.Namespace, configs: list[str], work: Path) -> None:
-    import shutil
-
+def prepare(a: argparse.Namespace, work: Path) -> tuple:
+    """The corpus, its shards, the resolved model fields, and the plain side's train tokens and val rows."""
     from bench_pylib import corpus_shards, write_corpus
 
     from lmyard.contracts import ShardSet
@@ -331,23 +367,36 @@ def run(a: argparse.Namespace, configs: list[str], work: Path) -> None:
     print(json.dumps({"shards": report}), file=sys.stderr, flush=True)
     shards = ShardSet.from_dict(shard_dict)
     fields = resolve(base.model, shards.n_vocab)
-    model = hf_model(fields, seed=base.train.seed)
-    model.save_pretrained(work / "init")
     store, T, t = open_store(base.store), fields["block_size"], base.train
     tokens = split_tokens(store, shards, "train", a.steps * t.batch_tokens + 1)
+    return corpus, base, shards, fields, store, tokens, val_rows(store, shards, T, base.eval.val_tokens)
+
+
+def lmyard_config(a: argparse.Namespace, work: Path, corpus: Path, name: str, extra: list[str]):
+    from lmyard.recipes import load_recipe
+
+    if a.device == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return load_recipe(
+        "smoke",
+        [*settings(a, work, corpus), f"model.init_from={work / name}", f"run_name=parity-{name}", *extra],
+    )
+
+
+def run(a: argparse.Namespace, configs: list[str], work: Path) -> None:
+    import shutil
+
+    corpus, base, shards, fields, store, tokens, val = prepare(a, work)
+    T, t = fields["block_size"], base.train
+    model = hf_model(fields, seed=base.train.seed)
+    model.save_pretrained(work / "init")
     t0 = time.perf_counter()
-    plain = plain_run(model, tokens, val_rows(store, shards, T, base.eval.val_tokens), t, T, a.device)
+    plain = plain_run(model, tokens, val, t, T, a.device)
     plain_s = time.perf_counter() - t0
     del model
     for name in configs:
-        cfg = load_recipe(
-            "smoke",
-            [*settings(a, work, corpus), f"model.init_from={work / 'init'}", f"run_name=parity-{name}",
-             *OVERRIDES.get(name, [])],
-        )  # fmt: skip
-        if a.device == "cuda":
-            torch.cuda.empty_cache()
-        torch._dynamo.reset()
+        cfg = lmyard_config(a, work, corpus, "init", [f"run_name=parity-{name}", *OVERRIDES.get(name, [])])
         t0 = time.perf_counter()
         with switched_off(name):
             ours = lmyard_run(cfg, shards)
@@ -358,6 +407,64 @@ def run(a: argparse.Namespace, configs: list[str], work: Path) -> None:
                 "first_loss_lmyard": ours["train"][0], "first_loss_plain": plain["train"][0],
                 "seconds_lmyard": round(time.perf_counter() - t0, 1), "seconds_plain": round(plain_s, 1)}  # fmt: skip
         print(json.dumps(line), flush=True)
+
+
+def seeds_run(a: argparse.Namespace, work: Path) -> None:
+    """End to end, per seed: the plain loop and lmyard (every component on) from the seed's initial weights on
+    the same batches, validated every --eval-every steps; one JSON line per seed, then the summary."""
+    import shutil
+
+    corpus, base, shards, fields, store, tokens, val = prepare(a, work)
+    T, t = fields["block_size"], base.train
+    runs = []
+    for seed in a.seeds:
+        model = hf_model(fields, seed=seed)
+        model.save_pretrained(work / f"init-{seed}")
+        torch._dynamo.reset()
+        plain = plain_run(torch.compile(model) if a.plain_compile else model, tokens, val, t, T, a.device,
+                          eval_every=a.eval_every)  # fmt: skip
+        del model
+        cfg = lmyard_config(a, work, corpus, f"init-{seed}", [f"eval.interval={a.eval_every}"])
+        ours = lmyard_run(cfg, shards)
+        shutil.rmtree(store.local_path(f"runs/{cfg.run_name}"), ignore_errors=True)
+        line = {"seed": seed, **compare(ours["train"], plain["train"]),
+                **{f"{k}_{side}": r[k] for side, r in (("lmyard", ours), ("plain", plain)) for k in ("curve", "seconds")}}  # fmt: skip
+        print(json.dumps(line), flush=True)
+        runs.append(line)
+    print(json.dumps(summarize(runs, a.target)), flush=True)
+
+
+def summarize(runs: list[dict], target: float | None) -> dict:
+    """Mean and spread of val loss per evaluation, and each side's mean training seconds to the target (the
+    plain loop's mean final val loss unless given), linear between evaluations."""
+    steps = sorted(runs[0]["curve_plain"])
+    table = []
+    for s in steps:
+        ours = np.array([r["curve_lmyard"][s] for r in runs])
+        plain = np.array([r["curve_plain"][s] for r in runs])
+        table.append({"step": s, "lmyard_mean": float(ours.mean()), "plain_mean": float(plain.mean()),
+                      "diff": float(ours.mean() - plain.mean()), "lmyard_std": float(ours.std(ddof=1)) if len(runs) > 1 else 0.0,
+                      "plain_std": float(plain.std(ddof=1)) if len(runs) > 1 else 0.0})  # fmt: skip
+    goal = target if target is not None else table[-1]["plain_mean"]
+    return {"evaluations": table, "target": goal, **{f"seconds_to_target_{side}": to_target(runs, side, goal)
+            for side in ("lmyard", "plain")}}  # fmt: skip
+
+
+def to_target(runs: list[dict], side: str, goal: float) -> float | None:
+    """The mean over seeds of the training seconds at which the val loss first reaches `goal` (None: not reached)."""
+    found = []
+    for r in runs:
+        curve, secs = r[f"curve_{side}"], r[f"seconds_{side}"]
+        pts = sorted((int(s), curve[s], secs[s]) for s in curve)
+        hit = next((i for i, p in enumerate(pts) if p[1] <= goal), None)
+        if hit is None:
+            return None
+        if hit == 0:
+            found.append(pts[0][2])
+            continue
+        (_, l0, s0), (_, l1, s1) = pts[hit - 1], pts[hit]
+        found.append(s0 + (s1 - s0) * (l0 - goal) / (l0 - l1))
+    return float(np.mean(found))
 
 
 if __name__ == "__main__":
