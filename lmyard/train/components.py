@@ -291,9 +291,10 @@ class Startup:
 
     def report(self, step: int, sink, is_main: bool, final: bool = False) -> None:
         """Once: after the second step, or (`final`) at the attempt's end when only one step ran."""
+        if self.reported or not self.steps or (len(self.steps) < 2 and not final):
+            return  # every step asks: the check comes before any work
         times = self.times()
-        if self.reported or times is None or (len(self.steps) < 2 and not final):
-            return
+        assert times is not None
         self.reported = True
         if is_main:
             sink.log({f"startup/{k}_s": v for k, v in times.items()}, step)
