@@ -2,7 +2,9 @@
 
     python tests/benchmarks/bench_goodput.py --minutes 30 --preempt-every 300 --checkpoint-every 500
     python tests/benchmarks/bench_goodput.py --device cpu --preset tiny --minutes 2 --preempt-every 30 \\
-        --checkpoint-every 50 --set train.compile=false        # a dry run on a CPU machine
+        --checkpoint-every 20 --tokens 1000000 --log-every 5 --set train.compile=false --set train.micro_batch=2 \\
+        --set train.batch_tokens=128 --set model.block_size=64 --set model.n_layer=2 --set model.n_embd=64 \\
+        --set model.n_head=2                                   # a dry run on a CPU machine (a tiny size)
 
 It trains a recipe (`smoke` with `--preset`, default gpt2-124m on cuda) on memory-mapped shards of random
 tokens for `--minutes`, through the launcher's own path: `lmyard.launch.follower.LocalJob` runs
