@@ -11,7 +11,7 @@ hashing overlap the deserialising and the copies into the target.
 A rank writes its shards into several files (checkpoint.files_per_rank, 4 by default), and the files
 are read in `lanes` (LANES, 4) at once, each lane a reader and a hasher thread of its own over every
 lanes-th file: sha256 is one thread a file, and at 8B one hasher kept up with neither the disk nor the
-loading thread (0.3-0.4 GB/s a rank, docs/benchmarks.md), four do. The loading thread takes each span as
+loading thread (0.3-0.4 GB/s a rank, docs/history/benchmarks-log.md), four do. The loading thread takes each span as
 a lane has hashed it (`next_span`), in no fixed order across files; DCP's own loop, kept for items it
 saved transformed, asks in order (`take`, one lane).
 

@@ -58,6 +58,7 @@ from lmyard.contracts import (
 from lmyard.errors import ExitCode, TrainingFailed, UserError, error_for
 from lmyard.launch import jobdirs
 from lmyard.train import watchdog
+from lmyard.train.startup import LAUNCHED_AT_ENV
 
 RDZV_TIMEOUT_S = 600  # how long node 0 waits for the others to join
 POLL_S = 1.0  # how often the exchange folder is read (heartbeats, progress)
@@ -388,7 +389,7 @@ class LocalJob:
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
-            env=self.env,
+            env={**self.env, LAUNCHED_AT_ENV: f"{time.time():.3f}"},  # the trainer's startup parts start here
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )

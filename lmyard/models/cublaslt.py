@@ -4,7 +4,7 @@ torch calls cuBLASLt for `addmm` with a bias epilogue, but not for the epilogues
 training step can use: GELU_AUX_BIAS (one product writes both gelu(x @ w.T + b) and its input) and
 DGELU (the gradient's product multiplied by gelu'(input) as it is written). Each saves a pass of an
 elementwise kernel over the (tokens, 4d) activations. (DGELU_BGRAD, which also sums the bias
-gradient, runs that sum as a second, slower kernel on H100: docs/benchmarks.md.)
+gradient, runs that sum as a second, slower kernel on H100: docs/history/benchmarks-log.md.)
 
 `linear(x, w, epilogue=..., ...)` computes `x @ w.T` (w: (N, K)) or `x @ w` (`w_t=True`, w: (K, N))
 for row-major 2-D CUDA tensors, returning None where the library or a plan for the shape is not

@@ -12,7 +12,7 @@ backward is flash-attn-4's own.
 
 Hopper (compute capability 9.x) and Blackwell (10.x) GPUs, bf16 or fp16, causal with grouped-query heads as
 the families call it. At Llama-3 8B's attention shape on one H200 (seq 8192, 32 query and 8 key/value heads
-of 128) its forward and backward take 3.16 ms against cuDNN's 3.60 (docs/benchmarks.md).
+of 128) its forward and backward take 3.16 ms against cuDNN's 3.60 (docs/history/benchmarks-log.md).
 """
 
 from __future__ import annotations

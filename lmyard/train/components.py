@@ -11,14 +11,17 @@
   on a gloo group), so they all checkpoint the same step, wait together for its commit (a barrier:
   a rank that exits early makes torchrun stop the rest), and exit as preempted.
 - `FaultHook`: the injected failures of lmyard.faults, in one place.
+- `Startup`: the time from the launch to the end of the attempt's first step, in parts, reported once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -27,6 +30,7 @@ from lmyard import faults
 from lmyard.config import RunConfig
 from lmyard.contracts import Exchange, Progress
 from lmyard.errors import Diverged
+from lmyard.train.startup import launched_at
 
 # Dense bf16 peak FLOP/s per GPU for MFU (vendor datasheets, SXM parts, no sparsity).
 # MFU = tokens/s * flops_per_token / (peak * GPUs), flops_per_token = 6N + 12*L*d*T.
@@ -231,3 +235,72 @@ class FaultHook:
             flush()  # crash at a reproducible point: earlier checkpoints committed
             print(f"injected crash after step {step}", flush=True)
             os._exit(1)
+
+
+class Startup:
+    """The restart to the first step's end, in parts, once per attempt (rank 0 reports: `startup/<part>_s` metrics
+    and one line). launch: from the launch (lmyard.train.startup.launched_at: the launcher's time, torchrun's start
+    or this process's) to the train stage's entry, when this is made: torchrun, the interpreter, imports;
+    rendezvous: the process group; resume: the CheckpointManager's load; compile: the first step's time over the
+    second's (torch.compile, autotuning, first allocations); first_step: the second step's time, a steady one;
+    other: the rest (the model, the data, wrapping). Reported after the second step, or at the end of an attempt
+    that ran one step (its compile is then in first_step). The parts sum to the total."""
+
+    PARTS = ("launch", "rendezvous", "resume", "compile", "first_step", "other")
+
+    def __init__(self) -> None:
+        self.launched, self.launched_by = launched_at()
+        self.entered = time.perf_counter()
+        self.parts = {"launch": max(0.0, time.time() - self.launched), "rendezvous": 0.0, "resume": 0.0}
+        self.steps: list[float] = []  # the first two steps' times
+        self.first_end = 0.0  # perf_counter at the first step's end
+        self.reported = False
+
+    @contextlib.contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.parts[name] += time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def step(self, device: torch.device) -> Iterator[None]:
+        """Times one of the first two steps to its end on the device (a synchronize for each of those two)."""
+        if len(self.steps) >= 2:
+            yield
+            return
+        t0 = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        end = time.perf_counter()
+        self.steps.append(end - t0)
+        self.first_end = self.first_end or end
+
+    def times(self) -> dict[str, float] | None:
+        """Each part and the total in seconds; None before the first step has ended."""
+        if not self.steps:
+            return None
+        first = self.steps[0]
+        steady = self.steps[1] if len(self.steps) > 1 else first
+        times = {**self.parts, "compile": max(0.0, first - steady), "first_step": min(first, steady)}
+        total = self.parts["launch"] + self.first_end - self.entered
+        times["other"] = max(0.0, total - sum(times.values()))
+        return {**times, "total": total}
+
+    def report(self, step: int, sink, is_main: bool, final: bool = False) -> None:
+        """Once: after the second step, or (`final`) at the attempt's end when only one step ran."""
+        if self.reported or not self.steps or (len(self.steps) < 2 and not final):
+            return  # every step asks: the check comes before any work
+        times = self.times()
+        assert times is not None
+        self.reported = True
+        if is_main:
+            sink.log({f"startup/{k}_s": v for k, v in times.items()}, step)
+            parts = " + ".join(f"{k.replace('_', ' ')} {times[k]:.2f} s" for k in self.PARTS)
+            print(
+                f"startup to the end of step {step - len(self.steps) + 1}: {times['total']:.2f} s = {parts} "
+                f"(launch from {self.launched_by}'s start)",
+                flush=True,
+            )

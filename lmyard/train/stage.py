@@ -25,6 +25,7 @@ from lmyard.errors import ExitCode, UserError
 from lmyard.store import open_store
 from lmyard.tracking.lease import Fence
 from lmyard.tracking.sink import MetricsSink, NullSink, metrics_sink, system_metrics
+from lmyard.train.components import Startup
 from lmyard.train.distributed import Dist, setup_distributed
 from lmyard.train.trainer import Trainer
 
@@ -83,9 +84,11 @@ def node_system_metrics(cfg: RunConfig, lineage: LineageRef | None, d: Dist):
 
 def _train(spec_path: str | None, run: TrainRun) -> TrainResult:
     """The stage's body on one rank: setup, the Trainer, its result (`run` keeps what the failure path needs)."""
+    startup = Startup()  # the trainer's entry: the launch part ends here
     spec = read_spec(TrainSpec, spec_path)
     cfg, lineage = spec.config, spec.lineage
-    d = setup_distributed(cfg)
+    with startup.part("rendezvous"):
+        d = setup_distributed(cfg)
     if d.world > 1 and d.local_rank == 0:  # one line per node: which ranks run where
         import socket
 
@@ -95,7 +98,7 @@ def _train(spec_path: str | None, run: TrainRun) -> TrainResult:
     with node_system_metrics(cfg, lineage, d):
         fence = Fence(open_store(cfg.store), cfg.run_name, spec.lease) if spec.lease else None
         run.trainer = trainer = Trainer(
-            cfg, spec.shards, lineage, d, run.sink, hold_for_eval=spec.hold_for_eval, fence=fence
+            cfg, spec.shards, lineage, d, run.sink, hold_for_eval=spec.hold_for_eval, fence=fence, startup=startup
         )
         try:
             result = trainer.train()

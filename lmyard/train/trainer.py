@@ -34,6 +34,7 @@ from lmyard.train.components import (
     FaultHook,
     MetricsLogger,
     Preemption,
+    Startup,
     Validator,
     all_mean,
 )
@@ -66,7 +67,9 @@ class Trainer:
         sink: MetricsSink,
         hold_for_eval: bool = False,
         fence: Fence | None = None,
+        startup: Startup | None = None,
     ):
+        self.startup = startup or Startup()  # the restart to the first step, in parts (made at the stage's entry)
         self.cfg, self.t, self.shards, self.lineage, self.d, self.sink = cfg, cfg.train, shards, lineage, d, sink
         self.fence, self.cache = fence, default_cache_dir()  # the lineage's lease (lmyard.tracking.lease)
         self.exchange = Exchange.from_env() if d.is_main else None
@@ -162,28 +165,31 @@ class Trainer:
         finally:
             self.batches.close()
             self.preemption.close()
+            self.startup.report(self.state.step, self.sink, self.d.is_main, final=True)  # if one step ran
         self.checkpoints.close()  # wait for the last upload, every rank alike
         return self.result(ExitCode.DONE)
 
     def step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step; advances step, cursor and tokens seen."""
         lr = lr_at(self.state.step, self.t)
-        loss, grad_norm = train_step(
-            self.model,
-            self.params,
-            self.optimizer,
-            self.batches.get,
-            self.accum,
-            lr,
-            self.t.grad_clip,
-            self.autocast,
-            self.d.world > 1,
-            poison=self.faults.poison(self.state.step + 1),
-            before_update=self.checkpoints.before_update,
-        )
+        with self.startup.step(self.d.device):
+            loss, grad_norm = train_step(
+                self.model,
+                self.params,
+                self.optimizer,
+                self.batches.get,
+                self.accum,
+                lr,
+                self.t.grad_clip,
+                self.autocast,
+                self.d.world > 1,
+                poison=self.faults.poison(self.state.step + 1),
+                before_update=self.checkpoints.before_update,
+            )
         s = self.state
         s.step, s.cursor, s.tokens_seen = s.step + 1, s.cursor + self.data.per_step, s.tokens_seen + self.t.batch_tokens
         self.logger.steps += 1
+        self.startup.report(s.step, self.sink, self.d.is_main)  # after the second step
         return loss, grad_norm, lr
 
     def guard_or_log(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> bool:
@@ -239,7 +245,8 @@ class Trainer:
 
     def resume(self) -> None:
         """Load the newest complete checkpoint (lmyard.checkpoint.manager); report what was loaded."""
-        resumed = self.checkpoints.load(self.state.model)
+        with self.startup.part("resume"):
+            resumed = self.checkpoints.load(self.state.model)
         ckpt = resumed.loaded
         if ckpt is not None:
             self.restore(ckpt)

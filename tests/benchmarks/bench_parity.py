@@ -37,7 +37,7 @@ Each configuration prints one JSON line: the per-step loss difference lmyard - p
 last step) and each side's final val loss.
 
 On the GPU machine (Python 3.12, torch, numpy, tiktoken, transformers) lmyard needs, as wheels in
-`.whl/bench-py312` (docs/benchmarks.md): pydantic (pydantic-core, annotated-types, typing-extensions,
+`.whl/bench-py312` (docs/performance.md): pydantic (pydantic-core, annotated-types, typing-extensions,
 typing-inspection), pydantic-settings (python-dotenv), pyyaml, psutil, safetensors, tqdm. Neither MLflow,
 Prefect, boto3 nor docker is imported.
 """

@@ -14,7 +14,7 @@ trains GPT-2 124M for 400 steps of 65,536 tokens (16 x 1024 x 4 micro-steps)
 on one GPU through torchrun -m lmyard.stages train, evaluating every 100 steps (as the measurement in the issue).
 Prints the corpus, the shard set, every evaluation and whether the validation
 loss fell at each one, as JSON. Needs: torch with CUDA, numpy, tiktoken with
-GPT-2's ranks, pydantic, pyyaml (see docs/benchmarks.md for offline wheels).
+GPT-2's ranks, pydantic, pyyaml (see docs/performance.md for offline wheels).
 """
 
 from __future__ import annotations

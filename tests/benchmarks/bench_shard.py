@@ -17,7 +17,7 @@ imports for a local JSONL source (pydantic, pyyaml): no datasets, torch, boto3,
 prefect or mlflow. On a machine without them:
     pip install --no-index --find-links .whl/bench-py312 pydantic pyyaml psutil
 (.whl/bench-py312 holds the CPython 3.12 x86-64 wheels and tiktoken's GPT-2
-ranks under tiktoken/, for TIKTOKEN_CACHE_DIR; see docs/benchmarks.md).
+ranks under tiktoken/, for TIKTOKEN_CACHE_DIR; see docs/performance.md).
 
 Figures:
 - stage_vs_raw: stage tokens/s over raw tokens/s, same text, same N (target >= 0.9)

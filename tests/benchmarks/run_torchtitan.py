@@ -7,7 +7,7 @@
 Why 0.2.2: it is the last torchtitan that runs on the GPU machines' torch 2.11 (0.3.0 imports FSDP2 names
 that only newer torch has). Its wheel and what the GPU image lacks (torchdata, tyro with docstring-parser,
 typeguard and shtab, tomli, datasets 5 with dill and multiprocess, typing_extensions, and torchao 0.17 for
-float8) are carried as wheels: .whl/titan/INSTALL.sh installs them into /tmp/site (see docs/benchmarks.md).
+float8) are carried as wheels: .whl/titan/INSTALL.sh installs them into /tmp/site (see docs/history/benchmarks-log.md).
 
 How it runs torchtitan unchanged: `torchrun ... run_torchtitan.py --worker <torchtitan flags>` starts, in each
 rank, torchtitan's own entry point `torchtitan.train.main(Trainer)` after three registrations:

@@ -10,7 +10,7 @@ the plain formula.
 What it replaces, compiled: a forward that keeps v as a view of qkv, so that attention's saved v keeps the
 whole (T, d + 2 kv) buffer until backward, and a backward that is one inductor kernel gathering both halves
 of every head under masks (the rotation's cat and the split's cat), at Llama-3 8B's shape 0.115 ms a block
-on an H200 (1.6 TB/s). With the op, 8B on two H200s peaks 2.5 GiB lower (docs/benchmarks.md).
+on an H200 (1.6 TB/s). With the op, 8B on two H200s peaks 2.5 GiB lower (docs/history/benchmarks-log.md).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ UserError naming the changes that would fit: fsdp, activation checkpointing, a s
 `train.activation_checkpointing=auto` is settled here before the first step (`resolve`): the lightest policy
 whose plan fits, in order of recomputation (LADDER): none; pointwise on the fewest first blocks that fit (in
 those blocks the elementwise ops run again: 0.5-0.9% of the step at Llama-3 8B with every block so, where
-selective on as many blocks as free the same memory cost 5.2%, docs/benchmarks.md); pointwise on every
+selective on as many blocks as free the same memory cost 5.2%, docs/history/benchmarks-log.md); pointwise on every
 block; selective on the fewest first blocks that fit (every second matmul runs again as well); selective on
 every block; full on the fewest first blocks that fit (each such block runs its whole forward twice, the rest
 run once); full on every block. The order is fixed, not measured: a few fully recomputed blocks may cost
@@ -48,7 +48,7 @@ keeps every activation, and one that fits with pointwise on 8 of 32 blocks recom
 
 `train.fsdp_reshard_after_forward=auto` is settled after the checkpointing (`settle_reshard`): every block
 stays gathered from its forward to its backward where that plan still fits (its backward then needs no
-second all-gather and no copy out of it: +3.6% at llama-1b on 4 H100s, docs/benchmarks.md), else each block
+second all-gather and no copy out of it: +3.6% at llama-1b on 4 H100s, docs/history/benchmarks-log.md), else each block
 is resharded after its forward. Checkpointing comes first because recomputing costs more than gathering
 again, which overlaps compute.
 """
@@ -186,7 +186,7 @@ def use_expandable_segments() -> None:
     """Before the first CUDA allocation: the caching allocator grows its segments in place (PyTorch's
     expandable_segments, as torchtitan launches), so memory freed by one shape serves the next instead of
     fragmenting (at 8B with fixed segments, 12.8 GiB reserved over the 56.6 GiB allocated; the plan's 10%
-    reserve is for that gap, docs/benchmarks.md has what is left of it). A PYTORCH_CUDA_ALLOC_CONF already
+    reserve is for that gap, docs/history/benchmarks-log.md has what is left of it). A PYTORCH_CUDA_ALLOC_CONF already
     set is left as it is."""
     if "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
         return
