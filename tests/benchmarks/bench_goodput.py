@@ -159,7 +159,7 @@ class Attempt:
 def run(a: argparse.Namespace, work: Path) -> dict:
     cfg = config(a, work)
     caches = use_caches(a, work)
-    shards = make_shards(work / "store", a.tokens)
+    shards = make_shards(work / "store", a.tokens, a.tokenizer)
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards, "lineage": None}
     attempts: list[Attempt] = []
     t0 = time.monotonic()
@@ -234,6 +234,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--nproc", type=int, default=1, help="ranks (GPUs) on this machine")
     ap.add_argument("--log-every", type=int, default=10, help="train.log_interval: the step-time windows")
+    ap.add_argument(
+        "--tokenizer", default="r50k_base", choices=["r50k_base", "bytes"], help="the random ids' vocabulary"
+    )
     ap.add_argument("--tokens", type=int, default=64 << 20, help="random tokens in the train split")
     ap.add_argument("--cache", help="node-local cache folder for lmyard, inductor and Triton (default $LMYARD_CACHE)")
     ap.add_argument("--min-attempt", type=float, default=10.0, help="no new attempt this close to the window's end")

@@ -1,4 +1,4 @@
-"""A shard set of uniformly random GPT-2 token ids for the GPU benchmarks (no corpus, no `datasets`)."""
+"""A shard set of uniformly random token ids for the GPU benchmarks (no corpus, no `datasets`)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,24 @@ import numpy as np
 
 from lmyard.data import shards as fmt
 
+TOKENIZERS = {
+    "r50k_base": {"name": "r50k_base", "n_vocab": 50257, "eot": 50256},
+    "bytes": {"name": "bytes", "n_vocab": 257, "eot": 256},
+}
 
-def make_shards(store: Path, tokens: int) -> dict:
-    """A shard set of uniformly random GPT-2 token ids, written straight in the store layout."""
+
+def make_shards(store: Path, tokens: int, tokenizer: str = "r50k_base") -> dict:
+    """A shard set of uniformly random token ids of `tokenizer` (GPT-2's, or lmyard's `bytes`), written straight
+    in the store layout."""
     rng = np.random.default_rng(0)
-    address = "bench-random-r50k"
+    vocab = TOKENIZERS[tokenizer]
+    address = "bench-random-r50k" if tokenizer == "r50k_base" else f"bench-random-{tokenizer}"
     prefix = store / "shards" / address
     prefix.mkdir(parents=True, exist_ok=True)
     files = []
     for split, n in (("train", tokens), ("val", 1 << 20)):
         path = prefix / f"{split}_000000.bin"
-        fmt.write_shard(path, rng.integers(0, 50257, n, dtype=np.int64), fmt.VERSION_U16)
+        fmt.write_shard(path, rng.integers(0, vocab["n_vocab"], n, dtype=np.int64), fmt.VERSION_U16)
         files.append(
             {
                 "name": path.name,
@@ -29,6 +36,6 @@ def make_shards(store: Path, tokens: int) -> dict:
                 "sha256": fmt.sha256_file(path),
             }
         )
-    manifest = {"address": address, "tokenizer": {"name": "r50k_base", "n_vocab": 50257, "eot": 50256}, "shards": files}
+    manifest = {"address": address, "tokenizer": vocab, "shards": files}
     (prefix / "manifest.json").write_text(json.dumps(manifest))
     return {"address": address, "uri": str(prefix), "manifest": manifest}
