@@ -23,13 +23,14 @@ from lmyard.checkpoint import dcp as sc
 from lmyard.checkpoint import retention
 from lmyard.checkpoint.catalog import checkpoints_prefix, complete_steps, read_manifest, read_state, step_prefix
 from lmyard.checkpoint.commit import StepExists
-from lmyard.checkpoint.manifest import DamagedCheckpoint, sha256_file
+from lmyard.checkpoint.manifest import DamagedCheckpoint
 from lmyard.checkpoint.readahead import tensor_in
 from lmyard.checkpoint.resume import load_step
 from lmyard.checkpoint.state import rng_state
 from lmyard.config import CheckpointConfig
 from lmyard.errors import StoreOutage
 from lmyard.layout import RunLayout
+from lmyard.paths import sha256_file
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow

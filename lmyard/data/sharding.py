@@ -96,7 +96,7 @@ from lmyard.data.sources import Source, Unit, open_source, read_unit
 from lmyard.data.tokenizer import get_tokenizer, identity, separators
 from lmyard.errors import UserError
 from lmyard.layout import ShardLayout
-from lmyard.paths import cache_root
+from lmyard.paths import cache_root, sha256_file
 from lmyard.store import Store, open_store
 
 SPLITS = ("train", "val")
@@ -349,7 +349,7 @@ class _Uploader:
         return fut
 
     def _put(self, local: str, entry: dict, cursor: dict, address: str) -> dict:
-        entry = {**entry, "bytes": os.path.getsize(local), "sha256": fmt.sha256_file(local)}
+        entry = {**entry, "bytes": os.path.getsize(local), "sha256": sha256_file(local)}
         self.store.upload(local, self.layout.file(entry["name"]))
         sidecar = {"address": address, "shard": entry, "cursor": cursor}
         self.store.write_bytes(self.layout.sidecar(entry["name"]), json.dumps(sidecar).encode())
