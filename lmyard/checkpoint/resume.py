@@ -30,7 +30,7 @@ from typing import TypeVar, cast, overload
 import torch
 
 from lmyard.checkpoint.catalog import complete_steps, read_manifest, read_state
-from lmyard.checkpoint.dcp import load_full, load_full_into, load_sharded
+from lmyard.checkpoint.dcp_load import load_full, load_full_into, load_sharded
 from lmyard.checkpoint.full import read_full
 from lmyard.checkpoint.manifest import DamagedCheckpoint
 from lmyard.checkpoint.ranks import agree, gather
