@@ -1,4 +1,5 @@
-"""Where lmyard keeps local files, keys that must stay inside their folder, and what a store URI may be.
+"""Where lmyard keeps local files, keys that must stay inside their folder, what a store URI may be, and the
+sha256 of a local file.
 
 Every node-local cache (shards read by the trainer, source files fetched from
 S3, checkpoints being loaded, checkpoints staged for upload, image builds)
@@ -14,6 +15,7 @@ its free space and what to do.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import posixpath
 import shutil
@@ -104,3 +106,12 @@ def no_space(exc: BaseException, folder: str | None = None, needed: int | None =
         f"{what} in {where} ({free}{wanted}): free space there or point LMYARD_CACHE at a bigger disk, then rerun "
         "(it resumes from the last committed checkpoint)"
     )
+
+
+def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 22) -> str:
+    """The hex sha256 of a local file, read in `chunk`-byte blocks (a shard's, a checkpoint file's)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

@@ -20,6 +20,7 @@ from prefect.futures import PrefectFuture
 
 from lmyard import console
 from lmyard.checkpoint import catalog
+from lmyard.checkpoint.commit import upload_backoff
 from lmyard.checkpoint.manifest import DamagedCheckpoint
 from lmyard.config import RunConfig
 from lmyard.contracts import EvalResult, EvalSpec, Evaluation, ShardSet, one_line
@@ -174,7 +175,7 @@ def _unevaluated(store: Store, run_name: str, done: dict[int, str | None], final
 
 def outage_budget_s(config: RunConfig) -> float:
     """The seconds a store may stay unreachable: what the trainer's upload retries wait (1, 2, 4 ... 30 s)."""
-    return sum(min(30.0, 2.0**i) for i in range(config.checkpoint.upload_retries + 1)) + 30.0
+    return upload_backoff().total(config.checkpoint.upload_retries + 1) + 30.0
 
 
 def _log_to_mlflow(lineage: Lineage, r: EvalResult, commit: str = "") -> None:

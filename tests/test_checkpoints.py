@@ -18,12 +18,12 @@ from tcp_proxy import TcpProxy
 from lmyard.checkpoint import retention
 from lmyard.checkpoint.catalog import complete_steps, read_manifest, step_prefix
 from lmyard.checkpoint.full import FullCheckpointer
-from lmyard.checkpoint.manifest import sha256_file
 from lmyard.checkpoint.resume import load_step
 from lmyard.config import CheckpointConfig
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import StoreOutage
 from lmyard.launch.follower import run_local
+from lmyard.paths import sha256_file
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 

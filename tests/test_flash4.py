@@ -1,4 +1,4 @@
-"""model.attention=fa4: SDPA's flash backend through FlashAttention-4 (lmyard.models.flash4)."""
+"""model.attention=fa4: SDPA's flash backend through FlashAttention-4 (lmyard.models.ops.flash4)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from lmyard.config import ModelConfig
 from lmyard.errors import UserError
-from lmyard.models import flash4
+from lmyard.models.ops import flash4
 from lmyard.models.registry import build_model
 from lmyard.recipes import load_recipe
 from lmyard.train.distributed import setup_distributed

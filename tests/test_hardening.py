@@ -14,13 +14,13 @@ from lmyard.checkpoint import retention
 from lmyard.checkpoint.catalog import step_prefix
 from lmyard.checkpoint.commit import StepExists
 from lmyard.checkpoint.full import FILES
-from lmyard.checkpoint.manifest import sha256_file
 from lmyard.checkpoint.resume import load_step
 from lmyard.config import RunConfig, redact_uri
 from lmyard.data.loader import default_cache_dir
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import UserError
 from lmyard.launch import images
+from lmyard.paths import sha256_file
 from lmyard.recipes import load_recipe
 from lmyard.store import LocalStore, open_store
 

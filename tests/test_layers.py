@@ -8,6 +8,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -245,3 +247,26 @@ def upward_imports() -> list[str]:
 def test_no_lmyard_module_imports_a_layer_above_its_own():
     upward = upward_imports()
     assert not upward, "imports against docs/architecture.md's layer order:\n" + "\n".join(upward)
+
+
+# parts the order puts one above the other that import nothing of each other (docs/architecture.md says which):
+# a helper both need lives in a layer below them (a file's sha256 in lmyard.paths, the autocast in lmyard.models)
+SIBLINGS = [("checkpoint", "data")]
+
+
+def part_imports(graph: dict[str, set[str]], importer: str, imported: str) -> list[str]:
+    """`module -> module` for each import of a module of part `imported` by one of part `importer`."""
+    return sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts if _unit(m) == importer and _unit(t) == imported)
+
+
+@pytest.mark.parametrize("a,b", SIBLINGS, ids=["-".join(s) for s in SIBLINGS])
+def test_sibling_parts_import_nothing_of_each_other(a, b):
+    graph = module_graph(REPO / "lmyard")
+    found = part_imports(graph, a, b) + part_imports(graph, b, a)
+    assert not found, f"{a} and {b} import each other (move what both need below them):\n" + "\n".join(found)
+
+
+def test_the_training_forwards_autocast_is_the_models_not_the_evaluators():
+    graph = module_graph(REPO / "lmyard")
+    assert part_imports(graph, "train", "evaluate") == ["lmyard.train.trainer -> lmyard.evaluate.validation"]
+    assert "lmyard.models.base" in graph["lmyard.train.distributed.parallelism"]

@@ -229,7 +229,7 @@ def _compiled_block_keeps(mode: str, c: LlamaConfig) -> tuple[float, torch.Tenso
     """Bytes per token a compiled bf16 block saves for backward under checkpointing `mode` (its parameters and
     RoPE tables not counted), with its output and its input's gradient."""
     from lmyard.models.llama.model import Block
-    from lmyard.models.llama.rope import rope_tables
+    from lmyard.models.ops.rope import rope_tables
 
     torch.manual_seed(0)
     holder = torch.nn.Module()

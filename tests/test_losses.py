@@ -1,4 +1,4 @@
-"""The fused LM head + cross-entropy op (lmyard.losses) against the plain two-op path."""
+"""The fused LM head + cross-entropy op (lmyard.models.losses) against the plain two-op path."""
 
 from __future__ import annotations
 
@@ -86,19 +86,19 @@ def test_triton_kernel_matches_the_torch_path_in_the_triton_interpreter(block):
     code = textwrap.dedent("""
         import sys
         import torch
-        import lmyard.models.losses as L
+        import lmyard.models.ops.cross_entropy as L
         L.BLOCK = int(sys.argv[1])
         g = torch.Generator().manual_seed(0)
         logits = (torch.randn(6, 300, generator=g) * 4).to(torch.bfloat16)
         targets = torch.tensor([0, 299, 127, 128, 5, 256])
         a, b = logits.clone(), logits.clone()
-        la = L._loss_and_grad_triton(a, targets, True)
-        lb = L._loss_and_grad_torch(b, targets, True)
+        la = L.loss_and_grad_triton(a, targets, True)
+        lb = L.loss_and_grad_torch(b, targets, True)
         assert torch.allclose(la, lb, atol=1e-4), (la, lb)
         assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-5), (a - b).abs().max()
         assert a.float().sum(1).abs().max() < 1e-3  # each row of (softmax - onehot) / n sums to zero
         c = logits.clone()
-        assert torch.allclose(L._loss_and_grad_triton(c, targets, False), lb, atol=1e-4)
+        assert torch.allclose(L.loss_and_grad_triton(c, targets, False), lb, atol=1e-4)
         assert torch.equal(c, logits)  # without the gradient the logits are left alone
         print("ok")
     """)

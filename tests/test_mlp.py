@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lmyard.models import cublaslt, mlp
+from lmyard.models import mlp
+from lmyard.models.ops import cublaslt
 
 
 def _mlp(d=48, seed=0):

@@ -73,7 +73,7 @@ def test_on_a_cpu_the_residual_stream_stays_float32_whatever_train_residual_dtyp
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_a_gpu_train_residual_dtype_bfloat16_carries_the_stream_in_bf16_under_autocast():
-    from lmyard.evaluate.validation import autocast
+    from lmyard.models.base import autocast
 
     x = torch.randint(0, 257, (3, 16), device="cuda")
     losses = {}

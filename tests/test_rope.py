@@ -1,4 +1,4 @@
-"""lmyard.models.llama.rope: the fused RoPE op on Llama's stacked qkv against the plain formula."""
+"""lmyard.models.ops.rope: the fused RoPE op on Llama's stacked qkv against the plain formula."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_rope_kernels_split_and_rotate_qkv_and_its_gradient_as_the_plain_formula
     # within one bf16 step (the interpreter truncates where the GPU rounds to nearest).
     code = textwrap.dedent("""
         import torch
-        import lmyard.models.llama.rope as R
+        import lmyard.models.ops.rope as R
         fused = R._fusable
         R._fusable = lambda *a: False  # qkv_heads takes the plain formula
         def both(qkv, cos, sin, H, Hkv, grads):
@@ -54,7 +54,7 @@ def test_rope_kernels_split_and_rotate_qkv_and_its_gradient_as_the_plain_formula
 def test_a_llama_block_on_cuda_trains_with_the_fused_rope_as_with_the_plain_formula(compiled, monkeypatch):
     """A bf16 Llama block: the fused op ran (the profiler sees its kernel), and the output and every gradient
     match the plain formula's to bf16's rounding."""
-    import lmyard.models.llama.rope as R
+    import lmyard.models.ops.rope as R
     from lmyard.models.llama.model import Block, LlamaConfig
 
     c = LlamaConfig(vocab_size=64, block_size=256, n_layer=1, n_head=8, n_embd=512, n_kv_head=2, ffn_hidden=1024)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lmyard.data import sharding
+from lmyard.data import sharding, token_stream
 from lmyard.recipes import load_recipe
 
 pytestmark = pytest.mark.slow
@@ -19,7 +19,7 @@ def test_shard_flow_publishes_a_progress_artifact_that_ends_at_100(prefect_api_u
     from flows.shard import shard
 
     monkeypatch.setattr(sharding, "REPORT_EVERY_S", 0.0)
-    monkeypatch.setattr(sharding, "BATCH_CHARS", 4000)
+    monkeypatch.setattr(token_stream, "BATCH_CHARS", 4000)
     src = tmp_path / "c.jsonl"
     src.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(60)))
     cfg = load_recipe(

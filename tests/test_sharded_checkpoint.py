@@ -20,16 +20,17 @@ from conftest import free_port
 from torch import nn
 
 from lmyard.checkpoint import dcp as sc
-from lmyard.checkpoint import retention
+from lmyard.checkpoint import dcp_load, retention
 from lmyard.checkpoint.catalog import checkpoints_prefix, complete_steps, read_manifest, read_state, step_prefix
 from lmyard.checkpoint.commit import StepExists
-from lmyard.checkpoint.manifest import DamagedCheckpoint, sha256_file
+from lmyard.checkpoint.manifest import DamagedCheckpoint
 from lmyard.checkpoint.readahead import tensor_in
 from lmyard.checkpoint.resume import load_step
 from lmyard.checkpoint.state import rng_state
 from lmyard.config import CheckpointConfig
 from lmyard.errors import StoreOutage
 from lmyard.layout import RunLayout
+from lmyard.paths import sha256_file
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -357,12 +358,12 @@ def test_sharded_checkpoint_reads_whole_without_a_process_group_into_a_plain_mod
     assert len(ckpt.rng) == 2 and ckpt.state.step == 4
     other = _model(seed=4)  # or straight into a plain model and its optimizer
     other_opt = _optimizer(other)
-    assert sc.load_sharded(open_store(str(tmp / "store")), RUN, 4, other, other_opt, str(tmp_path)).step == 4
+    assert dcp_load.load_sharded(open_store(str(tmp / "store")), RUN, 4, other, other_opt, str(tmp_path)).step == 4
     _assert_equal(_load(tmp / "full_step4.pt"), _full(other, other_opt))
     weights_only = _model(seed=5)  # the model alone (an evaluator's)
-    sc.load_sharded(open_store(str(tmp / "store")), RUN, 4, weights_only, None, str(tmp_path))
+    dcp_load.load_sharded(open_store(str(tmp / "store")), RUN, 4, weights_only, None, str(tmp_path))
     _assert_equal(_load(tmp / "full_step4.pt")["model"], weights_only.state_dict())
-    model_only = sc.load_full(open_store(str(tmp / "store")), RUN, 4, str(tmp_path), optimizer=False)
+    model_only = dcp_load.load_full(open_store(str(tmp / "store")), RUN, 4, str(tmp_path), optimizer=False)
     _assert_equal(_load(tmp / "full_step4.pt")["model"], model_only.model)
     assert model_only.optim == {"state": {}, "param_groups": []}
 
@@ -372,7 +373,7 @@ def test_damaged_shard_file_is_named_and_the_ranks_fall_back_to_the_previous_che
     store = open_store(str(tmp / "damaged"))
     plain = _model()
     with pytest.raises(ValueError, match="step_00000004/dcp/__1_0.distcp does not match its manifest checksum"):
-        sc.load_sharded(store, RUN, 4, plain, _optimizer(plain), str(tmp_path))
+        dcp_load.load_sharded(store, RUN, 4, plain, _optimizer(plain), str(tmp_path))
     # at 2 ranks only rank 1 reads that file: both ranks fell back together, with a warning naming it
     for rank in (0, 1):
         loaded = _load(tmp / f"fallback_rank{rank}.pt")
@@ -533,7 +534,7 @@ def test_resume_reads_each_byte_of_a_sharded_checkpoint_once_and_loads_it_exactl
     torch.manual_seed(1)
     fresh = nn.Sequential(*(nn.Linear(512, 512) for _ in range(8)))
     before = _bytes_read()
-    sc.load_sharded(store, RUN, 3, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), str(tmp_path / "c"))
+    dcp_load.load_sharded(store, RUN, 3, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), str(tmp_path / "c"))
     read = _bytes_read() - before
     assert size <= read < 1.2 * size, f"read {read} bytes for {size} bytes of files"  # checked and loaded in one pass
     _assert_equal(saved.state_dict(), fresh.state_dict())
@@ -556,7 +557,7 @@ def test_a_sharded_file_damaged_past_its_first_tensors_is_named_and_nothing_hang
             f.write(bytes([byte[0] ^ 0xFF]))
     fresh = nn.Sequential(*(nn.Linear(512, 512) for _ in range(8)))
     with pytest.raises(DamagedCheckpoint, match=f"step_00000003/dcp/{damaged} does not match its manifest checksum"):
-        sc.load_sharded(store, RUN, 3, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), str(tmp_path / "c"))
+        dcp_load.load_sharded(store, RUN, 3, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), str(tmp_path / "c"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -570,7 +571,7 @@ def test_resume_onto_a_gpu_copies_from_the_reused_pinned_buffers_exactly(tmp_pat
     fresh(torch.randn(4, 512, device="cuda")).sum().backward()
     opt.step()  # its moments exist, on the GPU, and differ from the checkpoint's
     phases: dict = {}
-    sc.load_sharded(store, RUN, 3, fresh, opt, str(tmp_path / "c"), phases=phases)
+    dcp_load.load_sharded(store, RUN, 3, fresh, opt, str(tmp_path / "c"), phases=phases)
     _assert_equal(saved.state_dict(), {k: v.cpu() for k, v in fresh.state_dict().items()})
     assert phases["copy"] > 0 and phases["hash"] > 0, phases
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import gpt2_ranks_or_skip
 
 from lmyard.config import DataConfig
-from lmyard.data import sharding, sources
+from lmyard.data import sharding, sources, token_stream
 from lmyard.data import shards as fmt
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.data.sources import PYDOC_TOPICS
@@ -38,7 +38,7 @@ def _no_manifest(root) -> bool:
 
 
 def test_parallel_shards_are_byte_identical_to_serial(tmp_path, monkeypatch):
-    monkeypatch.setattr(sharding, "BATCH_CHARS", 2000)  # many small batches, so the pool reorders if it can
+    monkeypatch.setattr(token_stream, "BATCH_CHARS", 2000)  # many small batches, so the pool reorders if it can
     monkeypatch.setattr(sources, "UNIT_BYTES", 2000)  # many small read tasks (local files), likewise
     src = _jsonl(tmp_path / "c.jsonl", [f"doc {i}: " + "lorem ipsum dolor " * (i % 13) for i in range(400)])
     results = {}
@@ -138,9 +138,9 @@ def test_token_ids_too_large_for_the_format_are_refused():
     from lmyard.data.tokenizer import get_tokenizer
 
     enc = get_tokenizer(TokenizerConfig(name="bytes"))
-    sharding._init_worker(enc, 256, None, np.dtype("<u1"))  # a format narrower than the vocabulary (257 ids)
+    token_stream.init_worker(enc, 256, None, np.dtype("<u1"))  # a format narrower than the vocabulary (257 ids)
     with pytest.raises(UserError, match="token id 256 does not fit.*format version 2"):
-        sharding._encode_batch(["hi"])
+        token_stream.encode_batch(["hi"])
 
 
 def test_unknown_tokenizer_is_a_user_error(tmp_path):
@@ -192,7 +192,7 @@ def test_skip_mode_drops_only_the_bad_documents_and_counts_them(tmp_path):
 
 def test_progress_reports_documents_and_tokens_per_second(tmp_path, monkeypatch):
     monkeypatch.setattr(sharding, "REPORT_EVERY_S", 0.0)
-    monkeypatch.setattr(sharding, "BATCH_CHARS", 500)
+    monkeypatch.setattr(token_stream, "BATCH_CHARS", 500)
     src = _jsonl(tmp_path / "c.jsonl", [f"document {i} " * 20 for i in range(100)])
     cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"data.source={src}", "data.shard_tokens=2000"])
     seen: list[sharding.Progress] = []

@@ -94,11 +94,11 @@ def test_changed_input_file_changes_the_address(s3_server, s3_bucket, tmp_path):
 
 _KILLABLE = textwrap.dedent("""
     import sys, time
-    from lmyard.data import sharding
+    from lmyard.data import sharding, token_stream
     from lmyard.recipes import load_recipe
 
     sharding.REPORT_EVERY_S = 0.0  # report after every batch
-    sharding.BATCH_CHARS = 2000
+    token_stream.BATCH_CHARS = 2000
 
     def progress(p):
         if p.shards >= 6 and not p.done:

@@ -48,10 +48,16 @@ from lmyard.checkpoint.manifest import Manifest
 from lmyard.errors import LeaseLost, StoreFull, StoreOutage
 from lmyard.layout import RunLayout
 from lmyard.paths import free_space, no_space
+from lmyard.retry import Backoff, retrying
 from lmyard.store import Store
 
 T = TypeVar("T")
 PARKED_WAKE_S = 30.0  # a parked checkpoint is tried again this often even if no save comes
+
+
+def upload_backoff(base_s: float = 1.0) -> Backoff:
+    """The wait after each failed put of a round: base_s, 2 base_s, 4 base_s ... 32 base_s, at most 30 s."""
+    return Backoff(base_s, cap_s=30.0, doublings=5)
 
 
 class StepExists(RuntimeError):
@@ -82,25 +88,25 @@ class RetryPolicy:
         self.fence: Callable[[], None] | None = None  # LeaseLost once the lineage's lease is not ours (module doc)
 
     def delay(self, attempt: int) -> float:
-        return min(30.0, self.backoff_s * 2 ** min(attempt, 5))
+        return self.backoff.delay(attempt)
+
+    @property
+    def backoff(self) -> Backoff:
+        return upload_backoff(self.backoff_s)
 
     def run(self, step: int, staged: str, put: Callable[[], T]) -> T:
         """One round of `put()` (its result), else Parked: the caller keeps the checkpoint pending, calls
         `wait()`, and runs a new round; after close() a spent round is final."""
-        for attempt in range(self.retries + 1):
-            try:
-                result = put()
-                self.failures = 0
-                return result
-            except (StepExists, LeaseLost):
-                raise
-            except Exception as e:
-                self.failures, self.last_error = self.failures + 1, e
-                if attempt == self.retries:
-                    raise self._parked(step, staged, e) from e
-                self.say(f"checkpoint step {step}: upload failed ({e}); retrying in {self.delay(attempt):.0f}s")
-                time.sleep(self.delay(attempt))
-        raise AssertionError("unreachable: the last attempt returns or raises")
+
+        def failed(e: Exception, attempt: int, delay: float | None) -> None:
+            self.failures, self.last_error = self.failures + 1, e
+            if delay is None:
+                raise self._parked(step, staged, e) from e
+            self.say(f"checkpoint step {step}: upload failed ({e}); retrying in {delay:.0f}s")
+
+        result = retrying(put, self.backoff, self.retries + 1, fatal=(StepExists, LeaseLost), on_failure=failed)
+        self.failures = 0
+        return result
 
     def _parked(self, step: int, staged: str, error: Exception) -> Parked | StoreFull:
         if self.closing.is_set() and (full := self.store_full(f"checkpoint step {step}", staged)) is not None:

@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lmyard.data.shards import sha256_file
+from lmyard.paths import sha256_file
 
 Format = Literal["full", "dcp"]
 

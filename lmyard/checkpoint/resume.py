@@ -22,21 +22,22 @@ shapes, raised before any tensor is read.
 
 from __future__ import annotations
 
+import functools
 import logging
-import time
 from collections.abc import Callable
 from typing import TypeVar, cast, overload
 
 import torch
 
 from lmyard.checkpoint.catalog import complete_steps, read_manifest, read_state
-from lmyard.checkpoint.dcp import load_full, load_full_into, load_sharded
+from lmyard.checkpoint.dcp_load import load_full, load_full_into, load_sharded
 from lmyard.checkpoint.full import read_full
 from lmyard.checkpoint.manifest import DamagedCheckpoint
 from lmyard.checkpoint.ranks import agree, gather
 from lmyard.checkpoint.state import Checkpoint, Loaded
 from lmyard.errors import UserError
 from lmyard.layout import RunLayout
+from lmyard.retry import Backoff, retrying
 from lmyard.store import Store
 
 log = logging.getLogger(__name__)
@@ -142,28 +143,28 @@ def find_latest(
     load = _together(load or (lambda step: load_step(store, run_name, step, cache_dir)), group)
     damaged: list[int] = []
     for step in reversed(agree(complete_steps(store, run_name), group)):
-        for attempt in range(read_attempts):
-            try:
-                return load(step), damaged
-            except DamagedCheckpoint as e:
-                msg = (
-                    f"warning: checkpoint {store.uri(RunLayout(run_name).step(step))} is damaged "
-                    f"({str(e).splitlines()[0]}); falling back to the previous one"
-                )
-                log.warning(msg)
-                print(msg, flush=True)
-                damaged.append(step)
-                break
-            except UserError:
-                raise
-            except Exception as e:
-                if attempt == read_attempts - 1:
-                    raise
-                print(
-                    f"reading checkpoint step {step} failed ({type(e).__name__}: {str(e)[:200]}); retrying", flush=True
-                )
-                time.sleep(backoff_s * 2**attempt)
+        try:
+            return retrying(
+                functools.partial(load, step),
+                Backoff(backoff_s),
+                read_attempts,
+                fatal=(DamagedCheckpoint, UserError),
+                on_failure=functools.partial(_say_read_failed, step),
+            ), damaged
+        except DamagedCheckpoint as e:
+            msg = (
+                f"warning: checkpoint {store.uri(RunLayout(run_name).step(step))} is damaged "
+                f"({str(e).splitlines()[0]}); falling back to the previous one"
+            )
+            log.warning(msg)
+            print(msg, flush=True)
+            damaged.append(step)
     return None, damaged
+
+
+def _say_read_failed(step: int, e: Exception, attempt: int, delay: float | None) -> None:
+    if delay is not None:
+        print(f"reading checkpoint step {step} failed ({type(e).__name__}: {str(e)[:200]}); retrying", flush=True)
 
 
 def load_latest(

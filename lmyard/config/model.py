@@ -45,7 +45,7 @@ class ModelConfig(_Section):
     attention: Literal["auto", "fa4", "flash", "cudnn", "efficient", "math"] = Field(
         "auto",
         description="SDPA kernel: `auto` lets PyTorch choose (cuDNN's on Hopper GPUs); `fa4` runs "
-        "FlashAttention-4's kernels (Hopper or Blackwell GPUs, `pip install 'lmyard[fa4]'`; lmyard.models.flash4), "
+        "FlashAttention-4's kernels (Hopper or Blackwell GPUs, `pip install 'lmyard[fa4]'`; lmyard.models.ops.flash4), "
         "the fastest measured on H200.",
     )
     doc_mask: bool = Field(

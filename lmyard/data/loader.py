@@ -37,10 +37,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from lmyard.data.shards import ShardSet, read_header, read_shard, sha256_file
+from lmyard.data.shards import ShardSet, read_header, read_shard
 from lmyard.errors import UserError
 from lmyard.layout import ShardLayout
-from lmyard.paths import cache_root, confined
+from lmyard.paths import cache_root, confined, sha256_file
 from lmyard.store import open_store
 
 

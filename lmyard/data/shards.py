@@ -13,7 +13,6 @@ written last. Without its manifest a shard set does not exist.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -82,14 +81,6 @@ def read_shard(path: str | Path) -> np.ndarray:
     """The tokens of a shard, memory-mapped (read-only)."""
     version, count = read_header(path)
     return np.memmap(path, dtype=_dtype_for_version(version, str(path)), mode="r", offset=HEADER_BYTES, shape=(count,))
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def shard_prefix(address: str) -> str:

@@ -31,8 +31,8 @@ from lmyard.data.shards import ShardSet
 from lmyard.data.tokenizer import get_tokenizer
 from lmyard.errors import UserError
 from lmyard.evaluate.hellaswag import read_hellaswag
-from lmyard.evaluate.validation import autocast, val_loss
-from lmyard.models.base import LanguageModel
+from lmyard.evaluate.validation import val_loss
+from lmyard.models.base import LanguageModel, autocast
 from lmyard.models.registry import model_from_checkpoint
 from lmyard.store import open_store
 

@@ -1,24 +1,18 @@
-"""The val loss, one routine for the trainer and the evaluator, and the autocast of every forward.
+"""The val loss, one routine for the trainer and the evaluator.
 
 The trainer's `val/loss` (every rank, during training) and the evaluator's `eval/val_loss` (its own
 process, from the checkpoint) come from `val_loss` here: the same sequences, the same float64 sums per
-sequence, the same bf16 autocast on CUDA, so the two agree at a step.
+sequence, the same bf16 autocast on CUDA (lmyard.models.base.autocast), so the two agree at a step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 import torch.distributed as dist
 
-
-def autocast(device: torch.device | str):
-    """The context of a forward pass: bf16 autocast on CUDA (the weights stay fp32), nothing elsewhere."""
-    if torch.device(device).type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+from lmyard.models.base import autocast
 
 
 @torch.no_grad()

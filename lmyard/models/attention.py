@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from lmyard.models import flash4
+from lmyard.models.ops import flash4
 
 Mask = BlockMask | torch.Tensor  # a BlockMask (CUDA) or a dense boolean mask (CPU)
 

@@ -1,4 +1,5 @@
-"""What every family's nn.Module shares: AdamW parameter groups and sampling.
+"""What every family's nn.Module shares: AdamW parameter groups and sampling, and the autocast of every forward
+(`autocast`: the trainer's, the val loss's and the evaluator's).
 
 A family's model subclasses LanguageModel and has `config` (its frozen config dataclass, with
 `block_size`), `family` (its `model.arch`), `layers` (the ModuleList of blocks that
@@ -8,11 +9,19 @@ targets only the mean cross-entropy (lmyard.models.losses.linear_cross_entropy).
 
 from __future__ import annotations
 
+import contextlib
 from typing import ClassVar, Protocol
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+def autocast(device: torch.device | str):
+    """The context of a forward pass: bf16 autocast on CUDA (the weights stay fp32), nothing elsewhere."""
+    if torch.device(device).type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 class ModelConfig(Protocol):

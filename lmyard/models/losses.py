@@ -2,8 +2,8 @@
 
 Equal to `F.cross_entropy(x @ weight.T, targets)` (mean over tokens; the softmax in
 fp32), but the gradient of the logits is computed in the forward pass, in the
-logits' own buffer: on CUDA one Triton kernel reads each row of logits, finds its
-log-sum-exp, and overwrites the row with `(softmax - onehot) / N`. The backward
+logits' own buffer: on CUDA one Triton kernel (lmyard.models.ops.cross_entropy) reads
+each row of logits, finds its log-sum-exp, and overwrites the row with `(softmax - onehot) / N`. The backward
 pass is then two matrix products, scaled by the loss's gradient. Against the plain
 path (inductor's log-softmax kernel forward, another kernel backward) that is one
 read of the logits less: with GPT-2's 50,304-wide vocabulary the logits are the
@@ -20,82 +20,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton comes with CUDA builds of torch; CPU installs run the torch path
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-
-BLOCK = 4096  # columns per load (8 KB of a bf16 row) and warps per row: the fastest of a sweep on H200
-NUM_WARPS = 4  # (tests/benchmarks/bench_lm_head.py --sweep); the whole row in one block was slower
-
-
-if triton is not None:
-
-    @triton.jit
-    def _ce_grad_kernel(
-        logits_ptr,
-        stride,
-        targets_ptr,
-        loss_ptr,
-        scale,
-        N_COLS: tl.constexpr,
-        BLOCK: tl.constexpr,
-        WRITE_GRAD: tl.constexpr,
-    ):
-        """One program per row: loss = lse - logit[target]; row <- (softmax - onehot) * scale."""
-        row = tl.program_id(0).to(tl.int64)
-        base = logits_ptr + row * stride
-        cols = tl.arange(0, BLOCK)
-        target = tl.load(targets_ptr + row)
-        # block by block: an online max and sum, then a second pass over the row (still in L2)
-        m = tl.full([], float("-inf"), tl.float32)
-        s = tl.full([], 0.0, tl.float32)
-        for off in range(0, N_COLS, BLOCK):
-            x = tl.load(base + off + cols, mask=off + cols < N_COLS, other=-float("inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, 0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
-            m = m_new
-        lse = m + tl.log(s)
-        tl.store(loss_ptr + row, lse - tl.load(base + target).to(tl.float32))
-        if WRITE_GRAD:
-            for off in range(0, N_COLS, BLOCK):
-                mask = off + cols < N_COLS
-                x = tl.load(base + off + cols, mask=mask, other=0.0).to(tl.float32)
-                p = tl.exp(x - lse)
-                p = tl.where(off + cols == target, p - 1.0, p)
-                tl.store(base + off + cols, (p * scale).to(logits_ptr.dtype.element_ty), mask=mask)
-
-
-def _loss_and_grad_triton(logits: torch.Tensor, targets: torch.Tensor, write_grad: bool) -> torch.Tensor:
-    """Per-row losses (fp32); with `write_grad`, `logits` is overwritten by d(mean loss)/d(logits)."""
-    n, v = logits.shape
-    losses = torch.empty(n, device=logits.device, dtype=torch.float32)
-    _ce_grad_kernel[(n,)](
-        logits,
-        logits.stride(0),
-        targets,
-        losses,
-        1.0 / n,
-        N_COLS=v,  # one build per vocabulary
-        BLOCK=BLOCK,
-        WRITE_GRAD=write_grad,
-        num_warps=NUM_WARPS,
-    )
-    return losses
-
-
-def _loss_and_grad_torch(logits: torch.Tensor, targets: torch.Tensor, write_grad: bool) -> torch.Tensor:
-    """The same contract as the kernel, in torch (CPU, or no Triton)."""
-    n = logits.size(0)
-    lf = logits.float()
-    lse = torch.logsumexp(lf, dim=-1)
-    losses = lse - lf.gather(1, targets[:, None]).squeeze(1)
-    if write_grad:
-        grad = torch.exp(lf - lse[:, None])
-        grad[torch.arange(n, device=logits.device), targets] -= 1.0
-        logits.copy_(grad.mul_(1.0 / n))
-    return losses
+from lmyard.models.ops.cross_entropy import loss_and_grad
 
 
 @torch.library.custom_op("lmyard::linear_cross_entropy", mutates_args=())
@@ -105,7 +30,6 @@ def _linear_ce(
     """(mean loss, d loss / d logits) of logits = x @ weight.T computed in `dtype`; the gradient is empty
     without `need_grad`."""
     logits = x.to(dtype) @ weight.to(dtype).t()
-    loss_and_grad = _loss_and_grad_triton if triton is not None and x.is_cuda else _loss_and_grad_torch
     losses = loss_and_grad(logits, targets, need_grad)
     return losses.mean(), logits if need_grad else logits.new_empty(0)
 

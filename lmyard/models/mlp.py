@@ -2,7 +2,7 @@
 
 Compiled as plain ops, the MLP makes two elementwise passes over its (tokens, 4d) activations besides
 the products: the GELU forward and its gradient. On CUDA under 16-bit autocast this op runs the two
-products around them through cuBLASLt (lmyard.models.cublaslt) instead:
+products around them through cuBLASLt (lmyard.models.ops.cublaslt) instead:
 
 - forward: one product writes gelu(x @ W1.T + b1) and, for backward, its input;
 - backward: the product dy @ W2 is multiplied by gelu'(input) as it is written.
@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lmyard.models import cublaslt
+from lmyard.models.ops import cublaslt
 
 # LMYARD_MLP_EPILOGUES=0 in the environment keeps the plain ops everywhere (to compare the two, as
 # tests/benchmarks/bench_trainer.py --env does)

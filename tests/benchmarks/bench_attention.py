@@ -6,7 +6,7 @@ bf16 q (batch, heads, seq, head_dim) and k, v with kv-heads heads, causal. Rows:
 `enable_gqa` as lmyard's Llama calls it (PyTorch's choice of backend, then cuDNN and flash forced),
 SDPA on k and v repeated to every head (as torchtitan 0.2.2 calls it), compiled FlexAttention with
 a causal BlockMask, and, where the flash-attn-4 package is installed, SDPA's flash backend through
-FlashAttention-4 (model.attention=fa4, lmyard.models.flash4). Each row: the mean wall time of a
+FlashAttention-4 (model.attention=fa4, lmyard.models.ops.flash4). Each row: the mean wall time of a
 forward + backward over 20 calls, the TFLOP/s that makes (causal: half of 4 x seq^2 x head_dim per
 head forward, backward 2.5x the forward), and the kernels that took the most time in one call.
 Prints one JSON line a row.
@@ -88,7 +88,7 @@ def main() -> None:
         ("sdpa repeated k/v, cudnn (torchtitan)", repeated, SDPBackend.CUDNN_ATTENTION),
         ("flex_attention causal, compiled", lambda: flex(q, k, v, block_mask=mask, enable_gqa=groups > 1), None),
     ]
-    from lmyard.models import flash4
+    from lmyard.models.ops import flash4
 
     fa4 = flash4.missing(q.device)
     if fa4 is None:  # last: from here on SDPA's flash backend runs FlashAttention-4

@@ -135,7 +135,8 @@ def worker(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from lmyard.data.shards import read_shard
-    from lmyard.models import attention, flash4
+    from lmyard.models import attention
+    from lmyard.models.ops import flash4
     from lmyard.models.registry import build_model, flops_per_token, model_spec
     from lmyard.recipes import load_recipe
     from lmyard.train.components import PEAK_FLOPS

@@ -1,4 +1,4 @@
-"""The LM head + loss on a GPU: lmyard.losses' fused op against the plain linear + cross-entropy.
+"""The LM head + loss on a GPU: lmyard.models.losses' fused op against the plain linear + cross-entropy.
 
     python tests/benchmarks/bench_lm_head.py [--tokens 32768] [--sweep]
 
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lmyard.models import losses
+from lmyard.models.ops import cross_entropy
 
 
 def median_ms(fn, n: int = 20, warmup: int = 5) -> float:
@@ -108,9 +109,9 @@ def main() -> None:
         gb = 2 * logits.numel() * logits.element_size() / 1e9
         for block in (1024, 2048, 4096, 8192):
             for warps in (4, 8, 16):
-                losses.BLOCK, losses.NUM_WARPS = block, warps
+                cross_entropy.BLOCK, cross_entropy.NUM_WARPS = block, warps
                 buf = logits.clone()
-                ms = median_ms(lambda buf=buf: losses._loss_and_grad_triton(buf, y, True))
+                ms = median_ms(lambda buf=buf: cross_entropy.loss_and_grad_triton(buf, y, True))
                 print(
                     json.dumps(
                         {

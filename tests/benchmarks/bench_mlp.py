@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench_lm_head import median_ms, rel
 
-from lmyard.models import cublaslt, mlp
+from lmyard.models import mlp
+from lmyard.models.ops import cublaslt
 
 
 def kernel_ms(fn, n: int = 5) -> float:

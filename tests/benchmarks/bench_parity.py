@@ -22,7 +22,7 @@ it is given), every step (train.log_interval=1). It runs once with every fused c
 each switched off:
 
 - `loss`: lmyard.models.losses.linear_cross_entropy's Triton kernel (no switch in lmyard: the script sets
-  `lmyard.models.losses.triton = None`, its torch path);
+  `lmyard.models.ops.cross_entropy.triton = None`, its torch path);
 - `mlp_epilogues`: GPT-2's MLP in cuBLASLt's epilogues (`LMYARD_MLP_EPILOGUES=0`; here `mlp.ENABLED`, read
   at import);
 - `adamw_kernel`: AdamW's one-launch Triton step (no switch: `AdamW._fusable` answers False, torch's step);
@@ -204,7 +204,7 @@ def compare(ours: list[float], theirs: list[float]) -> dict:
 # name -> (what is switched off, lmyard's switch or "none"); the kernels' switches are made by `switched_off`
 SWITCHES = {
     "fused": ("nothing: every fused component on", "-"),
-    "loss": ("linear_cross_entropy's Triton kernel", "none (lmyard.models.losses.triton = None)"),
+    "loss": ("linear_cross_entropy's Triton kernel", "none (lmyard.models.ops.cross_entropy.triton = None)"),
     "mlp_epilogues": ("GPT-2's MLP in cuBLASLt's epilogues", "LMYARD_MLP_EPILOGUES=0"),
     "adamw_kernel": ("AdamW's one-launch Triton step", "none (AdamW._fusable -> False: torch's fused AdamW)"),
     "grad_norm_kernel": ("the one-launch gradient norm", "none (optim._summable -> False: torch's foreach norm)"),
@@ -223,12 +223,12 @@ OVERRIDES = {
 @contextlib.contextmanager
 def switched_off(name: str):
     """The kernel `name` replaced by its torch path for the duration (lmyard has no switch for most of them)."""
-    from lmyard.models import losses, mlp
-    from lmyard.models.llama import rope
+    from lmyard.models import mlp
+    from lmyard.models.ops import cross_entropy, rope
     from lmyard.train import optim
 
     target = {
-        "loss": (losses, "triton", None),
+        "loss": (cross_entropy, "triton", None),
         "mlp_epilogues": (mlp, "ENABLED", False),
         "adamw_kernel": (optim.AdamW, "_fusable", lambda self, group, params: False),
         "grad_norm_kernel": (optim, "_summable", lambda grads: False),

@@ -52,6 +52,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch import nn  # noqa: E402
 
 from lmyard.checkpoint import dcp as sc  # noqa: E402
+from lmyard.checkpoint import dcp_load  # noqa: E402
 from lmyard.layout import RunLayout  # noqa: E402
 from lmyard.store import LocalStore  # noqa: E402
 
@@ -365,7 +366,7 @@ def main() -> None:
         drop_cached(files[rank :: dist.get_world_size()])
     phases: dict = {}
     mine = timed(
-        lambda: sc.load_sharded(
+        lambda: dcp_load.load_sharded(
             LocalStore(str(root / "store")), RUN, last, model, opt, str(root / "cache"), phases=phases
         )
     )

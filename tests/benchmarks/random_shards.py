@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from lmyard.data import shards as fmt
+from lmyard.paths import sha256_file
 
 TOKENIZERS = {
     "r50k_base": {"name": "r50k_base", "n_vocab": 50257, "eot": 50256},
@@ -33,7 +34,7 @@ def make_shards(store: Path, tokens: int, tokenizer: str = "r50k_base") -> dict:
                 "split": split,
                 "tokens": n,
                 "bytes": path.stat().st_size,
-                "sha256": fmt.sha256_file(path),
+                "sha256": sha256_file(path),
             }
         )
     manifest = {"address": address, "tokenizer": vocab, "shards": files}

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from lmyard.models import attention
 from lmyard.models.base import LanguageModel
-from lmyard.models.llama.rope import qkv_heads, rope_tables
 from lmyard.models.losses import linear_cross_entropy
+from lmyard.models.ops.rope import qkv_heads, rope_tables
 
 
 @dataclass(frozen=True)

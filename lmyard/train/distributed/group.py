@@ -15,7 +15,7 @@ import torch
 
 from lmyard.config import RunConfig
 from lmyard.errors import UserError
-from lmyard.models import flash4
+from lmyard.models.ops import flash4
 from lmyard.train.distributed.memory import use_expandable_segments
 from lmyard.train.distributed.parallel import init_process_group
 from lmyard.train.distributed.parallelism import Parallelism

@@ -18,9 +18,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lmyard.config import RunConfig
-from lmyard.evaluate.validation import autocast
 from lmyard.models import attention
-from lmyard.models.base import LanguageModel
+from lmyard.models.base import LanguageModel, autocast
 from lmyard.train.distributed.parallel import (
     apply_activation_checkpointing,
     apply_float8,
