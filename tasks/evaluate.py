@@ -22,11 +22,14 @@ from lmyard import console
 from lmyard.checkpoint import catalog
 from lmyard.checkpoint.manifest import DamagedCheckpoint
 from lmyard.config import RunConfig
-from lmyard.contracts import EvalResult, EvalSpec, Evaluation, ShardSet, one_line
+from lmyard.data.shardset import ShardSet
+from lmyard.errors import one_line
 from lmyard.layout import RunLayout
+from lmyard.stages import EvalResult, EvalSpec
 from lmyard.store import Store, open_store
 from lmyard.tracking.lineage import DAMAGED_TAG, Lineage
 from tasks._common import artifact_key, launch_stage
+from tasks.results import Evaluation
 
 EVALUATED = "eval/val_loss"  # the metric whose steps say which checkpoints have been evaluated
 EVALUATED_COMMIT = "lmyard.evaluated.step_{:08d}"  # run tag: the commit time of the checkpoint evaluated there
@@ -65,7 +68,7 @@ def commit_id(store: Store, run_name: str, step: int) -> str:
 
 def evaluated_checkpoints(lineage: Lineage) -> dict[int, str | None]:
     """step -> the commit id of the checkpoint evaluated at that step (None: logged before ids were)."""
-    tags = lineage.client.get_run(lineage.mlflow_run_id).data.tags
+    tags = lineage.client.get_run(lineage.ref.mlflow_run_id).data.tags
     return {step: tags.get(EVALUATED_COMMIT.format(step)) for step in lineage.metric_history(EVALUATED)}
 
 

@@ -27,8 +27,8 @@ def open_lineage(config: RunConfig, shards: ShardSet) -> Lineage:
     lineage = Lineage.open(config, open_store(config.store), shard_address=shards.address, code_version=code_version())
     lineage.log_shard_dataset(shards)  # the UI's "Datasets": which data trained the run
     get_run_logger().info(
-        f"lineage {config.run_name}: MLflow run {lineage.mlflow_run_id}"
-        + (f", {lineage.attempt} earlier attempt(s)" if lineage.attempt else ", new")
+        f"lineage {config.run_name}: MLflow run {lineage.ref.mlflow_run_id}"
+        + (f", {lineage.ref.attempt} earlier attempt(s)" if lineage.ref.attempt else ", new")
     )
     return lineage
 
@@ -37,7 +37,7 @@ def open_lineage(config: RunConfig, shards: ShardSet) -> Lineage:
 def close_lineage(lineage: Lineage, status: str | None) -> None:
     """Mark the lineage's MLflow run FINISHED, FAILED or KILLED; None: leave it (another run holds the lineage)."""
     if status is None:
-        get_run_logger().info(f"lineage {lineage.run_name}: another run holds it now; its MLflow run stays open")
+        get_run_logger().info(f"lineage {lineage.ref.run_name}: another run holds it now; its MLflow run stays open")
         return
     lineage.close(status)
 
@@ -57,7 +57,7 @@ def _close_from_hook(flow_run, status: str) -> str | None:
     params = flow_run.parameters or {}
     config = with_recipe(RunConfig.model_validate(params.get("config") or {}), params.get("recipe"))
     lineage = Lineage.find(config.tracking.uri, open_store(config.store), config.run_name)
-    run_id = lineage.mlflow_run_id if lineage is not None and lineage.close_if_running(status) else None
+    run_id = lineage.ref.mlflow_run_id if lineage is not None and lineage.close_if_running(status) else None
     if run_id:
         print(f"lineage {config.run_name}: MLflow run {run_id} marked {status} ({flow_run.name})", flush=True)
     return run_id

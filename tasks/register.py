@@ -10,12 +10,14 @@ from prefect.cache_policies import NO_CACHE
 
 from lmyard.checkpoint import retention
 from lmyard.config import RunConfig
-from lmyard.contracts import Evaluation, ExportResult, ExportSpec, Gate, RegisteredModel, ShardSet
+from lmyard.data.shardset import ShardSet
 from lmyard.evaluate.gates import gate_results
+from lmyard.stages import ExportResult, ExportSpec
 from lmyard.store import open_store
 from lmyard.tracking import registry
 from lmyard.tracking.lineage import Lineage
 from tasks._common import launch_stage
+from tasks.results import Evaluation, Gate, RegisteredModel
 
 
 @task(name="register-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)

@@ -82,8 +82,8 @@ from lmyard.checkpoint.commit import Parked, RetryPolicy, ensure_new, outage, pu
 from lmyard.checkpoint.manifest import DamagedCheckpoint, FileMeta, Manifest, check_file, file_meta
 from lmyard.checkpoint.ranks import agree, distributed, rank_world
 from lmyard.checkpoint.readahead import LANES, FileJob, ReadAhead, memory, tensor_in
+from lmyard.checkpoint.schema import CheckpointState
 from lmyard.checkpoint.state import Checkpoint, Loaded
-from lmyard.contracts import CheckpointState
 from lmyard.errors import StoreOutage, UserError
 from lmyard.layout import RunLayout
 from lmyard.paths import confined

@@ -35,8 +35,7 @@ from lmyard.checkpoint.catalog import complete_steps, quarantine
 from lmyard.checkpoint.checkpointer import make_checkpointer
 from lmyard.checkpoint.state import Loaded, rng_state, set_rng_state
 from lmyard.config import RunConfig
-from lmyard.contracts import one_line
-from lmyard.errors import ExitCode, NoSpace, Preempted, StoreFull, error_for, exit_code_of, status_of
+from lmyard.errors import ExitCode, NoSpace, Preempted, StoreFull, error_for, exit_code_of, one_line, status_of
 from lmyard.layout import RunLayout
 from lmyard.paths import no_space
 from lmyard.store import open_store

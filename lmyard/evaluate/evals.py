@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from lmyard.checkpoint import catalog, resume
 from lmyard.config import EvalConfig, RunConfig
-from lmyard.contracts import EvalResult
 from lmyard.data.loader import default_cache_dir, split_stream, val_sequences
 from lmyard.data.shards import ShardSet
 from lmyard.data.tokenizer import get_tokenizer
@@ -34,6 +33,7 @@ from lmyard.evaluate.hellaswag import read_hellaswag
 from lmyard.evaluate.validation import autocast, val_loss
 from lmyard.models.base import LanguageModel
 from lmyard.models.registry import model_from_checkpoint
+from lmyard.stages import EvalResult
 from lmyard.store import open_store
 
 # ---------------------------------------------------------------- HellaSwag

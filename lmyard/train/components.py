@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from lmyard import faults
 from lmyard.config import RunConfig
-from lmyard.contracts import Exchange, Progress
 from lmyard.errors import Diverged
+from lmyard.stages import Exchange, Progress
 
 # Dense bf16 peak FLOP/s per GPU for MFU (vendor datasheets, SXM parts, no sparsity).
 # MFU = tokens/s * flops_per_token / (peak * GPUs), flops_per_token = 6N + 12*L*d*T.

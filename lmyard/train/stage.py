@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=8 -m lmyard.stages train --spec spec.json
 
-The spec (lmyard.contracts.TrainSpec: a JSON file, or the LMYARD_SPEC environment variable) holds the run
+The spec (lmyard.stages.TrainSpec: a JSON file, or the LMYARD_SPEC environment variable) holds the run
 config, the shard set, the lineage, the lease and `hold_for_eval` (the flow evaluates every checkpoint and
 applies retention itself). This rank joins the job (lmyard.train.distributed.setup_distributed), logs to the
 lineage's MLflow run from rank 0, and runs the `Trainer` (lmyard.train.trainer). How the job ended goes to
@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 from lmyard.config import RunConfig
-from lmyard.contracts import Exchange, LineageRef, TrainResult, TrainSpec, read_spec, run_stage
 from lmyard.errors import ExitCode, UserError
+from lmyard.stages import Exchange, TrainResult, TrainSpec, read_spec, run_stage
 from lmyard.store import open_store
 from lmyard.tracking.lease import Fence
+from lmyard.tracking.lineage import LineageRef
 from lmyard.tracking.sink import MetricsSink, NullSink, metrics_sink, system_metrics
 from lmyard.train.distributed import Dist, setup_distributed
 from lmyard.train.trainer import Trainer
@@ -111,7 +112,7 @@ def _train(spec_path: str | None, run: TrainRun) -> TrainResult:
 
 def train_stage(spec_path: str | None = None) -> int:
     """`python -m lmyard.stages train` on every rank: rank 0 writes result.json, any other rank that fails
-    writes failures/rank-R.json (lmyard.contracts.run_stage, the one path from an exception to an exit code)."""
+    writes failures/rank-R.json (lmyard.stages.run_stage, the one path from an exception to an exit code)."""
     run = TrainRun()
     _KEPT.append(run)
     exchange = Exchange.from_env()

@@ -19,13 +19,14 @@ import torch
 
 from lmyard.checkpoint.manager import CheckpointManager, Loaded
 from lmyard.config import RunConfig, TrainConfig
-from lmyard.contracts import CheckpointState, Exchange, LineageRef, Started, TrainResult
 from lmyard.data.loader import Prefetcher, default_cache_dir
 from lmyard.data.shards import ShardSet
 from lmyard.errors import Diverged, ExitCode, Preempted, StoreOutage
 from lmyard.evaluate.validation import val_loss
 from lmyard.models.registry import flops_per_token, model_spec, resolve
+from lmyard.stages import Exchange, Heartbeat, Started, TrainResult
 from lmyard.tracking.lease import Fence
+from lmyard.tracking.lineage import LineageRef
 from lmyard.tracking.sink import MetricsSink
 from lmyard.train import build
 from lmyard.train.components import (
@@ -39,7 +40,6 @@ from lmyard.train.components import (
 )
 from lmyard.train.distributed import Dist, Parallelism, no_sync, plan_memory
 from lmyard.train.optim import AdamW, clipped_update
-from lmyard.train.watchdog import Heartbeat
 
 # How long a checkpoint waits for the metrics logged so far to reach MLflow (lmyard.tracking.sink.MLflowSink.flush).
 CHECKPOINT_FLUSH_S = 5.0
@@ -79,16 +79,8 @@ class Trainer:
             self._check_disks(model_spec(self.raw_model))
         T = self.gcfg.block_size
         self.accum, self.data, self.val = build.data(cfg, shards, T, d.rank, d.world, self.cache)
-        self.state = CheckpointState(
-            step=0,
-            cursor=0,
-            tokens_seen=0,
-            world_size=d.world,
-            shard_address=shards.address,
-            train_tokens=self.data.stream.total,
-            config=cfg.redacted_dump(),  # no password in a checkpoint
-            lineage=lineage.to_dict() if lineage else None,
-            model=model_spec(self.raw_model),
+        self.state = build.first_state(
+            cfg, shards, lineage, d.world, self.data.stream.total, model_spec(self.raw_model)
         )
         self.started = Started(start_step=0, world_size=d.world)
         self.logger = MetricsLogger(cfg, d.device, d.world, flops_per_token(self.state.model), sink, d.is_main)

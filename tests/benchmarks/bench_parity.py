@@ -318,7 +318,7 @@ def run(a: argparse.Namespace, configs: list[str], work: Path) -> None:
 
     from bench_pylib import corpus_shards, write_corpus
 
-    from lmyard.contracts import ShardSet
+    from lmyard.data.shardset import ShardSet
     from lmyard.models.registry import resolve
     from lmyard.recipes import load_recipe
     from lmyard.store import open_store
