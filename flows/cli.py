@@ -154,12 +154,12 @@ def _run_flow(command: str, config) -> int:
     from lmyard import console
     from lmyard.data.shardset import ShardSet
     from lmyard.errors import StageFailed, UserError
-    from lmyard.layout import RunLayout
-    from lmyard.store import open_store
+    from lmyard.run import Run
     from lmyard.tracking.credentials import credentials_to_env
 
     # a read-only store (or its runs/) fails here, before Prefect starts
-    open_store(config.store).check_writable(*([RunLayout(config.run_name).root] if command == "run" else []))
+    run = Run.of(config)
+    run.store.check_writable(*([run.layout.root] if command == "run" else []))
     # Offline-friendly Prefect defaults; an operator's own settings win.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if command == "run":

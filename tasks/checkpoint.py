@@ -14,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 
 from lmyard.checkpoint import catalog
 from lmyard.config import RunConfig
-from lmyard.store import open_store
+from lmyard.run import Run
 from lmyard.tracking.lineage import Lineage
 from tasks._common import artifact_key
 from tasks.results import CheckpointReport
@@ -26,7 +26,7 @@ from tasks.results import CheckpointReport
 def record_checkpoint(config: RunConfig, lineage: Lineage, step: int) -> CheckpointReport:
     """Verify checkpoint `step` against its manifest in the store; its place, size and upload time to
     MLflow (checkpoint/* at its step) and to a Prefect artifact. The upload itself ran on the training node."""
-    report = CheckpointReport.model_validate(catalog.verify(open_store(config.store), config.run_name, step))
+    report = CheckpointReport.model_validate(catalog.verify(Run.of(config).store, config.run_name, step))
     if _recorded(lineage, report):
         get_run_logger().info(f"checkpoint step {step} was recorded by an earlier attempt; not logged again")
         return report

@@ -12,8 +12,8 @@ from lmyard.checkpoint import retention
 from lmyard.config import RunConfig
 from lmyard.data.shardset import ShardSet
 from lmyard.evaluate.gates import gate_results
+from lmyard.run import Run
 from lmyard.stages import ExportResult, ExportSpec
-from lmyard.store import open_store
 from lmyard.tracking import registry
 from lmyard.tracking.lineage import Lineage
 from tasks._common import launch_stage
@@ -61,7 +61,7 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: Lineage, final:
         tags=tags,
         checkpoint_uri=info.checkpoint,
     )
-    retention.protect_checkpoint(open_store(config.store), config.run_name, info.step)
+    retention.protect_checkpoint(Run.of(config).store, config.run_name, info.step)
     alias = None
     if not gates:
         logger.info(f"registered {name} version {version}; no eval.gates configured, so no {config.eval.alias!r} alias")

@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from lmyard.checkpoint import catalog
 from lmyard.config import RunConfig
 from lmyard.data.shardset import ShardSet
-from lmyard.store import open_store
+from lmyard.run import Run
 from tasks.results import RetrainDecision
 
 
@@ -30,8 +30,8 @@ def plan_retraining(config: RunConfig, shards: ShardSet, extra_steps: int) -> Re
 
 
 def plan(config: RunConfig, shards: ShardSet, extra_steps: int) -> RetrainDecision:
-    store = open_store(config.store)
-    steps = catalog.complete_steps(store, config.run_name)
+    run = Run.of(config)
+    steps = catalog.complete_steps(run.store, run.name)
     if not steps:
         return RetrainDecision(
             action="train",
@@ -39,7 +39,7 @@ def plan(config: RunConfig, shards: ShardSet, extra_steps: int) -> RetrainDecisi
             max_steps=config.train.max_steps,
             from_step=0,
         )
-    state = catalog.read_state(store, config.run_name, steps[-1])
+    state = catalog.read_state(run.store, run.name, steps[-1])
     if state.shard_address == shards.address:
         return RetrainDecision(
             action="none",

@@ -97,7 +97,8 @@ from lmyard.data.tokenizer import get_tokenizer, identity, separators
 from lmyard.errors import UserError
 from lmyard.layout import ShardLayout
 from lmyard.paths import cache_root
-from lmyard.store import Store, open_store
+from lmyard.run import Run
+from lmyard.store import Store
 
 SPLITS = ("train", "val")
 BATCH_CHARS = 1 << 20  # ~1 MiB of text per task: ~250k GPT-2 tokens, ~50 ms of one core
@@ -520,8 +521,7 @@ def tokenize_and_shard(
     `progress` gets the same figures as a Progress, for a UI.
     """
     cache_dir = cache_dir or cache_root()
-    store = open_store(cfg.store)
-    store.check_writable()  # before any tokenizing: the shards and every checkpoint go there
+    (store := Run.of(cfg).store).check_writable()  # before any tokenizing: the shards and every checkpoint go there
     enc = get_tokenizer(cfg.tokenizer)
     version, dtype = fmt.token_dtype(enc.n_vocab)
     num_proc = cfg.data.num_proc or default_num_proc()

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from lmyard.config import RunConfig
 from lmyard.errors import ExitCode, UserError
+from lmyard.run import Run
 from lmyard.stages import Exchange, TrainResult, TrainSpec, read_spec, run_stage
-from lmyard.store import open_store
 from lmyard.tracking.lease import Fence
 from lmyard.tracking.lineage import LineageRef
 from lmyard.tracking.sink import MetricsSink, NullSink, metrics_sink, system_metrics
@@ -94,10 +94,9 @@ def _train(spec_path: str | None, run: TrainRun) -> TrainResult:
         print(f"{socket.gethostname()}: ranks {d.rank}-{d.rank + local - 1} of {d.world} joined", flush=True)
     run.sink = metrics_sink(lineage, d.is_main)  # rank 0 logs to MLflow; the others to nothing
     with node_system_metrics(cfg, lineage, d):
-        fence = Fence(open_store(cfg.store), cfg.run_name, spec.lease) if spec.lease else None
-        run.trainer = trainer = Trainer(
-            cfg, spec.shards, lineage, d, run.sink, hold_for_eval=spec.hold_for_eval, fence=fence
-        )
+        handle = Run.of(cfg)  # the run's store, keys and this node's cache, opened once for the rank
+        fence = Fence(handle.store, handle.name, spec.lease) if spec.lease else None
+        run.trainer = trainer = Trainer(spec, handle, d, run.sink, fence=fence)
         try:
             result = trainer.train()
         except Exception as e:

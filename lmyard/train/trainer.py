@@ -18,15 +18,14 @@ import time
 import torch
 
 from lmyard.checkpoint.manager import CheckpointManager, Loaded
-from lmyard.config import RunConfig, TrainConfig
-from lmyard.data.loader import Prefetcher, default_cache_dir
-from lmyard.data.shards import ShardSet
+from lmyard.config import TrainConfig
+from lmyard.data.loader import Prefetcher
 from lmyard.errors import Diverged, ExitCode, Preempted, StoreOutage
 from lmyard.evaluate.validation import val_loss
 from lmyard.models.registry import flops_per_token, model_spec, resolve
-from lmyard.stages import Exchange, Heartbeat, Started, TrainResult
+from lmyard.run import Run
+from lmyard.stages import Exchange, Heartbeat, Started, TrainResult, TrainSpec
 from lmyard.tracking.lease import Fence
-from lmyard.tracking.lineage import LineageRef
 from lmyard.tracking.sink import MetricsSink
 from lmyard.train import build
 from lmyard.train.components import (
@@ -57,18 +56,11 @@ def lr_at(step: int, t: TrainConfig) -> float:
 class Trainer:
     """One run of the loop on this rank. `train()` only delegates; the components decide what is due."""
 
-    def __init__(
-        self,
-        cfg: RunConfig,
-        shards: ShardSet,
-        lineage: LineageRef | None,
-        d: Dist,
-        sink: MetricsSink,
-        hold_for_eval: bool = False,
-        fence: Fence | None = None,
-    ):
+    def __init__(self, spec: TrainSpec, run: Run, d: Dist, sink: MetricsSink, fence: Fence | None = None):
+        cfg, shards, lineage = spec.config, spec.shards, spec.lineage
         self.cfg, self.t, self.shards, self.lineage, self.d, self.sink = cfg, cfg.train, shards, lineage, d, sink
-        self.fence, self.cache = fence, default_cache_dir()  # the lineage's lease (lmyard.tracking.lease)
+        self.run, self.cache = run, run.cache
+        self.fence = fence  # the lineage's lease (lmyard.tracking.lease)
         self.exchange = Exchange.from_env() if d.is_main else None
         build.seed_everything(self.t.seed, d.rank)
         self.parallel = Parallelism.of(cfg)  # chosen once: the trainer never asks train.parallel again
@@ -88,13 +80,13 @@ class Trainer:
         self.guard, self.faults = DivergenceGuard(cfg), FaultHook(d.rank, d.world)
         self.checkpoints = CheckpointManager(
             cfg,
-            self.cache,
+            run,
             self.raw_model,
             self.optimizer,
             rank=d.rank,
             world=d.world,
             sharded=self.parallel.sharded,
-            hold_for_eval=hold_for_eval,
+            hold_for_eval=spec.hold_for_eval,
             fence=fence.check if fence else None,
         )
 
@@ -115,7 +107,7 @@ class Trainer:
     def _check_disks(self, fields: dict) -> None:
         d = self.d
         CheckpointManager.check_disks(
-            self.cfg, self.cache, fields, sharded=self.parallel.sharded, rank=d.rank, world=d.world
+            self.cfg, self.run, fields, sharded=self.parallel.sharded, rank=d.rank, world=d.world
         )
 
     # ---- the run --------------------------------------------------------------------

@@ -254,12 +254,14 @@ class Recorder:
 def lmyard_run(cfg, shards) -> dict:
     """lmyard's Trainer in this process, no lineage: per-step train loss and the final val loss from its sink.
     Its log lines go to stderr (stdout holds the JSON lines)."""
+    from lmyard.run import Run
+    from lmyard.stages import TrainSpec
     from lmyard.train.distributed import setup_distributed
     from lmyard.train.trainer import Trainer
 
     sink = Recorder()
     with contextlib.redirect_stdout(sys.stderr):
-        Trainer(cfg, shards, None, setup_distributed(cfg), sink).train()
+        Trainer(TrainSpec(config=cfg, shards=shards), Run.of(cfg), setup_distributed(cfg), sink).train()
     steps = cfg.train.max_steps
     return {"train": [sink.points["train/loss"][s] for s in range(1, steps + 1)], "val": sink.points["val/loss"][steps]}
 
