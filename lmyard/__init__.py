@@ -12,7 +12,7 @@ The library half; it never imports Prefect. The tree reads as the pipeline:
     launch/      the follower and its jobs (local, Docker), the stage image
     stages/      the stage runtime (exchange folder, specs, results, heartbeats) and the stage entrypoints
 
-At the bottom, used by all: errors, paths, config, layout, store.
+At the bottom, used by all: errors, paths, config, layout, store, run (one run's handle: its store, opened once).
 """
 
 __version__ = "0.1.0"
