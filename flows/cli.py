@@ -104,8 +104,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from lmyard.contracts import ExportResult
     from lmyard.export.hf import export  # imports torch: only for this command
+    from lmyard.stages import ExportResult
 
     info = ExportResult.model_validate(export(args.source, args.dest, args.step))
     print(f"lmyard: exported {info.checkpoint} (step {info.step}) as {info.hf_architecture} to {info.uri}")
@@ -152,14 +152,14 @@ def _run_flow(command: str, config) -> int:
 
     from flows.prefect_server import start_temporary_server
     from lmyard import console
-    from lmyard.contracts import ShardSet
+    from lmyard.data.shardset import ShardSet
     from lmyard.errors import StageFailed, UserError
-    from lmyard.layout import RunLayout
-    from lmyard.store import open_store
+    from lmyard.run import Run
     from lmyard.tracking.credentials import credentials_to_env
 
     # a read-only store (or its runs/) fails here, before Prefect starts
-    open_store(config.store).check_writable(*([RunLayout(config.run_name).root] if command == "run" else []))
+    run = Run.of(config)
+    run.store.check_writable(*([run.layout.root] if command == "run" else []))
     # Offline-friendly Prefect defaults; an operator's own settings win.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if command == "run":

@@ -34,10 +34,10 @@ def _config(args: argparse.Namespace):
 
 
 def runs(args: argparse.Namespace) -> int:
-    from lmyard.store import open_store
+    from lmyard.run import Run
     from lmyard.tracking.runs import list_runs
 
-    store = open_store(_config(args).store)
+    store = Run.of(_config(args)).store
     rows = list_runs(store)
     if args.json:
         print(json.dumps([r.model_dump(mode="json") for r in rows], indent=1))
@@ -52,11 +52,11 @@ def runs(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    from lmyard.store import open_store
+    from lmyard.run import Run
     from lmyard.tracking.runs import run_status
 
     cfg = _config(args)
-    s = run_status(open_store(cfg.store), args.run_name, cfg.tracking.uri)
+    s = run_status(Run.of(cfg).store, args.run_name, cfg.tracking.uri)
     if args.json:
         print(s.model_dump_json(indent=1))
         return 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 from prefect import flow
 
 from lmyard.config import RunConfig
-from lmyard.contracts import RunSummary
 from lmyard.evaluate.harness import check_tasks
 from lmyard.recipes import with_recipe
 from lmyard.tracking.credentials import credentials_to_env
@@ -17,6 +16,7 @@ from tasks.evaluate import evaluate_checkpoint, new_checkpoints
 from tasks.finish import finish
 from tasks.lineage import close_lineage, ended_status, lineage_crashed, lineage_killed, lineage_lease, open_lineage
 from tasks.register import register_model
+from tasks.results import RunSummary
 from tasks.retention import retain_checkpoints
 from tasks.shard import tokenize_and_shard
 from tasks.train import stop_training, train

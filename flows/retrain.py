@@ -6,10 +6,9 @@ from prefect import flow
 
 from flows.pretrain import pretrain
 from lmyard.config import RunConfig
-from lmyard.contracts import RetrainDecision
 from lmyard.recipes import with_recipe
-from lmyard.train.retraining import with_max_steps
-from tasks.retraining import plan_retraining
+from tasks.results import RetrainDecision
+from tasks.retraining import plan_retraining, with_max_steps
 from tasks.shard import tokenize_and_shard
 
 

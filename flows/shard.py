@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 
 from lmyard.config import RunConfig
-from lmyard.contracts import ShardSet
+from lmyard.data.shardset import ShardSet
 from tasks.shard import tokenize_and_shard
 
 

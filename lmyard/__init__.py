@@ -8,11 +8,11 @@ The library half; it never imports Prefect. The tree reads as the pipeline:
     tracking/    MLflow: the lineage, the trainer's metric sink, the lease
     export/      Hugging Face folders and the MLflow pyfunc model
     evaluate/    validation loss, multiple choice, samples, lm-eval
-    train/       the trainer, its components, memory planning, FSDP2, heartbeats, retraining
+    train/       the trainer, its components, memory planning, FSDP2
     launch/      the follower and its jobs (local, Docker), the stage image
-    stages.py    the stage entrypoints a stage image runs besides the trainer
+    stages/      the stage runtime (exchange folder, specs, results, heartbeats) and the stage entrypoints
 
-At the bottom, used by all: errors, paths, config, contracts, layout, store.
+At the bottom, used by all: errors, paths, config, layout, store, run (one run's handle: its store, opened once).
 """
 
 __version__ = "0.1.0"

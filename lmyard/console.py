@@ -201,7 +201,7 @@ def _who(record: logging.LogRecord) -> str:
 
 _RETRY = "Task run failed with %s: %r - Retry %s/%s will start %s"  # Prefect's task engine
 _FAILED_STATE = re.compile(r"Finished in state Failed\((?P<quoted>'.*'|\".*\")\)$", re.S)
-_STAGE_ERROR = re.compile(r"^(?:\[node \d+\] )?lmyard: error: (?P<message>.*)$", re.S)  # lmyard.contracts.run_stage
+_STAGE_ERROR = re.compile(r"^(?:\[node \d+\] )?lmyard: error: (?P<message>.*)$", re.S)  # lmyard.stages.run_stage
 _EXCEPTION = re.compile(r"^(?:Task|Flow) run encountered an exception:? (?:[\w.]+: )?", re.S)
 
 

@@ -132,3 +132,8 @@ def retryable(exc: BaseException | None) -> bool:
     """Whether rerunning can help: not for bad input, divergence (the guard already had its say), a lost lease
     (another run writes the lineage now) or a full cache disk (the retry would fill it again)."""
     return not isinstance(exc, (UserError, Diverged, LeaseLost, NoSpace))
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as the one line a person reads: its message's first line, else its type's name."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__

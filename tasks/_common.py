@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lmyard.contracts import StageSpec
 from lmyard.errors import UserError
 from lmyard.launch.launcher import launch
+from lmyard.stages import StageSpec
 
 
 def not_a_user_error(task, task_run, state) -> bool:

@@ -14,10 +14,10 @@ from prefect.cache_policies import NO_CACHE
 
 from lmyard.checkpoint import catalog
 from lmyard.config import RunConfig
-from lmyard.contracts import CheckpointReport
-from lmyard.store import open_store
+from lmyard.run import Run
 from lmyard.tracking.lineage import Lineage
 from tasks._common import artifact_key
+from tasks.results import CheckpointReport
 
 
 @task(
@@ -26,7 +26,7 @@ from tasks._common import artifact_key
 def record_checkpoint(config: RunConfig, lineage: Lineage, step: int) -> CheckpointReport:
     """Verify checkpoint `step` against its manifest in the store; its place, size and upload time to
     MLflow (checkpoint/* at its step) and to a Prefect artifact. The upload itself ran on the training node."""
-    report = CheckpointReport.model_validate(catalog.verify(open_store(config.store), config.run_name, step))
+    report = CheckpointReport.model_validate(catalog.verify(Run.of(config).store, config.run_name, step))
     if _recorded(lineage, report):
         get_run_logger().info(f"checkpoint step {step} was recorded by an earlier attempt; not logged again")
         return report
@@ -55,7 +55,7 @@ def _recorded(lineage: Lineage, report: CheckpointReport) -> bool:
     """Whether this checkpoint's metrics are on the lineage's run already: its step has checkpoint/bytes and,
     when its manifest has a commit time, checkpoint/committed holds that time at its step."""
     history = lineage.client.get_metric_history
-    if all(m.step != report.step for m in history(lineage.mlflow_run_id, "checkpoint/bytes")):
+    if all(m.step != report.step for m in history(lineage.ref.mlflow_run_id, "checkpoint/bytes")):
         return False
-    committed = {m.value for m in history(lineage.mlflow_run_id, "checkpoint/committed") if m.step == report.step}
+    committed = {m.value for m in history(lineage.ref.mlflow_run_id, "checkpoint/committed") if m.step == report.step}
     return report.committed is None or not committed or report.committed in committed

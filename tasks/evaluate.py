@@ -23,11 +23,14 @@ from lmyard.checkpoint import catalog
 from lmyard.checkpoint.commit import upload_backoff
 from lmyard.checkpoint.manifest import DamagedCheckpoint
 from lmyard.config import RunConfig
-from lmyard.contracts import EvalResult, EvalSpec, Evaluation, ShardSet, one_line
-from lmyard.layout import RunLayout
-from lmyard.store import Store, open_store
+from lmyard.data.shardset import ShardSet
+from lmyard.errors import one_line
+from lmyard.run import Run
+from lmyard.stages import EvalResult, EvalSpec
+from lmyard.store import Store
 from lmyard.tracking.lineage import DAMAGED_TAG, Lineage
 from tasks._common import artifact_key, launch_stage
+from tasks.results import Evaluation
 
 EVALUATED = "eval/val_loss"  # the metric whose steps say which checkpoints have been evaluated
 EVALUATED_COMMIT = "lmyard.evaluated.step_{:08d}"  # run tag: the commit time of the checkpoint evaluated there
@@ -40,16 +43,16 @@ def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: Lineage, s
     """Val loss, HellaSwag and samples of one checkpoint (`python -m lmyard.stages evaluate` on eval.device),
     logged at its step. A failure (the evaluator's, or logging's) is recorded on the MLflow run and returned
     in the Evaluation: an evaluation never turns a training run into a failed one (issue 23)."""
-    logger = get_run_logger()
+    logger, run = get_run_logger(), Run.of(config)
     try:
-        commit = commit_id(open_store(config.store), config.run_name, step)  # before: which checkpoint is read
+        commit = commit_id(run.store, run.name, step)  # before: which checkpoint is read
         result = launch_stage(EvalSpec(config=config, shards=shards, step=step), logger.info)
-        _record(config, lineage, result, commit)
+        _record(run, lineage, result, commit)
     except Exception as e:  # any failure of this evaluation: recorded below; interrupts and cancellation pass
         error = f"{type(e).__name__}: {one_line(e)}"
         logger.error(f"evaluation of step {step} failed; training goes on: {error}")
         _record_failure(lineage, step, error, logger.warning)
-        checkpoint = open_store(config.store).uri(RunLayout(config.run_name).step(step))
+        checkpoint = run.uri(run.layout.step(step))
         return Evaluation(step=step, checkpoint=checkpoint, error=error)
     return Evaluation(step=step, checkpoint=result.checkpoint, result=result)
 
@@ -66,11 +69,11 @@ def commit_id(store: Store, run_name: str, step: int) -> str:
 
 def evaluated_checkpoints(lineage: Lineage) -> dict[int, str | None]:
     """step -> the commit id of the checkpoint evaluated at that step (None: logged before ids were)."""
-    tags = lineage.client.get_run(lineage.mlflow_run_id).data.tags
+    tags = lineage.client.get_run(lineage.ref.mlflow_run_id).data.tags
     return {step: tags.get(EVALUATED_COMMIT.format(step)) for step in lineage.metric_history(EVALUATED)}
 
 
-def _record(config: RunConfig, lineage: Lineage, result: EvalResult, commit: str) -> None:
+def _record(run: Run, lineage: Lineage, result: EvalResult, commit: str) -> None:
     """The result to MLflow (once per checkpoint: a retried attempt's repeat is not logged again) and Prefect."""
     logger, step = get_run_logger(), result.step
     earlier = evaluated_checkpoints(lineage)
@@ -78,12 +81,12 @@ def _record(config: RunConfig, lineage: Lineage, result: EvalResult, commit: str
         logger.info(f"step {step} was evaluated by an earlier attempt; its results are not logged again")
         return
     if step in earlier:  # the step was trained again after a fallback: the earlier result is a damaged one's
-        _mark_damaged_evaluation(config, lineage, step, logger.warning)
+        _mark_damaged_evaluation(run, lineage, step, logger.warning)
     _log_to_mlflow(lineage, result, commit)
     create_table_artifact(
-        key=artifact_key(config.run_name, f"eval-step-{step:08d}"),
+        key=artifact_key(run.name, f"eval-step-{step:08d}"),
         table=_table(result),
-        description=f"Evaluation of {config.run_name} at step {step} ({result.checkpoint})",
+        description=f"Evaluation of {run.name} at step {step} ({result.checkpoint})",
     )
     hs = result.hellaswag
     logger.info(
@@ -95,10 +98,10 @@ def _record(config: RunConfig, lineage: Lineage, result: EvalResult, commit: str
         logger.info(console.sample_text(step, sample.prompt, sample.completion))
 
 
-def _mark_damaged_evaluation(config: RunConfig, lineage: Lineage, step: int, warn) -> None:
+def _mark_damaged_evaluation(run: Run, lineage: Lineage, step: int, warn) -> None:
     """The evaluation logged earlier at `step` was of a checkpoint since moved aside as damaged: say so on the
     run and retire its logged model, before the new checkpoint's results are logged at the same step."""
-    moved = catalog.damaged(open_store(config.store), config.run_name).get(step, [])
+    moved = catalog.damaged(run.store, run.name).get(step, [])
     where = moved[-1] if moved else "the damaged folder"
     warn(f"step {step} was trained again after its checkpoint was found damaged ({where}); evaluating the new one")
     note = f"the results logged at step {step} before {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} are of a "
@@ -124,7 +127,7 @@ def new_checkpoints(config: RunConfig, lineage: Lineage, training: PrefectFuture
     unreachable) is tried again at the next poll, for as long as the trainer's uploads would retry
     (checkpoint.upload_retries); only an outage longer than that ends the flow, never a blip.
     """
-    store = open_store(config.store)
+    store = Run.of(config).store
     log = log or get_run_logger().warning
     done = evaluated_checkpoints(lineage)  # step -> commit id of the checkpoint evaluated there
     budget = outage_budget_s(config)

@@ -8,9 +8,11 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from lmyard.config import RunConfig
-from lmyard.contracts import Evaluation, RegisteredModel, RunSummary, ShardSet, TrainResult
+from lmyard.data.shardset import ShardSet
+from lmyard.stages import TrainResult
 from lmyard.tracking.lineage import Lineage
 from tasks._common import artifact_key
+from tasks.results import Evaluation, RegisteredModel, RunSummary
 
 
 @task(name="finish", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
@@ -29,7 +31,7 @@ def finish(
     hs = final.result.hellaswag if final.result else None
     summary = RunSummary(
         run_name=config.run_name,
-        mlflow_run_id=lineage.mlflow_run_id,
+        mlflow_run_id=lineage.ref.mlflow_run_id,
         attempts=len(attempts),
         shard_address=shards.address,
         steps=trained.step,

@@ -14,7 +14,7 @@ from lmyard.data.shards import ShardSet
 from lmyard.errors import LeaseLost
 from lmyard.launch.follower import stop_all
 from lmyard.recipes import with_recipe
-from lmyard.store import open_store
+from lmyard.run import Run
 from lmyard.tracking import lease
 from lmyard.tracking.lineage import Lineage
 from lmyard.version import code_version
@@ -24,11 +24,11 @@ from tasks._common import not_a_user_error
 @task(name="open-lineage", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, retry_condition_fn=not_a_user_error)
 def open_lineage(config: RunConfig, shards: ShardSet) -> Lineage:
     """Create or reopen the MLflow run of runs/<run_name>; the train task records each attempt."""
-    lineage = Lineage.open(config, open_store(config.store), shard_address=shards.address, code_version=code_version())
+    lineage = Lineage.open(config, Run.of(config).store, shard_address=shards.address, code_version=code_version())
     lineage.log_shard_dataset(shards)  # the UI's "Datasets": which data trained the run
     get_run_logger().info(
-        f"lineage {config.run_name}: MLflow run {lineage.mlflow_run_id}"
-        + (f", {lineage.attempt} earlier attempt(s)" if lineage.attempt else ", new")
+        f"lineage {config.run_name}: MLflow run {lineage.ref.mlflow_run_id}"
+        + (f", {lineage.ref.attempt} earlier attempt(s)" if lineage.ref.attempt else ", new")
     )
     return lineage
 
@@ -37,7 +37,7 @@ def open_lineage(config: RunConfig, shards: ShardSet) -> Lineage:
 def close_lineage(lineage: Lineage, status: str | None) -> None:
     """Mark the lineage's MLflow run FINISHED, FAILED or KILLED; None: leave it (another run holds the lineage)."""
     if status is None:
-        get_run_logger().info(f"lineage {lineage.run_name}: another run holds it now; its MLflow run stays open")
+        get_run_logger().info(f"lineage {lineage.ref.run_name}: another run holds it now; its MLflow run stays open")
         return
     lineage.close(status)
 
@@ -56,8 +56,8 @@ def _close_from_hook(flow_run, status: str) -> str | None:
     """Mark the MLflow run of the lineage a flow run trained (from its parameters) `status`, if still RUNNING."""
     params = flow_run.parameters or {}
     config = with_recipe(RunConfig.model_validate(params.get("config") or {}), params.get("recipe"))
-    lineage = Lineage.find(config.tracking.uri, open_store(config.store), config.run_name)
-    run_id = lineage.mlflow_run_id if lineage is not None and lineage.close_if_running(status) else None
+    lineage = Lineage.find(config.tracking.uri, Run.of(config).store, config.run_name)
+    run_id = lineage.ref.mlflow_run_id if lineage is not None and lineage.close_if_running(status) else None
     if run_id:
         print(f"lineage {config.run_name}: MLflow run {run_id} marked {status} ({flow_run.name})", flush=True)
     return run_id
@@ -96,7 +96,7 @@ def lineage_lease(config: RunConfig) -> Iterator[lease.Lease]:
     from prefect.runtime import flow_run
 
     held = lease.acquire(
-        open_store(config.store),
+        Run.of(config).store,
         config.run_name,
         {"flow_run": f"{flow_run.name or '-'} ({flow_run.id or '-'})"},
         ttl_s=config.tracking.lease_ttl_s,

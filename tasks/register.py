@@ -10,12 +10,14 @@ from prefect.cache_policies import NO_CACHE
 
 from lmyard.checkpoint import retention
 from lmyard.config import RunConfig
-from lmyard.contracts import Evaluation, ExportResult, ExportSpec, Gate, RegisteredModel, ShardSet
+from lmyard.data.shardset import ShardSet
 from lmyard.evaluate.gates import gate_results
-from lmyard.store import open_store
+from lmyard.run import Run
+from lmyard.stages import ExportResult, ExportSpec
 from lmyard.tracking import registry
 from lmyard.tracking.lineage import Lineage
 from tasks._common import launch_stage
+from tasks.results import Evaluation, Gate, RegisteredModel
 
 
 @task(name="register-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
@@ -59,7 +61,7 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: Lineage, final:
         tags=tags,
         checkpoint_uri=info.checkpoint,
     )
-    retention.protect_checkpoint(open_store(config.store), config.run_name, info.step)
+    retention.protect_checkpoint(Run.of(config).store, config.run_name, info.step)
     alias = None
     if not gates:
         logger.info(f"registered {name} version {version}; no eval.gates configured, so no {config.eval.alias!r} alias")

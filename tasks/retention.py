@@ -8,7 +8,7 @@ from prefect.cache_policies import NO_CACHE
 
 from lmyard.checkpoint import retention
 from lmyard.config import RunConfig
-from lmyard.store import open_store
+from lmyard.run import Run
 from lmyard.tracking.lineage import Lineage
 
 
@@ -25,12 +25,12 @@ def retain_checkpoints(config: RunConfig, step: int, evaluated: bool, final: boo
     While training runs, checkpoints not yet evaluated are kept; `final` (after the last evaluation)
     applies the plain policy, so nothing stays held by an evaluation that never ended.
     """
-    store = open_store(config.store)
-    retention.mark_evaluated(store, config.run_name, step, evaluated)
-    deleted = retention.apply(store, config.run_name, config.checkpoint, hold_for_eval=not final)
+    run = Run.of(config)
+    retention.mark_evaluated(run.store, run.name, step, evaluated)
+    deleted = retention.apply(run.store, run.name, config.checkpoint, hold_for_eval=not final)
     if deleted:
         get_run_logger().info(f"retention deleted checkpoints {deleted} of {config.run_name}")
-        lineage = Lineage.find(config.tracking.uri, store, config.run_name)
+        lineage = Lineage.find(config.tracking.uri, run.store, run.name)
         if lineage is not None:  # their logged models point at nothing now: the UI must not offer them
             lineage.retire_checkpoint_models(deleted)
     return deleted

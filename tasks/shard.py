@@ -10,7 +10,8 @@ from prefect.cache_policies import NO_CACHE
 
 from lmyard import console
 from lmyard.config import RunConfig
-from lmyard.contracts import ShardProgress, ShardSet, ShardSpec
+from lmyard.data.shardset import ShardSet
+from lmyard.stages import ShardProgress, ShardSpec
 from tasks._common import artifact_key, launch_stage, not_a_user_error
 
 

@@ -13,9 +13,11 @@ from prefect.runtime import flow_run, task_run
 
 from lmyard import console
 from lmyard.config import RunConfig
-from lmyard.contracts import LeaseRef, Progress, ShardSet, Started, TrainResult, TrainSpec
+from lmyard.data.shardset import ShardSet
 from lmyard.errors import retryable
 from lmyard.launch.follower import stop_all
+from lmyard.stages import Progress, Started, TrainResult, TrainSpec
+from lmyard.tracking.lease import LeaseRef
 from lmyard.tracking.lineage import Lineage
 from tasks._common import artifact_key, launch_stage
 
@@ -54,13 +56,13 @@ def train(config: RunConfig, shards: ShardSet, lineage: Lineage, lease: LeaseRef
         },
     )
     # the flow evaluates every checkpoint: retention keeps each one until its evaluation has ended
-    spec = TrainSpec(config=config, shards=shards, lineage=lineage, lease=lease, hold_for_eval=True)
+    spec = TrainSpec(config=config, shards=shards, lineage=lineage.ref, lease=lease, hold_for_eval=True)
 
     def started(s: Started) -> None:
         """What the trainer actually loaded (after any fallback) becomes the attempt's record."""
         lineage.record_resume(resumed_from=s.resumed_from, start_step=s.start_step)
         logger.info(
-            f"attempt {lineage.attempt} of lineage {config.run_name}: "
+            f"attempt {lineage.ref.attempt} of lineage {config.run_name}: "
             + (f"resumed from {s.resumed_from} at step {s.start_step}" if s.resumed_from else "started fresh")
             + (f"; skipped damaged {s.skipped_damaged}" if s.skipped_damaged else "")
         )

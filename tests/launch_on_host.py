@@ -34,7 +34,7 @@ def main() -> int:
         shards, _ = tokenize_and_shard(cfg, log=lines.append)
         lineage = Lineage.open(cfg, open_store(cfg.store), shard_address=shards.address, code_version="test")
         lineage = lineage.record_attempt(resumed_from=None, start_step=0, info={})
-        out["mlflow_run_id"] = lineage.mlflow_run_id
+        out["mlflow_run_id"] = lineage.ref.mlflow_run_id
         spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": lineage.to_dict()}
         out["result"] = run_docker(cfg, spec, on_line=lines.append, flow_run_id=args.flow_run_id).model_dump(
             mode="json"

@@ -198,7 +198,7 @@ def test_upload_cut_by_a_dying_process_leaves_no_manifest_and_resume_uses_the_pr
 
 
 def _state(step, val_loss=None):
-    """A minimal lmyard.contracts.CheckpointState."""
+    """A minimal lmyard.checkpoint.schema.CheckpointState."""
     return {
         "step": step,
         "val_loss": val_loss,
@@ -232,7 +232,7 @@ def test_damaged_newest_checkpoint_makes_the_loader_fall_back_and_say_which(tmp_
 
 def test_a_verified_checkpoint_is_the_report_the_checkpoint_task_records(tmp_path):
     from lmyard.checkpoint.catalog import verify
-    from lmyard.contracts import CheckpointReport
+    from tasks.results import CheckpointReport
 
     store = open_store(str(tmp_path / "store"))
     uri = _save_local(store, "r", 4, staging=str(tmp_path / "stage"))

@@ -17,11 +17,11 @@ import pytest
 from conftest import free_port, tiny_overrides
 
 from lmyard.checkpoint.catalog import complete_steps
-from lmyard.contracts import EvalResult, EvalSpec, ExportResult, ExportSpec, ShardResult, ShardSpec, TrainSpec
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.launch.containers import remove_leftovers, run_docker
 from lmyard.launch.follower import run_local
 from lmyard.recipes import load_recipe
+from lmyard.stages import EvalResult, EvalSpec, ExportResult, ExportSpec, ShardResult, ShardSpec, TrainSpec
 from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
 
@@ -169,11 +169,13 @@ def test_two_containers_on_a_bridge_network_train_and_checkpoint_to_a_mounted_st
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(cfg.tracking.uri)
-    history = client.get_metric_history(lineage.mlflow_run_id, "train/loss")
+    history = client.get_metric_history(lineage.ref.mlflow_run_id, "train/loss")
     assert [m.step for m in history] == list(range(1, 13))
     # each node's system metrics, sampled inside its container
     for node in ("node0", "node1"):
-        assert client.get_metric_history(lineage.mlflow_run_id, f"system/{node}/system_memory_usage_megabytes"), node
+        assert client.get_metric_history(lineage.ref.mlflow_run_id, f"system/{node}/system_memory_usage_megabytes"), (
+            node
+        )
     assert _ours(docker_client, "bridge") == ([], [])
 
 
@@ -453,9 +455,9 @@ def test_devices_mode_keeps_the_images_library_path_after_the_drivers(docker_cli
     # A container's environment replaces the image's LD_LIBRARY_PATH: the launcher reads the image's and appends it
     import queue
 
-    from lmyard.contracts import TrainSpec
     from lmyard.errors import UserError
     from lmyard.launch.containers import DockerJob
+    from lmyard.stages import TrainSpec
 
     holder = docker_client.containers.create(base_image, ["true"])
     image = holder.commit(repository="lmyard-test-ldpath", tag="1", changes=["ENV LD_LIBRARY_PATH=/opt/cuda/lib64"])

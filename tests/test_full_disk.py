@@ -22,8 +22,8 @@ from conftest import lmyard_cmd, tiny_overrides
 
 from lmyard.checkpoint.catalog import complete_steps
 from lmyard.checkpoint.full import FullCheckpointer
-from lmyard.contracts import StageError, read_result, run_stage
 from lmyard.errors import ExitCode, NoSpace, StoreFull, UserError, error_for, retryable
+from lmyard.stages import StageError, read_result, run_stage
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -117,9 +117,9 @@ def test_a_full_disk_anywhere_in_a_stage_is_exit_4_and_a_result_the_launcher_doe
 
 
 def test_a_launch_whose_folder_does_not_fit_the_cache_is_no_space_before_any_process_starts(tmp_path, monkeypatch):
-    from lmyard.contracts import ShardSpec
     from lmyard.launch.launcher import launch
     from lmyard.recipes import load_recipe
+    from lmyard.stages import ShardSpec
 
     cfg = load_recipe("smoke", tiny_overrides(tmp_path))
     with small_disk(tmp_path / "cache", "64k") as cache:

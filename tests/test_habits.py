@@ -5,7 +5,8 @@
   are listed here, and each is looked up, so a torch that moves one fails here rather than in a run;
 - functions of at most MAX_FUNCTION_LINES lines and MAX_PARAMETERS parameters, modules of at most
   MAX_MODULE_LINES lines but those listed (with their line counts as ceilings: they shrink, never grow);
-- one way into training: `python -m lmyard.stages train`.
+- one way into training: `python -m lmyard.stages train`;
+- one way to a run's store: the run handle (`lmyard.run.Run.of(config)`), opened once and passed on.
 """
 
 from __future__ import annotations
@@ -434,3 +435,37 @@ def test_the_private_ray_name_that_folds_the_clusters_dumps_is_where_lmyard_look
     printer = getattr(ray_worker, "print_to_stdstream", None)
     assert callable(printer), "Ray moved ray._private.worker.print_to_stdstream; see lmyard.launch.ray"
     assert list(inspect.signature(printer).parameters)[:2] == ["data", "ignore_prefix"]
+
+
+# ---------------------------------------------------------------- one run handle
+
+MAX_OPEN_STORE = 10  # Run.of, the store's own definition and doc, and the stores that are no run's (exports, data)
+
+
+def open_store_lines() -> list[str]:
+    """`path:line` of each line of lmyard/, flows/ and tasks/ that calls (or shows) `open_store(`."""
+    return [
+        f"{p.relative_to(REPO)}:{i}"
+        for folder in FOLDERS
+        for p in sorted((REPO / folder).rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "open_store(" in line
+    ]
+
+
+def test_a_runs_store_is_opened_through_the_run_handle_only():
+    sites = open_store_lines()
+    assert len(sites) <= MAX_OPEN_STORE, (
+        f"open_store( appears {len(sites)} times, over {MAX_OPEN_STORE}: open the run's store once with "
+        "lmyard.run.Run.of(config) and pass the handle on:\n" + "\n".join(sites)
+    )
+    config_store = re.compile(r"open_store\(\w+\.store\)")
+    reopened = [
+        f"{p.relative_to(REPO)}:{i}"
+        for folder in FOLDERS
+        for p in sorted((REPO / folder).rglob("*.py"))
+        if p != REPO / "lmyard" / "run.py"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if config_store.search(line)
+    ]
+    assert not reopened, "a config's store opened beside lmyard.run.Run.of: " + ", ".join(reopened)

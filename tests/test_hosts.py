@@ -295,9 +295,9 @@ def test_two_hosts_train_one_node_each_and_end_at_the_val_loss_of_two_local_rank
     from mlflow.tracking import MlflowClient
 
     from lmyard.checkpoint.catalog import complete_steps
-    from lmyard.contracts import TrainSpec
     from lmyard.data.sharding import tokenize_and_shard
     from lmyard.launch.follower import run_local
+    from lmyard.stages import TrainSpec
     from lmyard.store import open_store
 
     a, b = hosts["a"], hosts["b"]

@@ -193,12 +193,12 @@ def test_checkpoint_metrics_are_logged_once_per_checkpoint_across_reruns(prefect
 
     client = MlflowClient(mlflow_server.uri)
     for key in ("checkpoint/bytes", "checkpoint/committed"):
-        assert sorted(m.step for m in client.get_metric_history(lineage.mlflow_run_id, key)) == [2, 4]
+        assert sorted(m.step for m in client.get_metric_history(lineage.ref.mlflow_run_id, key)) == [2, 4]
 
     quarantine(store, cfg.run_name, 4)  # the fallback: step 4 moved aside, then trained again
     _save_tiny_checkpoint(store, cfg.run_name, 4, tmp_path / "stage2")
     record_checkpoint(cfg, lineage, 4)
     record_checkpoint(cfg, lineage, 4)
-    committed = client.get_metric_history(lineage.mlflow_run_id, "checkpoint/committed")
+    committed = client.get_metric_history(lineage.ref.mlflow_run_id, "checkpoint/committed")
     assert sorted(m.step for m in committed) == [2, 4, 4]
     assert len({m.value for m in committed if m.step == 4}) == 2

@@ -84,8 +84,8 @@ def test_trainer_loss_matches_a_plain_transformers_loop_at_every_step(preset, tm
     assert result.step == STEPS
 
     client = MlflowClient(cfg.tracking.uri)
-    ours = {m.step: m.value for m in client.get_metric_history(lineage.mlflow_run_id, "train/loss")}
-    (val_ours,) = [m.value for m in client.get_metric_history(lineage.mlflow_run_id, "val/loss")]
+    ours = {m.step: m.value for m in client.get_metric_history(lineage.ref.mlflow_run_id, "train/loss")}
+    (val_ours,) = [m.value for m in client.get_metric_history(lineage.ref.mlflow_run_id, "val/loss")]
     assert sorted(ours) == list(range(1, STEPS + 1))  # every step logged (train.log_interval=1)
 
     T, t = cfg.model.block_size or 0, cfg.train

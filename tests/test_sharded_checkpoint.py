@@ -54,7 +54,7 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def _state(step: int, **extra) -> dict:
-    """A state.json (lmyard.contracts.CheckpointState) for step `step`."""
+    """A state.json (lmyard.checkpoint.schema.CheckpointState) for step `step`."""
     return {
         "step": step,
         "cursor": 10 * step,

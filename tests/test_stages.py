@@ -12,7 +12,11 @@ import textwrap
 import pytest
 from conftest import REPO, tiny_overrides
 
-from lmyard.contracts import (
+from lmyard.errors import Diverged, StageFailed, TrainingFailed, UserError
+from lmyard.launch.follower import Follower, LocalJob
+from lmyard.launch.launcher import launch
+from lmyard.recipes import load_recipe
+from lmyard.stages import (
     EvalResult,
     EvalSpec,
     ExportResult,
@@ -25,10 +29,6 @@ from lmyard.contracts import (
     read_model,
     read_result,
 )
-from lmyard.errors import Diverged, StageFailed, TrainingFailed, UserError
-from lmyard.launch.follower import Follower, LocalJob
-from lmyard.launch.launcher import launch
-from lmyard.recipes import load_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +109,7 @@ def test_jobs_leave_no_folder_in_the_cache_and_remove_those_of_launchers_that_di
     killed = textwrap.dedent(
         f"""
         import os, signal
-        from lmyard.contracts import ShardSpec
+        from lmyard.stages import ShardSpec
         from lmyard.launch.follower import LocalJob
         from lmyard.recipes import load_recipe
         cfg = load_recipe("smoke", ["store={tmp_path / "store"}"])

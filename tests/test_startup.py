@@ -13,9 +13,9 @@ from conftest import tiny_overrides
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.launch.follower import run_local
 from lmyard.recipes import load_recipe
+from lmyard.stages.startup import LAUNCHED_AT_ENV, launched_at
 from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
-from lmyard.train.startup import LAUNCHED_AT_ENV, launched_at
 
 PARTS = ("launch", "rendezvous", "resume", "compile", "first_step", "other")
 

@@ -35,8 +35,8 @@ def test_resumed_sink_does_not_log_a_step_twice(tmp_path):
 
 @pytest.mark.integration
 def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_model(tmp_path):
-    from lmyard.contracts import EvalResult
     from lmyard.recipes import load_recipe
+    from lmyard.stages import EvalResult
     from lmyard.store import open_store
     from lmyard.tracking.lineage import Lineage
     from tasks.evaluate import _log_to_mlflow
@@ -62,9 +62,9 @@ def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_m
     )
 
     client = MlflowClient(cfg.tracking.uri)
-    history = client.get_metric_history(lineage.mlflow_run_id, "harness/hellaswag_local/acc_norm")
+    history = client.get_metric_history(lineage.ref.mlflow_run_id, "harness/hellaswag_local/acc_norm")
     assert [(m.step, m.value) for m in history] == [(3, 0.75)]
-    [model] = client.search_logged_models([lineage.experiment_id])
+    [model] = client.search_logged_models([lineage.ref.experiment_id])
     assert model.name == "smoke-step-00000003" and model.params == {"checkpoint_uri": ckpt, "step": "3"}
     assert {m.key: (m.step, m.value) for m in model.metrics} == {
         "eval/val_loss": (3, 2.5),
@@ -72,7 +72,7 @@ def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_m
         "harness/hellaswag_local/acc": (3, 0.5),
         "harness/hellaswag_local/acc_norm": (3, 0.75),
     }
-    assert [o.model_id for o in client.get_run(lineage.mlflow_run_id).outputs.model_outputs] == [model.model_id]
+    assert [o.model_id for o in client.get_run(lineage.ref.mlflow_run_id).outputs.model_outputs] == [model.model_id]
 
 
 def _sqlite_lineage(tmp_path, *overrides: str):
@@ -106,12 +106,12 @@ def test_registered_version_is_listed_on_its_logged_model_and_its_alias_resolves
     # what the MLflow UI reads on the logged model's page ("Model versions"), as mlflow.register_model writes it
     listed = json.loads(client.get_logged_model(model_id).tags["mlflow.modelVersions"])
     assert [(v["name"], str(v["version"])) for v in listed] == [("tiny", version)]
-    [found] = client.search_logged_models([lineage.experiment_id], filter_string="name = 'smoke-step-00000004'")
+    [found] = client.search_logged_models([lineage.ref.experiment_id], filter_string="name = 'smoke-step-00000004'")
     assert json.loads(found.tags["mlflow.modelVersions"]) == listed
     mv = client.get_model_version("tiny", version)
-    assert mv.run_id == lineage.mlflow_run_id and mv.description == "tiny at step 4"
+    assert mv.run_id == lineage.ref.mlflow_run_id and mv.description == "tiny at step 4"
     assert mv.tags["lmyard.checkpoint"] == ckpt and mv.source == f"models:/{model_id}"
-    assert client.get_run(lineage.mlflow_run_id).data.tags["lmyard.registered_model"] == f"tiny/{version}"
+    assert client.get_run(lineage.ref.mlflow_run_id).data.tags["lmyard.registered_model"] == f"tiny/{version}"
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", cfg.tracking.uri)
     for uri in ("models:/tiny@candidate", "models:/tiny/latest"):  # the README's two ways to name it

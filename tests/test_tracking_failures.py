@@ -149,7 +149,7 @@ def test_credentials_in_the_tracking_uri_reach_no_param_tag_or_lineage_file(mlfl
     )
     store = open_store(cfg.store)
     lineage = Lineage.open(cfg, store, shard_address="abc", code_version="test")
-    run = MlflowClient(mlflow_server.uri).get_run(lineage.mlflow_run_id)
+    run = MlflowClient(mlflow_server.uri).get_run(lineage.ref.mlflow_run_id)
     assert run.data.params["tracking.uri"] == mlflow_server.uri.replace("http://", "http://alice:***@")
     saved = store.read_bytes(RunLayout(cfg.run_name).lineage).decode()
     assert json.loads(saved)["tracking_uri"] == run.data.params["tracking.uri"]

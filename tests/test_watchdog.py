@@ -10,9 +10,9 @@ from conftest import tiny_overrides
 from lmyard.checkpoint.catalog import complete_steps
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.launch.follower import TrainingFailed, run_local
+from lmyard.launch.watchdog import Watchdog
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store
-from lmyard.train.watchdog import Watchdog
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 
 A checkpoint exists once its manifest (lmyard.checkpoint.manifest.Manifest) does: the
 commit writes it last (lmyard.checkpoint.commit). `state.json` is a
-lmyard.contracts.CheckpointState. Keys come from lmyard.layout.RunLayout.
+lmyard.checkpoint.schema.CheckpointState. Keys come from lmyard.layout.RunLayout.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from pydantic import ValidationError
 
 from lmyard.checkpoint.manifest import DamagedCheckpoint, Manifest
-from lmyard.contracts import CheckpointState
+from lmyard.checkpoint.schema import CheckpointState
 from lmyard.layout import MANIFEST, RunLayout
 from lmyard.store import Store
 

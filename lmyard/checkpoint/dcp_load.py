@@ -40,8 +40,8 @@ from lmyard.checkpoint.catalog import read_manifest
 from lmyard.checkpoint.dcp import DCP_DIR, state_dict
 from lmyard.checkpoint.manifest import DamagedCheckpoint, Manifest, check_file
 from lmyard.checkpoint.readahead import LANES, FileJob, ReadAhead, memory, tensor_in
+from lmyard.checkpoint.schema import CheckpointState
 from lmyard.checkpoint.state import Checkpoint, Loaded
-from lmyard.contracts import CheckpointState
 from lmyard.errors import UserError
 from lmyard.layout import RunLayout
 from lmyard.paths import confined

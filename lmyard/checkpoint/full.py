@@ -47,8 +47,8 @@ import torch
 from lmyard.checkpoint.catalog import complete_steps
 from lmyard.checkpoint.commit import PARKED_WAKE_S, Parked, RetryPolicy, outage, publish
 from lmyard.checkpoint.manifest import DamagedCheckpoint, Manifest, check_file, file_meta
+from lmyard.checkpoint.schema import CheckpointState
 from lmyard.checkpoint.state import Checkpoint
-from lmyard.contracts import CheckpointState
 from lmyard.errors import StoreFull, StoreOutage
 from lmyard.layout import RunLayout
 from lmyard.paths import confined, no_space

@@ -35,11 +35,10 @@ from lmyard.checkpoint.catalog import complete_steps, quarantine
 from lmyard.checkpoint.checkpointer import make_checkpointer
 from lmyard.checkpoint.state import Loaded, rng_state, set_rng_state
 from lmyard.config import RunConfig
-from lmyard.contracts import one_line
-from lmyard.errors import ExitCode, NoSpace, Preempted, StoreFull, error_for, exit_code_of, status_of
+from lmyard.errors import ExitCode, NoSpace, Preempted, StoreFull, error_for, exit_code_of, one_line, status_of
 from lmyard.layout import RunLayout
 from lmyard.paths import no_space
-from lmyard.store import open_store
+from lmyard.run import Run
 
 # How long a rollback waits for the last good checkpoint to reach the store before it gives up with
 # StoreOutage (the other ranks wait at a barrier meanwhile; NCCL's default collective timeout is 10 min).
@@ -64,7 +63,7 @@ class CheckpointManager:
     def __init__(
         self,
         cfg: RunConfig,
-        cache_dir: str,
+        run: Run,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
@@ -74,22 +73,22 @@ class CheckpointManager:
         hold_for_eval: bool = False,
         fence: Callable[[], None] | None = None,
     ):
-        self.cfg, self.cache, self.model, self.optimizer = cfg, cache_dir, model, optimizer
+        self.cfg, self.cache, self.model, self.optimizer = cfg, run.cache, model, optimizer
         self.rank, self.world, self.hold_for_eval = rank, world, hold_for_eval
-        self.store = open_store(cfg.store)
+        self.store = run.store
         self.checkpointer = make_checkpointer(
-            cfg, self.store, cache_dir, rank, sharded=sharded, on_commit=self._committed, fence=fence
+            cfg, self.store, run.cache, rank, sharded=sharded, on_commit=self._committed, fence=fence
         )
         self.before_update = self.checkpointer.before_update  # the step calls it as it is: nothing in between
         self.last_checkpoint: str | None = None
 
     @staticmethod
-    def check_disks(cfg: RunConfig, cache_dir: str, fields: dict, *, sharded: bool, rank: int, world: int) -> None:
+    def check_disks(cfg: RunConfig, run: Run, fields: dict, *, sharded: bool, rank: int, world: int) -> None:
         """Before the first step: the checkpoints fit this node's disks (lmyard.checkpoint.budget). The full format
         stages on rank 0's node (ranks 0 .. LOCAL_WORLD_SIZE - 1), a sharded one each node its ranks' shards."""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         share = local / world if sharded else float(rank < local)
-        budget.check(cfg, open_store(cfg.store), cache_dir, fields, node_share=share)
+        budget.check(cfg, run.store, run.cache, fields, node_share=share)
 
     # ---- loading --------------------------------------------------------------------
     def load(self, model_spec: dict) -> Resumed:

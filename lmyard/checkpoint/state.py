@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lmyard.contracts import CheckpointState
+from lmyard.checkpoint.schema import CheckpointState
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,8 @@ from lmyard.data.tokenizer import get_tokenizer, identity, separators
 from lmyard.errors import UserError
 from lmyard.layout import ShardLayout
 from lmyard.paths import cache_root
-from lmyard.store import Store, open_store
+from lmyard.run import Run
+from lmyard.store import Store
 
 SPLITS = ("train", "val")
 IN_FLIGHT_PER_PROC = 2  # batches queued per process: keeps every core busy, bounds memory
@@ -182,8 +183,7 @@ def tokenize_and_shard(
     `progress` gets the same figures as a Progress, for a UI.
     """
     cache_dir = cache_dir or cache_root()
-    store = open_store(cfg.store)
-    store.check_writable()  # before any tokenizing: the shards and every checkpoint go there
+    (store := Run.of(cfg).store).check_writable()  # before any tokenizing: the shards and every checkpoint go there
     enc = get_tokenizer(cfg.tokenizer)
     version, dtype = fmt.token_dtype(enc.n_vocab)
     num_proc = cfg.data.num_proc or default_num_proc()

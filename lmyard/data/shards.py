@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmyard.contracts import ShardSet
+from lmyard.data.shardset import ShardSet
 from lmyard.errors import UserError
 from lmyard.layout import ShardLayout
 

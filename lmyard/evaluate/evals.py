@@ -25,8 +25,7 @@ import torch.nn.functional as F
 
 from lmyard.checkpoint import catalog, resume
 from lmyard.config import EvalConfig, RunConfig
-from lmyard.contracts import EvalResult
-from lmyard.data.loader import default_cache_dir, split_stream, val_sequences
+from lmyard.data.loader import split_stream, val_sequences
 from lmyard.data.shards import ShardSet
 from lmyard.data.tokenizer import get_tokenizer
 from lmyard.errors import UserError
@@ -34,7 +33,8 @@ from lmyard.evaluate.hellaswag import read_hellaswag
 from lmyard.evaluate.validation import val_loss
 from lmyard.models.base import LanguageModel, autocast
 from lmyard.models.registry import model_from_checkpoint
-from lmyard.store import open_store
+from lmyard.run import Run
+from lmyard.stages import EvalResult
 
 # ---------------------------------------------------------------- HellaSwag
 
@@ -137,15 +137,16 @@ def _device(e: EvalConfig) -> str:
     return e.device
 
 
-def evaluate_checkpoint(cfg: RunConfig, shards: ShardSet, step: int) -> dict:
-    """Val loss, HellaSwag (when configured) and samples of the checkpoint at `step`."""
+def evaluate_checkpoint(cfg: RunConfig, shards: ShardSet, step: int, run: Run | None = None) -> dict:
+    """Val loss, HellaSwag (when configured) and samples of the checkpoint at `step` (of `run`, the handle of
+    cfg's run, opened here when not given)."""
     t0 = time.perf_counter()
     device = _device(cfg.eval)
-    store, cache = open_store(cfg.store), default_cache_dir()
+    run = run or Run.of(cfg)
     # a private checkpoint cache: the trainer may be downloading the same checkpoint to resume
-    ckpt = resume.load_step(store, cfg.run_name, step, os.path.join(cache, "eval"))
+    ckpt = resume.load_step(run.store, run.name, step, os.path.join(run.cache, "eval"))
     model = model_from_checkpoint(ckpt, device)
-    val = val_sequences(split_stream(shards, cfg.store, "val", cache), model.config.block_size, cfg.eval.val_tokens)
+    val = val_sequences(split_stream(shards, cfg.store, "val", run.cache), model.config.block_size, cfg.eval.val_tokens)
     result = {
         "step": ckpt.step,
         "checkpoint": ckpt.uri,
@@ -168,12 +169,13 @@ def evaluate_checkpoint(cfg: RunConfig, shards: ShardSet, step: int) -> dict:
 
 def evaluate_latest(cfg: RunConfig, shards: ShardSet, step: int | None = None) -> EvalResult:
     """Evaluate checkpoint `step` of cfg.run_name, or its newest complete one."""
+    run = Run.of(cfg)
     if step is None:
-        steps = catalog.complete_steps(open_store(cfg.store), cfg.run_name)
+        steps = catalog.complete_steps(run.store, run.name)
         if not steps:
             raise UserError(
                 f"run {cfg.run_name!r} has no complete checkpoint in {cfg.store}: train it first, or "
                 "set run_name to a run that has one"
             )
         step = steps[-1]
-    return EvalResult.model_validate(evaluate_checkpoint(cfg, shards, step))
+    return EvalResult.model_validate(evaluate_checkpoint(cfg, shards, step, run))

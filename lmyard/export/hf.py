@@ -56,7 +56,7 @@ class CheckpointFacts:
 
 
 def checkpoint_facts(ckpt: Checkpoint) -> CheckpointFacts:
-    """The one place that reads a checkpoint's state (state.json, lmyard.contracts.CheckpointState)."""
+    """The one place that reads a checkpoint's state (state.json, lmyard.checkpoint.schema.CheckpointState)."""
     state = ckpt.state
     config, spec = state.config, dict(state.model)
     eval_cfg = config.get("eval") or {}

@@ -12,7 +12,7 @@ leftovers of the same flow run, creates a bridge network when asked, starts the
 containers and streams their logs; the shared `lmyard.launch.Follower` does the
 rest, as for a local job: `[node i]` lines, progress, the heartbeat watchdog,
 SIGTERM with `launch.grace_s` to checkpoint, the result and its exit code. The
-trainer writes its exchange folder (lmyard.contracts) inside each container, at
+trainer writes its exchange folder (lmyard.stages) inside each container, at
 EXCHANGE_DIR; the job reads it through the engine (`get_archive`), so nodes on
 other hosts need no shared folder. Whatever ends the follow, the containers and
 the network are removed.
@@ -43,11 +43,11 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from lmyard.config import DockerConfig, RayConfig, RunConfig
-from lmyard.contracts import EXCHANGE_ENV, SPEC_ENV, StageSpec, TrainSpec
 from lmyard.errors import UserError
 from lmyard.launch.follower import Follower, stage_command, stage_env
 from lmyard.launch.gpus import check_engine, node_gpus
 from lmyard.launch.refusals import refused
+from lmyard.stages import EXCHANGE_ENV, SPEC_ENV, StageSpec, TrainSpec
 
 LABEL = "lmyard"  # label keys: lmyard.run_name, lmyard.flow_run_id, lmyard.launch_id, lmyard.stage, lmyard.node
 EXCHANGE_DIR = "/tmp/lmyard-exchange"  # inside each container

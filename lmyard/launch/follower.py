@@ -1,7 +1,7 @@
 """Launchers: start a stage on every node, follow the job, and turn its end into a result or an error.
 
 Every stage (shard, train, evaluate, export; lmyard.stages) is launched the
-same way: a spec (lmyard.contracts.StageSpec) in, its result type out. One
+same way: a spec (lmyard.stages.StageSpec) in, its result type out. One
 interface, three backends. A `Job` starts the nodes and reports what they print
 and how they exit; `LocalJob` runs the stage as a process group here (torchrun
 for training, one `python -m lmyard.stages STAGE` otherwise),
@@ -12,7 +12,7 @@ Everything else is shared, in `Follower`:
 
 - output: every line reaches `on_line`, prefixed `[node i]` when there are several nodes;
 - progress (training, tokenize-and-shard: the spec's `progress` type) and resume (training):
-  `progress.json` and `started.json` from the job's exchange folder (lmyard.contracts), never parsed
+  `progress.json` and `started.json` from the job's exchange folder (lmyard.stages), never parsed
   from the log;
 - the heartbeat watchdog (`launch.watchdog_s`, and `launch.startup_timeout_s` from the job's start to
   every rank's first step): stalled ranks, or ranks that never start, get the job killed (stages that
@@ -22,7 +22,7 @@ Everything else is shared, in `Follower`:
   processes, containers and networks are removed whatever happens;
 - the result: `result.json` (rank 0's, or a failing rank's own file) and the exit codes become the
   spec's result (a `TrainResult`, `EvalResult`, ...), or the exception of lmyard.errors that its exit
-  code names (lmyard.contracts.read_result).
+  code names (lmyard.stages.read_result).
 """
 
 from __future__ import annotations
@@ -45,20 +45,20 @@ from typing import Protocol
 from pydantic import BaseModel
 
 from lmyard.config import RunConfig
-from lmyard.contracts import (
+from lmyard.errors import ExitCode, TrainingFailed, UserError, error_for
+from lmyard.launch import jobdirs, watchdog
+from lmyard.stages import (
     EXCHANGE_ENV,
     Exchange,
     StageError,
     StageSpec,
     Started,
     TrainSpec,
+    read_beats,
     read_result,
     write_json,
 )
-from lmyard.errors import ExitCode, TrainingFailed, UserError, error_for
-from lmyard.launch import jobdirs
-from lmyard.train import watchdog
-from lmyard.train.startup import LAUNCHED_AT_ENV
+from lmyard.stages.startup import LAUNCHED_AT_ENV
 
 RDZV_TIMEOUT_S = 600  # how long node 0 waits for the others to join
 POLL_S = 1.0  # how often the exchange folder is read (heartbeats, progress)
@@ -410,7 +410,7 @@ class LocalJob:
             return None
 
     def read_all(self, folder: str) -> dict[str, bytes]:
-        return {k: v.encode() for k, v in watchdog.read_beats(self.exchange.path(folder)).items()}
+        return {k: v.encode() for k, v in read_beats(self.exchange.path(folder)).items()}
 
     def _signal(self, sig: int) -> None:
         """`sig` to torchrun's process group and to every process under torchrun: torch's elastic agent starts

@@ -1,6 +1,6 @@
 """The exchange folders of local jobs under the cache root (LMYARD_CACHE): `lmyard-<stage>-XXXXXXXX/`.
 
-A local job's folder holds its spec and what its processes write back (lmyard.contracts: started, progress,
+A local job's folder holds its spec and what its processes write back (lmyard.stages: started, progress,
 heartbeats, results). The job removes it when it ends, finished or failed (`LocalJob.close`). A launcher that
 dies without closing (SIGKILL, the OOM killer, a lost Prefect worker) cannot: so each folder names its
 launcher in `owner.json` (host, pid, process start time: a reused pid is another process), and every new

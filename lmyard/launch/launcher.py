@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lmyard.contracts import StageSpec, TrainSpec
 from lmyard.launch.follower import Follower, Job, LocalJob
 from lmyard.paths import no_space
+from lmyard.stages import StageSpec, TrainSpec
 
 
 def launch(

@@ -54,10 +54,10 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from lmyard.config import RunConfig
-from lmyard.contracts import StageSpec, TrainResult, TrainSpec
 from lmyard.errors import TrainingFailed, UserError
 from lmyard.launch.containers import _local_store_root, _Masker, _sqlite_dir, secret_names
 from lmyard.launch.follower import Follower, LocalJob
+from lmyard.stages import StageSpec, TrainResult, TrainSpec
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup

@@ -58,13 +58,24 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lmyard.contracts import LeaseRef
+from pydantic import BaseModel, ConfigDict, Field
+
 from lmyard.errors import LeaseLost, UserError
 from lmyard.layout import RunLayout
 from lmyard.store import LocalStore, Store
 
 FIELDS = ("token", "heartbeat", "ttl_s")  # what a lease record needs to be judged (no epoch: an older lmyard's, 0)
 STALE = 2 / 3  # of the ttl: a holder whose heartbeat is older stops writing (see the module doc)
+
+
+class LeaseRef(BaseModel):
+    """The lineage's lease as its holder took it, as it travels to the trainer (lmyard.stages.TrainSpec): the
+    trainer's rank 0 stops, and its commits are refused, once the lease record is no longer this one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    token: str
+    epoch: int = Field(description="One more than the lease record it replaced (1 for a fresh lease).")
+    ttl_s: float
 
 
 def parse(data: bytes, uri: str) -> dict:

@@ -6,8 +6,8 @@ lineage reopens that run and records a new attempt (tags
 `lmyard.attempt.<n>.*`: start step, resumed-from checkpoint, outcome), never a
 fresh unrelated run.
 
-`Lineage` is the flow's handle on that run. Its fields are the ids (plain data:
-they travel to the trainer's processes as `to_dict()`), and it owns one
+`Lineage` is the flow's handle on that run. It holds the ids, a `LineageRef`
+(plain data: it travels to the trainer's processes in the TrainSpec), and owns one
 `MlflowClient`, made on first use and shared by everything that object logs:
 the lifecycle (`open`, `record_attempt`, `end_attempt`, `close`), tags,
 metrics of evaluations, artifacts, the checkpoints' logged models. The
@@ -25,9 +25,11 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict
 
 from lmyard.config import RunConfig, redact_uri
 from lmyard.errors import UserError
@@ -97,10 +99,11 @@ def _saved_run_id(store, run_name: str) -> str | None:
     return run_id
 
 
-@dataclass(frozen=True)
-class Lineage:
-    """The MLflow run of one lineage and its current attempt; `client` is its one MlflowClient."""
+class LineageRef(BaseModel):
+    """The ids of a training lineage's MLflow run and its current attempt, as they travel to the ranks
+    (lmyard.stages.TrainSpec); `Lineage` is the flow's handle on them, with its MLflow client."""
 
+    model_config = ConfigDict(extra="forbid", frozen=True)
     run_name: str
     tracking_uri: str
     experiment_id: str
@@ -109,22 +112,36 @@ class Lineage:
     resumed_from: str | None
     start_step: int
 
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LineageRef:
+        return cls.model_validate(d)
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """The MLflow run of one lineage and its current attempt (`ref`); `client` is its one MlflowClient."""
+
+    ref: LineageRef
+
     @cached_property
     def client(self):
-        return _client(self.tracking_uri)
+        return _client(self.ref.tracking_uri)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return self.ref.to_dict()
 
     @classmethod
     def from_dict(cls, d: dict) -> Lineage:
-        return cls(**d)
+        return cls(LineageRef.from_dict(d))
 
     def __getstate__(self) -> dict:  # the ids travel, the client does not
-        return self.to_dict()
+        return {"ref": self.ref}
 
     def _with(self, client, **changes) -> Lineage:
-        out = replace(self, **changes)
+        out = replace(self, ref=self.ref.model_copy(update=changes))
         out.__dict__["client"] = client  # the copy keeps the same client
         return out
 
@@ -154,7 +171,7 @@ class Lineage:
             client.update_run(run_id, status="RUNNING")
         else:
             experiment_id, run_id, attempts = *_create_run(client, cfg, store, params), 0
-        lineage = cls(cfg.run_name, cfg.tracking.uri, experiment_id, run_id, attempts, None, 0)
+        lineage = cls(_ref(cfg.run_name, cfg.tracking.uri, experiment_id, run_id, attempts))
         lineage.__dict__["client"] = client
         tags = {
             "lmyard.shard_address": shard_address,
@@ -176,16 +193,16 @@ class Lineage:
         client = _client(tracking_uri)
         run = client.get_run(run_id)
         attempt = int(run.data.tags.get("lmyard.attempts", "0"))
-        lineage = cls(run_name, tracking_uri, run.info.experiment_id, run_id, attempt, None, 0)
+        lineage = cls(_ref(run_name, tracking_uri, run.info.experiment_id, run_id, attempt))
         lineage.__dict__["client"] = client
         return lineage
 
     def record_attempt(self, *, resumed_from: str | None, start_step: int, info: dict) -> Lineage:
         """Record a new attempt on the lineage's run (number, start step, resumed-from checkpoint, `info`)."""
-        run = self.client.get_run(self.mlflow_run_id)
+        run = self.client.get_run(self.ref.mlflow_run_id)
         attempt = int(run.data.tags.get("lmyard.attempts", "0")) + 1
         if run.info.status != "RUNNING":
-            self.client.update_run(self.mlflow_run_id, status="RUNNING")
+            self.client.update_run(self.ref.mlflow_run_id, status="RUNNING")
         tags = {
             "lmyard.attempts": str(attempt),
             f"lmyard.attempt.{attempt}.start_step": str(start_step),
@@ -200,18 +217,20 @@ class Lineage:
         """Record on the current attempt the checkpoint the trainer actually loaded (reported by the trainer)."""
         self.set_tags(
             {
-                f"lmyard.attempt.{self.attempt}.start_step": str(start_step),
-                f"lmyard.attempt.{self.attempt}.resumed_from": resumed_from or "",
+                f"lmyard.attempt.{self.ref.attempt}.start_step": str(start_step),
+                f"lmyard.attempt.{self.ref.attempt}.resumed_from": resumed_from or "",
             }
         )
 
     def end_attempt(self, outcome: str, detail: str = "") -> None:
         """Record how the lineage's current attempt ended (`finished`, `failed: ...`)."""
-        self.set_tags({f"lmyard.attempt.{self.attempt}.outcome": (outcome + (f": {detail}" if detail else ""))[:5000]})
+        self.set_tags(
+            {f"lmyard.attempt.{self.ref.attempt}.outcome": (outcome + (f": {detail}" if detail else ""))[:5000]}
+        )
 
     def attempts(self) -> list[dict]:
         """The recorded attempts of the lineage's run, oldest first."""
-        tags = self.client.get_run(self.mlflow_run_id).data.tags
+        tags = self.client.get_run(self.ref.mlflow_run_id).data.tags
         out = []
         for n in range(1, int(tags.get("lmyard.attempts", "0")) + 1):
             prefix = f"lmyard.attempt.{n}."
@@ -220,11 +239,11 @@ class Lineage:
 
     def close(self, status: str) -> None:
         """Mark the lineage's MLflow run FINISHED, FAILED or KILLED."""
-        self.client.set_terminated(self.mlflow_run_id, status=status)
+        self.client.set_terminated(self.ref.mlflow_run_id, status=status)
 
     def close_if_running(self, status: str) -> bool:
         """Mark the run `status` if it is still RUNNING; whether it was."""
-        if self.client.get_run(self.mlflow_run_id).info.status != "RUNNING":
+        if self.client.get_run(self.ref.mlflow_run_id).info.status != "RUNNING":
             return False
         self.close(status)
         return True
@@ -234,7 +253,7 @@ class Lineage:
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        self.client.log_batch(self.mlflow_run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        self.client.log_batch(self.ref.mlflow_run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
     def log_metrics(self, metrics: dict[str, float], step: int, model_id: str | None = None) -> None:
         """Log metrics at `step` now, in one batch (for evaluations; the trainer uses its sink); with
@@ -243,21 +262,21 @@ class Lineage:
 
         now = int(time.time() * 1000)
         points = [Metric(k, float(v), now, step, model_id=model_id) for k, v in metrics.items()]
-        self.client.log_batch(self.mlflow_run_id, metrics=points)
+        self.client.log_batch(self.ref.mlflow_run_id, metrics=points)
 
     def metric_history(self, key: str) -> dict[int, float]:
         """step -> value of one metric of the lineage's run."""
-        return {m.step: m.value for m in self.client.get_metric_history(self.mlflow_run_id, key)}
+        return {m.step: m.value for m in self.client.get_metric_history(self.ref.mlflow_run_id, key)}
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.mlflow_run_id, text, artifact_file)
+        self.client.log_text(self.ref.mlflow_run_id, text, artifact_file)
 
     def log_dict(self, data: dict | list, artifact_file: str) -> None:
-        self.client.log_dict(self.mlflow_run_id, data, artifact_file)
+        self.client.log_dict(self.ref.mlflow_run_id, data, artifact_file)
 
     def log_table(self, columns: dict[str, Any], artifact_file: str) -> None:
         """Append rows (given as columns) to a table artifact the MLflow UI renders (e.g. evals/checkpoints.json)."""
-        self.client.log_table(self.mlflow_run_id, data=columns, artifact_file=artifact_file)
+        self.client.log_table(self.ref.mlflow_run_id, data=columns, artifact_file=artifact_file)
 
     def log_loss_curve(self, keys: tuple[str, ...] = ("train/loss", "val/loss", "eval/val_loss")) -> dict:
         """A PNG of the loss metrics against step, logged as plots/loss.png; returns the histories plotted."""
@@ -277,10 +296,10 @@ class Lineage:
                 ax.axvline(int(a["start_step"]), color="grey", linestyle=":", linewidth=1)
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats/token)")
-        ax.set_title(f"{self.run_name}: loss (dotted: resumed attempts)")
+        ax.set_title(f"{self.ref.run_name}: loss (dotted: resumed attempts)")
         ax.legend()
         fig.tight_layout()
-        self.client.log_figure(self.mlflow_run_id, fig, "plots/loss.png")
+        self.client.log_figure(self.ref.mlflow_run_id, fig, "plots/loss.png")
         plt.close(fig)
         return histories
 
@@ -305,7 +324,7 @@ class Lineage:
             schema=json.dumps({"format": "llm.c .bin token shards", "n_vocab": m.get("tokenizer", {}).get("n_vocab")}),
         )
         context = [InputTag("mlflow.data.context", "training")]
-        self.client.log_inputs(self.mlflow_run_id, datasets=[DatasetInput(dataset, tags=context)])
+        self.client.log_inputs(self.ref.mlflow_run_id, datasets=[DatasetInput(dataset, tags=context)])
 
     # ------------------------------------------------------------ the checkpoints' logged models
 
@@ -317,19 +336,19 @@ class Lineage:
         from mlflow.entities import LoggedModelOutput
 
         model = self.client.create_logged_model(
-            self.experiment_id,
-            name=f"{self.run_name}-step-{step:08d}",
-            source_run_id=self.mlflow_run_id,
+            self.ref.experiment_id,
+            name=f"{self.ref.run_name}-step-{step:08d}",
+            source_run_id=self.ref.mlflow_run_id,
             model_type=CHECKPOINT_MODEL,
             params={"checkpoint_uri": checkpoint_uri, "step": str(step)},
-            tags={"lmyard.run_name": self.run_name, "lmyard.step": str(step)},
+            tags={"lmyard.run_name": self.ref.run_name, "lmyard.step": str(step)},
         )
         with tempfile.TemporaryDirectory(prefix="lmyard-model-") as tmp:
             with open(os.path.join(tmp, "lmyard_checkpoint.json"), "w") as f:
                 json.dump(descriptor, f, indent=1)
             self.client.log_model_artifacts(model.model_id, tmp)
         self.client.finalize_logged_model(model.model_id, "READY")
-        self.client.log_outputs(self.mlflow_run_id, [LoggedModelOutput(model.model_id, step)])
+        self.client.log_outputs(self.ref.mlflow_run_id, [LoggedModelOutput(model.model_id, step)])
         return model.model_id
 
     def link_metrics(self, model_id: str, step: int, prefixes: tuple[str, ...] = ("eval/", "val/")) -> None:
@@ -337,7 +356,7 @@ class Lineage:
         the same points again with the model's id; the run's own history keeps one point per step."""
         from mlflow.entities import Metric
 
-        run_id = self.mlflow_run_id
+        run_id = self.ref.mlflow_run_id
         keys = [k for k in self.client.get_run(run_id).data.metrics if k.startswith(prefixes)]
         points = [
             Metric(m.key, m.value, m.timestamp, m.step, model_id=model_id, run_id=run_id)
@@ -369,15 +388,27 @@ class Lineage:
     def _checkpoint_models(self) -> list:
         """The checkpoints' logged models of this lineage, every page."""
         out, token = [], None
-        query = f"tags.`lmyard.run_name` = '{self.run_name}'"
+        query = f"tags.`lmyard.run_name` = '{self.ref.run_name}'"
         while True:
             page = self.client.search_logged_models(
-                [self.experiment_id], filter_string=query, max_results=100, page_token=token
+                [self.ref.experiment_id], filter_string=query, max_results=100, page_token=token
             )
             out += [m for m in page if m.model_type == CHECKPOINT_MODEL]
             token = page.token
             if not token:
                 return out
+
+
+def _ref(run_name: str, tracking_uri: str, experiment_id: str, run_id: str, attempt: int) -> LineageRef:
+    return LineageRef(
+        run_name=run_name,
+        tracking_uri=tracking_uri,
+        experiment_id=experiment_id,
+        mlflow_run_id=run_id,
+        attempt=attempt,
+        resumed_from=None,
+        start_step=0,
+    )
 
 
 def _create_run(client, cfg: RunConfig, store, params: dict[str, str]) -> tuple[str, str]:

@@ -45,9 +45,9 @@ def log_hf_model(
 
     client = lineage.client
     model = client.create_logged_model(
-        lineage.experiment_id,
+        lineage.ref.experiment_id,
         name=name,
-        source_run_id=lineage.mlflow_run_id,
+        source_run_id=lineage.ref.mlflow_run_id,
         params=params,
         tags=tags,
         model_type="transformers-text-generation",
@@ -61,12 +61,12 @@ def log_hf_model(
             signature=_signature(),
             pip_requirements=_pyfunc_requirements(),
             mlflow_model=Model(
-                artifact_path=model.artifact_location, run_id=lineage.mlflow_run_id, model_id=model.model_id
+                artifact_path=model.artifact_location, run_id=lineage.ref.mlflow_run_id, model_id=model.model_id
             ),
         )
         client.log_model_artifacts(model.model_id, path)
     client.finalize_logged_model(model.model_id, "READY")
-    client.log_outputs(lineage.mlflow_run_id, [LoggedModelOutput(model.model_id, step)])
+    client.log_outputs(lineage.ref.mlflow_run_id, [LoggedModelOutput(model.model_id, step)])
     lineage.link_metrics(model.model_id, step)
     return model.model_id
 
@@ -118,11 +118,11 @@ def register_model(
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    with _global_tracking_uri(lineage.tracking_uri):
+    with _global_tracking_uri(lineage.ref.tracking_uri):
         version = client.create_model_version(
             name,
             source=f"models:/{model_id}",
-            run_id=lineage.mlflow_run_id,
+            run_id=lineage.ref.mlflow_run_id,
             description=description,
             tags={"lmyard.step": str(step), "lmyard.checkpoint": checkpoint_uri, **tags},
             model_id=model_id,

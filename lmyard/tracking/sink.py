@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from lmyard.config import redact_uri
-from lmyard.contracts import LineageRef
+from lmyard.tracking.lineage import LineageRef
 
 
 class MetricsSink(Protocol):

@@ -11,13 +11,14 @@ import random
 import numpy as np
 import torch
 
+from lmyard.checkpoint.schema import CheckpointState
 from lmyard.config import RunConfig
-from lmyard.contracts import CheckpointState
 from lmyard.data.loader import TrainBatches, split_stream, val_sequences
 from lmyard.data.shards import ShardSet
 from lmyard.errors import UserError
 from lmyard.models.base import LanguageModel
 from lmyard.models.registry import build_model, doc_fields, model_from_spec
+from lmyard.tracking.lineage import LineageRef
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -82,6 +83,23 @@ def data(
     )
     val = val_sequences(split_stream(shards, cfg.store, "val", cache_dir), block_size, cfg.eval.val_tokens)
     return accum, batches, val
+
+
+def first_state(
+    cfg: RunConfig, shards: ShardSet, lineage: LineageRef | None, world: int, train_tokens: int, model: dict
+) -> CheckpointState:
+    """The state of a run before its first step (a resume replaces it with its checkpoint's)."""
+    return CheckpointState(
+        step=0,
+        cursor=0,
+        tokens_seen=0,
+        world_size=world,
+        shard_address=shards.address,
+        train_tokens=train_tokens,
+        config=cfg.redacted_dump(),  # no password in a checkpoint
+        lineage=lineage.to_dict() if lineage else None,
+        model=model,
+    )
 
 
 def new_data_cursor(state: CheckpointState, data: TrainBatches, is_main: bool) -> int:

@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from lmyard import faults
 from lmyard.config import RunConfig
-from lmyard.contracts import Exchange, Progress
 from lmyard.errors import Diverged
-from lmyard.train.startup import launched_at
+from lmyard.stages import Exchange, Progress
+from lmyard.stages.startup import launched_at
 
 # Dense bf16 peak FLOP/s per GPU for MFU (vendor datasheets, SXM parts, no sparsity).
 # MFU = tokens/s * flops_per_token / (peak * GPUs), flops_per_token = 6N + 12*L*d*T.
@@ -239,7 +239,7 @@ class FaultHook:
 
 class Startup:
     """The restart to the first step's end, in parts, once per attempt (rank 0 reports: `startup/<part>_s` metrics
-    and one line). launch: from the launch (lmyard.train.startup.launched_at: the launcher's time, torchrun's start
+    and one line). launch: from the launch (lmyard.stages.startup.launched_at: the launcher's time, torchrun's start
     or this process's) to the train stage's entry, when this is made: torchrun, the interpreter, imports;
     rendezvous: the process group; resume: the CheckpointManager's load; compile: the first step's time over the
     second's (torch.compile, autotuning, first allocations); first_step: the second step's time, a steady one;

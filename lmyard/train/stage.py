@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=8 -m lmyard.stages train --spec spec.json
 
-The spec (lmyard.contracts.TrainSpec: a JSON file, or the LMYARD_SPEC environment variable) holds the run
+The spec (lmyard.stages.TrainSpec: a JSON file, or the LMYARD_SPEC environment variable) holds the run
 config, the shard set, the lineage, the lease and `hold_for_eval` (the flow evaluates every checkpoint and
 applies retention itself). This rank joins the job (lmyard.train.distributed.setup_distributed), logs to the
 lineage's MLflow run from rank 0, and runs the `Trainer` (lmyard.train.trainer). How the job ended goes to
@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 from lmyard.config import RunConfig
-from lmyard.contracts import Exchange, LineageRef, TrainResult, TrainSpec, read_spec, run_stage
 from lmyard.errors import ExitCode, UserError
-from lmyard.store import open_store
+from lmyard.run import Run
+from lmyard.stages import Exchange, TrainResult, TrainSpec, read_spec, run_stage
 from lmyard.tracking.lease import Fence
+from lmyard.tracking.lineage import LineageRef
 from lmyard.tracking.sink import MetricsSink, NullSink, metrics_sink, system_metrics
 from lmyard.train.components import Startup
 from lmyard.train.distributed import Dist, setup_distributed
@@ -96,10 +97,9 @@ def _train(spec_path: str | None, run: TrainRun) -> TrainResult:
         print(f"{socket.gethostname()}: ranks {d.rank}-{d.rank + local - 1} of {d.world} joined", flush=True)
     run.sink = metrics_sink(lineage, d.is_main)  # rank 0 logs to MLflow; the others to nothing
     with node_system_metrics(cfg, lineage, d):
-        fence = Fence(open_store(cfg.store), cfg.run_name, spec.lease) if spec.lease else None
-        run.trainer = trainer = Trainer(
-            cfg, spec.shards, lineage, d, run.sink, hold_for_eval=spec.hold_for_eval, fence=fence, startup=startup
-        )
+        handle = Run.of(cfg)  # the run's store, keys and this node's cache, opened once for the rank
+        fence = Fence(handle.store, handle.name, spec.lease) if spec.lease else None
+        run.trainer = trainer = Trainer(spec, handle, d, run.sink, fence=fence, startup=startup)
         try:
             result = trainer.train()
         except Exception as e:
@@ -114,7 +114,7 @@ def _train(spec_path: str | None, run: TrainRun) -> TrainResult:
 
 def train_stage(spec_path: str | None = None) -> int:
     """`python -m lmyard.stages train` on every rank: rank 0 writes result.json, any other rank that fails
-    writes failures/rank-R.json (lmyard.contracts.run_stage, the one path from an exception to an exit code)."""
+    writes failures/rank-R.json (lmyard.stages.run_stage, the one path from an exception to an exit code)."""
     run = TrainRun()
     _KEPT.append(run)
     exchange = Exchange.from_env()

@@ -18,13 +18,13 @@ import time
 import torch
 
 from lmyard.checkpoint.manager import CheckpointManager, Loaded
-from lmyard.config import RunConfig, TrainConfig
-from lmyard.contracts import CheckpointState, Exchange, LineageRef, Started, TrainResult
-from lmyard.data.loader import Prefetcher, default_cache_dir
-from lmyard.data.shards import ShardSet
+from lmyard.config import TrainConfig
+from lmyard.data.loader import Prefetcher
 from lmyard.errors import Diverged, ExitCode, Preempted, StoreOutage
 from lmyard.evaluate.validation import val_loss
 from lmyard.models.registry import flops_per_token, model_spec, resolve
+from lmyard.run import Run
+from lmyard.stages import Exchange, Heartbeat, Started, TrainResult, TrainSpec
 from lmyard.tracking.lease import Fence
 from lmyard.tracking.sink import MetricsSink
 from lmyard.train import build
@@ -40,7 +40,6 @@ from lmyard.train.components import (
 )
 from lmyard.train.distributed import Dist, Parallelism, no_sync, plan_memory
 from lmyard.train.optim import AdamW, clipped_update
-from lmyard.train.watchdog import Heartbeat
 
 # How long a checkpoint waits for the metrics logged so far to reach MLflow (lmyard.tracking.sink.MLflowSink.flush).
 CHECKPOINT_FLUSH_S = 5.0
@@ -60,18 +59,18 @@ class Trainer:
 
     def __init__(
         self,
-        cfg: RunConfig,
-        shards: ShardSet,
-        lineage: LineageRef | None,
+        spec: TrainSpec,
+        run: Run,
         d: Dist,
         sink: MetricsSink,
-        hold_for_eval: bool = False,
         fence: Fence | None = None,
         startup: Startup | None = None,
     ):
         self.startup = startup or Startup()  # the restart to the first step, in parts (made at the stage's entry)
+        cfg, shards, lineage = spec.config, spec.shards, spec.lineage
         self.cfg, self.t, self.shards, self.lineage, self.d, self.sink = cfg, cfg.train, shards, lineage, d, sink
-        self.fence, self.cache = fence, default_cache_dir()  # the lineage's lease (lmyard.tracking.lease)
+        self.run, self.cache = run, run.cache
+        self.fence = fence  # the lineage's lease (lmyard.tracking.lease)
         self.exchange = Exchange.from_env() if d.is_main else None
         build.seed_everything(self.t.seed, d.rank)
         self.parallel = Parallelism.of(cfg)  # chosen once: the trainer never asks train.parallel again
@@ -82,16 +81,8 @@ class Trainer:
             self._check_disks(model_spec(self.raw_model))
         T = self.gcfg.block_size
         self.accum, self.data, self.val = build.data(cfg, shards, T, d.rank, d.world, self.cache)
-        self.state = CheckpointState(
-            step=0,
-            cursor=0,
-            tokens_seen=0,
-            world_size=d.world,
-            shard_address=shards.address,
-            train_tokens=self.data.stream.total,
-            config=cfg.redacted_dump(),  # no password in a checkpoint
-            lineage=lineage.to_dict() if lineage else None,
-            model=model_spec(self.raw_model),
+        self.state = build.first_state(
+            cfg, shards, lineage, d.world, self.data.stream.total, model_spec(self.raw_model)
         )
         self.started = Started(start_step=0, world_size=d.world)
         self.logger = MetricsLogger(cfg, d.device, d.world, flops_per_token(self.state.model), sink, d.is_main)
@@ -99,13 +90,13 @@ class Trainer:
         self.guard, self.faults = DivergenceGuard(cfg), FaultHook(d.rank, d.world)
         self.checkpoints = CheckpointManager(
             cfg,
-            self.cache,
+            run,
             self.raw_model,
             self.optimizer,
             rank=d.rank,
             world=d.world,
             sharded=self.parallel.sharded,
-            hold_for_eval=hold_for_eval,
+            hold_for_eval=spec.hold_for_eval,
             fence=fence.check if fence else None,
         )
 
@@ -126,7 +117,7 @@ class Trainer:
     def _check_disks(self, fields: dict) -> None:
         d = self.d
         CheckpointManager.check_disks(
-            self.cfg, self.cache, fields, sharded=self.parallel.sharded, rank=d.rank, world=d.world
+            self.cfg, self.run, fields, sharded=self.parallel.sharded, rank=d.rank, world=d.world
         )
 
     # ---- the run --------------------------------------------------------------------

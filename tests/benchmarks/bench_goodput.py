@@ -101,7 +101,7 @@ class Attempt:
     """One launch of the train stage: its lines read as they come, SIGTERM at `stop_at` (monotonic seconds)."""
 
     def __init__(self, n: int, cfg, spec: dict, stop_at: float, echo: bool):
-        from lmyard.contracts import TrainSpec
+        from lmyard.stages import TrainSpec
 
         self.n, self.cfg, self.echo, self.stop_at = n, cfg, echo, stop_at
         self.job = LocalJob(cfg, TrainSpec.model_validate(spec))

@@ -279,13 +279,15 @@ class Recorder:
 def lmyard_run(cfg, shards) -> dict:
     """lmyard's Trainer in this process, no lineage: per-step train loss and the final val loss from its sink.
     Its log lines go to stderr (stdout holds the JSON lines)."""
+    from lmyard.run import Run
+    from lmyard.stages import TrainSpec
     from lmyard.train.distributed import setup_distributed
     from lmyard.train.trainer import Trainer
 
     sink = Recorder()
     start = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):
-        Trainer(cfg, shards, None, setup_distributed(cfg), sink).train()
+        Trainer(TrainSpec(config=cfg, shards=shards), Run.of(cfg), setup_distributed(cfg), sink).train()
     steps = cfg.train.max_steps
     return {
         "train": [sink.points["train/loss"][s] for s in range(1, steps + 1)],
@@ -354,7 +356,7 @@ def prepare(a: argparse.Namespace, work: Path) -> tuple:
     """The corpus, its shards, the resolved model fields, and the plain side's train tokens and val rows."""
     from bench_pylib import corpus_shards, write_corpus
 
-    from lmyard.contracts import ShardSet
+    from lmyard.data.shardset import ShardSet
     from lmyard.models.registry import resolve
     from lmyard.recipes import load_recipe
     from lmyard.store import open_store

@@ -3,7 +3,7 @@
     python -m lmyard.stages {shard,train,evaluate,export} [--spec spec.json] [--out result.json]
 
 One entry convention for every stage: the spec (a `StageSpec` of
-lmyard.contracts: ShardSpec, TrainSpec, EvalSpec, ExportSpec) comes from
+lmyard.stages: ShardSpec, TrainSpec, EvalSpec, ExportSpec) comes from
 `--spec`, or from the LMYARD_SPEC environment variable in a container; the
 result (ShardResult, TrainResult, EvalResult, ExportResult) or the failure
 (StageError) goes atomically to `--out`, default `result.json` in the exchange
@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel
 
-from lmyard.contracts import (
+from lmyard.stages import (
     EXCHANGE_ENV,
     EvalResult,
     EvalSpec,
@@ -106,7 +105,3 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or os.path.join(os.environ.get(EXCHANGE_ENV, "."), "result.json")
     # the spec is read inside run_stage: one that does not validate ends with a result file too
     return run_stage(lambda: body(read_spec(cls, args.spec)), out)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The one way a stage process ends, and the one way back: its exit code and result file.
+
+`run_stage` turns a stage's result or exception into its exit code (lmyard.errors.ExitCode) and result file
+(the result, or a StageError); the trainer's ranks use it too. `read_result` is how the launcher reads that
+file back; `read_spec` how a stage reads its spec.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+from pydantic import BaseModel
+
+from lmyard.errors import ExitCode, NoSpace, UserError, exit_code_of, one_line, status_of
+from lmyard.paths import no_space
+from lmyard.stages.exchange import SPEC_ENV, M, write_json
+from lmyard.stages.results import StageError
+
+
+def read_spec(cls: type[M], path: str | None) -> M:
+    """A stage's spec: the file `path`, else the LMYARD_SPEC environment variable (a container's)."""
+    if path:
+        with open(path) as f:
+            return cls.model_validate_json(f.read())
+    if SPEC_ENV in os.environ:
+        return cls.model_validate_json(os.environ[SPEC_ENV])
+    raise UserError(f"no spec: give --spec PATH or set {SPEC_ENV} (the {cls.__name__} as JSON)")
+
+
+def run_stage(
+    produce: Callable[[], BaseModel],
+    out: str | None,
+    *,
+    failure_out: str | None = None,
+    failed: Callable[[ExitCode, str], BaseModel] = StageError.ended,
+    quiet: bool = False,
+) -> int:
+    """The one way a stage process ends: `produce()`'s result goes to `out`, or its failure (`failed(code,
+    message)`, a StageError unless the stage says otherwise) to `failure_out` (default: `out`); returns the exit
+    code (lmyard.errors.ExitCode). An unexpected error prints its traceback, a known one a single line (`quiet`:
+    none, e.g. on every rank but 0, which all fail alike)."""
+    import sys
+    import traceback
+
+    try:
+        result = produce()
+    except BaseException as e:  # KeyboardInterrupt included: SIGINT ends a stage as preempted
+        error = no_space(e) or e  # a full cache disk, wherever it was hit: one line, exit 4
+        code = exit_code_of(error)
+        if code == ExitCode.CRASHED:
+            traceback.print_exc()
+        elif not quiet:
+            print(f"lmyard: error: {one_line(error)}", file=sys.stderr, flush=True)
+        where = failure_out or out
+        if where:
+            report = failed(code, one_line(error))
+            if "status" in type(report).model_fields:  # NoSpace shares exit code 4 with StoreOutage
+                report = report.model_copy(update={"status": status_of(error)})
+            try:
+                write_json(where, report)
+            except OSError:
+                if not isinstance(error, NoSpace):
+                    raise  # on a full disk the exit code alone says it
+        return int(code)
+    if out:
+        write_json(out, result)
+    return 0
+
+
+def read_result(raw: bytes | str, cls: type[M]) -> M | StageError:
+    """A stage's result file: its result, or the StageError of one whose exit code is not 0 (a TrainResult of a
+    failed training is one too)."""
+    data = json.loads(raw)
+    if data.get("exit_code", 0) != 0:
+        error = StageError.ended(ExitCode(data["exit_code"]), data.get("message") or data.get("status") or "failed")
+        return error.model_copy(update={"status": data["status"]}) if data.get("status") == "no_space" else error
+    return cls.model_validate(data)
