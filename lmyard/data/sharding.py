@@ -513,11 +513,11 @@ def tokenize_and_shard(
     log: Callable[[str], None] = print,
     cache_dir: str | None = None,
     progress: Callable[[Progress], None] | None = None,
+    start_pool: Callable[[int, tuple], Any] | None = None,
 ) -> tuple[fmt.ShardSet, bool]:
-    """Build (or reuse, or finish) the shard set for cfg.data; returns (shard set, reused?).
-
-    `log` gets human-readable lines (documents/s and tokens/s every few seconds);
-    `progress` gets the same figures as a Progress, for a UI.
+    """Build (or reuse, or finish) the shard set for cfg.data; returns (shard set, reused?). `log` gets lines
+    for people (documents/s and tokens/s every few seconds), `progress` the same figures as a Progress, for a UI;
+    `start_pool(num_proc, initargs)`, the read tasks' pool (default: processes here; lmyard.data.raypool).
     """
     cache_dir = cache_dir or cache_root()
     store = open_store(cfg.store)
@@ -525,7 +525,7 @@ def tokenize_and_shard(
     enc = get_tokenizer(cfg.tokenizer)
     version, dtype = fmt.token_dtype(enc.n_vocab)
     num_proc = cfg.data.num_proc or default_num_proc()
-    pool = _start_pool(num_proc, (enc, *separators(enc, cfg.tokenizer), dtype))  # starts while sources hash
+    pool = (start_pool or _start_pool)(num_proc, (enc, *separators(enc, cfg.tokenizer), dtype))  # starts now
     try:
         sources, enc, address, key = plan(cfg, cache_dir)
         existing = fmt.load_manifest(store, address)
