@@ -10,8 +10,9 @@ share a host. The other stages (tokenize-and-shard, evaluate, export) are one
 actor with the resources their stage asks for (lmyard.launch.ray_requests),
 running `python -m lmyard.stages STAGE` on its node; tokenize-and-shard's read
 pieces then run as Ray tasks over every node (lmyard.data.raypool). A request
-the cluster's nodes can never hold is refused at once, naming the resource (from the `ray.nodes()` totals of every node the cluster
-has had: after a lost node the retry waits for it to come back, up to
+the cluster's nodes can never hold is refused at once, naming the resource
+(from the `ray.nodes()` totals of every node the cluster has had: after a lost
+node the retry waits for it to come back, up to
 `launch.ray.placement_timeout_s`). One `NodeAgent` actor then takes each bundle and runs a
 `LocalJob` on its node: torchrun with the c10d rendezvous hosted by node 0, at
 the address node 0's actor reads from its own node (`get_node_ip_address`) and
