@@ -151,6 +151,52 @@ def lmyard_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "flows.cli", *args]
 
 
+# ---------------------------------------------------------------- Ray: a real cluster of two nodes on 127.0.0.1
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """Two Ray nodes of 1 CPU each on 127.0.0.1 (Ray swaps a loopback address for the host's own unless told
+    otherwise); this process is a driver of it too, to look at its actors and placement groups."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    with pytest.MonkeyPatch.context() as mp:
+        # get_node_ip_address() -> 127.0.0.1, here (the constant is read at import) and in every Ray process
+        mp.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        try:
+            cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, namespace="lmyard-tests", log_to_driver=False)
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+def ray_actors(run_name: str) -> list[dict]:
+    """Every actor of this run's launches, dead ones included (the GCS actor table; the state API needs
+    Ray's dashboard, which plain `ray` lacks)."""
+    import ray
+
+    return [a for a in ray._private.state.actors().values() if a["Name"].startswith(f"lmyard-{run_name}-")]
+
+
+def ray_leftovers(run_name: str) -> tuple[list[str], list[str]]:
+    """Live actors and placement groups of this run."""
+    from ray.util.placement_group import placement_group_table
+
+    alive = [a["Name"] for a in ray_actors(run_name) if a["State"] != "DEAD"]
+    groups = [
+        g["name"]
+        for g in placement_group_table().values()
+        if g["name"].startswith(f"lmyard-{run_name}-") and g["state"] != "REMOVED"
+    ]
+    return alive, groups
+
+
 # ---------------------------------------------------------------- S3: a real S3-compatible HTTP server
 
 

@@ -82,6 +82,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -90,7 +91,8 @@ from lmyard.data import shards as fmt
 from lmyard.data import sources as sources_mod
 from lmyard.data.shard_writer import ShardWriter, Uploader, kept_shards
 from lmyard.data.sources import Source, open_source
-from lmyard.data.token_stream import Reader, mixed, shuffled, start_pool
+from lmyard.data.token_stream import Reader, mixed, shuffled
+from lmyard.data.token_stream import start_pool as _start_pool
 from lmyard.data.tokenizer import get_tokenizer, identity, separators
 from lmyard.errors import UserError
 from lmyard.layout import ShardLayout
@@ -176,18 +178,18 @@ def tokenize_and_shard(
     log: Callable[[str], None] = print,
     cache_dir: str | None = None,
     progress: Callable[[Progress], None] | None = None,
+    start_pool: Callable[[int, tuple], Any] | None = None,
 ) -> tuple[fmt.ShardSet, bool]:
-    """Build (or reuse, or finish) the shard set for cfg.data; returns (shard set, reused?).
-
-    `log` gets human-readable lines (documents/s and tokens/s every few seconds);
-    `progress` gets the same figures as a Progress, for a UI.
+    """Build (or reuse, or finish) the shard set for cfg.data; returns (shard set, reused?). `log` gets lines
+    for people (documents/s and tokens/s every few seconds), `progress` the same figures as a Progress, for a UI;
+    `start_pool(num_proc, initargs)`, the read tasks' pool (default: processes here; lmyard.data.raypool).
     """
     cache_dir = cache_dir or cache_root()
     (store := Run.of(cfg).store).check_writable()  # before any tokenizing: the shards and every checkpoint go there
     enc = get_tokenizer(cfg.tokenizer)
     version, dtype = fmt.token_dtype(enc.n_vocab)
     num_proc = cfg.data.num_proc or default_num_proc()
-    pool = start_pool(num_proc, (enc, *separators(enc, cfg.tokenizer), dtype))  # starts while sources hash
+    pool = (start_pool or _start_pool)(num_proc, (enc, *separators(enc, cfg.tokenizer), dtype))  # starts now
     try:
         sources, enc, address, key = plan(cfg, cache_dir)
         existing = fmt.load_manifest(store, address)

@@ -3,10 +3,10 @@
     result = launch(EvalSpec(config=config, shards=shards, step=600), on_line=log.info)
 
 `launch.backend` picks the `Job` (`local`: lmyard.launch.follower.LocalJob, a process group here;
-`docker`: lmyard.launch.containers.DockerJob, the stage image; `ray`: lmyard.launch.ray.RayJob for
-training, one actor per node of a placement group, the other stages here); the same `Follower` follows every
-stage on every backend, so output, the watchdog, cancellation, cleanup and result reading exist
-once. Nothing in flows/ or tasks/ starts a process any other way.
+`docker`: lmyard.launch.containers.DockerJob, the stage image; `ray`: lmyard.launch.ray.RayJob, one actor
+per node of a placement group for training, one actor on a cluster node for the other stages); the same
+`Follower` follows every stage on every backend, so output, the watchdog, cancellation, cleanup and result
+reading exist once. Nothing in flows/ or tasks/ starts a process any other way.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from lmyard.launch.follower import Follower, Job, LocalJob
 from lmyard.paths import no_space
-from lmyard.stages import StageSpec, TrainSpec
+from lmyard.stages import StageSpec
 
 
 def launch(
@@ -43,7 +43,7 @@ def _launch(spec: StageSpec, on_line: Callable[[str], None], *, flow_run_id: str
         from lmyard.launch.containers import DockerJob
 
         job = DockerJob(config, spec, on_line, flow_run_id=flow_run_id)
-    elif config.launch.backend == "ray" and isinstance(spec, TrainSpec):
+    elif config.launch.backend == "ray":
         from lmyard.launch.ray import RayJob
 
         job = RayJob(config, spec, on_line)

@@ -1,13 +1,18 @@
-"""The Ray backend of lmyard.launch: one actor per node in a placement group, torchrun in each.
+"""The Ray backend of lmyard.launch: every stage on a cluster node; training as one actor per node in a
+placement group, torchrun in each.
 
     run_ray(cfg, spec, on_line=log)
 
-Ray holds the resources and places the nodes; it restarts nothing. The launch
+Ray holds the resources and places the nodes; it restarts nothing. Training
 asks for one bundle per node (`launch.ray`: CPUs, GPUs, custom resources) in a
 placement group, STRICT_SPREAD when there are several nodes, so no two nodes
-share a host. A request the cluster's nodes can never hold is refused at once,
-naming the resource (from the `ray.nodes()` totals of every node the cluster
-has had: after a lost node the retry waits for it to come back, up to
+share a host. The other stages (tokenize-and-shard, evaluate, export) are one
+actor with the resources their stage asks for (lmyard.launch.ray_requests),
+running `python -m lmyard.stages STAGE` on its node; tokenize-and-shard's read
+pieces then run as Ray tasks over every node (lmyard.data.raypool). A request
+the cluster's nodes can never hold is refused at once, naming the resource
+(from the `ray.nodes()` totals of every node the cluster has had: after a lost
+node the retry waits for it to come back, up to
 `launch.ray.placement_timeout_s`). One `NodeAgent` actor then takes each bundle and runs a
 `LocalJob` on its node: torchrun with the c10d rendezvous hosted by node 0, at
 the address node 0's actor reads from its own node (`get_node_ip_address`) and
@@ -55,8 +60,9 @@ from typing import TYPE_CHECKING
 
 from lmyard.config import RunConfig
 from lmyard.errors import TrainingFailed, UserError
-from lmyard.launch.containers import _local_store_root, _Masker, _sqlite_dir, secret_names
+from lmyard.launch.containers import _Masker, secret_names
 from lmyard.launch.follower import Follower, LocalJob
+from lmyard.launch.ray_requests import SPECS, on_cluster, request, unfit_error
 from lmyard.stages import StageSpec, TrainResult, TrainSpec
 
 if TYPE_CHECKING:
@@ -72,38 +78,6 @@ def address(cfg: RunConfig, environ: Mapping[str, str] | None = None) -> str:
     """launch.ray.address, else RAY_ADDRESS, else `auto`."""
     environ = os.environ if environ is None else environ
     return cfg.launch.ray.address or environ.get("RAY_ADDRESS") or "auto"
-
-
-def bundle(cfg: RunConfig) -> dict[str, float]:
-    """One node's resources: CPUs (default one per rank), GPUs, custom resources."""
-    rc = cfg.launch.ray
-    out = {"CPU": float(rc.cpus_per_node or cfg.launch.nproc_per_node)}
-    if rc.gpus_per_node:
-        out["GPU"] = float(rc.gpus_per_node)
-    return {**out, **{k: float(v) for k, v in rc.resources.items()}}
-
-
-def unfit(need: dict[str, float], nnodes: int, nodes: list[dict]) -> str | None:
-    """Why `nnodes` bundles `need` can never sit on distinct nodes, from the totals of every node the cluster has
-    had (`ray.nodes()`: a lost node may come back, and the job then waits for it); None if they can."""
-    totals = [n.get("Resources") or {} for n in nodes]
-    for key, amount in need.items():
-        having = sum(1 for t in totals if t.get(key, 0) >= amount)
-        if having < nnodes:
-            return f"{having} of its {len(totals)} nodes have {key} >= {amount:g} and launch.nnodes={nnodes} needs {nnodes}"
-    having = sum(1 for t in totals if all(t.get(k, 0) >= v for k, v in need.items()))
-    if having < nnodes:
-        return (
-            f"{having} of its {len(totals)} nodes have all of {need} together and launch.nnodes={nnodes} needs {nnodes}"
-        )
-    return None
-
-
-def _unfit_error(why: str) -> UserError:
-    return UserError(
-        f"launch.ray: the Ray cluster can never place this job: {why} (one bundle per node); lower launch.nnodes "
-        "or the bundle (launch.nproc_per_node, launch.ray.cpus_per_node/gpus_per_node/resources), or add nodes"
-    )
 
 
 # ---------------------------------------------------------------- the driver's connection (one per process)
@@ -217,14 +191,20 @@ class NodeAgent:
                 port = s.getsockname()[1]
         return {"ip": ip, "port": port, "node_id": ray.get_runtime_context().get_node_id()}
 
-    def start(self, spec_json: str, env: dict[str, str], torchrun: dict) -> None:
-        spec = TrainSpec.model_validate_json(spec_json)
+    def start(self, stage: str, spec_json: str, env: dict[str, str], torchrun: dict) -> int:
+        """Start the stage on this node (torchrun for training); its process id. The stage's own Ray calls
+        (tokenize-and-shard's pieces) reach this cluster (RAY_ADDRESS)."""
+        import ray
+
+        spec = SPECS[stage].model_validate_json(spec_json)
         self.job = LocalJob(RunConfig.model_validate(spec.config), spec, **torchrun)
-        self.job.env.update(env)
+        self.job.env.update({**env, "RAY_ADDRESS": ray.get_runtime_context().gcs_address})
         started: queue.Queue = queue.Queue()
         threading.Thread(target=self._run, args=(started,), daemon=True, name="torchrun").start()
         if (error := started.get()) is not None:
             raise error
+        assert self.job.proc is not None
+        return self.job.proc.pid
 
     def _run(self, started: queue.Queue) -> None:
         # This thread forks torchrun and lives as long as it does: the parent-death signal LocalJob sets
@@ -279,35 +259,24 @@ class NodeAgent:
 # ---------------------------------------------------------------- the driver: the job
 
 
-def _on_cluster(cfg: RunConfig, spec: TrainSpec) -> str:
-    """The spec as the nodes read it: a local-folder store and a sqlite tracking file by absolute path (the actors
-    do not share the launcher's working folder; such paths serve nodes on this machine or a shared filesystem)."""
-    data = spec.model_dump(mode="json")
-    if (root := _local_store_root(cfg.store)) is not None:
-        data["config"]["store"] = root
-    lineage = data.get("lineage")
-    if lineage and (sqlite := _sqlite_dir(lineage["tracking_uri"])):
-        lineage["tracking_uri"] = sqlite[0]
-    return TrainSpec.model_validate(data).model_dump_json()
-
-
 class RayJob:
-    """One actor per node in a placement group of a Ray cluster (see lmyard.launch.follower.Job)."""
+    """One actor per node in a placement group of a Ray cluster, or one actor for the stages of one node (see
+    lmyard.launch.follower.Job)."""
 
     def __init__(
-        self, cfg: RunConfig, spec: TrainSpec, on_line: Callable[[str], None], environ: Mapping[str, str] | None = None
+        self, cfg: RunConfig, spec: StageSpec, on_line: Callable[[str], None], environ: Mapping[str, str] | None = None
     ):
         environ = os.environ if environ is None else environ
-        rc, n = cfg.launch.ray, cfg.launch.nnodes
-        if rc.gpus_per_node and rc.gpus_per_node < cfg.launch.nproc_per_node:
+        rc, n = cfg.launch.ray, spec.nodes()
+        if isinstance(spec, TrainSpec) and rc.gpus_per_node and rc.gpus_per_node < cfg.launch.nproc_per_node:
             raise UserError(
                 f"launch.ray.gpus_per_node={rc.gpus_per_node} gives launch.nproc_per_node="
                 f"{cfg.launch.nproc_per_node} ranks less than a GPU each: make them equal"
             )
         self.cfg, self.on_line, self.nodes = cfg, on_line, n
         self.spec: StageSpec = spec
-        self.address, self.bundle = address(cfg, environ), bundle(cfg)
-        self.spec_json = _on_cluster(cfg, spec)
+        self.address, self.bundle = address(cfg, environ), request(cfg, spec)
+        self.spec_json = on_cluster(cfg, spec)
         secrets = secret_names(rc, environ)
         faults = [k for k in environ if k.startswith("LMYARD_FAULT")]  # failure drills
         self.env = {k: environ[k] for k in [*secrets, *faults]}
@@ -327,14 +296,17 @@ class RayJob:
         self._create_actors()
         timeout = self.cfg.launch.ray.placement_timeout_s  # actors may wait for a runtime_env (pip, image)
         where = self._get([a.where.remote(i == 0) for i, a in enumerate(self.actors)], timeout, "start its actors")
-        for i, w in enumerate(where):
-            self.on_line(f"node {i}: Ray node {w['node_id'][:12]} at {w['ip']}, bundle {self.bundle}")
         endpoint = f"{where[0]['ip']}:{where[0]['port']}"
         torchrun = [
             dict(rdzv_endpoint=endpoint, rdzv_id=self.launch_id, node=i, local_addr=w["ip"]) if self.nodes > 1 else {}
             for i, w in enumerate(where)
         ]
-        self._get([a.start.remote(self.spec_json, self.env, t) for a, t in zip(self.actors, torchrun)], CALL_S, "start")
+        stage = self.spec.stage
+        pids = self._get(
+            [a.start.remote(stage, self.spec_json, self.env, t) for a, t in zip(self.actors, torchrun)], CALL_S, "start"
+        )
+        for i, (w, pid) in enumerate(zip(where, pids)):
+            self.on_line(f"node {i}: {stage} on Ray node {w['node_id']} at {w['ip']} (pid {pid}), bundle {self.bundle}")
         for i in range(self.nodes):
             threading.Thread(target=self._pump, args=(i, events), daemon=True, name=f"ray-node-{i}").start()
 
@@ -350,13 +322,16 @@ class RayJob:
             raise UserError(f"launch.ray.runtime_env: Ray could not set it up on a node: {first}") from None
 
     def _place(self) -> None:
-        """The placement group: refused at once if the nodes can never hold it, else waited for (a busy cluster,
-        a lost node coming back)."""
+        """The placement group of training: refused at once if the nodes can never hold it, else waited for (a
+        busy cluster, a lost node coming back). The other stages' one actor is refused the same way, and waits
+        for room as it starts."""
         import ray
         from ray.util.placement_group import placement_group
 
-        if why := unfit(self.bundle, self.nodes, ray.nodes()):
-            raise _unfit_error(why)
+        if error := unfit_error(self.spec, ray.nodes(), self.bundle):
+            raise error
+        if not isinstance(self.spec, TrainSpec):
+            return
         strategy = "STRICT_SPREAD" if self.nodes > 1 else "PACK"
         self.pg = pg = placement_group([dict(self.bundle)] * self.nodes, strategy=strategy, name=self.names[0][:-6])
         ready, timeout = pg.ready(), self.cfg.launch.ray.placement_timeout_s
@@ -375,20 +350,21 @@ class RayJob:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         agent = ray.remote(NodeAgent)
-        custom = {k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")}
-        assert self.pg is not None
+        custom = {k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU", "memory")}
         for i, name in enumerate(self.names):
+            where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i) if self.pg else "DEFAULT"
             self.actors.append(
                 agent.options(
                     name=name,
                     namespace=NAMESPACE,
                     num_cpus=self.bundle["CPU"],
                     num_gpus=self.bundle.get("GPU", 0),  # Ray sets CUDA_VISIBLE_DEVICES to the bundle's GPUs
+                    memory=self.bundle.get("memory"),
                     resources=custom,
                     max_concurrency=4,  # output waits while the follower reads files
                     max_restarts=0,
                     runtime_env=self.cfg.launch.ray.runtime_env or None,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+                    scheduling_strategy=where,
                 ).remote()
             )
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from lmyard.config import RunConfig
 from lmyard.stages import (
     EXCHANGE_ENV,
     EvalResult,
@@ -60,11 +61,35 @@ def shard(spec: ShardSpec) -> ShardResult:
         if exchange is not None:
             exchange.write("progress.json", ShardProgress(**dataclasses.asdict(p)))
 
-    shards, reused = sharding.tokenize_and_shard(spec.config, log=_say, progress=progress)
+    config, start_pool, pools = _on_ray(spec.config)
+    shards, reused = sharding.tokenize_and_shard(config, log=_say, progress=progress, start_pool=start_pool)
+    nodes = [n for p in pools for n in p.nodes]
+    if nodes:
+        _say(f"read {len(nodes)} pieces on {len(set(nodes))} Ray nodes")
     _say(f"shard set {shards.address} at {shards.uri} ({shards.tokens('train'):,} train tokens)")
     return ShardResult(
-        shards=shards, reused=reused, train_tokens=shards.tokens("train"), val_tokens=shards.tokens("val")
+        shards=shards,
+        reused=reused,
+        train_tokens=shards.tokens("train"),
+        val_tokens=shards.tokens("val"),
+        ray_nodes=nodes,
     )
+
+
+def _on_ray(config: RunConfig) -> tuple[RunConfig, Callable | None, list]:
+    """On launch.backend=ray the read pieces run as Ray tasks over the cluster's nodes (lmyard.data.raypool), as
+    many at a time as its CPUs (or data.num_proc): the config, the pool's maker, the pools it made."""
+    pools: list = []
+    if config.launch.backend != "ray":
+        return config, None, pools
+    from lmyard.data import raypool
+
+    def start(num_proc: int, initargs: tuple) -> raypool.RayPool:
+        pools.append(raypool.RayPool(num_proc, initargs))
+        return pools[-1]
+
+    data = config.data.model_copy(update={"num_proc": config.data.num_proc or raypool.cluster_cpus()})
+    return config.model_copy(update={"data": data}), start, pools
 
 
 def evaluate(spec: EvalSpec) -> EvalResult:

@@ -105,6 +105,9 @@ class ShardResult(Contract):
     reused: bool = Field(description="The shard set was already at its address: nothing was tokenized.")
     train_tokens: int
     val_tokens: int
+    ray_nodes: list[str] = Field(
+        default_factory=list, description="launch.backend=ray: the Ray node id that read each piece, in order."
+    )
 
 
 class ExportResult(Contract):
