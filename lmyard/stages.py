@@ -16,7 +16,7 @@ result back; training runs under torchrun on every node
 process. The log says what happens, for people.
 
 The bodies live where their subject does (lmyard.data.sharding,
-lmyard.train.stage, lmyard.evaluate.evals, lmyard.export.hf); this module
+lmyard.train.stage, lmyard.evaluate.evaluator, lmyard.export.hf); this module
 only turns a spec into their call and their answer into a result.
 """
 
@@ -69,11 +69,9 @@ def shard(spec: ShardSpec) -> ShardResult:
 
 
 def evaluate(spec: EvalSpec) -> EvalResult:
-    from lmyard.evaluate import evals
+    from lmyard.evaluate import evaluator
 
-    result = evals.evaluate_latest(spec.config, spec.shards, spec.step)
-    _say(f"step {result.step}: val loss {result.val_loss:.4f} ({result.checkpoint})")
-    return result
+    return evaluator.evaluate_latest(spec.config, spec.shards, spec.step)  # the evaluate task says the result
 
 
 def export(spec: ExportSpec) -> ExportResult:

@@ -118,10 +118,10 @@ def test_run_has_its_dataset_input_and_logged_models(served_run):
     assert set(by_name) == {"smoke-step-00000003", "smoke-step-00000006", NAME}
     # each evaluated checkpoint's model carries its step's metrics; the registered one the final step's
     step3 = {m.key: m.step for m in by_name["smoke-step-00000003"].metrics}
-    assert step3["eval/val_loss"] == 3
+    assert step3["loss/eval"] == 3
     final = {m.key: m.value for m in by_name[NAME].metrics if m.step == 6}
-    evaluated = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/val_loss")}
-    assert final["eval/val_loss"] == evaluated[6] and sorted(evaluated) == [3, 6]  # linked, not logged twice
+    evaluated = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss/eval")}
+    assert final["loss/eval"] == evaluated[6] and sorted(evaluated) == [3, 6]  # linked, not logged twice
     assert {o.model_id for o in run.outputs.model_outputs} == {m.model_id for m in models}
 
 

@@ -33,16 +33,16 @@ def test_flow_runs_end_to_end_and_tracks_the_run(prefect_api_url, tmp_path, monk
     assert run.info.status == "FINISHED"
     assert run.data.params["train.max_steps"] == "6"
     assert run.data.tags["lmyard.shard_address"] == summary.shard_address
-    losses = client.get_metric_history(run.info.run_id, "train/loss")
+    losses = client.get_metric_history(run.info.run_id, "loss/train")
     assert [m.step for m in losses] == [1, 2, 3, 4, 5, 6]
-    val = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val/loss")}
+    val = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss/val")}
     assert sorted(val) == [3, 6]
     # every checkpoint is evaluated; its val loss is the trainer's own val loss at that step
-    evaluated = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/val_loss")}
+    evaluated = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss/eval")}
     assert sorted(evaluated) == [3, 6]
     assert evaluated == {s: pytest.approx(val[s], rel=1e-5) for s in (3, 6)}
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config.yaml", "summary.json", "samples", "shards", "evals", "plots", "attempts.json"} <= artifacts
+    assert {"config.yaml", "summary.json", "shards", "evals", "plots", "attempts.json"} <= artifacts
     # registered at the final checkpoint, but a failed gate (val loss far above 0.01) withholds the alias
     version = client.get_model_version("smoke", "1")
     assert version.source.startswith("models:/m-")  # the exported model, logged in MLflow
@@ -138,5 +138,5 @@ def test_a_failed_evaluation_is_recorded_and_does_not_fail_a_finished_training(p
     run = client.get_run(summary.mlflow_run_id)
     assert run.info.status == "FINISHED"
     assert "does not exist" in run.data.tags["lmyard.eval_failed.step_00000006"]
-    assert client.get_metric_history(run.info.run_id, "eval/val_loss") == []
+    assert client.get_metric_history(run.info.run_id, "loss/eval") == []
     assert client.get_model_version("smoke", "1").tags["lmyard.checkpoint"] == summary.checkpoint

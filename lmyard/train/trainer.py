@@ -216,7 +216,7 @@ class Trainer:
         )
         self.validator.last = (step, loss)
         if self.d.is_main:
-            self.sink.log({"val/loss": loss}, step)
+            self.sink.log({"loss/val": loss}, step)
             print(f"step {step} | val loss {loss:.4f}", flush=True)
         self.logger.restart(self.batches.waited_s)
 

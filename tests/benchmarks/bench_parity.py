@@ -261,7 +261,7 @@ def lmyard_run(cfg, shards) -> dict:
     with contextlib.redirect_stdout(sys.stderr):
         Trainer(cfg, shards, None, setup_distributed(cfg), sink).train()
     steps = cfg.train.max_steps
-    return {"train": [sink.points["train/loss"][s] for s in range(1, steps + 1)], "val": sink.points["val/loss"][steps]}
+    return {"train": [sink.points["loss/train"][s] for s in range(1, steps + 1)], "val": sink.points["loss/val"][steps]}
 
 
 def settings(a: argparse.Namespace, work: Path, corpus: Path) -> list[str]:
