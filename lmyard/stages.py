@@ -45,6 +45,15 @@ from lmyard.contracts import (
     run_stage,
 )
 
+# the stages' output is a log a person reads line by line: third-party progress bars (tqdm: lm-eval, datasets,
+# transformers, the Hugging Face hub) would each draw a line per update there; an operator's own setting wins
+QUIET_BARS = {
+    "TQDM_DISABLE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+}
+
 
 def _say(text: str) -> None:
     print(text, flush=True)
@@ -101,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_stage(args.spec)
     cls, body = STAGES[args.stage]
+    for key, value in QUIET_BARS.items():
+        os.environ.setdefault(key, value)
     out = args.out or os.path.join(os.environ.get(EXCHANGE_ENV, "."), "result.json")
     # the spec is read inside run_stage: one that does not validate ends with a result file too
     return run_stage(lambda: body(read_spec(cls, args.spec)), out)

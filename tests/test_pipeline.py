@@ -94,6 +94,15 @@ def test_killed_run_resumes_from_its_checkpoint_without_retokenizing(cli_env, tm
     assert "OMP_NUM_THREADS" not in out
     assert "\x1b[" not in out
     assert str(tmp_path / "store") not in out
+    # each event printed once: a line (less its time) never repeats; each evaluation's val loss once; the final
+    # checkpoint's samples only (MLflow has every checkpoint's); no third-party progress bar; a short read
+    events = [line[9:] for line in out.splitlines() if line[:2].isdigit() and line[8:9] == " "]
+    assert len(events) == len(set(events)), [e for e in events if events.count(e) > 1]
+    evaluated = [e for e in events if ": val loss " in e and e.startswith("evaluate-step-")]
+    assert evaluated and len(evaluated) == len({e.split(":")[0] for e in evaluated}), evaluated
+    assert {e.split(" sample after ")[0] for e in events if " sample after " in e} == {"evaluate-step-20: step 20"}
+    assert "it/s]" not in out and "%|" not in out
+    assert len(out.splitlines()) <= 120, out
     last = second.stdout.strip().splitlines()[-1]
     assert last.startswith("lmyard: look at it: mlflow ui --backend-store-uri sqlite:///") and "models:/smoke/" in last
     assert complete_steps(store, "smoke")[-1] == 20
