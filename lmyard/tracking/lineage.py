@@ -333,7 +333,9 @@ class Lineage:
         self.client.log_outputs(self.mlflow_run_id, [LoggedModelOutput(model.model_id, step)])
         return model.model_id
 
-    def link_metrics(self, model_id: str, step: int, prefixes: tuple[str, ...] = ("eval/", "val/")) -> None:
+    def link_metrics(
+        self, model_id: str, step: int, prefixes: tuple[str, ...] = ("eval/", schema.VAL_LOSS, schema.EVAL_LOSS)
+    ) -> None:
         """Link the run's metrics at `step` (those under `prefixes`) to a logged model, as MLflow's log_model does:
         the same points again with the model's id; the run's own history keeps one point per step."""
         from mlflow.entities import Metric
