@@ -70,8 +70,7 @@ def shard(spec: ShardSpec) -> ShardResult:
         if exchange is not None:
             exchange.write("progress.json", ShardProgress(**dataclasses.asdict(p)))
 
-    shards, reused = sharding.tokenize_and_shard(spec.config, log=_say, progress=progress)
-    _say(f"shard set {shards.address} at {shards.uri} ({shards.tokens('train'):,} train tokens)")
+    shards, reused = sharding.tokenize_and_shard(spec.config, log=_say, progress=progress)  # it says the set
     return ShardResult(
         shards=shards, reused=reused, train_tokens=shards.tokens("train"), val_tokens=shards.tokens("val")
     )
