@@ -1,9 +1,9 @@
 """The names a lineage's MLflow run is read by: its metrics, tags and artifacts.
 
-The run page reads as a training run: the losses first, in one section (MLflow groups metrics by the part
-before `/`): `loss/train` (the trainer, every log step), `loss/val` (the trainer, every eval.interval) and
-`loss/eval` (the evaluator, every checkpoint: the same routine as `loss/val`); the rest after (`train/*`,
-`checkpoint/*`, `eval/*`, `harness/*`). No metric is a timestamp. Bookkeeping (which checkpoint of a step was
+The run page reads as a training run: the losses in one section (MLflow groups metrics by the part before
+`/`): `loss/train` (the trainer, every log step), `loss/val` (the trainer, every eval.interval) and
+`loss/eval` (the evaluator, every checkpoint: the same routine as `loss/val`); the rest in their own
+(`checkpoint/*`, `eval/*`, `harness/*`, the trainer's unprefixed ones). No metric is a timestamp. Bookkeeping (which checkpoint of a step was
 recorded and evaluated: a step trained again after a fallback holds another one) is no run tag: it is the
 JSON artifact BOOKKEEPING (lmyard.tracking.bookkeeping), out of the run page's way.
 """
@@ -14,7 +14,6 @@ TRAIN_LOSS = "loss/train"
 VAL_LOSS = "loss/val"
 EVAL_LOSS = "loss/eval"
 LOSSES = (TRAIN_LOSS, VAL_LOSS, EVAL_LOSS)
-TRAIN = "train/"  # the trainer's other metrics: train/lr, train/grad_norm, train/tokens_per_s, ...
 EVAL_SECONDS = "eval/seconds"
 EVALUATED = EVAL_LOSS  # the metric whose steps say which checkpoints have been evaluated
 
