@@ -2,7 +2,7 @@
 
 A checkpoint is recorded once per lineage: a task retry, or a rerun of the lineage that meets a checkpoint an
 earlier attempt recorded, logs nothing again. A checkpoint is its step *and* its commit time
-(`checkpoint/committed`, from its manifest): a step trained again after a fallback (the damaged checkpoint
+(from its manifest, kept in the run's bookkeeping artifact, lmyard.tracking.bookkeeping): a step trained again after a fallback (the damaged checkpoint
 moved to runs/<run>/damaged/) is another checkpoint, recorded at the same step.
 """
 
@@ -15,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from lmyard.checkpoint import catalog
 from lmyard.config import RunConfig
 from lmyard.run import Run
+from lmyard.tracking import bookkeeping
 from lmyard.tracking.lineage import Lineage
 from tasks._common import artifact_key
 from tasks.results import CheckpointReport
@@ -35,9 +36,9 @@ def record_checkpoint(config: RunConfig, lineage: Lineage, step: int) -> Checkpo
         metrics["checkpoint/serialize_s"] = report.serialize_s
     if report.upload_s is not None:
         metrics["checkpoint/upload_s"] = report.upload_s
-    if report.committed is not None:
-        metrics["checkpoint/committed"] = report.committed  # which checkpoint of this step (see the module doc)
-    lineage.log_metrics(metrics, step)  # one batch: all of them or none
+    if report.committed is not None:  # which checkpoint of this step (see the module doc): no metric, no tag
+        bookkeeping.update(lineage, step, recorded=report.committed)
+    lineage.log_metrics(metrics, step)  # one batch: all of them or none; after the bookkeeping
     lineage.set_tags({"lmyard.latest_checkpoint": report.uri})
     create_table_artifact(
         key=artifact_key(config.run_name, f"checkpoint-step-{step:08d}"),
@@ -53,9 +54,9 @@ def record_checkpoint(config: RunConfig, lineage: Lineage, step: int) -> Checkpo
 
 def _recorded(lineage: Lineage, report: CheckpointReport) -> bool:
     """Whether this checkpoint's metrics are on the lineage's run already: its step has checkpoint/bytes and,
-    when its manifest has a commit time, checkpoint/committed holds that time at its step."""
+    when its manifest has a commit time, the bookkeeping holds that time at its step."""
     history = lineage.client.get_metric_history
     if all(m.step != report.step for m in history(lineage.ref.mlflow_run_id, "checkpoint/bytes")):
         return False
-    committed = {m.value for m in history(lineage.ref.mlflow_run_id, "checkpoint/committed") if m.step == report.step}
+    committed = set(bookkeeping.recorded(lineage, report.step))
     return report.committed is None or not committed or report.committed in committed

@@ -1,11 +1,15 @@
 """Evaluate checkpoints (the evaluate stage, launched on config.launch.backend) and log the results to the
 lineage's MLflow run. An evaluation that fails is recorded, never raised: it does not fail the training run.
 
-Each checkpoint is evaluated and logged once per lineage. A checkpoint is its step and its manifest's commit
-time: the run tag `lmyard.evaluated.step_N` holds the commit time of the checkpoint evaluated at step N. After
-a fallback (a damaged checkpoint moved to runs/<run>/damaged/, its step trained again) the step holds another
-checkpoint: it is evaluated again, its results logged at the same step after the damaged one's, which is marked
-(the run tag `lmyard.eval_of_damaged.step_N`, its logged model FAILED with `lmyard.checkpoint_damaged`).
+Each checkpoint is evaluated and logged once per lineage (what is logged: lmyard.tracking.evaluations). A
+checkpoint is its step and its manifest's commit time: the run's bookkeeping (lmyard.tracking.bookkeeping)
+holds the commit time of the checkpoint evaluated at step N. After a fallback (a damaged checkpoint moved to
+runs/<run>/damaged/, its step trained again) the step holds another checkpoint: it is evaluated again, its
+results logged at the same step after the damaged one's, which is marked (the run tag
+`lmyard.eval_of_damaged.step_N`, its logged model FAILED with `lmyard.checkpoint_damaged`).
+
+The terminal gets each result once (the stage says nothing of it) and the samples of the final checkpoint
+only; MLflow keeps every checkpoint's.
 """
 
 from __future__ import annotations
@@ -28,13 +32,11 @@ from lmyard.errors import one_line
 from lmyard.run import Run
 from lmyard.stages import EvalResult, EvalSpec
 from lmyard.store import Store
-from lmyard.tracking.lineage import DAMAGED_TAG, Lineage
+from lmyard.tracking.evaluations import evaluated_checkpoints, log_evaluation, mark_damaged_evaluation, record_failure
+from lmyard.tracking.lineage import Lineage
 from tasks._common import artifact_key, launch_stage
 from tasks.results import Evaluation
 
-EVALUATED = "eval/val_loss"  # the metric whose steps say which checkpoints have been evaluated
-EVALUATED_COMMIT = "lmyard.evaluated.step_{:08d}"  # run tag: the commit time of the checkpoint evaluated there
-DAMAGED_EVALUATION = "lmyard.eval_of_damaged.step_{:08d}"  # run tag: the step's earlier result was of a damaged one
 OUTAGE_WARN_EVERY_S = 30.0  # a store that stays unreachable is said once, then again at this pace
 
 
@@ -47,7 +49,7 @@ def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: Lineage, s
     try:
         commit = commit_id(run.store, run.name, step)  # before: which checkpoint is read
         result = launch_stage(EvalSpec(config=config, shards=shards, step=step), logger.info)
-        _record(run, lineage, result, commit)
+        _record(run, config.train.max_steps, lineage, result, commit)
     except Exception as e:  # any failure of this evaluation: recorded below; interrupts and cancellation pass
         error = f"{type(e).__name__}: {one_line(e)}"
         logger.error(f"evaluation of step {step} failed; training goes on: {error}")
@@ -67,13 +69,7 @@ def commit_id(store: Store, run_name: str, step: int) -> str:
     return "" if committed is None else repr(committed)
 
 
-def evaluated_checkpoints(lineage: Lineage) -> dict[int, str | None]:
-    """step -> the commit id of the checkpoint evaluated at that step (None: logged before ids were)."""
-    tags = lineage.client.get_run(lineage.ref.mlflow_run_id).data.tags
-    return {step: tags.get(EVALUATED_COMMIT.format(step)) for step in lineage.metric_history(EVALUATED)}
-
-
-def _record(run: Run, lineage: Lineage, result: EvalResult, commit: str) -> None:
+def _record(run: Run, final_step: int, lineage: Lineage, result: EvalResult, commit: str) -> None:
     """The result to MLflow (once per checkpoint: a retried attempt's repeat is not logged again) and Prefect."""
     logger, step = get_run_logger(), result.step
     earlier = evaluated_checkpoints(lineage)
@@ -81,8 +77,13 @@ def _record(run: Run, lineage: Lineage, result: EvalResult, commit: str) -> None
         logger.info(f"step {step} was evaluated by an earlier attempt; its results are not logged again")
         return
     if step in earlier:  # the step was trained again after a fallback: the earlier result is a damaged one's
-        _mark_damaged_evaluation(run, lineage, step, logger.warning)
-    _log_to_mlflow(lineage, result, commit)
+        moved = catalog.damaged(run.store, run.name).get(step, [])
+        where = moved[-1] if moved else "the damaged folder"
+        logger.warning(
+            f"step {step} was trained again after its checkpoint was found damaged ({where}); evaluating the new one"
+        )
+        mark_damaged_evaluation(lineage, step, where)
+    log_evaluation(lineage, result, commit)
     create_table_artifact(
         key=artifact_key(run.name, f"eval-step-{step:08d}"),
         table=_table(result),
@@ -94,26 +95,15 @@ def _record(run: Run, lineage: Lineage, result: EvalResult, commit: str) -> None
         + (f", HellaSwag acc {hs.acc:.3f} acc_norm {hs.acc_norm:.3f} ({hs.n} examples)" if hs else "")
         + f" in {result.eval_s:.1f} s on {result.device} ({result.checkpoint})"
     )
-    for sample in result.samples:
-        logger.info(console.sample_text(step, sample.prompt, sample.completion))
-
-
-def _mark_damaged_evaluation(run: Run, lineage: Lineage, step: int, warn) -> None:
-    """The evaluation logged earlier at `step` was of a checkpoint since moved aside as damaged: say so on the
-    run and retire its logged model, before the new checkpoint's results are logged at the same step."""
-    moved = catalog.damaged(run.store, run.name).get(step, [])
-    where = moved[-1] if moved else "the damaged folder"
-    warn(f"step {step} was trained again after its checkpoint was found damaged ({where}); evaluating the new one")
-    note = f"the results logged at step {step} before {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} are of a "
-    lineage.set_tags({DAMAGED_EVALUATION.format(step): note + f"damaged checkpoint, moved to {where}"})
-    lineage.retire_checkpoint_models([step], tag=DAMAGED_TAG)
+    if step == final_step:  # the final checkpoint's samples; MLflow has every checkpoint's
+        for sample in result.samples:
+            logger.info(console.sample_text(step, sample.prompt, sample.completion))
 
 
 def _record_failure(lineage: Lineage, step: int, error: str, warn) -> None:
     """The failed evaluation on the lineage's MLflow run: a tag per step and evals/failed_step_N.json."""
     try:
-        lineage.set_tags({f"lmyard.eval_failed.step_{step:08d}": error[:4000]})
-        lineage.log_dict({"step": step, "error": error}, f"evals/failed_step_{step:08d}.json")
+        record_failure(lineage, step, error)
     except Exception as e:  # the tracking server itself is down: the flow's result still holds the failure
         warn(f"could not record the failed evaluation of step {step} in MLflow: {one_line(e)}")
 
@@ -179,45 +169,6 @@ def _unevaluated(store: Store, run_name: str, done: dict[int, str | None], final
 def outage_budget_s(config: RunConfig) -> float:
     """The seconds a store may stay unreachable: what the trainer's upload retries wait (1, 2, 4 ... 30 s)."""
     return upload_backoff().total(config.checkpoint.upload_retries + 1) + 30.0
-
-
-def _log_to_mlflow(lineage: Lineage, r: EvalResult, commit: str = "") -> None:
-    step, hs = r.step, r.hellaswag
-    metrics = {"eval/val_loss": r.val_loss, "eval/seconds": r.eval_s}
-    if hs:
-        metrics.update({"eval/hellaswag_acc": hs.acc, "eval/hellaswag_acc_norm": hs.acc_norm})
-    # the checkpoint is referenced by its URI, not copied
-    row = {
-        "step": [step],
-        "checkpoint": [r.checkpoint],
-        "tokens_seen": [r.tokens_seen],
-        "val_loss": [r.val_loss],
-        "trainer_val_loss": [r.trainer_val_loss],
-        "hellaswag_acc": [hs.acc if hs else None],
-        "hellaswag_acc_norm": [hs.acc_norm if hs else None],
-    }
-    # one table file per checkpoint: appending to one file would download it each time
-    lineage.log_table(row, f"evals/table_step_{step:08d}.json")
-    lineage.log_table(
-        {
-            "step": [step] * len(r.samples),
-            "prompt": [s.prompt for s in r.samples],
-            "completion": [s.completion for s in r.samples],
-        },
-        f"evals/samples_step_{step:08d}.json",
-    )
-    lineage.log_dict(r.model_dump(mode="json"), f"evals/step_{step:08d}.json")
-    text = "\n\n".join(f"### {s.prompt}\n{s.prompt}{s.completion}" for s in r.samples)
-    lineage.log_text(text, f"samples/step_{step:08d}.md")
-    metrics.update({f"harness/{k}": v for k, v in (r.harness.metrics if r.harness else {}).items()})
-    lineage.set_tags({"lmyard.latest_evaluated_checkpoint": r.checkpoint, EVALUATED_COMMIT.format(step): commit})
-    # the checkpoint as an MLflow logged model (a pointer, no weights), its metrics linked to it
-    model_id = lineage.log_checkpoint_model(
-        step,
-        r.checkpoint,
-        {"checkpoint": r.checkpoint, "step": step, "tokens_seen": r.tokens_seen, "val_loss": r.val_loss},
-    )
-    lineage.log_metrics(metrics, step, model_id=model_id)  # last: its step marks the checkpoint as evaluated
 
 
 def _table(r: EvalResult) -> list[dict]:

@@ -29,9 +29,7 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: Lineage, final:
     name = config.tracking.registered_model or config.run_name
     gates = {
         k: Gate(**g)
-        for k, g in gate_results(
-            config.eval.gates, final.result.model_dump() if final.result is not None else {}
-        ).items()
+        for k, g in gate_results(config.eval.gates, final.result.metrics if final.result is not None else {}).items()
     }
     with tempfile.TemporaryDirectory(prefix="lmyard-register-", ignore_cleanup_errors=True) as tmp:
         folder = os.path.join(tmp, "hf_model")  # its name in the logged model: artifacts/hf_model

@@ -32,5 +32,6 @@ def retain_checkpoints(config: RunConfig, step: int, evaluated: bool, final: boo
         get_run_logger().info(f"retention deleted checkpoints {deleted} of {config.run_name}")
         lineage = Lineage.find(config.tracking.uri, run.store, run.name)
         if lineage is not None:  # their logged models point at nothing now: the UI must not offer them
-            lineage.retire_checkpoint_models(deleted)
+            keep = f"checkpoint.keep_last={config.checkpoint.keep_last}, checkpoint.keep_best={config.checkpoint.keep_best}"
+            lineage.retire_checkpoint_models(deleted, reason=f"deleted by checkpoint retention ({keep})")
     return deleted

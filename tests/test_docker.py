@@ -169,7 +169,7 @@ def test_two_containers_on_a_bridge_network_train_and_checkpoint_to_a_mounted_st
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(cfg.tracking.uri)
-    history = client.get_metric_history(lineage.ref.mlflow_run_id, "train/loss")
+    history = client.get_metric_history(lineage.ref.mlflow_run_id, "loss/train")
     assert [m.step for m in history] == list(range(1, 13))
     # each node's system metrics, sampled inside its container
     for node in ("node0", "node1"):

@@ -57,13 +57,13 @@ def test_hellaswag_scoring_reproduces_a_hand_computation():
     examples = evals.read_hellaswag(str(FIXTURE))
     result = evals.hellaswag(model, enc, examples)
 
-    for row, sums, lens in zip(result["rows"], expected_sums, lengths):
-        assert row["losses"] == pytest.approx(sums, abs=1e-3)
-        assert row["mean_losses"] == pytest.approx([s / n for s, n in zip(sums, lens)], abs=1e-3)
+    for row, sums, lens in zip(result.rows, expected_sums, lengths):
+        assert row.losses == pytest.approx(sums, abs=1e-3)
+        assert row.mean_losses == pytest.approx([s / n for s, n in zip(sums, lens)], abs=1e-3)
     # example 0 (label 3): the shortest ending has the lowest sum (2), the all-"a" one the lowest mean (3)
     # example 1 (label 0): " a" is lowest by both
-    assert [(r["pred"], r["pred_norm"]) for r in result["rows"]] == [(2, 3), (0, 0)]
-    assert result["acc"] == 0.5 and result["acc_norm"] == 1.0 and result["n"] == 2
+    assert [(r.pred, r.pred_norm) for r in result.rows] == [(2, 3), (0, 0)]
+    assert result.acc == 0.5 and result.acc_norm == 1.0 and result.n == 2
 
 
 def test_long_contexts_lose_their_start_and_keep_the_ending():
@@ -86,11 +86,11 @@ def test_hellaswag_limit_and_bad_examples(tmp_path):
 
 
 def test_gates_pass_only_when_every_configured_gate_holds():
-    result = {"val_loss": 2.0, "hellaswag": {"acc_norm": 0.3}}
+    result = {"loss/eval": 2.0, "eval/hellaswag_acc_norm": 0.3}
     assert gate_results(EvalGates(), result) == {}
     ok = gate_results(EvalGates(val_loss_max=2.5, hellaswag_acc_norm_min=0.25), result)
     assert all(g["passed"] for g in ok.values())
     failed = gate_results(EvalGates(val_loss_max=1.5), result)
     assert failed["val_loss_max"] == {"value": 2.0, "limit": 1.5, "passed": False}
-    unmeasured = gate_results(EvalGates(hellaswag_acc_norm_min=0.1), {"val_loss": 2.0})
+    unmeasured = gate_results(EvalGates(hellaswag_acc_norm_min=0.1), {"loss/eval": 2.0})
     assert not unmeasured["hellaswag_acc_norm_min"]["passed"]

@@ -64,6 +64,7 @@ def test_a_step_trained_again_after_a_fallback_is_evaluated_again_and_its_damage
 
     from flows.pretrain import pretrain
     from lmyard.checkpoint.catalog import read_manifest
+    from lmyard.tracking.evaluations import evaluated_checkpoints
 
     monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
     run = "refallback"
@@ -86,19 +87,21 @@ def test_a_step_trained_again_after_a_fallback_is_evaluated_again_and_its_damage
 
     client = MlflowClient(cfg.tracking.uri)
     # step 8 evaluated twice in all: the damaged checkpoint (first run), the one trained again (second run)
-    evaluated = client.get_metric_history(first.mlflow_run_id, "eval/val_loss")
+    evaluated = client.get_metric_history(first.mlflow_run_id, "loss/eval")
     assert sorted(m.step for m in evaluated) == [4, 8, 8, 12]
     tags = client.get_run(first.mlflow_run_id).data.tags
-    assert tags["lmyard.evaluated.step_00000008"] == repr(read_manifest(store, run, 8).committed)
+    assert not [k for k in tags if k.startswith("lmyard.evaluated")]  # bookkeeping is no run tag
+    lineage = Lineage.find(cfg.tracking.uri, store, run)
+    assert lineage is not None and evaluated_checkpoints(lineage)[8] == repr(read_manifest(store, run, 8).committed)
     assert f"runs/{run}/damaged/step_00000008-" in tags["lmyard.eval_of_damaged.step_00000008"]
     models = client.search_logged_models([client.get_run(first.mlflow_run_id).info.experiment_id])
     at_8 = sorted(
         (str(m.status), m.tags.get("lmyard.checkpoint_damaged")) for m in models if m.tags.get("lmyard.step") == "8"
     )
-    assert at_8 == [("FAILED", "true"), ("READY", None)]
+    assert at_8[1] == ("READY", None) and at_8[0][0] == "FAILED" and "found damaged" in at_8[0][1]
     # a third run of the finished lineage evaluates nothing again
     third = pretrain(config=load_recipe("smoke", [*overrides, "train.max_steps=12"]))
     assert third.steps == 12
-    assert sorted(m.step for m in client.get_metric_history(first.mlflow_run_id, "eval/val_loss")) == [4, 8, 8, 12]
+    assert sorted(m.step for m in client.get_metric_history(first.mlflow_run_id, "loss/eval")) == [4, 8, 8, 12]
     # and records each checkpoint once: step 8 twice (two checkpoints), the final step 12 not again
     assert sorted(m.step for m in client.get_metric_history(first.mlflow_run_id, "checkpoint/bytes")) == [4, 8, 8, 12]

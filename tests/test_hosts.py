@@ -326,7 +326,7 @@ def test_two_hosts_train_one_node_each_and_end_at_the_val_loss_of_two_local_rank
     for k, v in services.s3.env.items():
         monkeypatch.setenv(k, v)
     assert complete_steps(open_store(f"s3://{bucket}/lmyard"), "two-hosts") == [3, 6]
-    history = MlflowClient(services.mlflow_here).get_metric_history(launched["mlflow_run_id"], "train/loss")
+    history = MlflowClient(services.mlflow_here).get_metric_history(launched["mlflow_run_id"], "loss/train")
     assert [m.step for m in history] == list(range(1, 7))
 
     # the same config, two ranks on this machine

@@ -133,7 +133,7 @@ def test_two_runs_of_one_lineage_one_refused_the_other_intact(cli_env, tmp_path)
             assert store.sha256(f"{step_prefix('smoke', step)}/{name}") == meta.sha256
     run_id = json.loads(store.read_bytes("runs/smoke/lineage.json"))["mlflow_run_id"]
     history = [
-        m.step for m in MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(run_id, "train/loss")
+        m.step for m in MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(run_id, "loss/train")
     ]
     assert sorted(history) == list(range(1, 7))
 
@@ -280,9 +280,9 @@ def test_a_run_whose_flow_stalled_past_the_ttl_stops_and_nothing_is_written_twic
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_id = json.loads(store.read_bytes("runs/smoke/lineage.json"))["mlflow_run_id"]
     keys = list(client.get_run(run_id).data.metrics)
-    for key in [k for k in keys if k.startswith(("checkpoint/", "train/loss"))]:
+    for key in [k for k in keys if k.startswith(("checkpoint/", "loss/train"))]:
         steps = [m.step for m in client.get_metric_history(run_id, key)]
         assert len(steps) == len(set(steps)), (key, sorted(steps))  # no step logged twice
-    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == list(range(1, 10))
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss/train")) == list(range(1, 10))
     versions = client.search_model_versions()
     assert len(versions) == 1, [(v.name, v.version, v.tags) for v in versions]  # only the second registered

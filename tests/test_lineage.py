@@ -26,7 +26,7 @@ def _kill_training_after(
     store, run_name: str, tracking_uri: str, step: int, killed: list[int], timeout: float = 300
 ) -> None:
     """SIGKILL the trainer (torchrun and its ranks) mid-run: once the checkpoint of `step` exists and MLflow
-    holds train/loss past it, so the next attempt repeats steps the first one logged."""
+    holds loss/train past it, so the next attempt repeats steps the first one logged."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         time.sleep(0.05)
@@ -35,7 +35,7 @@ def _kill_training_after(
             continue
         run_id = json.loads(store.read_bytes(f"runs/{run_name}/lineage.json"))["mlflow_run_id"]
         logged = {m.key: m.step for m in MlflowClient(tracking_uri).get_run(run_id).data._metric_objs}
-        if logged.get("train/loss", 0) <= steps[-1]:
+        if logged.get("loss/train", 0) <= steps[-1]:
             continue
         for proc in psutil.Process().children(recursive=True):
             try:
@@ -111,12 +111,12 @@ def test_killed_training_is_retried_as_one_mlflow_run_with_two_attempts(
     assert tags["lmyard.attempt.2.nodes"] == "1"
 
     # a continuous loss history: every step once, though the second attempt repeated some
-    losses = client.get_metric_history(run.info.run_id, "train/loss")
+    losses = client.get_metric_history(run.info.run_id, "loss/train")
     assert sorted(m.step for m in losses) == list(range(1, 201))
 
     # every checkpoint evaluated, at its step; the evaluator's val loss is the trainer's own
-    val = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val/loss")}
-    evaluated = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/val_loss")}
+    val = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss/val")}
+    evaluated = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss/eval")}
     assert sorted(evaluated) == [50, 100, 150, 200]
     assert evaluated == {s: pytest.approx(val[s], rel=1e-5) for s in evaluated}
     # retention ran in the flow after each evaluation: the last two and the best are left, each evaluated
@@ -132,13 +132,17 @@ def test_killed_training_is_retried_as_one_mlflow_run_with_two_attempts(
 
     # artifacts in the S3-backed artifact store; checkpoints only referenced by URI
     top = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config.yaml", "shards", "evals", "samples", "plots", "summary.json", "attempts.json"} <= top
-    for s in (50, 100, 150, 200):
-        path = client.download_artifacts(run.info.run_id, f"evals/table_step_{s:08d}.json", str(tmp_path))
-        table = json.loads(Path(path).read_text())
-        row = dict(zip(table["columns"], table["data"][0]))
-        assert row["step"] == s and row["checkpoint"] == store.uri(step_prefix(run_name, s))
+    assert {"config.yaml", "shards", "evals", "plots", "summary.json", "attempts.json"} <= top
+    path = client.download_artifacts(run.info.run_id, "evals/checkpoints.json", str(tmp_path))
+    table = json.loads(Path(path).read_text())
+    rows = {r["step"]: r for r in (dict(zip(table["columns"], data)) for data in table["data"])}
+    assert sorted(rows) == [50, 100, 150, 200]  # one table, a row per evaluated checkpoint
+    for s, row in rows.items():
+        assert row["checkpoint"] == store.uri(step_prefix(run_name, s))
         assert row["val_loss"] == pytest.approx(val[s], rel=1e-5)
+    path = client.download_artifacts(run.info.run_id, "evals/samples.json", str(tmp_path))
+    samples = json.loads(Path(path).read_text())
+    assert sorted({row[samples["columns"].index("step")] for row in samples["data"]}) == [50, 100, 150, 200]
     assert not any(a.path.endswith(".pt") for a in client.list_artifacts(run.info.run_id, "evals"))
 
     # the registered version is the final checkpoint's export, logged in the S3 artifact store; the gate
@@ -177,6 +181,7 @@ def test_checkpoint_metrics_are_logged_once_per_checkpoint_across_reruns(prefect
     """Issue 23: a rerun (or a retry) of the checkpoint stage for a checkpoint already recorded logs nothing
     again; a checkpoint trained again at the same step after a fallback is another checkpoint, recorded."""
     from lmyard.checkpoint.catalog import quarantine
+    from lmyard.tracking import bookkeeping
     from lmyard.tracking.lineage import Lineage
     from tasks.checkpoint import record_checkpoint
 
@@ -192,13 +197,12 @@ def test_checkpoint_metrics_are_logged_once_per_checkpoint_across_reruns(prefect
         record_checkpoint(cfg, lineage, step)
 
     client = MlflowClient(mlflow_server.uri)
-    for key in ("checkpoint/bytes", "checkpoint/committed"):
-        assert sorted(m.step for m in client.get_metric_history(lineage.ref.mlflow_run_id, key)) == [2, 4]
+    assert sorted(m.step for m in client.get_metric_history(lineage.ref.mlflow_run_id, "checkpoint/bytes")) == [2, 4]
+    assert [len(bookkeeping.recorded(lineage, s)) for s in (2, 4)] == [1, 1]
+    assert client.get_metric_history(lineage.ref.mlflow_run_id, "checkpoint/committed") == []  # no timestamp metric
 
     quarantine(store, cfg.run_name, 4)  # the fallback: step 4 moved aside, then trained again
     _save_tiny_checkpoint(store, cfg.run_name, 4, tmp_path / "stage2")
     record_checkpoint(cfg, lineage, 4)
     record_checkpoint(cfg, lineage, 4)
-    committed = client.get_metric_history(lineage.ref.mlflow_run_id, "checkpoint/committed")
-    assert sorted(m.step for m in committed) == [2, 4, 4]
-    assert len({m.value for m in committed if m.step == 4}) == 2
+    assert len(set(bookkeeping.recorded(lineage, 4))) == 2 and len(bookkeeping.recorded(lineage, 2)) == 1

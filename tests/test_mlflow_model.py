@@ -78,30 +78,37 @@ def test_registered_model_loads_as_pyfunc_and_generates_text(served_run, mlflow_
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_every_familys_export_loads_as_pyfunc_and_generates_text(tmp_path, arch):
-    """The pyfunc as the registry stores it (models from code, the exported folder as its artifact), on each
-    family's export; a prompt longer than the context keeps its end."""
+def test_every_familys_export_loads_as_pyfunc_and_generates_text_without_a_warning(tmp_path, arch, capfd):
+    """The pyfunc as the registry stores it (models from code, the exported folder as its artifact, the generation
+    params in its signature), on each family's export; a prompt longer than the context keeps its end; loading and
+    predicting warn about nothing (type hints, the generation config's lengths)."""
+    import warnings
+
     import mlflow.pyfunc
     from conftest import write_random_checkpoint
-    from mlflow.models import ModelSignature
-    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
     from lmyard.export.hf import export
     from lmyard.tracking.registry import PYFUNC_FILE as PYFUNC
+    from lmyard.tracking.registry import with_params
 
     uri, model = write_random_checkpoint(tmp_path / "store", arch=arch)  # llama: the llama-tiny preset
     export(uri, str(tmp_path / "hf"), cache_dir=str(tmp_path / "cache"))
-    params = ParamSchema([ParamSpec("max_new_tokens", "long", 64), ParamSpec("seed", "long", 0)])
-    signature = ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]), params=params)
     mlflow.pyfunc.save_model(
-        str(tmp_path / "pyfunc"), python_model=PYFUNC, artifacts={"hf_model": str(tmp_path / "hf")}, signature=signature
+        str(tmp_path / "pyfunc"), python_model=PYFUNC, artifacts={"hf_model": str(tmp_path / "hf")}
     )
-    served = mlflow.pyfunc.load_model(str(tmp_path / "pyfunc"))
-    long_prompt = "x" * (2 * model.config.block_size)
-    out = served.predict(["The for statement", long_prompt], params={"max_new_tokens": 8, "seed": 1})
+    with_params(str(tmp_path / "pyfunc"))
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        served = mlflow.pyfunc.load_model(str(tmp_path / "pyfunc"))
+        long_prompt = "x" * (2 * model.config.block_size)
+        out = served.predict(["The for statement", long_prompt], params={"max_new_tokens": 8, "seed": 1})
     assert out[0].startswith("The for statement") and len(out[0]) > len("The for statement")
     assert out[1].startswith(long_prompt)
     assert served.predict(["The for statement"], params={"max_new_tokens": 8, "seed": 1}) == out[:1]  # seeded
+    said = capfd.readouterr().err
+    assert not [str(w.message) for w in caught if "mlflow" in w.filename or "transformers" in w.filename]
+    assert "WARNING" not in said and "max_length" not in said and "type hint" not in said, said
 
 
 def test_run_has_its_dataset_input_and_logged_models(served_run):
@@ -118,10 +125,10 @@ def test_run_has_its_dataset_input_and_logged_models(served_run):
     assert set(by_name) == {"smoke-step-00000003", "smoke-step-00000006", NAME}
     # each evaluated checkpoint's model carries its step's metrics; the registered one the final step's
     step3 = {m.key: m.step for m in by_name["smoke-step-00000003"].metrics}
-    assert step3["eval/val_loss"] == 3
+    assert step3["loss/eval"] == 3
     final = {m.key: m.value for m in by_name[NAME].metrics if m.step == 6}
-    evaluated = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/val_loss")}
-    assert final["eval/val_loss"] == evaluated[6] and sorted(evaluated) == [3, 6]  # linked, not logged twice
+    evaluated = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss/eval")}
+    assert final["loss/eval"] == evaluated[6] and sorted(evaluated) == [3, 6]  # linked, not logged twice
     assert {o.model_id for o in run.outputs.model_outputs} == {m.model_id for m in models}
 
 

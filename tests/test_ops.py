@@ -92,7 +92,7 @@ def test_a_run_initialised_from_a_registered_model_starts_at_that_models_val_los
     env, store, tracking = finished_run
     client = MlflowClient(tracking)
     (registered,) = client.search_model_versions("name = 'smoke'")
-    final = max(client.get_metric_history(registered.run_id, "eval/val_loss"), key=lambda m: m.step)
+    final = max(client.get_metric_history(registered.run_id, "loss/eval"), key=lambda m: m.step)
     overrides = tiny_overrides(
         tmp_path,
         steps=1,

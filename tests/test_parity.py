@@ -12,7 +12,7 @@ param_groups, and a warmup-cosine schedule written out there. Nothing of lmyard'
 schedule or loader runs on the plain side.
 
 lmyard's side is a real run: the stage under torchrun on one rank (lmyard.launch.follower.run_local), logging to
-an MLflow run (sqlite) every step; its `train/loss` history is the mean over the step's micro-batches, as the
+an MLflow run (sqlite) every step; its `loss/train` history is the mean over the step's micro-batches, as the
 plain loop's. Float32 on the CPU, one thread each side, four micro-batches a step, clipping at 1.0 (the early
 steps clip, the later ones do not). Where the CPU runs torch paths of the fused ops (the loss, the MLP, RoPE,
 AdamW, the gradient norm), this checks that those paths and the trainer around them compute the plain math.
@@ -84,8 +84,8 @@ def test_trainer_loss_matches_a_plain_transformers_loop_at_every_step(preset, tm
     assert result.step == STEPS
 
     client = MlflowClient(cfg.tracking.uri)
-    ours = {m.step: m.value for m in client.get_metric_history(lineage.ref.mlflow_run_id, "train/loss")}
-    (val_ours,) = [m.value for m in client.get_metric_history(lineage.ref.mlflow_run_id, "val/loss")]
+    ours = {m.step: m.value for m in client.get_metric_history(lineage.ref.mlflow_run_id, "loss/train")}
+    (val_ours,) = [m.value for m in client.get_metric_history(lineage.ref.mlflow_run_id, "loss/val")]
     assert sorted(ours) == list(range(1, STEPS + 1))  # every step logged (train.log_interval=1)
 
     T, t = cfg.model.block_size or 0, cfg.train

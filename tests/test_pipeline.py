@@ -33,16 +33,16 @@ def test_flow_runs_end_to_end_and_tracks_the_run(prefect_api_url, tmp_path, monk
     assert run.info.status == "FINISHED"
     assert run.data.params["train.max_steps"] == "6"
     assert run.data.tags["lmyard.shard_address"] == summary.shard_address
-    losses = client.get_metric_history(run.info.run_id, "train/loss")
+    losses = client.get_metric_history(run.info.run_id, "loss/train")
     assert [m.step for m in losses] == [1, 2, 3, 4, 5, 6]
-    val = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val/loss")}
+    val = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss/val")}
     assert sorted(val) == [3, 6]
     # every checkpoint is evaluated; its val loss is the trainer's own val loss at that step
-    evaluated = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/val_loss")}
+    evaluated = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss/eval")}
     assert sorted(evaluated) == [3, 6]
     assert evaluated == {s: pytest.approx(val[s], rel=1e-5) for s in (3, 6)}
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config.yaml", "summary.json", "samples", "shards", "evals", "plots", "attempts.json"} <= artifacts
+    assert {"config.yaml", "summary.json", "shards", "evals", "plots", "attempts.json"} <= artifacts
     # registered at the final checkpoint, but a failed gate (val loss far above 0.01) withholds the alias
     version = client.get_model_version("smoke", "1")
     assert version.source.startswith("models:/m-")  # the exported model, logged in MLflow
@@ -94,6 +94,15 @@ def test_killed_run_resumes_from_its_checkpoint_without_retokenizing(cli_env, tm
     assert "OMP_NUM_THREADS" not in out
     assert "\x1b[" not in out
     assert str(tmp_path / "store") not in out
+    # each event printed once: a line (less its time) never repeats; each evaluation's val loss once; the final
+    # checkpoint's samples only (MLflow has every checkpoint's); no third-party progress bar; a short read
+    events = [line[9:] for line in out.splitlines() if line[:2].isdigit() and line[8:9] == " "]
+    assert len(events) == len(set(events)), [e for e in events if events.count(e) > 1]
+    evaluated = [e for e in events if ": val loss " in e and e.startswith("evaluate-step-")]
+    assert evaluated and len(evaluated) == len({e.split(":")[0] for e in evaluated}), evaluated
+    assert {e.split(" sample after ")[0] for e in events if " sample after " in e} == {"evaluate-step-20: step 20"}
+    assert "it/s]" not in out and "%|" not in out
+    assert len(out.splitlines()) <= 120, out
     last = second.stdout.strip().splitlines()[-1]
     assert last.startswith("lmyard: look at it: mlflow ui --backend-store-uri sqlite:///") and "models:/smoke/" in last
     assert complete_steps(store, "smoke")[-1] == 20
@@ -138,5 +147,5 @@ def test_a_failed_evaluation_is_recorded_and_does_not_fail_a_finished_training(p
     run = client.get_run(summary.mlflow_run_id)
     assert run.info.status == "FINISHED"
     assert "does not exist" in run.data.tags["lmyard.eval_failed.step_00000006"]
-    assert client.get_metric_history(run.info.run_id, "eval/val_loss") == []
+    assert client.get_metric_history(run.info.run_id, "loss/eval") == []
     assert client.get_model_version("smoke", "1").tags["lmyard.checkpoint"] == summary.checkpoint

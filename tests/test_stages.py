@@ -63,6 +63,28 @@ def test_evaluate_stage_scores_the_newest_checkpoint_or_a_given_step(trained):
     assert launch(EvalSpec(config=cfg, shards=sharded.shards, step=2), on_line=lambda s: None).step == 2
 
 
+def test_an_evaluation_from_an_installed_package_runs_in_the_stage_and_is_logged_at_its_step(trained, monkeypatch):
+    """tests/fixtures/example_evaluation: one module and one entry point make a new evaluation; the evaluate
+    stage runs it beside the built-in ones, and its metric lands on the lineage's run at the checkpoint's step."""
+    from mlflow.tracking import MlflowClient
+
+    from lmyard.store import open_store
+    from lmyard.tracking.evaluations import log_evaluation
+    from lmyard.tracking.lineage import Lineage
+
+    _, cfg, sharded = trained
+    plugin = str(REPO / "tests" / "fixtures" / "example_evaluation")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [plugin, os.environ.get("PYTHONPATH")])))
+    result = launch(EvalSpec(config=cfg, shards=sharded.shards, step=2), on_line=lambda s: None)
+    assert result.metrics["eval/vocab_size"] == 320 and 0 <= result.metrics["eval/letter_after_space"] <= 1
+    assert result.metrics["loss/eval"] == result.val_loss  # the built-ins ran too
+
+    lineage = Lineage.open(cfg, open_store(cfg.store), shard_address=sharded.shards.address, code_version="test")
+    log_evaluation(lineage, result)
+    history = MlflowClient(cfg.tracking.uri).get_metric_history(lineage.ref.mlflow_run_id, "eval/letter_after_space")
+    assert [(m.step, m.value) for m in history] == [(2, result.metrics["eval/letter_after_space"])]
+
+
 def test_export_stage_writes_the_folder_and_returns_where(trained):
     tmp, cfg, _ = trained
     spec = ExportSpec(config=cfg, source=f"{cfg.store}/runs/staged", dest=str(tmp / "hf"))

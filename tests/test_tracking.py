@@ -17,16 +17,16 @@ def test_resumed_sink_does_not_log_a_step_twice(tmp_path):
 
     first = MLflowSink(uri, run_id)  # an attempt that reached step 5, then died
     for step in range(1, 6):
-        first.log({"train/loss": 10.0 - step}, step)
+        first.log({"loss/train": 10.0 - step}, step)
     first.close()
     second = MLflowSink(uri, run_id)  # resumed from a checkpoint at step 3: repeats 4 and 5, with other timings
     for step in range(4, 9):
-        second.log({"train/loss": 100.0 + step, "step_time_s": 0.1}, step)
+        second.log({"loss/train": 100.0 + step, "step_time_s": 0.1}, step)
     second.flush()
-    second.log({"train/loss": 0.5}, 8)  # the same step again within one sink is dropped too
+    second.log({"loss/train": 0.5}, 8)  # the same step again within one sink is dropped too
     second.close()
 
-    history = [(m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")]
+    history = [(m.step, m.value) for m in client.get_metric_history(run_id, "loss/train")]
     assert sorted(history) == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 5.0), (6, 106.0), (7, 107.0), (8, 108.0)]
     # a key the earlier attempt never logged starts where this attempt starts
     assert sorted(m.step for m in client.get_metric_history(run_id, "step_time_s")) == [4, 5, 6, 7, 8]
@@ -38,13 +38,13 @@ def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_m
     from lmyard.recipes import load_recipe
     from lmyard.stages import EvalResult
     from lmyard.store import open_store
+    from lmyard.tracking.evaluations import log_evaluation
     from lmyard.tracking.lineage import Lineage
-    from tasks.evaluate import _log_to_mlflow
 
     cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"])
     lineage = Lineage.open(cfg, open_store(cfg.store), shard_address="a" * 64, code_version="test")
     ckpt = f"{cfg.store}/runs/smoke/checkpoints/step_00000003"
-    _log_to_mlflow(
+    log_evaluation(
         lineage,
         EvalResult.model_validate(
             {
@@ -57,6 +57,11 @@ def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_m
                 "device": "cpu",
                 "samples": [{"prompt": "A class is", "completion": " a"}],
                 "harness": {"metrics": {"hellaswag_local/acc": 0.5, "hellaswag_local/acc_norm": 0.75}},
+                "metrics": {
+                    "loss/eval": 2.5,
+                    "harness/hellaswag_local/acc": 0.5,
+                    "harness/hellaswag_local/acc_norm": 0.75,
+                },
             }
         ),
     )
@@ -67,7 +72,7 @@ def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_m
     [model] = client.search_logged_models([lineage.ref.experiment_id])
     assert model.name == "smoke-step-00000003" and model.params == {"checkpoint_uri": ckpt, "step": "3"}
     assert {m.key: (m.step, m.value) for m in model.metrics} == {
-        "eval/val_loss": (3, 2.5),
+        "loss/eval": (3, 2.5),
         "eval/seconds": (3, 1.0),
         "harness/hellaswag_local/acc": (3, 0.5),
         "harness/hellaswag_local/acc_norm": (3, 0.75),
@@ -142,7 +147,11 @@ def test_retention_retires_the_logged_models_of_the_checkpoints_it_deletes(tmp_p
     client = MlflowClient(cfg.tracking.uri)
     models = {s: client.get_logged_model(i) for s, i in ids.items()}
     assert {s: str(m.status) for s, m in models.items()} == {1: "FAILED", 2: "FAILED", 3: "READY", 4: "READY"}
-    assert {s for s, m in models.items() if m.tags.get(DELETED_TAG) == "true"} == {1, 2}
+    retired = {s: m.tags.get(DELETED_TAG) for s, m in models.items() if DELETED_TAG in m.tags}
+    assert retired == dict.fromkeys(
+        [1, 2], "deleted by checkpoint retention (checkpoint.keep_last=2, checkpoint.keep_best=False)"
+    )
+    assert "deleted by checkpoint retention" in models[1].tags["mlflow.note.content"]
     # a second pass (the next checkpoint's retention) leaves the retired ones as they are
     assert lineage.retire_checkpoint_models([1, 2]) == []
 

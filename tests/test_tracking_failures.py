@@ -57,20 +57,20 @@ def test_metrics_logged_while_the_server_is_down_are_sent_after_it_returns(
     client = MlflowClient(mlflow_server.uri)
     run_id = client.create_run(client.create_experiment(f"sink-{time.time_ns()}")).info.run_id
     sink = MLflowSink(mlflow_proxy.url, run_id)
-    sink.log({"train/loss": 1.0}, 1)
+    sink.log({"loss/train": 1.0}, 1)
     sink.flush()
     cut(mlflow_proxy)
     try:
         for step in (2, 3, 4):
-            sink.log({"train/loss": float(step)}, step)
+            sink.log({"loss/train": float(step)}, step)
             sink.flush(timeout=30)
     finally:
         mlflow_proxy.start()
     warned = [line for line in capsys.readouterr().out.splitlines() if "MLflow logging failed" in line]
     assert len(warned) == 1  # at once, once per kind of error
-    sink.log({"train/loss": 5.0}, 5)
+    sink.log({"loss/train": 5.0}, 5)
     sink.close()  # does not raise: the final flush succeeded
-    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss"))
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss/train"))
     assert history == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0)]
 
 
@@ -78,21 +78,21 @@ def test_a_hung_tracking_server_costs_the_checkpoints_one_flush_timeout_and_lose
     client = MlflowClient(mlflow_server.uri)
     run_id = client.create_run(client.create_experiment(f"sink-{time.time_ns()}")).info.run_id
     sink = MLflowSink(mlflow_proxy.url, run_id)
-    sink.log({"train/loss": 1.0}, 1)
+    sink.log({"loss/train": 1.0}, 1)
     sink.flush()
     mlflow_proxy.hold()  # MLflow hangs: requests neither answer nor fail
     try:
         t0 = time.monotonic()
         for step in (2, 3, 4, 5):  # a checkpoint at each: the trainer flushes with a timeout first
-            sink.log({"train/loss": float(step)}, step)
+            sink.log({"loss/train": float(step)}, step)
             sink.flush(timeout=3)
         elapsed = time.monotonic() - t0
     finally:
         mlflow_proxy.release()
     assert elapsed < 6, f"4 checkpoints waited {elapsed:.1f} s for a hung MLflow"  # one timeout, not four
-    sink.log({"train/loss": 6.0}, 6)
+    sink.log({"loss/train": 6.0}, 6)
     sink.close()  # the final flush keeps its guarantee
-    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss"))
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss/train"))
     assert history == [(s, float(s)) for s in range(1, 7)]
 
 
@@ -105,19 +105,19 @@ def test_a_tracking_server_that_stops_answering_is_said_once_and_again_when_it_a
     client = MlflowClient(mlflow_server.uri)
     run_id = client.create_run(client.create_experiment(f"sink-{time.time_ns()}")).info.run_id
     sink = MLflowSink(mlflow_proxy.url, run_id)
-    sink.log({"train/loss": 1.0}, 1)
+    sink.log({"loss/train": 1.0}, 1)
     sink.flush()
     mlflow_proxy.hold()  # requests neither answer nor fail
     out, step = "", 2
     try:
         deadline = time.monotonic() + 60
         while "has not answered" not in out and time.monotonic() < deadline:
-            sink.log({"train/loss": float(step)}, step)  # the training loop goes on logging
+            sink.log({"loss/train": float(step)}, step)  # the training loop goes on logging
             step += 1
             time.sleep(0.5)
             out += capsys.readouterr().out
         for _ in range(4):  # more steps while it still hangs: nothing more is said
-            sink.log({"train/loss": float(step)}, step)
+            sink.log({"loss/train": float(step)}, step)
             step += 1
             time.sleep(0.5)
     finally:
@@ -127,7 +127,7 @@ def test_a_tracking_server_that_stops_answering_is_said_once_and_again_when_it_a
     assert out.count("the MLflow server has not answered") == 1, out
     assert out.count("the MLflow server answers again") == 1, out
     assert out.index("has not answered") < out.index("answers again")
-    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss"))
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss/train"))
     assert history == [(s, float(s)) for s in range(1, step)]
 
 
@@ -135,7 +135,7 @@ def test_sink_that_cannot_send_at_close_warns_with_a_count_instead_of_failing(qu
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens here
     sink = MLflowSink(uri, "0" * 32)
     for step in range(1, 4):
-        sink.log({"train/loss": 1.0, "lr": 0.1}, step)
+        sink.log({"loss/train": 1.0, "lr": 0.1}, step)
     sink.close()
     out = capsys.readouterr().out
     assert "6 metric points could not be sent to MLflow" in out

@@ -139,8 +139,8 @@ def test_the_pretrain_flow_trains_a_sharded_llama_and_evaluates_every_sharded_ch
     store = open_store(cfg.store)
     assert read_manifest(store, "fsdp-flow", 8).format == "dcp"
     client = MlflowClient(cfg.tracking.uri)
-    val = {m.step: m.value for m in client.get_metric_history(summary.mlflow_run_id, "val/loss")}
-    evaluated = {m.step: m.value for m in client.get_metric_history(summary.mlflow_run_id, "eval/val_loss")}
+    val = {m.step: m.value for m in client.get_metric_history(summary.mlflow_run_id, "loss/val")}
+    evaluated = {m.step: m.value for m in client.get_metric_history(summary.mlflow_run_id, "loss/eval")}
     assert sorted(evaluated) == [4, 8]  # the evaluator reads each sharded checkpoint whole, on one device
     assert evaluated == {s: pytest.approx(val[s], rel=1e-5) for s in (4, 8)}
 

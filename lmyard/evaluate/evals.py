@@ -1,4 +1,5 @@
-"""Evaluation of one checkpoint: val loss, HellaSwag-format multiple choice, samples.
+"""Evaluation of one checkpoint: every evaluation of lmyard.evaluate.registry that the run's `eval` enables
+(val loss, HellaSwag-format multiple choice, lm-eval, samples), each a typed result.
 
     python -m lmyard.stages evaluate --spec spec.json     (an EvalSpec; see lmyard.stages)
 
@@ -8,7 +9,7 @@ from the store, so training keeps its devices to itself.
 
 - val loss: the mean token loss over the fixed val sequences, by the trainer's
   own routine (lmyard.evaluate.validation: float64 sums per sequence, bf16
-  autocast on CUDA), so it equals the trainer's `val/loss` at that step.
+  autocast on CUDA), so it equals the trainer's `loss/val` at that step.
 - HellaSwag, scored as nanoGPT does: for each of the 4 endings, the loss of
   the ending's tokens given the context. `acc`: the ending with the lowest
   summed loss is right; `acc_norm`: the lowest mean loss per token.
@@ -17,24 +18,62 @@ from the store, so training keeps its devices to itself.
 
 from __future__ import annotations
 
-import os
-import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from lmyard.checkpoint import catalog, resume
-from lmyard.config import EvalConfig, RunConfig
+from lmyard.config import RunConfig
 from lmyard.data.loader import split_stream, val_sequences
-from lmyard.data.shards import ShardSet
 from lmyard.data.tokenizer import get_tokenizer
-from lmyard.errors import UserError
 from lmyard.evaluate.hellaswag import read_hellaswag
+from lmyard.evaluate.spec import Context
 from lmyard.evaluate.validation import val_loss
 from lmyard.models.base import LanguageModel, autocast
-from lmyard.models.registry import model_from_checkpoint
-from lmyard.run import Run
-from lmyard.stages import EvalResult
+
+# ---------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class ValLoss:
+    loss: float  # mean token loss over the fixed val sequences
+
+
+@dataclass(frozen=True)
+class Choice:
+    example: int
+    label: int
+    pred: int  # the ending with the lowest summed loss
+    pred_norm: int  # the ending with the lowest mean loss per token
+    losses: list[float]
+    mean_losses: list[float]
+
+
+@dataclass(frozen=True)
+class MultipleChoice:
+    acc: float
+    acc_norm: float
+    n: int
+    rows: list[Choice] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt: str
+    completion: str
+
+
+@dataclass(frozen=True)
+class Samples:
+    items: list[Completion]
+
+
+@dataclass(frozen=True)
+class HarnessScores:
+    metrics: dict[str, float]  # lm-eval's metrics, flattened `task/metric`
+    results: dict = field(default_factory=dict)
+
 
 # ---------------------------------------------------------------- HellaSwag
 
@@ -75,7 +114,7 @@ def ending_losses(
     return summed.cpu(), (summed / m.sum(dim=1)).cpu()
 
 
-def hellaswag(model: LanguageModel, enc, examples: list[dict], device: str = "cpu") -> dict:
+def hellaswag(model: LanguageModel, enc, examples: list[dict], device: str = "cpu") -> MultipleChoice:
     """acc (lowest summed ending loss) and acc_norm (lowest mean ending loss), with per-example rows."""
     correct = correct_norm = 0
     rows = []
@@ -85,24 +124,16 @@ def hellaswag(model: LanguageModel, enc, examples: list[dict], device: str = "cp
         pred, pred_norm = int(summed.argmin()), int(mean.argmin())
         correct += pred == ex["label"]
         correct_norm += pred_norm == ex["label"]
-        rows.append(
-            {
-                "example": i,
-                "label": ex["label"],
-                "pred": pred,
-                "pred_norm": pred_norm,
-                "losses": [round(float(x), 4) for x in summed],
-                "mean_losses": [round(float(x), 4) for x in mean],
-            }
-        )
+        losses, means = [round(float(x), 4) for x in summed], [round(float(x), 4) for x in mean]
+        rows.append(Choice(i, ex["label"], pred, pred_norm, losses, means))
     n = len(examples)
-    return {"acc": correct / n, "acc_norm": correct_norm / n, "n": n, "rows": rows}
+    return MultipleChoice(correct / n, correct_norm / n, n, rows)
 
 
 # ---------------------------------------------------------------- samples
 
 
-def samples(model: LanguageModel, cfg: RunConfig, seed: int = 0, device: str = "cpu") -> list[dict]:
+def samples(model: LanguageModel, cfg: RunConfig, seed: int = 0, device: str = "cpu") -> Samples:
     enc = get_tokenizer(cfg.tokenizer)
     gen = torch.Generator(device=device).manual_seed(seed)
     out = []
@@ -118,64 +149,40 @@ def samples(model: LanguageModel, cfg: RunConfig, seed: int = 0, device: str = "
         )
         new = idx[0, len(ids) :].tolist()
         text = enc.decode(new[: new.index(enc.eot_token)] if enc.eot_token in new else new, errors="replace")
-        out.append({"prompt": prompt, "completion": text})
-    return out
+        out.append(Completion(prompt, text))
+    return Samples(out)
 
 
-# ---------------------------------------------------------------- one checkpoint
+# ---------------------------------------------------------------- the built-in evaluations' runs
 
 
-def _device(e: EvalConfig) -> str:
-    if e.device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise UserError(f"eval.device is {e.device!r} but no GPU is visible; set eval.device=cpu")
-        index = int(e.device.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise UserError(f"eval.device is {e.device!r} but only {torch.cuda.device_count()} GPU(s) are visible")
-    elif e.threads:
-        torch.set_num_threads(e.threads)
-    return e.device
+def run_val_loss(ctx: Context) -> ValLoss:
+    cfg, model = ctx.cfg, ctx.model
+    val = val_sequences(
+        split_stream(ctx.shards, cfg.store, "val", ctx.cache), model.config.block_size, cfg.eval.val_tokens
+    )
+    return ValLoss(val_loss(model, val, cfg.train.micro_batch, ctx.device))
 
 
-def evaluate_checkpoint(cfg: RunConfig, shards: ShardSet, step: int, run: Run | None = None) -> dict:
-    """Val loss, HellaSwag (when configured) and samples of the checkpoint at `step` (of `run`, the handle of
-    cfg's run, opened here when not given)."""
-    t0 = time.perf_counter()
-    device = _device(cfg.eval)
-    run = run or Run.of(cfg)
-    # a private checkpoint cache: the trainer may be downloading the same checkpoint to resume
-    ckpt = resume.load_step(run.store, run.name, step, os.path.join(run.cache, "eval"))
-    model = model_from_checkpoint(ckpt, device)
-    val = val_sequences(split_stream(shards, cfg.store, "val", run.cache), model.config.block_size, cfg.eval.val_tokens)
-    result = {
-        "step": ckpt.step,
-        "checkpoint": ckpt.uri,
-        "tokens_seen": ckpt.state.tokens_seen,
-        "trainer_val_loss": ckpt.state.val_loss,
-        "device": device,
-        "val_loss": val_loss(model, val, cfg.train.micro_batch, device),
-    }
-    if cfg.eval.hellaswag:
-        examples = read_hellaswag(cfg.eval.hellaswag, cfg.eval.hellaswag_split, cfg.eval.hellaswag_limit)
-        result["hellaswag"] = hellaswag(model, get_tokenizer(cfg.tokenizer), examples, device)
-    if cfg.eval.harness_tasks:  # lm-evaluation-harness on the checkpoint's Hugging Face export
-        from lmyard.evaluate import harness
-
-        result["harness"] = harness.evaluate(ckpt, cfg, device)
-    result["samples"] = samples(model, cfg, device=device)
-    result["eval_s"] = round(time.perf_counter() - t0, 3)
-    return result
+def run_hellaswag(ctx: Context) -> MultipleChoice:
+    e = ctx.cfg.eval
+    assert e.hellaswag is not None  # its spec is enabled only then
+    examples = read_hellaswag(e.hellaswag, e.hellaswag_split, e.hellaswag_limit)
+    return hellaswag(ctx.model, get_tokenizer(ctx.cfg.tokenizer), examples, ctx.device)
 
 
-def evaluate_latest(cfg: RunConfig, shards: ShardSet, step: int | None = None) -> EvalResult:
-    """Evaluate checkpoint `step` of cfg.run_name, or its newest complete one."""
-    run = Run.of(cfg)
-    if step is None:
-        steps = catalog.complete_steps(run.store, run.name)
-        if not steps:
-            raise UserError(
-                f"run {cfg.run_name!r} has no complete checkpoint in {cfg.store}: train it first, or "
-                "set run_name to a run that has one"
-            )
-        step = steps[-1]
-    return EvalResult.model_validate(evaluate_checkpoint(cfg, shards, step, run))
+def run_harness(ctx: Context) -> HarnessScores:
+    """lm-evaluation-harness on the checkpoint's Hugging Face export."""
+    from lmyard.evaluate import harness
+
+    out = harness.evaluate(ctx.checkpoint, ctx.cfg, ctx.device)
+    return HarnessScores(out["metrics"], out["results"])
+
+
+def run_samples(ctx: Context) -> Samples:
+    return samples(ctx.model, ctx.cfg, device=ctx.device)
+
+
+def as_fields(result: Any) -> dict:
+    """A result dataclass as plain data (the stage's result file is JSON)."""
+    return asdict(result)

@@ -1,6 +1,6 @@
 """The val loss, one routine for the trainer and the evaluator.
 
-The trainer's `val/loss` (every rank, during training) and the evaluator's `eval/val_loss` (its own
+The trainer's `loss/val` (every rank, during training) and the evaluator's `loss/eval` (its own
 process, from the checkpoint) come from `val_loss` here: the same sequences, the same float64 sums per
 sequence, the same bf16 autocast on CUDA (lmyard.models.base.autocast), so the two agree at a step.
 """

@@ -151,7 +151,8 @@ def write_folder(ckpt: Checkpoint, folder: str) -> dict:
         "bos_token_id": enc.eot_token,
         "eos_token_id": enc.eot_token,
         "do_sample": True,
-        "max_length": dims["block_size"],
+        # a length in new tokens, as the pyfunc's (lmyard/export/pyfunc.py) own: with both kinds set, generate warns
+        "max_new_tokens": dims["block_size"] // 2,
         **{k: v for k, v in facts.generation.items() if v is not None},
         "suppress_tokens": list(range(enc.n_vocab, dims["vocab_size"])) or None,
     }

@@ -8,11 +8,17 @@ never lmyard, so anything with those can load it, whatever the model family
     model = mlflow.pyfunc.load_model("models:/NAME@ALIAS")
     model.predict(["Exceptions are"], params={"max_new_tokens": 40})  # -> ["Exceptions are ..."]
 
+`predict` has type hints (prompts: list[str] in, texts: list[str] out), so MLflow checks and converts its input
+(a one-column DataFrame or a single string too); the export's generation config sets `max_new_tokens`, the
+same setting `params` overrides, so neither loading nor predicting warns.
+
 Each prompt is preceded by the end-of-text token, as lmyard's training
 documents are; the completion is cut at the next end-of-text token.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import mlflow
 from mlflow.pyfunc import PythonModel
@@ -40,7 +46,7 @@ class HFTextGeneration(PythonModel):
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path).eval()
 
-    def predict(self, context, model_input, params: dict | None = None) -> list[str]:
+    def predict(self, context, model_input: list[str], params: dict[str, Any] | None = None) -> list[str]:
         import torch
 
         p = {**DEFAULTS, **{k: v for k, v in (params or {}).items() if v is not None}}
@@ -49,7 +55,8 @@ class HFTextGeneration(PythonModel):
         for prompt in _prompts(model_input):
             torch.manual_seed(int(p["seed"]))
             n_ctx = self.model.config.max_position_embeddings  # every family's name for it (GPT-2: n_positions)
-            ids = torch.tensor([[eos, *self.tokenizer.encode(prompt)][-(n_ctx - 1) :]])  # a long prompt keeps its end
+            # a long prompt keeps its end (verbose=False: the tokenizer would warn of its length, cut here)
+            ids = torch.tensor([[eos, *self.tokenizer.encode(prompt, verbose=False)][-(n_ctx - 1) :]])
             room = max(0, min(int(p["max_new_tokens"]), n_ctx - ids.size(1)))
             with torch.no_grad():
                 gen = self.model.generate(

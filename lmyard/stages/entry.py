@@ -16,7 +16,7 @@ result back; training runs under torchrun on every node
 process. The log says what happens, for people.
 
 The bodies live where their subject does (lmyard.data.sharding,
-lmyard.train.stage, lmyard.evaluate.evals, lmyard.export.hf); this module
+lmyard.train.stage, lmyard.evaluate.evaluator, lmyard.export.hf); this module
 only turns a spec into their call and their answer into a result.
 """
 
@@ -45,6 +45,15 @@ from lmyard.stages import (
     run_stage,
 )
 
+# the stages' output is a log a person reads line by line: third-party progress bars (tqdm: lm-eval, datasets,
+# transformers, the Hugging Face hub) would each draw a line per update there; an operator's own setting wins
+QUIET_BARS = {
+    "TQDM_DISABLE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+}
+
 
 def _say(text: str) -> None:
     print(text, flush=True)
@@ -66,7 +75,6 @@ def shard(spec: ShardSpec) -> ShardResult:
     nodes = [n for p in pools for n in p.nodes]
     if nodes:
         _say(f"read {len(nodes)} pieces on {len(set(nodes))} Ray nodes")
-    _say(f"shard set {shards.address} at {shards.uri} ({shards.tokens('train'):,} train tokens)")
     return ShardResult(
         shards=shards,
         reused=reused,
@@ -93,11 +101,9 @@ def _on_ray(config: RunConfig) -> tuple[RunConfig, Callable | None, list]:
 
 
 def evaluate(spec: EvalSpec) -> EvalResult:
-    from lmyard.evaluate import evals
+    from lmyard.evaluate import evaluator
 
-    result = evals.evaluate_latest(spec.config, spec.shards, spec.step)
-    _say(f"step {result.step}: val loss {result.val_loss:.4f} ({result.checkpoint})")
-    return result
+    return evaluator.evaluate_latest(spec.config, spec.shards, spec.step)  # the evaluate task says the result
 
 
 def export(spec: ExportSpec) -> ExportResult:
@@ -127,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_stage(args.spec)
     cls, body = STAGES[args.stage]
+    for key, value in QUIET_BARS.items():
+        os.environ.setdefault(key, value)
     out = args.out or os.path.join(os.environ.get(EXCHANGE_ENV, "."), "result.json")
     # the spec is read inside run_stage: one that does not validate ends with a result file too
     return run_stage(lambda: body(read_spec(cls, args.spec)), out)

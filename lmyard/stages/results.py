@@ -97,6 +97,9 @@ class EvalResult(Contract):
     hellaswag: HellaSwagScore | None = None
     harness: HarnessScore | None = Field(None, description="eval.harness_tasks: lm-eval's {metrics, results}.")
     samples: list[Sample] = Field(default_factory=list)
+    metrics: dict[str, float] = Field(
+        default_factory=dict, description="Every evaluation's metrics by MLflow name (lmyard.evaluate.registry)."
+    )
     eval_s: float = 0.0
 
 

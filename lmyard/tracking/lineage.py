@@ -15,9 +15,9 @@ trainer's metrics go through lmyard.tracking.sink instead (its own process);
 registering models is lmyard.tracking.registry.
 
 Retention (lmyard.checkpoint.retention) deletes checkpoints that may already
-be logged models of the run: `retire_checkpoint_models` marks those FAILED and
-tags them `lmyard.checkpoint_deleted`, so the UI no longer offers a model whose
-`checkpoint_uri` is gone.
+be logged models of the run: `retire_checkpoint_models` marks those FAILED,
+tags them `lmyard.checkpoint_deleted` with the reason and says it in their
+description, so the UI no longer offers a model whose `checkpoint_uri` is gone.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict
 from lmyard.config import RunConfig, redact_uri
 from lmyard.errors import UserError
 from lmyard.layout import RunLayout
+from lmyard.tracking import schema
 
 CHECKPOINT_MODEL = "lmyard-checkpoint"  # model_type of a checkpoint's logged model
 DELETED_TAG = "lmyard.checkpoint_deleted"
@@ -278,7 +279,7 @@ class Lineage:
         """Append rows (given as columns) to a table artifact the MLflow UI renders (e.g. evals/checkpoints.json)."""
         self.client.log_table(self.ref.mlflow_run_id, data=columns, artifact_file=artifact_file)
 
-    def log_loss_curve(self, keys: tuple[str, ...] = ("train/loss", "val/loss", "eval/val_loss")) -> dict:
+    def log_loss_curve(self, keys: tuple[str, ...] = schema.LOSSES) -> dict:
         """A PNG of the loss metrics against step, logged as plots/loss.png; returns the histories plotted."""
         import matplotlib
 
@@ -351,7 +352,9 @@ class Lineage:
         self.client.log_outputs(self.ref.mlflow_run_id, [LoggedModelOutput(model.model_id, step)])
         return model.model_id
 
-    def link_metrics(self, model_id: str, step: int, prefixes: tuple[str, ...] = ("eval/", "val/")) -> None:
+    def link_metrics(
+        self, model_id: str, step: int, prefixes: tuple[str, ...] = ("eval/", schema.VAL_LOSS, schema.EVAL_LOSS)
+    ) -> None:
         """Link the run's metrics at `step` (those under `prefixes`) to a logged model, as MLflow's log_model does:
         the same points again with the model's id; the run's own history keeps one point per step."""
         from mlflow.entities import Metric
@@ -367,11 +370,13 @@ class Lineage:
         if points:
             self.client.log_batch(run_id, metrics=points)
 
-    def retire_checkpoint_models(self, steps: list[int], tag: str = DELETED_TAG) -> list[str]:
-        """The logged models of checkpoints retention deleted (`steps`) end FAILED and tagged
-        `lmyard.checkpoint_deleted` (`tag`: DAMAGED_TAG for checkpoints moved aside as damaged): the MLflow
-        UI then neither lists them as ready nor offers to register them. Their metrics stay linked. Returns
-        the ids of the models marked."""
+    def retire_checkpoint_models(
+        self, steps: list[int], tag: str = DELETED_TAG, reason: str = "deleted by checkpoint retention"
+    ) -> list[str]:
+        """The logged models of checkpoints retention deleted (`steps`) end FAILED, their tag
+        `lmyard.checkpoint_deleted` (`tag`: DAMAGED_TAG for checkpoints moved aside as damaged) and their
+        description saying why (`reason`): the MLflow UI then neither lists them as ready nor offers to register
+        them. Their metrics stay linked. Returns the ids of the models marked."""
         from mlflow.entities import LoggedModelStatus
 
         if not steps:
@@ -380,7 +385,8 @@ class Lineage:
         marked = []
         for model in self._checkpoint_models():
             if model.tags.get("lmyard.step") in wanted and tag not in model.tags:
-                self.client.set_logged_model_tags(model.model_id, {tag: "true"})
+                note = f"Marked FAILED: its checkpoint was {reason}; its metrics stay linked."
+                self.client.set_logged_model_tags(model.model_id, {tag: reason, "mlflow.note.content": note})
                 self.client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)
                 marked.append(model.model_id)
         return marked

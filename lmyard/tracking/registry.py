@@ -58,17 +58,28 @@ def log_hf_model(
             path,
             python_model=PYFUNC_FILE,
             artifacts={"hf_model": folder},
-            signature=_signature(),
             pip_requirements=_pyfunc_requirements(),
             mlflow_model=Model(
                 artifact_path=model.artifact_location, run_id=lineage.ref.mlflow_run_id, model_id=model.model_id
             ),
         )
+        with_params(path)
         client.log_model_artifacts(model.model_id, path)
     client.finalize_logged_model(model.model_id, "READY")
     client.log_outputs(lineage.ref.mlflow_run_id, [LoggedModelOutput(model.model_id, step)])
     lineage.link_metrics(model.model_id, step)
     return model.model_id
+
+
+def with_params(path: str) -> None:
+    """The saved pyfunc's signature with the generation params: MLflow infers its inputs and outputs from
+    `predict`'s type hints (list[str] -> list[str]) but no params from them, and a signature given to save_model
+    that differs from the inferred one is replaced, with a warning."""
+    from mlflow.models import Model
+
+    saved = Model.load(path)
+    saved.signature = _signature()
+    saved.save(os.path.join(path, "MLmodel"))
 
 
 def _signature():

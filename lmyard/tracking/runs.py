@@ -17,7 +17,7 @@ from lmyard.config import redact_uri
 from lmyard.errors import UserError
 from lmyard.layout import RUNS, RunLayout
 from lmyard.store import Store
-from lmyard.tracking import lease
+from lmyard.tracking import lease, schema
 
 
 class LeaseHolder(BaseModel):
@@ -160,7 +160,7 @@ def run_status(store: Store, run_name: str, tracking_uri: str) -> RunStatus:
         return status
     client = MlflowClient(tracking_uri)
     run = client.get_run(row.mlflow_run_id)
-    history = client.get_metric_history(row.mlflow_run_id, "eval/val_loss")
+    history = client.get_metric_history(row.mlflow_run_id, schema.EVAL_LOSS)
     last = max(history, key=lambda m: m.step) if history else None
     versions = client.search_model_versions(f"run_id = '{row.mlflow_run_id}'")
     status.mlflow_status = run.info.status

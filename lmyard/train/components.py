@@ -92,7 +92,7 @@ class MetricsLogger:
         dt = (time.perf_counter() - self.t0) / max(1, self.steps)
         tok_s = self.t.batch_tokens / dt
         m = {
-            "train/loss": loss,
+            "loss/train": loss,
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": tok_s,

@@ -213,7 +213,7 @@ class Trainer:
         )
         self.validator.last = (step, loss)
         if self.d.is_main:
-            self.sink.log({"val/loss": loss}, step)
+            self.sink.log({"loss/val": loss}, step)
             print(f"step {step} | val loss {loss:.4f}", flush=True)
         self.logger.restart(self.batches.waited_s)
 
@@ -226,11 +226,7 @@ class Trainer:
             self.sink.flush(timeout=CHECKPOINT_FLUSH_S)
         self.state.val_loss = self.validator.at(self.state.step)
         blocked = self.checkpoints.save(self.state.model_dump(mode="json"))
-        if self.d.is_main:
-            print(
-                f"checkpoint step {self.state.step} saving in the background (loop blocked {blocked * 1000:.1f} ms)",
-                flush=True,
-            )
+        if self.d.is_main:  # the commit's line says the checkpoint; the time the loop waited is a metric
             self.sink.log({"checkpoint/blocked_s": blocked}, self.state.step)
         self.logger.restart(self.batches.waited_s)
 

@@ -261,8 +261,8 @@ class Recorder:
 
     def trained_s(self, start: float) -> dict[int, float]:
         """The training seconds since `start` at each validated step: evaluation time left out (a validation's
-        time is from its step's train/loss point to its val/loss point)."""
-        train, val = self.at["train/loss"], self.at.get("val/loss", {})
+        time is from its step's loss/train point to its loss/val point)."""
+        train, val = self.at["loss/train"], self.at.get("loss/val", {})
         out, evals_s = {}, 0.0
         for step in sorted(val):
             out[step] = train[step] - start - evals_s
@@ -290,9 +290,9 @@ def lmyard_run(cfg, shards) -> dict:
         Trainer(TrainSpec(config=cfg, shards=shards), Run.of(cfg), setup_distributed(cfg), sink).train()
     steps = cfg.train.max_steps
     return {
-        "train": [sink.points["train/loss"][s] for s in range(1, steps + 1)],
-        "val": sink.points["val/loss"][steps],
-        "curve": sink.points["val/loss"],
+        "train": [sink.points["loss/train"][s] for s in range(1, steps + 1)],
+        "val": sink.points["loss/val"][steps],
+        "curve": sink.points["loss/val"],
         "seconds": sink.trained_s(start),
     }
 

@@ -1,0 +1,62 @@
+"""The built-in evaluations as specs (lmyard.evaluate.spec): val loss, HellaSwag-format multiple choice,
+lm-evaluation-harness, samples. Torch-free: each `run` loads lmyard.evaluate.evals, in the evaluator's process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmyard.evaluate.spec import Context, EvaluationSpec
+from lmyard.tracking import schema
+
+
+def _evals():
+    from lmyard.evaluate import evals
+
+    return evals
+
+
+def _val_loss(ctx: Context) -> Any:
+    return _evals().run_val_loss(ctx)
+
+
+def _hellaswag(ctx: Context) -> Any:
+    return _evals().run_hellaswag(ctx)
+
+
+def _harness(ctx: Context) -> Any:
+    return _evals().run_harness(ctx)
+
+
+def _samples(ctx: Context) -> Any:
+    return _evals().run_samples(ctx)
+
+
+VAL_LOSS = EvaluationSpec(
+    name="val_loss",
+    run=_val_loss,
+    metrics=lambda r: {schema.EVAL_LOSS: r.loss},
+    fields=lambda r: {"val_loss": r.loss},
+    gates={"val_loss_max": schema.EVAL_LOSS},
+)
+HELLASWAG = EvaluationSpec(
+    name="hellaswag",
+    run=_hellaswag,
+    enabled=lambda e: e.hellaswag is not None,
+    metrics=lambda r: {"eval/hellaswag_acc": r.acc, "eval/hellaswag_acc_norm": r.acc_norm},
+    fields=lambda r: {"hellaswag": _evals().as_fields(r)},
+    gates={"hellaswag_acc_norm_min": "eval/hellaswag_acc_norm"},
+)
+HARNESS = EvaluationSpec(
+    name="harness",
+    run=_harness,
+    enabled=lambda e: bool(e.harness_tasks),
+    metrics=lambda r: {f"harness/{k}": v for k, v in r.metrics.items()},
+    fields=lambda r: {"harness": _evals().as_fields(r)},
+)
+SAMPLES = EvaluationSpec(
+    name="samples",
+    run=_samples,
+    enabled=lambda e: bool(e.prompts) and e.sample_tokens > 0,
+    metrics=lambda r: {},
+    fields=lambda r: {"samples": [_evals().as_fields(s) for s in r.items]},
+)
