@@ -5,7 +5,8 @@
 
 Training asks for one bundle per node (`launch.ray`: CPUs, default one per rank, GPUs and custom resources).
 The other stages run on one node: the evaluation one GPU when `eval.device` names cuda (Ray gives the actor
-that GPU, which the stage then sees as `cuda`), else `launch.ray.cpus_per_node` CPUs (default 1); the export
+that GPU, which the stage then sees as `cuda`), else `eval.threads` CPUs (none reserved when unset: it runs
+beside training, as locally, and is not queued behind it); the export
 one CPU; tokenize-and-shard's coordinator no CPU but `SHARD_MEMORY` of Ray's `memory` resource (its read
 pieces are Ray tasks of one CPU each, lmyard.data.raypool, so that every CPU of the cluster reads pieces).
 """
@@ -33,8 +34,8 @@ def request(cfg: RunConfig, spec: StageSpec) -> dict[str, float]:
         return {**out, **{k: float(v) for k, v in rc.resources.items()}}
     if isinstance(spec, EvalSpec) and cfg.eval.device.startswith("cuda"):
         return {"CPU": 1.0, "GPU": 1.0}
-    if isinstance(spec, EvalSpec):
-        return {"CPU": float(rc.cpus_per_node or 1)}
+    if isinstance(spec, EvalSpec):  # beside training, as locally: the CPUs of eval.threads, else none reserved
+        return {"CPU": float(cfg.eval.threads or 0)}
     if isinstance(spec, ShardSpec):
         return {"CPU": 0.0, "memory": float(SHARD_MEMORY)}
     return {"CPU": 1.0}
