@@ -6,6 +6,8 @@
     lmyard --version                                   the package version
     lmyard runs [--store URI] [--json]                 the lineages of a store
     lmyard status RUN [--store URI] [--json]           one lineage (checkpoint, attempts, lease, MLflow)
+    lmyard eval SOURCE [--tasks ...] [--json] [--log]   val loss, HellaSwag, lm-eval tasks on a model
+    lmyard sample SOURCE --prompt TEXT [--seed S]      completions of a prompt
     lmyard export RUN_OR_CHECKPOINT_URI [--step N] --to DIR_OR_S3_URI
                                                        a checkpoint as a Hugging Face model folder
 
@@ -85,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--reference", action="store_true", help="print the reference of every key (Markdown)")
     from flows import ops
 
-    ops.add_parsers(sub)  # runs, status: what a store holds
+    ops.add_parsers(sub)  # runs, status: what a store holds; eval, sample: what its models do
     e = sub.add_parser("export", help="a checkpoint as a Hugging Face transformers model folder")
     e.add_argument(
         "source",
@@ -127,10 +129,10 @@ def _command(args: argparse.Namespace) -> int:
 
     if args.command == "export":
         return _export(args)
-    if args.command in ("runs", "status"):
+    if args.command in ("runs", "status", "eval", "sample"):
         from flows import ops
 
-        return ops.runs(args) if args.command == "runs" else ops.status(args)
+        return {"runs": ops.runs, "status": ops.status, "eval": ops.evaluate, "sample": ops.sample}[args.command](args)
     if args.command == "config" and args.reference:
         from lmyard.config_reference import reference_markdown
 
@@ -194,7 +196,7 @@ def _run_flow(command: str, config) -> int:
 
 
 def _printing(args: argparse.Namespace) -> int:
-    """A command that prints and ends (config, runs, status, export): a reader that stops early
+    """A command that prints and ends (config, runs, status, eval, sample, export): a reader that stops early
     (`lmyard config --reference | head`) ends it quietly, as for any tool. Only here: in a flow's process a broken
     connection must stay an error, never a silent SIGPIPE death."""
     try:

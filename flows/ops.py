@@ -1,8 +1,16 @@
-"""Operator commands of the `lmyard` command line: what a store holds, without running anything.
+"""Operator commands of the `lmyard` command line: what a store holds and what its models do, without a flow.
 
     lmyard runs [--store URI] [--json]                                the lineages of a store
     lmyard status RUN [--store URI] [--tracking-uri URI] [--json]     one lineage: checkpoint, attempts, lease,
                                                                       last evaluation, MLflow run, registered versions
+    lmyard eval SOURCE [--step N] [--tasks T,...] [--hellaswag FILE] [--json] [--log]
+                                                                      val loss, HellaSwag, lm-eval tasks on a model
+    lmyard sample SOURCE --prompt TEXT [--max-new-tokens N] [--temperature T] [--seed S] [--json]
+                                                                      completions of prompts
+
+SOURCE: a lineage of the store (RUN), a checkpoint URI, an export folder or models:/NAME/VERSION (or @ALIAS);
+see lmyard.evaluate.ondemand. A mistake (an unknown run, no checkpoint, an unknown task) is one line, exit 2,
+before any model is read.
 
 The store and the tracking URI are the site's (defaults < LMYARD_* environment < the flags). `--json` prints
 one JSON document (lmyard.tracking.runs' types) for scripts; without it, lines for a person.
@@ -12,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 
 def add_parsers(sub) -> None:
@@ -21,7 +30,66 @@ def add_parsers(sub) -> None:
     for p in (r, s):
         p.add_argument("--store", help="the store (default: LMYARD_STORE, else the default store)")
         p.add_argument("--json", action="store_true", help="one JSON document, for scripts")
-    s.add_argument("--tracking-uri", help="the MLflow tracking URI (default: LMYARD_TRACKING__URI, else the default)")
+    e = sub.add_parser("eval", help="evaluate a checkpoint, an export or a registered model")
+    e.add_argument(
+        "--tasks",
+        type=_tasks,
+        default=None,
+        help="comma-separated: val_loss, hellaswag (lmyard's scorer of --hellaswag), or lm-eval task names "
+        "(default: val_loss, and hellaswag with --hellaswag)",
+    )
+    e.add_argument("--hellaswag", metavar="FILE", help="a HellaSwag-format JSONL (ctx, endings, label), path or s3://")
+    e.add_argument("--log", action="store_true", help="log the results to the lineage's MLflow run (else a new run)")
+    m = sub.add_parser("sample", help="complete prompts with a checkpoint, an export or a registered model")
+    m.add_argument("--prompt", dest="prompts", action="append", required=True, help="a prompt (repeatable)")
+    m.add_argument("--max-new-tokens", type=_at_least(0, int), default=64)
+    m.add_argument("--temperature", type=_positive, default=0.8)
+    m.add_argument("--top-k", type=_at_least(1, int), default=40)
+    m.add_argument("--seed", type=int, default=0)
+    for p in (e, m):
+        p.add_argument(
+            "source", metavar="SOURCE", help="RUN, STORE/runs/RUN[/checkpoints/step_N], a folder, models:/..."
+        )
+        p.add_argument("--step", type=_at_least(0, int), default=None, help="the checkpoint's step (default: newest)")
+        p.add_argument("--store", help="the store (default: LMYARD_STORE, else the default store)")
+        p.add_argument("--device", default="cpu", type=_device, help="cpu (default) or cuda[:N]")
+        p.add_argument("--json", action="store_true", help="one JSON document, for scripts")
+    for p in (s, e, m):
+        p.add_argument(
+            "--tracking-uri", help="the MLflow tracking URI (default: LMYARD_TRACKING__URI, else the default)"
+        )
+
+
+def _tasks(text: str) -> list[str]:
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    if not tasks:
+        raise argparse.ArgumentTypeError("give at least one task, e.g. --tasks val_loss,hellaswag")
+    return tasks
+
+
+def _at_least(low: int, kind=int):
+    def parse(text: str):
+        value = kind(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+
+    return parse
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
+def _device(text: str) -> str:
+    import re
+
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not cpu or cuda[:N]")
+    return text
 
 
 def _config(args: argparse.Namespace):
@@ -79,4 +147,56 @@ def status(args: argparse.Namespace) -> int:
         f"  registered: {v.uri}" + (f" @{','.join(v.aliases)}" if v.aliases else "") for v in s.registered_versions
     ]
     print("\n".join(lines))
+    return 0
+
+
+def _model(args: argparse.Namespace, tasks: list[str] | None = None, hellaswag: str | None = None):
+    """The source resolved and checked (one line on a mistake), then its model loaded: (source, loaded, device)."""
+    from lmyard.config import EvalConfig
+    from lmyard.data.loader import default_cache_dir
+    from lmyard.evaluate import ondemand
+
+    cfg = _config(args)
+    src = ondemand.resolve(args.source, args.step, cfg.store, cfg.tracking.uri)
+    if tasks is not None:
+        ondemand.check_tasks(tasks, hellaswag)
+    from lmyard.evaluate.evaluator import device_for  # imports torch: past every check
+
+    device = device_for(EvalConfig(device=args.device))
+    cache = os.path.join(default_cache_dir(), "ondemand")
+    return src, ondemand.load(src, device, cache, cfg.tracking.uri), device, cfg
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    from lmyard.data.loader import default_cache_dir
+    from lmyard.evaluate import ondemand
+
+    tasks = args.tasks or ["val_loss", *(["hellaswag"] if args.hellaswag else [])]
+    src, loaded, device, cfg = _model(args, tasks, args.hellaswag)
+    result = ondemand.evaluate(src, loaded, tasks, args.hellaswag, device, default_cache_dir())
+    if args.log:
+        result["mlflow_run_id"] = ondemand.log(result, src, cfg.tracking.uri, cfg.tracking.experiment)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    step = f" step {result['step']}" if result["step"] is not None else ""
+    lines = [f"{src.run_name or src.given}{step}: {result['model']} ({result['eval_s']:.1f} s on {device})"]
+    lines += [f"  {k}: {v:.4f}" for k, v in result["metrics"].items()]
+    lines += [f"  note: {n}" for n in result["notes"]]
+    if args.log:
+        lines.append(f"  logged to MLflow run {result['mlflow_run_id']} as {ondemand.LOGGED_PREFIX}*")
+    print("\n".join(lines))
+    return 0
+
+
+def sample(args: argparse.Namespace) -> int:
+    from lmyard.evaluate.evals import complete
+
+    src, m, device, _ = _model(args)
+    done = complete(m.model, m.enc, args.prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed, device)
+    out = [{"prompt": c.prompt, "completion": c.completion} for c in done.items]
+    if args.json:
+        print(json.dumps({"source": src.given, "step": m.step, "seed": args.seed, "samples": out}, indent=1))
+        return 0
+    print("\n\n".join(f"{s['prompt']}{s['completion']}" for s in out))
     return 0

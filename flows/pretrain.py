@@ -1,5 +1,5 @@
 """The pretrain flow: tokenize-and-shard -> open lineage -> train (checkpoint, evaluate, retain each step) ->
-register -> finish."""
+register (-> approval) -> finish."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tasks.checkpoint import record_checkpoint
 from tasks.evaluate import evaluate_checkpoint, new_checkpoints
 from tasks.finish import finish
 from tasks.lineage import close_lineage, ended_status, lineage_crashed, lineage_killed, lineage_lease, open_lineage
-from tasks.register import register_model
+from tasks.register import approve_promotion, register_model
 from tasks.results import RunSummary
 from tasks.retention import retain_checkpoints
 from tasks.shard import tokenize_and_shard
@@ -50,7 +50,7 @@ def pretrain(config: RunConfig = RunConfig(), recipe: str | None = None) -> RunS
             evaluations.append(final := evaluate_checkpoint(config, shards, lineage, trained.step))
             retain_checkpoints(config, trained.step, True, final=True, return_state=True)
             held.check()
-            model = register_model(config, shards, lineage, final)
+            model = approve_promotion(config, lineage, register_model(config, shards, lineage, final))
         except BaseException as exc:
             stop_training(config)  # waits for the trainers' end: the lease is released after it
             close_lineage(lineage, ended_status(exc))

@@ -1,7 +1,7 @@
 """The store: one small interface over string URIs.
 
-`open_store("path/or/file:///dir")` is a local folder; `open_store("s3://bucket/prefix")`
-is S3 through boto3 (any S3-compatible server through AWS_ENDPOINT_URL;
+`open_store` makes a local folder of "path/or/file:///dir" and S3 of "s3://bucket/prefix",
+through boto3 (any S3-compatible server through AWS_ENDPOINT_URL;
 credentials from boto3's standard chain, never from the config). Keys are
 POSIX paths relative to the root, e.g. `shards/<address>/manifest.json`.
 Strings, not Paths: a Path mangles `s3://`.

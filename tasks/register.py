@@ -1,12 +1,20 @@
-"""Register the final model in the MLflow model registry; alias it when the eval gates pass."""
+"""Register the final model in the MLflow model registry; alias it when the eval gates pass (and, with
+eval.approval, once a person approves: `approve_promotion`, called by the flow).
+
+When every gate passes, the event `lmyard.gates.passed` (resource `lmyard.model.NAME.VERSION`, related to the
+flow run and the tag `lmyard`) is emitted: deploy/automations.yaml's notification reacts to it."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger, pause_flow_run, task
 from prefect.cache_policies import NO_CACHE
+from prefect.context import FlowRunContext
+from prefect.events import emit_event
+from prefect.exceptions import FlowPauseTimeout
+from prefect.input import RunInput
 
 from lmyard.checkpoint import retention
 from lmyard.config import RunConfig
@@ -27,10 +35,6 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: Lineage, final:
     that failed passes none: the model is registered, without the alias)."""
     logger = get_run_logger()
     name = config.tracking.registered_model or config.run_name
-    gates = {
-        k: Gate(**g)
-        for k, g in gate_results(config.eval.gates, final.result.metrics if final.result is not None else {}).items()
-    }
     with tempfile.TemporaryDirectory(prefix="lmyard-register-", ignore_cleanup_errors=True) as tmp:
         folder = os.path.join(tmp, "hf_model")  # its name in the logged model: artifacts/hf_model
         info = _export(config, final.checkpoint, folder)
@@ -60,19 +64,101 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: Lineage, final:
         checkpoint_uri=info.checkpoint,
     )
     retention.protect_checkpoint(Run.of(config).store, config.run_name, info.step)
-    alias = None
+    alias, gates = None, judge(config, lineage, final, name, version)
     if not gates:
         logger.info(f"registered {name} version {version}; no eval.gates configured, so no {config.eval.alias!r} alias")
     elif all(g.passed for g in gates.values()):
-        registry.set_alias(lineage, name, config.eval.alias, version)
-        alias = config.eval.alias
-        logger.info(f"registered {name} version {version} as {alias!r}: gates passed {gates}")
+        if config.eval.approval:
+            logger.info(
+                f"registered {name} version {version}: gates passed {gates}; {config.eval.alias!r} awaits approval"
+            )
+        else:
+            registry.set_alias(lineage, name, config.eval.alias, version)
+            alias = config.eval.alias
+            logger.info(f"registered {name} version {version} as {alias!r}: gates passed {gates}")
     else:
         logger.warning(f"registered {name} version {version} without the {config.eval.alias!r} alias: gates {gates}")
     lineage.set_tags({"lmyard.gates": str({k: g.passed for k, g in gates.items()})})
     return RegisteredModel(
         name=name, version=version, alias=alias, gates=gates, source=info.checkpoint, model_uri=f"models:/{model_id}"
     )
+
+
+def judge(config: RunConfig, lineage: Lineage, final: Evaluation, name: str, version: str) -> dict[str, Gate]:
+    """eval.gates on the final evaluation, else the lineage's latest logged metrics (a final evaluation that failed
+    passes no gate); all passed: the event `lmyard.gates.passed` of version `version` of `name`."""
+    if final.result is None:
+        logged, result = {}, {}
+    else:  # each metric's latest value, under the final evaluation's
+        logged, result = lineage.client.get_run(lineage.ref.mlflow_run_id).data.metrics, final.result.metrics
+    gates = {k: Gate(**g) for k, g in gate_results(config.eval.gates, result, logged).items()}
+    if gates and all(g.passed for g in gates.values()):
+        _gates_passed(name, version, gates)
+    return gates
+
+
+def _gates_passed(name: str, version: str, gates: dict[str, Gate]) -> None:
+    """The event `lmyard.gates.passed`, related to this flow run and the tag `lmyard` (what automations match)."""
+    related = [{"prefect.resource.id": "prefect.tag.lmyard", "prefect.resource.role": "tag"}]
+    ctx = FlowRunContext.get()
+    if ctx is not None and ctx.flow_run is not None:
+        run = ctx.flow_run
+        related.append(
+            {
+                "prefect.resource.id": f"prefect.flow-run.{run.id}",
+                "prefect.resource.role": "flow-run",
+                "prefect.resource.name": run.name,
+            }
+        )
+    emit_event(
+        event="lmyard.gates.passed",
+        resource={
+            "prefect.resource.id": f"lmyard.model.{name}.{version}",
+            "prefect.resource.name": f"{name} version {version}",
+        },
+        related=related,
+        payload={"gates": {k: g.model_dump() for k, g in gates.items()}},
+    )
+
+
+class Approval(RunInput):
+    """What a person answers when a promotion waits (Prefect's UI renders it as a form)."""
+
+    approve: bool = False
+    note: str = ""
+
+
+def approve_promotion(config: RunConfig, lineage: Lineage, model: RegisteredModel) -> RegisteredModel:
+    """With eval.approval and every gate passed: pause the flow run (in its process) until a person resumes it
+    with an Approval; approved: the version gets eval.alias. Refused, or no answer within
+    eval.approval_timeout_s: it stays registered without the alias, and the run still completes."""
+    logger = get_run_logger()
+    if not (config.eval.approval and model.gates and all(g.passed for g in model.gates.values())):
+        return model
+    logger.info(
+        f"{model.name} version {model.version} passed its gates; waiting up to {config.eval.approval_timeout_s} s "
+        f"for approval of {config.eval.alias!r} (resume the flow run with approve: true)"
+    )
+    try:
+        answer = pause_flow_run(wait_for_input=Approval, timeout=config.eval.approval_timeout_s, poll_interval=2)
+    except FlowPauseTimeout:
+        logger.warning(
+            f"no approval within {config.eval.approval_timeout_s} s: {model.name} version {model.version} keeps no alias"
+        )
+        return model
+    if not answer.approve:
+        logger.warning(f"promotion of {model.name} version {model.version} refused: {answer.note or 'no reason given'}")
+        return model
+    return promote(lineage, model, config.eval.alias, answer.note)
+
+
+@task(name="promote-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+def promote(lineage: Lineage, model: RegisteredModel, alias: str, note: str = "") -> RegisteredModel:
+    """The approved version gets `alias`; the note is a tag of the lineage's run."""
+    registry.set_alias(lineage, model.name, alias, model.version)
+    lineage.set_tags({"lmyard.promotion_approved": note or "approved"})
+    get_run_logger().info(f"{model.name} version {model.version} is {alias!r}: approved")
+    return model.model_copy(update={"alias": alias})
 
 
 def _export(config: RunConfig, checkpoint_uri: str, folder: str) -> ExportResult:

@@ -431,3 +431,28 @@ def mlflow_server(s3_server, tmp_path_factory):
     finally:
         stop_group(proc, 15)
         log.close()
+
+
+# ---------------------------------------------------------------- one finished run, shared
+
+
+@pytest.fixture(scope="session")
+def finished_run(s3_server, mlflow_server, prefect_api_url, tmp_path_factory):
+    """One tiny run to its end (registered as models:/smoke/1, no gates): store on S3, tracking on the MLflow
+    server; (environment of `lmyard` subprocesses, store URI, tracking URI). Tests read it and add to it, never
+    change what it holds."""
+    tmp = tmp_path_factory.mktemp("ops")
+    store = f"s3://{s3_server.new_bucket('ops')}/lmyard"
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": prefect_api_url,
+        "LMYARD_CACHE": str(tmp / "cache"),
+        "PYTHONUNBUFFERED": "1",
+    }
+    overrides = tiny_overrides(
+        tmp, **{"store": store, "tracking.uri": mlflow_server.uri, "tracking.system_metrics": False}
+    )
+    args = lmyard_cmd("run", "smoke", *[a for o in overrides for a in ("--set", o)])
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return env, store, mlflow_server.uri

@@ -87,6 +87,11 @@ def test_recipe_file_is_read_and_overridden(tmp_path):
             ["config", "--set", "train.activation_checkpointing_blocks=0"],
             "train.activation_checkpointing_blocks: Input should be greater than 0",
         ),
+        (
+            ["config", "--set", "eval.gates.metrics=[{metric: val/loss, min: 1, max: 3}]"],
+            "eval.gates.metrics.0: gate on 'val/loss' needs exactly one bound: min (higher is better) or max",
+        ),
+        (["config", "--set", "eval.gates.metrics=[{max: 3}]"], "eval.gates.metrics.0.metric: Field required"),
     ],
 )
 def test_bad_config_prints_one_line_and_exits_2(args, message):

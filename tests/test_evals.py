@@ -94,3 +94,22 @@ def test_gates_pass_only_when_every_configured_gate_holds():
     assert failed["val_loss_max"] == {"value": 2.0, "limit": 1.5, "passed": False}
     unmeasured = gate_results(EvalGates(hellaswag_acc_norm_min=0.1), {"loss/eval": 2.0})
     assert not unmeasured["hellaswag_acc_norm_min"]["passed"]
+
+
+def test_gates_on_any_logged_metric_take_the_final_evaluation_over_the_runs_latest_value():
+    gates = EvalGates(
+        val_loss_max=2.5,
+        metrics=[
+            {"metric": "val/loss", "max": 3.0},
+            {"metric": "eval/hellaswag_acc", "min": 0.3},
+            {"metric": "harness/arc/acc", "min": 0.5},
+        ],
+    )
+    result = {"loss/eval": 2.0, "eval/hellaswag_acc": 0.25, "eval/hellaswag_acc_norm": 0.3, "harness/arc/acc": 0.6}
+    out = gate_results(gates, result, logged={"val/loss": 2.9, "loss/eval": 9.0, "eval/hellaswag_acc": 0.9})
+    assert list(out) == ["val_loss_max", "val/loss max", "eval/hellaswag_acc min", "harness/arc/acc min"]
+    assert out["val_loss_max"] == {"value": 2.0, "limit": 2.5, "passed": True}  # the final evaluation's, not 9.0
+    assert out["val/loss max"] == {"value": 2.9, "limit": 3.0, "passed": True}  # logged by the trainer only
+    assert out["eval/hellaswag_acc min"] == {"value": 0.25, "limit": 0.3, "passed": False}
+    assert out["harness/arc/acc min"]["passed"]
+    assert not gate_results(EvalGates(metrics=[{"metric": "nowhere", "max": 1.0}]), result)["nowhere max"]["passed"]

@@ -1,15 +1,17 @@
-"""The operator commands against real servers: `lmyard runs` and `lmyard status RUN` on an S3 store with an MLflow
-tracking server, after a real run; `--json` for scripts, one line and exit 2 for a lineage that is not there."""
+"""The operator commands against real servers: `lmyard runs`, `lmyard status RUN`, `lmyard eval` and `lmyard sample`
+on an S3 store with an MLflow tracking server, after a real run; `--json` for scripts, one line and exit 2 for a
+lineage that is not there. eval and sample run in this process (flows.cli.main): a fresh interpreter's imports
+would cost more than the evaluation."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 
 import pytest
 from conftest import lmyard_cmd, tiny_overrides
 
+from flows.cli import main
 from lmyard.store import open_store
 from lmyard.tracking import lease
 
@@ -21,24 +23,6 @@ def _lmyard(env: dict, *args: str, check: bool = True) -> subprocess.CompletedPr
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
-
-
-@pytest.fixture(scope="module")
-def finished_run(s3_server, mlflow_server, prefect_api_url, tmp_path_factory):
-    """One tiny run to its end: store on S3, tracking on the MLflow server."""
-    tmp = tmp_path_factory.mktemp("ops")
-    store = f"s3://{s3_server.new_bucket('ops')}/lmyard"
-    env = {
-        **os.environ,
-        "PREFECT_API_URL": prefect_api_url,
-        "LMYARD_CACHE": str(tmp / "cache"),
-        "PYTHONUNBUFFERED": "1",
-    }
-    overrides = tiny_overrides(
-        tmp, **{"store": store, "tracking.uri": mlflow_server.uri, "tracking.system_metrics": False}
-    )
-    _lmyard(env, "run", "smoke", *[a for o in overrides for a in ("--set", o)])
-    return env, store, mlflow_server.uri
 
 
 def test_runs_json_lists_each_lineage_with_its_newest_checkpoint_and_no_lease_once_it_ended(finished_run):
@@ -117,3 +101,91 @@ def test_a_run_initialised_from_a_registered_model_starts_at_that_models_val_los
     (line,) = [ln for ln in refused.stderr.splitlines() if ln.startswith("lmyard: error:")]
     assert "models:/smoke/7: no such registered model version" in line
     assert "train" not in [ln.split()[1].rstrip(":") for ln in refused.stdout.splitlines() if len(ln.split()) > 1]
+
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory):
+    """One LMYARD_CACHE for the commands that read models: each downloads a checkpoint or an export once."""
+    return str(tmp_path_factory.mktemp("model-cache"))
+
+
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _final_val_loss(tracking: str) -> tuple[str, float]:
+    """The lineage smoke's MLflow run and the val loss its pipeline logged at the final step (6)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking)
+    (version,) = client.search_model_versions("name = 'smoke'")
+    history = client.get_metric_history(version.run_id, "eval/val_loss")
+    return version.run_id, next(m.value for m in history if m.step == 6)
+
+
+def test_eval_of_a_lineage_gives_the_val_loss_its_run_logged_and_logs_it_to_that_run(
+    finished_run, capsys, monkeypatch, model_cache
+):
+    from mlflow.tracking import MlflowClient
+
+    _, store, tracking = finished_run
+    monkeypatch.setenv("LMYARD_CACHE", model_cache)
+    code, out, err = _main(capsys, "eval", "smoke", "--store", store, "--tracking-uri", tracking, "--json", "--log")
+    assert code == 0, err
+    result = json.loads(out)
+    run_id, logged = _final_val_loss(tracking)
+    assert result["step"] == 6 and result["model"] == f"{store}/runs/smoke/checkpoints/step_00000006"
+    assert abs(result["val_loss"] - logged) < 1e-6 and result["metrics"] == {"eval/val_loss": result["val_loss"]}
+    assert result["mlflow_run_id"] == run_id
+    (again,) = MlflowClient(tracking).get_metric_history(run_id, "lmyard_eval/eval/val_loss")
+    assert again.step == 6 and abs(again.value - result["val_loss"]) < 1e-9
+
+
+def test_eval_and_sample_of_the_registered_version_match_its_checkpoint(finished_run, capsys, monkeypatch, model_cache):
+    """models:/smoke/1 is the final checkpoint exported: the same val loss, the same sample for the same seed."""
+    _, store, tracking = finished_run
+    monkeypatch.setenv("LMYARD_CACHE", model_cache)
+    where = ("--store", store, "--tracking-uri", tracking, "--json")
+    code, out, err = _main(capsys, "eval", "models:/smoke/1", *where)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["step"] == 6 and result["run_name"] == "smoke"
+    assert abs(result["val_loss"] - _final_val_loss(tracking)[1]) < 1e-5
+    prompt = ("--prompt", "The for statement", "--max-new-tokens", "12", "--seed", "3")
+    samples = []
+    for source in ("models:/smoke/1", "smoke"):
+        code, out, err = _main(capsys, "sample", source, *prompt, *where)
+        assert code == 0, err
+        samples.append(json.loads(out))
+    assert samples[0]["samples"] == samples[1]["samples"] and samples[0]["step"] == 6
+    assert samples[0]["samples"][0]["prompt"] == "The for statement"
+    code, text, _ = _main(capsys, "sample", "smoke", *prompt, *where[:-1])
+    assert code == 0 and text == "The for statement" + samples[0]["samples"][0]["completion"] + "\n"
+
+
+def test_eval_and_sample_mistakes_are_one_line_and_exit_2_before_a_model_is_read(
+    finished_run, capsys, monkeypatch, tmp_path
+):
+    _, store, tracking = finished_run
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LMYARD_CACHE", str(cache))
+    local = tmp_path / "store"
+    held = lease.acquire(open_store(str(local)), "empty", {"flow_run": "starting"}, ttl_s=300, wait_s=0)
+    try:
+        cases = [
+            (("eval", "nope", "--store", store), "no lineage 'nope'"),
+            (("sample", "nope", "--prompt", "x", "--store", store), "lineages there: smoke"),
+            (("eval", "empty", "--store", str(local)), "run 'empty' has no complete checkpoint"),
+            (("eval", "smoke", "--step", "4", "--store", store), "no complete checkpoint of step 4"),
+            (("eval", "models:/smoke/9", "--tracking-uri", tracking), "models:/smoke/9: no such registered"),
+            (("eval", "smoke", "--store", store, "--tasks", "hellaswag"), "give --hellaswag FILE"),
+        ]
+        for args, says in cases:
+            code, out, err = _main(capsys, *args)
+            assert code == 2 and out == "", (args, out, err)
+            assert err.count("\n") == 1 and err.startswith("lmyard: error: ") and says in err, (args, err)
+    finally:
+        held.release()
+    assert not (cache / "ondemand").exists()  # no checkpoint was downloaded, no model read

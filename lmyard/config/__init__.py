@@ -25,7 +25,7 @@ from pydantic import Field, field_validator, model_validator
 from lmyard.config.base import RUN_NAME_MAX, _Section, digest, redact_uri
 from lmyard.config.checkpoint import CheckpointConfig
 from lmyard.config.data import DataConfig, SourceConfig, TokenizerConfig
-from lmyard.config.evaluation import EvalConfig, EvalGates
+from lmyard.config.evaluation import EvalConfig, EvalGates, MetricGate
 from lmyard.config.launch import DockerConfig, LaunchConfig, RayConfig
 from lmyard.config.model import ModelConfig
 from lmyard.config.tracking import DEFAULT_TRACKING_URI, TrackingConfig, default_tracking_uri
@@ -40,6 +40,7 @@ __all__ = [
     "DockerConfig",
     "EvalConfig",
     "EvalGates",
+    "MetricGate",
     "GuardConfig",
     "LaunchConfig",
     "ModelConfig",

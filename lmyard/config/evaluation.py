@@ -1,10 +1,35 @@
-"""The `eval` section and its registration gates."""
+"""The `eval` section, its registration gates and the approval of a promotion."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from lmyard.config.base import _Section
+
+
+class MetricGate(_Section):
+    """One gate on a logged metric: its final value must be at most `max`, or at least `min` (one of them)."""
+
+    metric: str = Field(
+        min_length=1,
+        pattern=r"^[A-Za-z0-9_./ -]+$",
+        description="A metric of the lineage's MLflow run (e.g. `eval/val_loss`, `eval/hellaswag_acc_norm`, "
+        "`harness/arc_easy/acc`, `val/loss`).",
+    )
+    min: float | None = Field(None, description="The metric must be at least this.")
+    max: float | None = Field(None, description="The metric must be at most this.")
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> MetricGate:
+        if (self.min is None) == (self.max is None):
+            raise ValueError(
+                f"gate on {self.metric!r} needs exactly one bound: min (higher is better) or max (lower is better)"
+            )
+        return self
+
+    @property
+    def name(self) -> str:
+        return f"{self.metric} {'min' if self.min is not None else 'max'}"
 
 
 class EvalGates(_Section):
@@ -12,9 +37,15 @@ class EvalGates(_Section):
     hellaswag_acc_norm_min: float | None = Field(
         None, ge=0, le=1, description="The final HellaSwag acc_norm must be at least this."
     )
+    metrics: list[MetricGate] = Field(
+        default_factory=list,
+        description="Gates on any logged metric, each `{metric: NAME, max: X}` or `{metric: NAME, min: X}`; "
+        "the final value (the final evaluation's, else the run's latest) decides.",
+    )
 
     def configured(self) -> dict[str, float]:
-        return {k: v for k, v in self.model_dump().items() if v is not None}
+        """The named gates (val_loss_max, hellaswag_acc_norm_min) that are set."""
+        return {k: v for k, v in self.model_dump(exclude={"metrics"}).items() if v is not None}
 
 
 class EvalConfig(_Section):
@@ -61,4 +92,12 @@ class EvalConfig(_Section):
         "candidate",
         pattern=r"^[A-Za-z][A-Za-z0-9_-]*$",
         description="Registry alias the final model version gets when every configured gate passes.",
+    )
+    approval: bool = Field(
+        False,
+        description="Once the gates pass, pause the flow run until a person approves the alias in Prefect's UI "
+        "(or `resume_flow_run` with input `{approve: true}`); refused or timed out: no alias.",
+    )
+    approval_timeout_s: int = Field(
+        86400, gt=0, description="Seconds a promotion waits for approval; then the version stays without the alias."
     )

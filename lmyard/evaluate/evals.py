@@ -134,16 +134,34 @@ def hellaswag(model: LanguageModel, enc, examples: list[dict], device: str = "cp
 
 
 def samples(model: LanguageModel, cfg: RunConfig, seed: int = 0, device: str = "cpu") -> Samples:
-    enc = get_tokenizer(cfg.tokenizer)
+    """eval.prompts' completions, as every evaluation samples them."""
+    e = cfg.eval
+    return complete(
+        model, get_tokenizer(cfg.tokenizer), e.prompts, e.sample_tokens, e.temperature, e.top_k, seed, device
+    )
+
+
+def complete(
+    model: LanguageModel,
+    enc,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int = 0,
+    device: str = "cpu",
+) -> Samples:
+    """Each prompt (after the end-of-text token, as training documents begin) continued up to max_new_tokens,
+    cut at the next end-of-text token; one generator seeded with `seed` for all of them."""
     gen = torch.Generator(device=device).manual_seed(seed)
     out = []
-    for prompt in cfg.eval.prompts:
-        ids = [enc.eot_token, *enc.encode_ordinary(prompt)]
+    for prompt in prompts:
+        ids = [enc.eot_token, *enc.encode_ordinary(prompt)][-model.config.block_size :]
         idx = model.generate(
             torch.tensor([ids], device=device),
-            cfg.eval.sample_tokens,
-            cfg.eval.temperature,
-            cfg.eval.top_k,
+            max_new_tokens,
+            temperature,
+            top_k,
             generator=gen,
             vocab_limit=enc.n_vocab,
         )

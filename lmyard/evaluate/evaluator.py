@@ -29,7 +29,7 @@ from lmyard.stages import EvalResult
 # ---------------------------------------------------------------- one checkpoint
 
 
-def _device(e: EvalConfig) -> str:
+def device_for(e: EvalConfig) -> str:
     if e.device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise UserError(f"eval.device is {e.device!r} but no GPU is visible; set eval.device=cpu")
@@ -45,7 +45,7 @@ def evaluate_checkpoint(cfg: RunConfig, shards: ShardSet, step: int, run: Run | 
     """Every evaluation of the registry that cfg.eval enables, on the checkpoint at `step` (of `run`, the handle
     of cfg's run, opened here when not given)."""
     t0 = time.perf_counter()
-    device = _device(cfg.eval)
+    device = device_for(cfg.eval)
     run = run or Run.of(cfg)
     # a private checkpoint cache: the trainer may be downloading the same checkpoint to resume
     ckpt = resume.load_step(run.store, run.name, step, os.path.join(run.cache, "eval"))

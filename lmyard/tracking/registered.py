@@ -22,18 +22,19 @@ def is_registered(uri: str | None) -> bool:
     return bool(uri) and str(uri).startswith("models:/")
 
 
-def _version(client, uri: str, tracking_uri: str):
-    """The model version `uri` names; a UserError naming it and where it was looked for."""
+def model_version(client, uri: str, tracking_uri: str, what: str = "model.init_from"):
+    """The model version `uri` names; a UserError naming it (`what`: where it was given) and where it was looked
+    for."""
     from mlflow.exceptions import MlflowException
 
     m = _URI.match(uri)
     if m is None:
         raise UserError(
-            f"model.init_from {uri!r} is not a registered model URI: give models:/NAME/VERSION, models:/NAME@ALIAS "
+            f"{what} {uri!r} is not a registered model URI: give models:/NAME/VERSION, models:/NAME@ALIAS "
             "or models:/NAME/latest"
         )
     name, version, alias = m["name"], m["version"], m["alias"]
-    missing = f"model.init_from {uri}: no such registered model version at {redact_uri(tracking_uri)}"
+    missing = f"{what} {uri}: no such registered model version at {redact_uri(tracking_uri)}"
     try:
         if alias:
             return client.get_model_version_by_alias(name, alias)
@@ -53,7 +54,7 @@ def check(uri: str, tracking_uri: str) -> None:
     """A UserError now, before any training, when `uri` names no registered version."""
     from mlflow.tracking import MlflowClient
 
-    _version(MlflowClient(tracking_uri, registry_uri=tracking_uri), uri, tracking_uri)
+    model_version(MlflowClient(tracking_uri, registry_uri=tracking_uri), uri, tracking_uri)
 
 
 def export_folder(uri: str, tracking_uri: str, cache_dir: str) -> str:
@@ -64,7 +65,7 @@ def export_folder(uri: str, tracking_uri: str, cache_dir: str) -> str:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
-    version = _version(client, uri, tracking_uri)
+    version = model_version(client, uri, tracking_uri)
     model_id = version.model_id or str(version.source).removeprefix("models:/")
     location = client.get_logged_model(model_id).artifact_location
     dest = os.path.join(cache_dir, re.sub(r"[^A-Za-z0-9._-]", "_", f"{version.name}-{version.version}-{model_id}"))

@@ -90,7 +90,7 @@ def _lease(store: Store, run_name: str) -> LeaseHolder | None:
     )
 
 
-def _mlflow_run_id(store: Store, run_name: str) -> str | None:
+def lineage_run_id(store: Store, run_name: str) -> str | None:
     key = RunLayout(run_name).lineage
     if not store.exists(key):
         return None
@@ -108,7 +108,7 @@ def run_row(store: Store, run_name: str) -> RunRow:
         newest_step=steps[-1] if steps else None,
         newest_checkpoint=store.uri(RunLayout(run_name).step(steps[-1])) if steps else None,
         lease=_lease(store, run_name),
-        mlflow_run_id=_mlflow_run_id(store, run_name),
+        mlflow_run_id=lineage_run_id(store, run_name),
     )
 
 
