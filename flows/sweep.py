@@ -13,11 +13,11 @@ from prefect import flow
 
 from lmyard.config import RunConfig
 from lmyard.recipes import with_recipe
-from lmyard.sweep.driver import SweepResult, pending, plan
+from lmyard.sweep.driver import SweepResult, plan
 from lmyard.sweep.space import Trial, assignments, trial_config
 from lmyard.tracking.credentials import credentials_to_env
 from tasks.shard import tokenize_and_shard
-from tasks.sweep import close_sweep, log_sweep, open_sweep, train_trial, train_trials_on_ray
+from tasks.sweep import close_sweep, log_sweep, open_sweep, pending_trials, train_trial, train_trials_on_ray
 
 
 def trial_command(config: RunConfig, trial: dict[str, Any], parent: str) -> list[str]:
@@ -39,7 +39,7 @@ def sweep(
     trials = plan(config, sizes, search)  # a bad space or trial: one line, before anything
     shards = tokenize_and_shard(config)  # once: every trial of the same data reuses this shard set
     parent = open_sweep(config, trials.kind)
-    commands = {t["name"]: trial_command(config, t, parent) for t in pending(config, trials)}
+    commands = {t["name"]: trial_command(config, t, parent) for t in pending_trials(config, trials)}
     try:
         if config.launch.backend == "ray":
             train_trials_on_ray(config, trials, commands)

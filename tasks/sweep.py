@@ -18,6 +18,17 @@ def open_sweep(config: RunConfig, kind: str) -> str:
     return run_id
 
 
+@task(name="pending-trials", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+def pending_trials(config: RunConfig, plan: driver.Plan) -> list[dict]:
+    """The trials whose lineage is not finished (nor stopped by the scheduler): those the sweep trains now."""
+    left = driver.pending(config, plan)
+    done = len(plan.trials) - len(left)
+    get_run_logger().info(
+        f"sweep {config.run_name}: {done} of {len(plan.trials)} trials done already, {len(left)} to train"
+    )
+    return left
+
+
 @task(name="train-trial", cache_policy=NO_CACHE)
 def train_trial(config: RunConfig, command: list[str], name: str) -> None:
     """One trial's `lmyard run` here, to its end (it retries a crash itself: launch.retries)."""

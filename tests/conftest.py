@@ -385,3 +385,28 @@ def mlflow_server(s3_server, tmp_path_factory):
     finally:
         stop_group(proc, 15)
         log.close()
+
+
+# ---------------------------------------------------------------- Ray: a real local cluster of two nodes
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """Two Ray nodes of 1 CPU each on 127.0.0.1 (Ray swaps a loopback address for the host's own unless told
+    otherwise); this process is a driver of it too, to look at its actors and placement groups. One a module."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    with pytest.MonkeyPatch.context() as mp:
+        # get_node_ip_address() -> 127.0.0.1, here (the constant is read at import) and in every Ray process
+        mp.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        try:
+            cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, namespace="lmyard-tests", log_to_driver=False)
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()

@@ -35,6 +35,7 @@ SKIP: list[tuple[str, str]] = [
     (r"prefect deployment run ", "starts a training run (tests/test_deployments.py runs the deployments)"),
     (r"(\.venv/bin/)?mlflow (ui|server) ", "blocks: a server runs until stopped"),
     (r"lmyard (run|shard) ", "a training run; its recipe and --set overrides are checked with `lmyard config`"),
+    (r"lmyard sweep ", "trains a lineage per trial, minutes (tests/test_sweeps.py runs sweeps of sizes and a search)"),
     (r"lmyard export ", "needs a trained checkpoint (tests/test_export.py exports one)"),
     (r"python -m lmyard\.launch\.images build", "builds the stage image for minutes (tests/test_docker.py)"),
     (r"python -m lmyard\.launch\.images prune", "removes Docker images of this machine"),

@@ -1,6 +1,6 @@
 """The Ray backend on a real local Ray cluster of two nodes with one CPU each (ray.cluster_utils.Cluster).
 
-The cluster is started once for this module, bound to 127.0.0.1, and shut down at the end. Every test
+The cluster (conftest.py's ray_cluster) is started once for this module, bound to 127.0.0.1, and shut down at the end. Every test
 checks that no actor or placement group of its run is left behind.
 """
 
@@ -24,27 +24,6 @@ from lmyard.store import open_store
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """Two Ray nodes of 1 CPU each on 127.0.0.1 (Ray swaps a loopback address for the host's own unless told
-    otherwise); this process is a driver of it too, to look at its actors and placement groups."""
-    from ray.cluster_utils import Cluster
-
-    with pytest.MonkeyPatch.context() as mp:
-        # get_node_ip_address() -> 127.0.0.1, here (the constant is read at import) and in every Ray process
-        mp.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
-        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-        try:
-            cluster.add_node(num_cpus=1)
-            cluster.wait_for_nodes()
-            ray.init(address=cluster.address, namespace="lmyard-tests", log_to_driver=False)
-            yield cluster
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
 
 
 def _actors(run_name: str) -> list[dict]:

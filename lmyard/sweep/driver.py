@@ -16,7 +16,7 @@ from lmyard.paths import cache_root
 from lmyard.store import open_store
 from lmyard.sweep import record
 from lmyard.sweep.runner import TrialFailed, TrialProcess
-from lmyard.sweep.space import Schedule, Trial, parse_space, search_trials, size_trials, trial_config
+from lmyard.sweep.space import Schedule, Trial, absolute_uri, parse_space, search_trials, size_trials, trial_config
 
 log = logging.getLogger("lmyard.sweep")
 
@@ -64,10 +64,7 @@ def _trial(row: dict[str, Any]) -> Trial:
 def pending(config: RunConfig, p: Plan) -> list[dict[str, Any]]:
     """The trials not done yet: a finished or stopped trial's lineage is not trained again."""
     store = open_store(config.store)
-    left = [row for row in p.trials if not record.done(record.outcome(config, store, _trial(row)))]
-    if len(left) < len(p.trials):
-        log.info(f"sweep {config.run_name}: {len(p.trials) - len(left)} of {len(p.trials)} trials done already")
-    return left
+    return [row for row in p.trials if not record.done(record.outcome(config, store, _trial(row)))]
 
 
 def trial_log(config: RunConfig, name: str) -> Path:
@@ -94,8 +91,8 @@ def run_on_ray(config: RunConfig, p: Plan, commands: dict[str, list[str]]) -> No
             "name": n,
             "command": c,
             "log": str(trial_log(config, n)),
-            "tracking_uri": config.tracking.uri,
-            "store": config.store,
+            "tracking_uri": absolute_uri(config.tracking.uri),
+            "store": absolute_uri(config.store),
         }
         for n, c in commands.items()
     ]

@@ -176,7 +176,10 @@ def trial_config(config: RunConfig, trial: Trial, parent_run_id: str | None = No
     whole config: a value that cannot work is one UserError naming the trial, before anything trains."""
     data = config.model_dump(mode="json", exclude_unset=True)
     # a relative store or sqlite file is this folder's: the trial's process may start in another
-    data["store"], data.setdefault("tracking", {})["uri"] = _absolute(config.store), _absolute(config.tracking.uri)
+    data["store"], data.setdefault("tracking", {})["uri"] = (
+        absolute_uri(config.store),
+        absolute_uri(config.tracking.uri),
+    )
     for key, value in {**trial.overrides, "run_name": trial.name, "tracking.parent_run_id": parent_run_id}.items():
         node = data
         for part in key.split(".")[:-1]:
@@ -189,7 +192,8 @@ def trial_config(config: RunConfig, trial: Trial, parent_run_id: str | None = No
     return data
 
 
-def _absolute(uri: str) -> str:
+def absolute_uri(uri: str) -> str:
+    """A local store path or sqlite file as an absolute one (other URIs as they are)."""
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         return "sqlite:///" + os.path.abspath(uri.removeprefix("sqlite:///"))
     return uri if "://" in uri else os.path.abspath(uri)
