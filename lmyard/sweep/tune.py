@@ -1,6 +1,6 @@
 """Trials on a Ray cluster under Ray Tune: each trial is an actor that runs and watches one `lmyard run`
 (lmyard.sweep.runner); the trial's trainer takes the cluster's resources through its own placement group
-(launch.backend=ray), so the actor asks for none, and as many trials run at once as the cluster's CPUs hold.
+(launch.backend=ray), so the actor asks for no CPU (one byte of memory: Tune wants something), and as many trials run at once as the cluster's CPUs hold.
 A scheduler (ASHA) reads each trial's val loss at its steps and stops the worst early; a stopped trial's
 process gets SIGTERM (the flow checkpoints and closes its lineage) and is waited for.
 
@@ -62,6 +62,12 @@ def _trainable():
                 return {"step": self.last[0], "val_loss": self.last[1], "done": True}
             return {"step": self.last[0], "val_loss": self.last[1]}
 
+        def save_checkpoint(self, checkpoint_dir: str) -> dict:
+            return {}  # the trial's lineage holds its checkpoints; its rerun resumes from them
+
+        def load_checkpoint(self, checkpoint: dict | None) -> None:
+            pass
+
         def cleanup(self) -> None:
             self.proc.stop(self.grace_s)  # a stopped trial checkpoints and closes its lineage; an ended one: no-op
 
@@ -94,11 +100,15 @@ def run_on_ray(
     grace_s = cfg.launch.grace_s + 120  # the flow's checkpoint, then its lineage closed
     space = [{**t, "ray_address": address, "grace_s": grace_s} for t in trials]
     tuner = tune.Tuner(
-        tune.with_resources(_trainable(), {"cpu": 0}),
+        tune.with_resources(_trainable(), {"cpu": 0, "memory": 1}),  # no CPU: the trainer takes them
         param_space={"trial": tune.grid_search(space)},
         tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=scheduler, max_concurrent_trials=at_once),
         run_config=tune.RunConfig(
-            name=cfg.run_name, storage_path=str(storage), verbose=0, failure_config=tune.FailureConfig(max_failures=0)
+            name=cfg.run_name,
+            storage_path=str(storage),
+            verbose=0,
+            failure_config=tune.FailureConfig(max_failures=0),  # a trial's crash is retried by its own flow
+            checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=False),
         ),
     )
     results = tuner.fit()
