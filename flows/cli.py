@@ -2,6 +2,8 @@
 
     lmyard run RECIPE [--set dotted.key=value ...]     the pretrain flow
     lmyard shard RECIPE [--set dotted.key=value ...]   tokenize-and-shard only
+    lmyard sweep RECIPE [--set ...] --sizes 1,2,3 | --search FILE
+                                                       the sweep flow: a lineage per size or trial (docs/sweeps.md)
     lmyard config [RECIPE] [--set ...]                 print the resolved config (YAML)
     lmyard --version                                   the package version
     lmyard runs [--store URI] [--json]                 the lineages of a store
@@ -67,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
         ("run", "run the pretrain flow"),
         ("shard", "tokenize-and-shard only"),
         ("config", "print the resolved config as YAML"),
+        ("sweep", "train a recipe at several model sizes, or over a search space (docs/sweeps.md)"),
     ):
         s = sub.add_parser(name, help=help_)
         s.add_argument(
@@ -85,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
         )
         if name == "config":
             s.add_argument("--reference", action="store_true", help="print the reference of every key (Markdown)")
+        if name == "sweep":
+            s.add_argument("--sizes", type=_indices, default=None, help="scaling indices of the model, e.g. 1,2,3")
+            s.add_argument("--search", default=None, metavar="FILE", help="a YAML search space (docs/sweeps.md)")
     from flows import ops
 
     ops.add_parsers(sub)  # runs, status: what a store holds; eval, sample: what its models do
@@ -103,6 +109,29 @@ def _parser() -> argparse.ArgumentParser:
         help="a new (or empty) folder or s3://bucket/prefix",
     )
     return p
+
+
+def _indices(text: str) -> list[int]:
+    try:
+        return [int(i) for i in text.split(",") if i.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers separated by commas, e.g. 1,2,3") from None
+
+
+def _sweep_parameters(args: argparse.Namespace, config) -> dict:
+    """The sweep flow's sizes or search space, checked here (one line, exit 2) before Prefect starts."""
+    from lmyard.sweep.driver import plan
+    from lmyard.sweep.space import read_space
+
+    search = None
+    if args.search is not None:
+        read_space(args.search)  # the file's own mistakes name the file
+        import yaml
+
+        with open(args.search) as f:
+            search = yaml.safe_load(f)
+    plan(config, args.sizes, search, f"--search {args.search}")
+    return {"sizes": args.sizes, "search": search}
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -144,10 +173,11 @@ def _command(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(config.redacted_dump(), sort_keys=False), end="")
         return 0
-    return _run_flow(args.command, config)
+    extra = _sweep_parameters(args, config) if args.command == "sweep" else {}
+    return _run_flow(args.command, config, **extra)
 
 
-def _run_flow(command: str, config) -> int:
+def _run_flow(command: str, config, **parameters) -> int:
     """The pretrain flow (`run`) or the shard flow (`shard`) here, on Prefect's temporary server unless
     PREFECT_API_URL names one; its last lines."""
     from prefect import tags
@@ -166,8 +196,10 @@ def _run_flow(command: str, config) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if command == "run":
         from flows.pretrain import pretrain as flow_fn
+    elif command == "sweep":
+        from flows.sweep import sweep as flow_fn  # type: ignore[assignment]  # all take config=
     else:
-        from flows.shard import shard as flow_fn  # type: ignore[assignment]  # both take config=, return a dict
+        from flows.shard import shard as flow_fn  # type: ignore[assignment]
     console.install(config.store)  # what a person reads: lmyard/console.py
     _quiet_user_errors()
     start_temporary_server()  # out of reach of the terminal's Ctrl-C, so the run can record how it ended
@@ -177,7 +209,7 @@ def _run_flow(command: str, config) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with tags("lmyard"):  # as every deployment's runs: lmyard's automations act on this tag only
         try:  # the tracking password goes to the environment before the config becomes the flow run's parameter
-            result = flow_fn(config=credentials_to_env(config))
+            result = flow_fn(config=credentials_to_env(config), **parameters)
         except (UserError, StageFailed):
             raise
         except Exception as e:  # a flaw of the code: the console printed its traceback once, above
@@ -185,6 +217,10 @@ def _run_flow(command: str, config) -> int:
     console.settle(None)  # a failure the flow went on from (an evaluation) prints before the result
     if isinstance(result, ShardSet):  # `lmyard shard`
         print(f"lmyard: shard set {result.address} at {result.uri}")
+        return 0
+    if command == "sweep":
+        print(f"lmyard: sweep {result.run_name}: {result.summary}")
+        print(f"lmyard: {console.where_next(config.tracking.uri, result.mlflow_run_id, None)}")
         return 0
     val = f"val loss {result.val_loss:.4f}" if result.val_loss is not None else "no val loss"
     failed = f"; evaluation failed at steps {sorted(result.failed_evaluations)}" if result.failed_evaluations else ""
@@ -215,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     from lmyard.errors import StageFailed, UserError
 
     try:
-        if args.command in ("run", "shard"):
+        if args.command in ("run", "shard", "sweep"):
             return _command(args)
         return _printing(args)
     except (UserError, StageFailed) as e:  # one line each, the last: its exit code

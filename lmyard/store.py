@@ -374,3 +374,9 @@ def open_store(uri: str) -> Store:
     if problem:
         raise UserError(f"store {problem}")
     return S3Store(uri) if uri.startswith("s3://") else LocalStore(uri)
+
+
+def read_object(uri: str) -> bytes:
+    """The bytes of one object named by its whole URI (`s3://bucket/key`)."""
+    root, _, name = uri.rpartition("/")
+    return open_store(root).read_bytes(name)

@@ -88,8 +88,8 @@ def test_recipe_file_is_read_and_overridden(tmp_path):
             "train.activation_checkpointing_blocks: Input should be greater than 0",
         ),
         (
-            ["config", "--set", "eval.gates.metrics=[{metric: val/loss, min: 1, max: 3}]"],
-            "eval.gates.metrics.0: gate on 'val/loss' needs exactly one bound: min (higher is better) or max",
+            ["config", "--set", "eval.gates.metrics=[{metric: loss/val, min: 1, max: 3}]"],
+            "eval.gates.metrics.0: gate on 'loss/val' needs exactly one bound: min (higher is better) or max",
         ),
         (["config", "--set", "eval.gates.metrics=[{max: 3}]"], "eval.gates.metrics.0.metric: Field required"),
     ],

@@ -38,6 +38,7 @@ SKIP: list[tuple[str, str]] = [
     (r"lmyard (run|shard) ", "a training run; its recipe and --set overrides are checked with `lmyard config`"),
     (r"lmyard (eval|sample) ", "needs a trained checkpoint (tests/test_ops.py evaluates and samples one)"),
     (r"python -m flows\.notifications ", "needs a webhook (tests/test_promotion.py runs one on 127.0.0.1)"),
+    (r"lmyard sweep ", "trains a lineage per trial, minutes (tests/test_sweeps.py runs sweeps of sizes and a search)"),
     (r"lmyard export ", "needs a trained checkpoint (tests/test_export.py exports one)"),
     (r"python -m lmyard\.launch\.images build", "builds the stage image for minutes (tests/test_docker.py)"),
     (r"python -m lmyard\.launch\.images prune", "removes Docker images of this machine"),

@@ -121,7 +121,7 @@ def _final_val_loss(tracking: str) -> tuple[str, float]:
 
     client = MlflowClient(tracking)
     (version,) = client.search_model_versions("name = 'smoke'")
-    history = client.get_metric_history(version.run_id, "eval/val_loss")
+    history = client.get_metric_history(version.run_id, "loss/eval")
     return version.run_id, next(m.value for m in history if m.step == 6)
 
 
@@ -137,9 +137,9 @@ def test_eval_of_a_lineage_gives_the_val_loss_its_run_logged_and_logs_it_to_that
     result = json.loads(out)
     run_id, logged = _final_val_loss(tracking)
     assert result["step"] == 6 and result["model"] == f"{store}/runs/smoke/checkpoints/step_00000006"
-    assert abs(result["val_loss"] - logged) < 1e-6 and result["metrics"] == {"eval/val_loss": result["val_loss"]}
+    assert abs(result["val_loss"] - logged) < 1e-6 and result["metrics"] == {"loss/eval": result["val_loss"]}
     assert result["mlflow_run_id"] == run_id
-    (again,) = MlflowClient(tracking).get_metric_history(run_id, "lmyard_eval/eval/val_loss")
+    (again,) = MlflowClient(tracking).get_metric_history(run_id, "lmyard_eval/loss/eval")
     assert again.step == 6 and abs(again.value - result["val_loss"]) < 1e-9
 
 

@@ -33,7 +33,7 @@ def promote_smoke(config, lineage: dict) -> dict:
     logged at step 6), then its approval step."""
     STARTED.append(FlowRunContext.get().flow_run.id)  # type: ignore[union-attr]
     run = Lineage.from_dict(lineage)
-    val = run.metric_history("eval/val_loss")[6]
+    val = run.metric_history("loss/eval")[6]
     result = EvalResult(step=6, checkpoint="-", tokens_seen=6 * 1024, device="cpu", val_loss=val)
     gates = judge(config, run, Evaluation(step=6, checkpoint="-", result=result), "smoke", "1")
     model = RegisteredModel(name="smoke", version="1", gates=gates, source="-", model_uri="models:/smoke/1")
@@ -65,13 +65,13 @@ def _aliases(tracking: str) -> list[str]:
 
 def test_a_failing_gate_keeps_the_alias_away_and_asks_no_approval(finished_run, tmp_path):
     _, _, tracking = finished_run
-    config = _config(tmp_path, "{metric: val/loss, max: 100}", "{metric: train/loss, max: 0.01}")
+    config = _config(tmp_path, "{metric: loss/val, max: 100}", "{metric: loss/train, max: 0.01}")
     aliases = _aliases(tracking)
     with tags("lmyard"):
         state = promote_smoke(config, _lineage(tracking), return_state=True)
     model = state.result()
-    assert model["gates"]["val/loss max"]["passed"] and not model["gates"]["train/loss max"]["passed"]
-    assert 0.01 < model["gates"]["train/loss max"]["value"] < 100
+    assert model["gates"]["loss/val max"]["passed"] and not model["gates"]["loss/train max"]["passed"]
+    assert 0.01 < model["gates"]["loss/train max"]["value"] < 100
     assert model["alias"] is None and _aliases(tracking) == aliases
 
 
@@ -81,7 +81,7 @@ def test_promotion_waits_for_approval_and_moves_the_alias_once_resumed_with_appr
     from prefect.client.orchestration import get_client
 
     _, _, tracking = finished_run
-    config = _config(tmp_path, "{metric: eval/val_loss, max: 100}", "{metric: val/loss, max: 100}")
+    config = _config(tmp_path, "{metric: loss/eval, max: 100}", "{metric: loss/val, max: 100}")
     before = len(STARTED)
     done: dict = {}
 
@@ -139,7 +139,7 @@ def test_the_notification_automation_posts_failed_completed_and_gates_passed_to_
     (created,) = install(url, block="lmyard-notify-test")
     assert created[0] == "lmyard-notify-runs-and-gates"
     _, _, tracking = finished_run
-    config = _config(tmp_path, "{metric: eval/val_loss, max: 100}", approval=False)
+    config = _config(tmp_path, "{metric: loss/eval, max: 100}", approval=False)
     try:
         with tags("lmyard"):
             promote_smoke(config, _lineage(tracking))  # gates pass: lmyard.gates.passed, then Completed

@@ -26,6 +26,11 @@ class TrackingConfig(_Section):
     registered_model: str | None = Field(
         None, description="Model registry name of the final model; default: the run_name."
     )
+    parent_run_id: str | None = Field(
+        None,
+        description="The MLflow run of the sweep this lineage is a trial of (set by `lmyard sweep`): the lineage's "
+        "run is its child (the `mlflow.parentRunId` tag).",
+    )
     system_metrics: bool = Field(True, description="Log CPU, memory, disk, network (and GPU) metrics per node.")
     system_metrics_interval_s: float = Field(10.0, gt=0, description="Seconds between system metric samples.")
     lease_ttl_s: float = Field(

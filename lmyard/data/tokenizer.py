@@ -54,11 +54,9 @@ def _parse_ranks(data: bytes, where: str) -> dict[bytes, int]:
 
 def _read_ranks_file(uri: str, what: str = "tokenizer.ranks_file") -> bytes:
     if uri.startswith("s3://"):
-        from lmyard.store import open_store
+        from lmyard.store import read_object
 
-        bucket_key = uri.removeprefix("s3://")
-        bucket, _, key = bucket_key.partition("/")
-        return open_store(f"s3://{bucket}").read_bytes(key)
+        return read_object(uri)
     try:
         with open(uri.removeprefix("file://"), "rb") as f:
             return f.read()

@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator
 
 from lmyard.errors import UserError
-from lmyard.store import open_store
+from lmyard.store import read_object
 
 
 def read_hellaswag(source: str, split: str = "validation", limit: int | None = None) -> list[dict]:
@@ -40,8 +40,7 @@ def read_hellaswag(source: str, split: str = "validation", limit: int | None = N
 
 def _jsonl_rows(source: str) -> Iterator[dict]:
     if source.startswith("s3://"):
-        root, _, name = source.rpartition("/")
-        data = open_store(root).read_bytes(name).decode()
+        data = read_object(source).decode()
     else:
         if not os.path.exists(source):
             raise UserError(f"eval.hellaswag {source} does not exist")

@@ -55,6 +55,21 @@ def check(cfg) -> None:
     FAMILIES[arch].check(cfg)
 
 
+def scaled(cfg, index: int) -> dict[str, int]:
+    """The `model.*` fields of size `index` of the configured model (lmyard.config.ModelConfig): each of its
+    family's scaling fields (spec.scaling.scaled) is its base value times `index`, the rest as configured; index 1 is
+    the configuration itself. A field with no base value (Llama's n_kv_head unset: n_head's) is left to follow."""
+    family = FAMILIES[cfg.architecture()]
+    base = {**family.presets.get(cfg.preset or "", {}), **cfg.dims()}
+    out = {}
+    for name in family.scaling.scaled:
+        value = getattr(cfg, name, None)
+        value = value if value is not None else base.get(name)
+        if value is not None:
+            out[name] = int(value) * index
+    return out
+
+
 def resolve(cfg, n_vocab: int) -> dict:
     """The configured model's config fields (`model.*` resolved by its family), JSON-able; no torch."""
     return FAMILIES[cfg.architecture()].resolve(cfg, n_vocab)

@@ -51,6 +51,18 @@ class Terms:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Scaling:
+    """How one recipe makes a family of sizes (lmyard.models.registry.scaled): each of `scaled` is its base value
+    (the config's, else the preset's) times the scaling index; `fixed` stay as the recipe sets them. Widths that
+    follow the model width (an MLP's) grow with it."""
+
+    scaled: tuple[str, ...]
+    """`model.*` fields multiplied by the index (width, heads)."""
+    fixed: tuple[str, ...]
+    """`model.*` fields every size keeps (depth, context, the width rules)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     name: str
     """`model.arch`, and the `arch` a checkpoint records."""
@@ -71,6 +83,10 @@ class ModelSpec:
     hf: HFAdapter
     terms: Callable[[dict], Terms]
     """Config fields -> parameter counts and activation bytes (lmyard.train.distributed.memory, FLOPs)."""
+    scaling: Scaling = field(
+        default_factory=lambda: Scaling(scaled=("n_embd", "n_head"), fixed=("n_layer", "block_size"))
+    )
+    """The fields a size sweep scales by its index, and those it keeps."""
     fsdp_units: Callable[[Any], list[tuple[list, bool]]] = field(default=lambda model: [])
     """Modules sharded as units of their own before the blocks, with whether they reshard after forward
     (lmyard.train.distributed.parallel.apply_fsdp); what is left goes to the root unit."""

@@ -179,6 +179,8 @@ class Lineage:
             "lmyard.code_version": code_version,
             "lmyard.store": store.uri(RunLayout(cfg.run_name).root),
         }
+        if cfg.tracking.parent_run_id:  # a trial of a sweep: nested under the sweep's run in the MLflow UI
+            tags["mlflow.parentRunId"] = cfg.tracking.parent_run_id
         if changed:
             tags[f"lmyard.attempt.{attempts + 1}.config_changes"] = json.dumps(changed)[:5000]
         lineage.set_tags(tags)

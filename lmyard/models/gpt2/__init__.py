@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from lmyard.errors import UserError
-from lmyard.models.spec import HFAdapter, ModelSpec, Terms
+from lmyard.models.spec import HFAdapter, ModelSpec, Scaling, Terms
 
 PRESETS: dict[str, dict] = {
     # name: layers, heads, width, context
@@ -151,4 +151,5 @@ SPEC = ModelSpec(
     config=config,
     hf=HFAdapter(architecture="GPT2LMHeadModel", config=hf_config, to_hf=to_hf, from_hf=from_hf),
     terms=terms,
+    scaling=Scaling(scaled=("n_embd", "n_head"), fixed=("n_layer", "block_size")),  # head size and MLP ratio kept
 )

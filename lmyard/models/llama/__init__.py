@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from lmyard.errors import UserError
-from lmyard.models.spec import HFAdapter, ModelSpec, Terms
+from lmyard.models.spec import HFAdapter, ModelSpec, Scaling, Terms
 
 PRESETS: dict[str, dict] = {
     # Llama 3 shapes: layers, heads, kv heads, width, context, SwiGLU width rule (multiple_of, ffn_dim_multiplier)
@@ -225,5 +225,10 @@ SPEC = ModelSpec(
     config=config,
     hf=HFAdapter(architecture="LlamaForCausalLM", config=hf_config, to_hf=to_hf, from_hf=from_hf),
     terms=terms,
+    # head size and the SwiGLU rule (a multiple of the width) kept
+    scaling=Scaling(
+        scaled=("n_embd", "n_head", "n_kv_head"),
+        fixed=("n_layer", "block_size", "multiple_of", "ffn_dim_multiplier"),
+    ),
     fsdp_units=fsdp_units,
 )

@@ -1,0 +1,132 @@
+"""A sweep from start to end, in the order the sweep flow (flows/sweep.py) calls it: the plan (trials and their
+configs, every mistake one line before anything trains), the trials that are not done yet (run one after another
+on the local backend, under Ray Tune on a cluster), and the summary on the sweep's MLflow run."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from lmyard.config import RunConfig
+from lmyard.errors import UserError
+from lmyard.paths import cache_root
+from lmyard.run import Run
+from lmyard.sweep import record
+from lmyard.sweep.runner import TrialFailed, TrialProcess
+from lmyard.sweep.space import Schedule, Trial, absolute_uri, parse_space, search_trials, size_trials, trial_config
+
+log = logging.getLogger("lmyard.sweep")
+
+
+class Plan(BaseModel):
+    """The trials of a sweep: each one's name, overrides, scaling index and whole (explicit) config."""
+
+    kind: str  # sizes or search
+    trials: list[dict[str, Any]]
+    schedule: dict[str, Any] | None = None
+
+    def schedule_(self) -> Schedule | None:
+        return Schedule(**self.schedule) if self.schedule else None
+
+
+class SweepResult(BaseModel):
+    """What a sweep ended with: its MLflow run, every trial's row of the table, the power law of a size sweep."""
+
+    run_name: str
+    mlflow_run_id: str
+    rows: list[dict[str, Any]]
+    summary: str
+
+
+def plan(config: RunConfig, sizes: list[int] | None, search: dict[str, Any] | None, source: str = "") -> Plan:
+    """The trials, each config validated; UserError for a bad space or a trial config that cannot work."""
+    if (sizes is None) == (search is None):
+        raise UserError("a sweep takes either --sizes 1,2,3 (model sizes) or --search FILE (a search space)")
+    schedule = None
+    if sizes is not None:
+        trials = size_trials(config, sizes)
+    else:
+        space = parse_space(search, source or "search space")
+        trials, schedule = search_trials(config, space), space.schedule
+    for t in trials:
+        trial_config(config, t)  # every trial's config valid before the shards are made
+    rows = [{"name": t.name, "overrides": t.overrides, "size": t.size} for t in trials]
+    return Plan(kind="sizes" if sizes is not None else "search", trials=rows, schedule=schedule and vars(schedule))
+
+
+def _trial(row: dict[str, Any]) -> Trial:
+    return Trial(row["name"], row["overrides"], row["size"])
+
+
+def pending(config: RunConfig, p: Plan) -> list[dict[str, Any]]:
+    """The trials not done yet: a finished or stopped trial's lineage is not trained again."""
+    store = Run.of(config).store
+    return [row for row in p.trials if not record.done(record.outcome(config, store, _trial(row)))]
+
+
+def trial_log(config: RunConfig, name: str) -> Path:
+    return Path(cache_root("sweeps", config.run_name, f"{name}.log"))
+
+
+def run_one(config: RunConfig, command: list[str], name: str) -> None:
+    """One trial's `lmyard run` to its end, here (the local backend); TrialFailed if it failed."""
+    proc = TrialProcess(name, command, trial_log(config, name), config.tracking.uri, Run.of(config).store, {})
+    try:
+        for step, loss in proc.points():
+            log.info(f"trial {name}: val loss {loss:.4f} at step {step}")
+    finally:
+        proc.stop(config.launch.grace_s + 120)  # only an interrupted sweep finds it running
+
+
+def run_on_ray(config: RunConfig, p: Plan, commands: dict[str, list[str]]) -> None:
+    """The pending trials under Ray Tune; trials the scheduler stopped are tagged done; TrialFailed for any that
+    failed (after the others ended)."""
+    from lmyard.sweep.tune import run_on_ray as tune_run
+
+    rows = [
+        {
+            "name": n,
+            "command": c,
+            "log": str(trial_log(config, n)),
+            "tracking_uri": absolute_uri(config.tracking.uri),
+            "store": absolute_uri(config.store),
+        }
+        for n, c in commands.items()
+    ]
+    errors = tune_run(config, rows, p.schedule_(), Path(cache_root("sweeps", "tune")))
+    store = Run.of(config).store
+    for name, error in errors.items():
+        if not error and record.outcome(config, store, Trial(name, {})).status != "finished":
+            record.mark_stopped(config, store, Trial(name, {}))
+    failed = {n: e for n, e in errors.items() if e}
+    if failed:
+        raise TrialFailed(f"{len(failed)} trial(s) failed: " + "; ".join(f"{n}: {e}" for n, e in failed.items()))
+
+
+def summarize(config: RunConfig, p: Plan, parent: str, n_vocab: int) -> SweepResult:
+    """The table of trials and (sizes) the fitted power law, logged on the sweep's run."""
+    store, rows = Run.of(config).store, []
+    for row in p.trials:
+        o = record.outcome(config, store, _trial(row))
+        n, d, flops = record.compute(trial_config(config, _trial(row)), n_vocab, o.step)
+        rows.append(
+            {
+                "trial": o.name,
+                "status": o.status,
+                "size": row["size"],
+                **{f"set.{k}": v for k, v in row["overrides"].items()},
+            }
+            | {
+                "step": o.step,
+                "val_loss": o.val_loss,
+                "params": n,
+                "tokens": d,
+                "flops": flops,
+                "mlflow_run_id": o.run_id,
+            }
+        )
+    said = record.log_summary(config, parent, rows, p.kind == "sizes")
+    return SweepResult(run_name=config.run_name, mlflow_run_id=parent, rows=rows, summary=said)

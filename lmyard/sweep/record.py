@@ -1,0 +1,139 @@
+"""The sweep's MLflow run: the parent of its trials' lineage runs (their `mlflow.parentRunId`), the table of
+trials and, for a size sweep, the loss against compute with a fitted power law.
+
+A trial is finished when its lineage's run is FINISHED (the pretrain flow closed it after its final checkpoint)
+or when the scheduler stopped it early (the tag `lmyard.sweep.stopped_at_step`); a resumed sweep skips those.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from lmyard.config import RunConfig, redact_uri
+from lmyard.models import registry
+from lmyard.sweep.space import Trial
+from lmyard.tracking.lineage import Lineage, _client, _experiment_id, check_reachable
+
+SWEEP_TAG = "lmyard.sweep"
+STOPPED_TAG = "lmyard.sweep.stopped_at_step"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a trial's lineage says: its last val loss and step, and whether it is done."""
+
+    name: str
+    status: str  # finished, stopped, failed, running or not started
+    step: int | None
+    val_loss: float | None
+    run_id: str | None
+
+
+def open_parent(cfg: RunConfig, kind: str) -> str:
+    """The sweep's run (by its name, tagged lmyard.sweep), created or reopened RUNNING; its id."""
+    check_reachable(cfg.tracking.uri)
+    client = _client(cfg.tracking.uri)
+    experiment_id = _experiment_id(client, cfg)
+    found = client.search_runs([experiment_id], filter_string=f"tags.`{SWEEP_TAG}` = '{cfg.run_name}'", max_results=1)
+    if found:
+        client.update_run(found[0].info.run_id, status="RUNNING")
+        return found[0].info.run_id
+    run = client.create_run(
+        experiment_id, run_name=cfg.run_name, tags={SWEEP_TAG: cfg.run_name, "lmyard.sweep.kind": kind}
+    )
+    client.log_batch(run.info.run_id, params=_params(cfg))
+    return run.info.run_id
+
+
+def _params(cfg: RunConfig) -> list:
+    from mlflow.entities import Param
+
+    return [Param(k, v[:6000]) for k, v in cfg.flat().items() if k not in ("run_name", "tracking.parent_run_id")]
+
+
+def close_parent(cfg: RunConfig, run_id: str, status: str) -> None:
+    _client(cfg.tracking.uri).set_terminated(run_id, status)
+
+
+def outcome(cfg: RunConfig, store, trial: Trial) -> Outcome:
+    lineage = Lineage.find(cfg.tracking.uri, store, trial.name)
+    if lineage is None:
+        return Outcome(trial.name, "not started", None, None, None)
+    run = lineage.client.get_run(lineage.ref.mlflow_run_id)
+    history = lineage.metric_history("loss/val")
+    step = max(history) if history else None
+    status = {"FINISHED": "finished", "FAILED": "failed", "KILLED": "failed"}.get(run.info.status, "running")
+    if STOPPED_TAG in run.data.tags:
+        status = "stopped"
+    return Outcome(trial.name, status, step, history[step] if step is not None else None, lineage.ref.mlflow_run_id)
+
+
+def done(o: Outcome) -> bool:
+    return o.status in ("finished", "stopped")
+
+
+def mark_stopped(cfg: RunConfig, store, trial: Trial) -> None:
+    """Tag a trial the scheduler stopped before its last step: done for the sweep, not for its lineage."""
+    lineage = Lineage.find(cfg.tracking.uri, store, trial.name)
+    if lineage is not None:
+        history = lineage.metric_history("loss/val")
+        lineage.set_tags({STOPPED_TAG: str(max(history) if history else 0)})
+
+
+def compute(config: dict[str, Any], n_vocab: int, steps: int | None) -> tuple[int, int, float]:
+    """(parameters N, tokens D, 6*N*D training FLOPs) of a trial's config (RunConfig's fields) at `steps`."""
+    cfg = RunConfig.model_validate(config)
+    n = registry.parameters({"arch": cfg.model.architecture(), **registry.resolve(cfg.model, n_vocab)})
+    d = (steps or 0) * cfg.train.batch_tokens
+    return n, d, 6.0 * n * d
+
+
+def power_law(flops: list[float], losses: list[float]) -> tuple[float, float] | None:
+    """(a, b) of loss = a * C^b fitted in log space (numpy's polyfit); None for fewer than two points."""
+    import numpy as np
+
+    points = [(c, loss) for c, loss in zip(flops, losses) if c > 0 and loss is not None and loss > 0]
+    if len({c for c, _ in points}) < 2:
+        return None
+    slope, intercept = np.polyfit(np.log([c for c, _ in points]), np.log([loss for _, loss in points]), 1)
+    return math.exp(float(intercept)), float(slope)
+
+
+def log_summary(cfg: RunConfig, parent: str, rows: list[dict[str, Any]], sizes: bool) -> str:
+    """The table of trials (trials.json) on the parent run; for a size sweep the power law's metrics and a plot
+    (loss_vs_compute.png, when matplotlib is installed). A line saying what was logged."""
+    client = _client(cfg.tracking.uri)
+    columns = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)}
+    client.log_table(parent, data=columns, artifact_file="trials.json")
+    said = f"{len(rows)} trials logged to MLflow run {parent} ({redact_uri(cfg.tracking.uri)})"
+    if not sizes:
+        return said
+    fit = power_law([r["flops"] for r in rows], [r["val_loss"] for r in rows])
+    if fit is None:
+        return said + "; too few finished sizes for a power law"
+    a, b = fit
+    client.log_metric(parent, "sweep/power_law_exponent", b)
+    client.log_metric(parent, "sweep/power_law_coefficient", a)
+    return said + f"; val loss = {a:.4g} * C^{b:.4f} (C = 6ND FLOPs)" + _plot(client, parent, rows, a, b)
+
+
+def _plot(client, parent: str, rows: list[dict[str, Any]], a: float, b: float) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "; no plot (matplotlib is not installed)"
+    points = sorted((r["flops"], r["val_loss"]) for r in rows if r["flops"] and r["val_loss"] is not None)
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ax.loglog([c for c, _ in points], [v for _, v in points], "o", label="trials")
+    ax.loglog([c for c, _ in points], [a * c**b for c, _ in points], "-", label=f"{a:.3g} C^{b:.3f}")
+    ax.set_xlabel("training FLOPs (6ND)")
+    ax.set_ylabel("val loss")
+    ax.legend()
+    client.log_figure(parent, fig, "loss_vs_compute.png")
+    plt.close(fig)
+    return ", plotted"

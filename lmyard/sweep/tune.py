@@ -1,0 +1,119 @@
+"""Trials on a Ray cluster under Ray Tune: each trial is an actor that runs and watches one `lmyard run`
+(lmyard.sweep.runner); the trial's trainer takes the cluster's resources through its own placement group
+(launch.backend=ray), so the actor asks for no CPU (one byte of memory: Tune wants something), and as many trials run at once as the cluster's CPUs hold.
+A scheduler (ASHA) reads each trial's val loss at its steps and stops the worst early; a stopped trial's
+process gets SIGTERM (the flow checkpoints and closes its lineage) and is waited for.
+
+The actors get the sweep process's PREFECT_API_URL, LMYARD_* (not secrets), MLFLOW_TRACKING_URI, PYTHONPATH and
+TIKTOKEN_CACHE_DIR through Ray's runtime_env, which Ray records: credentials come from the nodes' own environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from lmyard.config import RunConfig
+from lmyard.launch import ray as ray_launch
+from lmyard.store import open_store
+from lmyard.sweep.runner import TrialProcess
+from lmyard.sweep.space import Schedule
+
+PASSED = ("PREFECT_API_URL", "LMYARD_CACHE", "LMYARD_STORE", "MLFLOW_TRACKING_URI", "PYTHONPATH", "TIKTOKEN_CACHE_DIR")
+
+
+def _connect(cfg: RunConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {k: v for k, v in os.environ.items() if k in PASSED or k == "LMYARD_TRACKING__URI"}
+    ray.init(
+        address=ray_launch.address(cfg),
+        namespace=ray_launch.NAMESPACE,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+        runtime_env={"env_vars": env},
+    )
+    # the trials' own `lmyard run` reaches the same cluster, whatever the nodes' RAY_ADDRESS
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+
+
+def _trainable():
+    from ray import tune
+
+    class Trial(tune.Trainable):
+        """One trial: its `lmyard run` started in setup, a result for each val loss it logs, stopped in cleanup."""
+
+        def setup(self, config: dict[str, Any]) -> None:
+            t = config["trial"]
+            env = {"RAY_ADDRESS": t["ray_address"]}
+            self.proc = TrialProcess(
+                t["name"], t["command"], Path(t["log"]), t["tracking_uri"], open_store(t["store"]), env
+            )
+            self.points, self.last, self.grace_s = self.proc.points(), (0, float("nan")), float(t["grace_s"])
+
+        def step(self) -> dict[str, Any]:
+            try:
+                self.last = next(self.points)
+            except StopIteration:  # the run ended: its last point again, done
+                return {"step": self.last[0], "val_loss": self.last[1], "done": True}
+            return {"step": self.last[0], "val_loss": self.last[1]}
+
+        def save_checkpoint(self, checkpoint_dir: str) -> dict:
+            return {}  # the trial's lineage holds its checkpoints; its rerun resumes from them
+
+        def load_checkpoint(self, checkpoint: dict | None) -> None:
+            pass
+
+        def cleanup(self) -> None:
+            self.proc.stop(self.grace_s)  # a stopped trial checkpoints and closes its lineage; an ended one: no-op
+
+    return Trial
+
+
+def run_on_ray(
+    cfg: RunConfig, trials: list[dict[str, Any]], schedule: Schedule | None, storage: Path
+) -> dict[str, str]:
+    """Run the trials (their names, commands, logs) under Tune; name -> its error ('' for a trial that ended or
+    was stopped by the scheduler)."""
+    import ray
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    _connect(cfg)
+    address = ray.get_runtime_context().gcs_address
+    per_trial = cfg.launch.nnodes * (cfg.launch.ray.cpus_per_node or cfg.launch.nproc_per_node)
+    at_once = max(1, int(ray.cluster_resources().get("CPU", 1) // per_trial))
+    scheduler = (
+        ASHAScheduler(
+            time_attr="step",
+            max_t=cfg.train.max_steps + 1,  # never stop a trial for reaching its end: it finishes its flow
+            grace_period=schedule.grace_steps,
+            reduction_factor=schedule.reduction_factor,
+        )
+        if schedule
+        else FIFOScheduler()
+    )
+    grace_s = cfg.launch.grace_s + 120  # the flow's checkpoint, then its lineage closed
+    space = [{**t, "ray_address": address, "grace_s": grace_s} for t in trials]
+    tuner = tune.Tuner(
+        tune.with_resources(_trainable(), {"cpu": 0, "memory": 1}),  # no CPU: the trainer takes them
+        param_space={"trial": tune.grid_search(space)},
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=scheduler, max_concurrent_trials=at_once),
+        run_config=tune.RunConfig(
+            name=cfg.run_name,
+            storage_path=str(storage),
+            verbose=0,
+            failure_config=tune.FailureConfig(max_failures=0),  # a trial's crash is retried by its own flow
+            checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=False),
+        ),
+    )
+    results = tuner.fit()
+    out = {}
+    for i in range(len(results)):
+        r = results[i]
+        out[(r.config or {})["trial"]["name"]] = str(r.error).strip().splitlines()[-1] if r.error else ""
+    return out

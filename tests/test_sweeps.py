@@ -1,0 +1,133 @@
+"""`lmyard sweep`: model sizes and search spaces, each trial an ordinary lineage under the sweep's MLflow run.
+
+Against a real MLflow server, a real Prefect server and (for Ray Tune) a real two-node Ray cluster on 127.0.0.1.
+The size sweep runs once for the module; its rerun is the resume test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import uuid
+
+import pytest
+from conftest import lmyard_cmd, tiny_overrides
+from mlflow.tracking import MlflowClient
+
+TIMEOUT_S = 1800  # three or four tiny lineages, each a whole pretrain flow, on a busy 2-core machine
+
+
+def _sets(tmp_path, tracking_uri: str, run_name: str, steps: int, **extra) -> list[str]:
+    values = {
+        "run_name": run_name,
+        "tracking.uri": tracking_uri,
+        "tracking.experiment": run_name,
+        "model.n_embd": 32,
+        "model.n_head": 2,
+        "launch.nproc_per_node": 1,
+        "eval.interval": 1,
+        "eval.val_tokens": 512,
+        "checkpoint.interval": steps,
+        **extra,
+    }
+    return [a for s in tiny_overrides(tmp_path, steps=steps, **values) for a in ("--set", s)]
+
+
+def _runs(uri: str, experiment: str) -> tuple[object, list]:
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    parents = [r for r in runs if r.data.tags.get("lmyard.sweep") == experiment]
+    assert len(parents) == 1, [r.info.run_name for r in runs]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    return parents[0], sorted(children, key=lambda r: r.info.run_name)
+
+
+@pytest.fixture(scope="module")
+def size_sweep(tmp_path_factory, mlflow_server, prefect_api_url):
+    """`lmyard sweep smoke --sizes 1,2,3` of a 2-step model once; the command, its folder, environment, result."""
+    import os
+
+    tmp = tmp_path_factory.mktemp("sizes")
+    name = f"sizes-{uuid.uuid4().hex[:6]}"
+    args = lmyard_cmd("sweep", "smoke", "--sizes", "1,2,3", *_sets(tmp, mlflow_server.uri, name, steps=2))
+    env = {**os.environ, "PREFECT_API_URL": prefect_api_url, "LMYARD_CACHE": str(tmp / "cache")}
+    env.pop("PREFECT_HOME", None)
+    proc = subprocess.run(args, cwd=tmp, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    return name, args, tmp, env, proc
+
+
+@pytest.mark.integration
+def test_a_size_sweep_trains_each_size_as_a_child_run_and_fits_loss_against_compute(size_sweep, mlflow_server):
+    name, _, _, _, proc = size_sweep
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    parent, children = _runs(mlflow_server.uri, name)
+    assert [c.info.run_name for c in children] == [f"{name}-x1", f"{name}-x2", f"{name}-x3"]
+    assert all(c.info.status == "FINISHED" for c in children)
+    assert [c.data.params["model.n_embd"] for c in children] == ["32", "64", "96"]  # width = base * index
+    assert [c.data.params["model.n_head"] for c in children] == ["2", "4", "6"]
+    assert [c.data.params["model.n_layer"] for c in children] == ["2", "2", "2"]  # depth fixed
+    assert parent.info.status == "FINISHED"
+    assert math.isfinite(parent.data.metrics["sweep/power_law_exponent"])
+    client = MlflowClient(mlflow_server.uri)
+    table = json.loads(open(client.download_artifacts(parent.info.run_id, "trials.json")).read())
+    rows = [dict(zip(table["columns"], r)) for r in table["data"]]
+    assert [r["trial"] for r in rows] == [c.info.run_name for c in children]
+    assert all(r["status"] == "finished" and r["step"] == 2 for r in rows)
+    assert rows[0]["flops"] < rows[1]["flops"] < rows[2]["flops"]  # 6ND: N grows with the width
+    assert "loss_vs_compute.png" in [a.path for a in client.list_artifacts(parent.info.run_id)]
+
+
+@pytest.mark.integration
+def test_a_rerun_sweep_skips_its_finished_trials(size_sweep, mlflow_server):
+    name, args, tmp, env, first = size_sweep
+    assert first.returncode == 0, first.stderr[-3000:]
+    proc = subprocess.run(args, cwd=tmp, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "3 of 3 trials done already, 0 to train" in proc.stdout + proc.stderr
+    _, children = _runs(mlflow_server.uri, name)  # still one parent run
+    assert [c.data.tags["lmyard.attempts"] for c in children] == ["1", "1", "1"]  # no trial launched again
+
+
+@pytest.mark.integration
+def test_a_tune_search_on_ray_stops_a_bad_trial_before_its_last_step(ray_cluster, mlflow_server, cli_env, tmp_path):
+    from lmyard.sweep.record import STOPPED_TAG
+
+    steps, name = 16, f"search-{uuid.uuid4().hex[:6]}"
+    (tmp_path / "space.yaml").write_text(
+        "params:\n  train.lr: {grid: [0.01, 0.005, 1.0e-7, 1.0e-8]}\n"
+        "scheduler: {asha: {grace_steps: 1, reduction_factor: 2}}\n"
+    )
+    ray_sets = ["launch.backend=ray", "launch.nnodes=1"]
+    sets = _sets(tmp_path, mlflow_server.uri, name, steps=steps) + [a for s in ray_sets for a in ("--set", s)]
+    args = lmyard_cmd("sweep", "smoke", "--search", "space.yaml", *sets)
+    env = {**cli_env, "RAY_ADDRESS": ray_cluster.address}
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _, children = _runs(mlflow_server.uri, name)
+    assert len(children) == 4
+    client = MlflowClient(mlflow_server.uri)
+    last = {
+        c.info.run_name: max(m.step for m in client.get_metric_history(c.info.run_id, "loss/val")) for c in children
+    }
+    stopped = [c.info.run_name for c in children if STOPPED_TAG in c.data.tags]
+    assert stopped and all(last[n] < steps for n in stopped), (last, stopped)
+    assert any(c.info.status == "FINISHED" and last[c.info.run_name] == steps for c in children), last
+
+
+@pytest.mark.parametrize(
+    "space, named",
+    [
+        ("params:\n  train.lrr: {grid: [0.1]}\n", "params.train.lrr: no such config key"),
+        ("params:\n  train.lr: {choice: []}\n", "params.train.lr: choice needs a non-empty list"),
+        ("params:\n  train.lr: {normal: [0, 1]}\n", "params.train.lr: give one distribution"),
+    ],
+)
+def test_a_bad_search_space_is_one_line_and_exit_2_before_anything_starts(tmp_path, space, named):
+    (tmp_path / "space.yaml").write_text(space)
+    args = lmyard_cmd("sweep", "smoke", "--search", "space.yaml", "--set", f"store={tmp_path / 'store'}")
+    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"lmyard: error: --search space.yaml: {named}"), lines
+    assert not (tmp_path / "store").exists()  # no shard, no run
