@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 
 from lmyard.config import RunConfig
 from lmyard.contracts import StageSpec, TrainResult, TrainSpec
-from lmyard.errors import TrainingFailed, UserError
+from lmyard.errors import NoSpace, TrainingFailed, UserError
 from lmyard.launch.containers import _local_store_root, _Masker, _sqlite_dir, secret_names
 from lmyard.launch.follower import Follower, LocalJob
 
@@ -215,7 +215,12 @@ class NodeAgent:
             with socket.socket() as s:
                 s.bind((ip, 0))
                 port = s.getsockname()[1]
-        return {"ip": ip, "port": port, "node_id": ray.get_runtime_context().get_node_id()}
+        return {
+            "ip": ip,
+            "port": port,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "host": socket.gethostname(),
+        }
 
     def start(self, spec_json: str, env: dict[str, str], torchrun: dict) -> None:
         spec = TrainSpec.model_validate_json(spec_json)
@@ -321,6 +326,8 @@ class RayJob:
         self.stopping = threading.Event()
 
     def start(self, events: queue.Queue) -> None:
+        import ray
+
         _connect(self.address)
         self.connected = True
         self._place()
@@ -334,7 +341,14 @@ class RayJob:
             dict(rdzv_endpoint=endpoint, rdzv_id=self.launch_id, node=i, local_addr=w["ip"]) if self.nodes > 1 else {}
             for i, w in enumerate(where)
         ]
-        self._get([a.start.remote(self.spec_json, self.env, t) for a, t in zip(self.actors, torchrun)], CALL_S, "start")
+        starts = [a.start.remote(self.spec_json, self.env, t) for a, t in zip(self.actors, torchrun)]
+        for i, ref in enumerate(starts):
+            try:
+                self._get([ref], CALL_S, "start")
+            except ray.exceptions.RayTaskError as e:  # a full cache disk on that node: one line naming it
+                if not isinstance(e.cause, NoSpace):
+                    raise
+                raise NoSpace(f"node {i} ({where[i]['host']}, {where[i]['ip']}): {e.cause}") from None
         for i in range(self.nodes):
             threading.Thread(target=self._pump, args=(i, events), daemon=True, name=f"ray-node-{i}").start()
 
