@@ -91,23 +91,30 @@ class Host:
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         return {**os.environ, "LMYARD_CACHE": str(self.cache), **(extra or {})}
 
-    def argv(self, cmd: list[str]) -> list[str]:
+    def argv(self, cmd: list[str], resolvable: bool = False) -> list[str]:
         """`cmd` as run inside this host: its network namespace, a UTS namespace with its hostname, a private mount
         namespace (what an engine mounts goes away with it). Not `ip netns exec`: it mounts a new /sys, which
-        hides the cgroup mounts a Docker engine needs."""
+        hides the cgroup mounts a Docker engine needs. `resolvable`: an /etc/hosts of its own that resolves the
+        host's name to its address, as a real host's DNS would (torchrun's standalone rendezvous needs it)."""
         netns = f"--net=/run/netns/{self.netns}"
-        return ["nsenter", netns, "unshare", "--uts", "--mount", "sh", "-c", IN_HOST, self.hostname, *cmd]
+        setup = IN_HOST
+        if resolvable:
+            (hosts := self.root / "etc-hosts").write_text(f"127.0.0.1 localhost\n{self.addr} {self.hostname}\n")
+            setup = f"mount --bind {hosts} /etc/hosts && {IN_HOST}"
+        return ["nsenter", netns, "unshare", "--uts", "--mount", "sh", "-c", setup, self.hostname, *cmd]
 
     def run(
         self, cmd: list[str], env: dict[str, str] | None = None, timeout: float = 120
     ) -> subprocess.CompletedProcess:
         return subprocess.run(self.argv(cmd), env=self.env(env), capture_output=True, text=True, timeout=timeout)
 
-    def start(self, cmd: list[str], log_name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(
+        self, cmd: list[str], log_name: str, env: dict[str, str] | None = None, resolvable: bool = False
+    ) -> subprocess.Popen:
         """A long-running process in this host (its own process group), ended by the harness's close()."""
         log = open(self.root / log_name, "w")
         proc = subprocess.Popen(
-            self.argv(cmd), env=self.env(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            self.argv(cmd, resolvable), env=self.env(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         log.close()
         self.harness.procs.append(proc)
