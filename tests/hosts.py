@@ -17,6 +17,9 @@ Layout, for a prefix P unique to the harness (e.g. `lyh3f2a1c`):
   stay in its own mount namespace.
 - A host's engine: `dockerd` with its own data-root (under the harness folder), exec-root, pidfile and socket
   (`/run/lmyard-hosts/P/x.sock`), no bridge, no iptables, the registry as an insecure one.
+- A host's Ray node (`start_ray`): `ray start --block` at the host's address, in a PID namespace of its own (so
+  `ray stop` there ends only that node, and nothing of it outlives its first process) with a private /tmp/ray
+  (the session folders of two hosts on one machine do not meet); `in_ray` runs a command beside it (a driver).
 - `forward(host, port)`: a port on this machine's 127.0.0.1 that reaches host:port, through a relay on a unix
   socket (tests/tcp_proxy.py) started inside the host; the way for the root namespace (its engine pushing to
   the registry, the test reading S3) to reach a server that only has a test address.
@@ -42,6 +45,8 @@ from tcp_proxy import TcpProxy
 
 SUBNET = "10.213.0"
 REGISTRY_PORT = 5000
+RAY_PORT = 6379
+RAY = str(Path(sys.executable).with_name("ray"))  # Ray's command, beside this Python (a virtual environment's)
 RUN_DIR = Path("/run/lmyard-hosts")  # short paths: a unix socket's path is limited to 107 bytes
 IN_HOST = 'hostname "$0" && exec "$@"'  # sh -c: set this UTS namespace's hostname, then run the command
 
@@ -76,31 +81,40 @@ class Host:
         self.netns = f"{harness.prefix}-{name}"
         self.hostname = f"host-{name}"
         self.addr = f"{SUBNET}.{index + 1}"
+        self.link = f"p{index}"  # its veth's end on the switch
         self.root = harness.root / name
         self.cache = self.root / "cache"
         self.docker_url: str | None = None
         self.dockerd: subprocess.Popen | None = None
+        self.ray: subprocess.Popen | None = None
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         return {**os.environ, "LMYARD_CACHE": str(self.cache), **(extra or {})}
 
-    def argv(self, cmd: list[str]) -> list[str]:
+    def argv(self, cmd: list[str], resolvable: bool = False) -> list[str]:
         """`cmd` as run inside this host: its network namespace, a UTS namespace with its hostname, a private mount
         namespace (what an engine mounts goes away with it). Not `ip netns exec`: it mounts a new /sys, which
-        hides the cgroup mounts a Docker engine needs."""
+        hides the cgroup mounts a Docker engine needs. `resolvable`: an /etc/hosts of its own that resolves the
+        host's name to its address, as a real host's DNS would (torchrun's standalone rendezvous needs it)."""
         netns = f"--net=/run/netns/{self.netns}"
-        return ["nsenter", netns, "unshare", "--uts", "--mount", "sh", "-c", IN_HOST, self.hostname, *cmd]
+        setup = IN_HOST
+        if resolvable:
+            (hosts := self.root / "etc-hosts").write_text(f"127.0.0.1 localhost\n{self.addr} {self.hostname}\n")
+            setup = f"mount --bind {hosts} /etc/hosts && {IN_HOST}"
+        return ["nsenter", netns, "unshare", "--uts", "--mount", "sh", "-c", setup, self.hostname, *cmd]
 
     def run(
         self, cmd: list[str], env: dict[str, str] | None = None, timeout: float = 120
     ) -> subprocess.CompletedProcess:
         return subprocess.run(self.argv(cmd), env=self.env(env), capture_output=True, text=True, timeout=timeout)
 
-    def start(self, cmd: list[str], log_name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(
+        self, cmd: list[str], log_name: str, env: dict[str, str] | None = None, resolvable: bool = False
+    ) -> subprocess.Popen:
         """A long-running process in this host (its own process group), ended by the harness's close()."""
         log = open(self.root / log_name, "w")
         proc = subprocess.Popen(
-            self.argv(cmd), env=self.env(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            self.argv(cmd, resolvable), env=self.env(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         log.close()
         self.harness.procs.append(proc)
@@ -173,6 +187,67 @@ class Host:
         self.dockerd.send_signal(signal.SIGTERM)
         self.dockerd.wait(timeout=timeout_s)
 
+    # ------------------------------------------------------------ a Ray node
+
+    def start_ray(self, head: Host | None = None, num_cpus: int = 1, timeout_s: float = 180) -> None:
+        """This host's Ray node, the head (no dashboard) when `head` is None, else a node joining `head`'s GCS;
+        `num_cpus` CPUs. Returns once `ray start` says the node runs; fails with its log's tail otherwise."""
+        join = ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"]
+        if head is not None:
+            join = [f"--address={head.addr}:{RAY_PORT}"]
+        cmd = [RAY, "start", "--block", *join, f"--node-ip-address={self.addr}", f"--num-cpus={num_cpus}"]
+        private_tmp = "mkdir -p /tmp/ray && mount -t tmpfs -o size=1g ray /tmp/ray && "
+        argv = ["nsenter", f"--net=/run/netns/{self.netns}", "unshare", "--uts", "--mount", "--pid", "--fork"]
+        argv += ["--mount-proc", "sh", "-c", 'hostname "$0" && ' + private_tmp + 'exec "$@"', self.hostname]
+        log = open(self.root / "ray.log", "w")
+        self.ray = subprocess.Popen(
+            [*argv, *cmd, "--disable-usage-stats"], env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        log.close()
+        self.harness.procs.append(self.ray)
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while "Ray runtime started" not in (self.root / "ray.log").read_text():
+            if self.ray.poll() is not None or time.monotonic() > deadline:
+                tail = (self.root / "ray.log").read_text()[-2000:]
+                raise RuntimeError(f"{self.name}: its Ray node did not start:\n{tail}")
+            time.sleep(0.3)
+
+    def ray_pid(self) -> int:
+        """The first process of this host's Ray PID namespace (`ray start --block`), as this machine numbers it."""
+        import time
+
+        assert self.ray is not None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            children = Path(f"/proc/{self.ray.pid}/task/{self.ray.pid}/children")
+            with contextlib.suppress(OSError):
+                if found := children.read_text().split():
+                    return int(found[0])
+            if self.ray.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name}: its Ray node did not start (see {self.root / 'ray.log'})")
+
+    def in_ray(self, cmd: list[str]) -> list[str]:
+        """`cmd` as run beside this host's Ray node: its network, name, mounts (/tmp/ray) and PIDs."""
+        return ["nsenter", f"--target={self.ray_pid()}", "--net", "--uts", "--mount", "--pid", *cmd]
+
+    def stop_ray(self, timeout_s: float = 120) -> None:
+        """`ray stop` in this host's Ray PID namespace (it sees that node's processes only), then SIGKILL to the
+        namespace's first process, `ray start --block`, which `ray stop` leaves waiting: what is left of the
+        namespace ends with it."""
+        if self.ray is None or self.ray.poll() is not None:
+            return
+        first = self.ray_pid()
+        subprocess.run(self.in_ray([RAY, "stop"]), env=self.env(), capture_output=True, timeout=timeout_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(first, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.ray.wait(timeout=timeout_s)
+
     def docker(self):
         import docker
 
@@ -193,6 +268,7 @@ class Hosts:
         self.procs: list[subprocess.Popen] = []
         self.proxies: list[TcpProxy] = []
         self.registry = f"{self.services.addr}:{REGISTRY_PORT}" if registry else None
+        self.net_inodes: dict[int, str] = {}  # each namespace of ours, by inode: what a process left in it shows
 
     def __getitem__(self, name: str) -> Host:
         return next(h for h in [self.services, *self.hosts] if h.name == name)
@@ -212,12 +288,14 @@ class Hosts:
         check_available(self.docker, self.with_registry)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         _ip("netns", "add", self.switch)
+        self.net_inodes[os.stat(f"/run/netns/{self.switch}").st_ino] = self.switch
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         for dev in ("lo", "br0"):
             _ip("-n", self.switch, "link", "set", dev, "up")
         for k, host in enumerate([self.services, *self.hosts]):
             host.cache.mkdir(parents=True, exist_ok=True)
             _ip("netns", "add", host.netns)
+            self.net_inodes[os.stat(f"/run/netns/{host.netns}").st_ino] = host.netns
             _ip("-n", self.switch, "link", "add", f"p{k}", "type", "veth", "peer", "name", "eth0", "netns", host.netns)
             _ip("-n", self.switch, "link", "set", f"p{k}", "master", "br0", "up")
             _ip("-n", host.netns, "addr", "add", f"{host.addr}/24", "dev", "eth0")
@@ -244,6 +322,11 @@ class Hosts:
         }
         (svc.root / "registry.yml").write_text(json.dumps(config))  # JSON is YAML
         svc.start(["docker-registry", "serve", str(svc.root / "registry.yml")], "registry.log")
+
+    def set_link(self, host: Host, up: bool) -> None:
+        """Cut (`up=False`) or restore host's link to the switch: what a pulled cable or a dead port does; its
+        processes keep running, and the engine's socket (a local path) keeps answering."""
+        _ip("-n", self.switch, "link", "set", host.link, "up" if up else "down")
 
     def forward(self, host: Host, port: int) -> int:
         """A port on this machine's 127.0.0.1 reaching host.addr:port (relays through a unix socket)."""
@@ -272,6 +355,9 @@ class Hosts:
                 with contextlib.suppress(Exception), contextlib.closing(host.docker()) as client:
                     for c in client.containers.list(all=True):
                         c.remove(force=True, v=True)
+        for host in reversed(self.hosts):  # `ray stop` on each node, the head last
+            with contextlib.suppress(Exception):
+                host.stop_ray()
         _end_all(self.procs, grace_s=30)  # servers, relays and engines at once (SIGTERM: engines stop cleanly)
         for ns in self._namespaces():  # whatever still runs in a namespace of ours (shims, stray children)
             pids = _ip("netns", "pids", ns, check=False).stdout.split()
@@ -295,10 +381,23 @@ class Hosts:
         left += [f"root-namespace link {line.split()[1]}" for line in _ip("-o", "link").stdout.splitlines()
                  if self.prefix in line]  # fmt: skip
         left += [f"process {p.pid} ({' '.join(p.args[9:11])})" for p in self.procs if p.poll() is None]
+        left += [f"process {pid} ({comm}) in {ns}" for pid, comm, ns in self._processes_in_namespaces()]
         with open("/proc/self/mountinfo") as f:
             left += [f"mount {line.split()[4]}" for line in f if self.prefix in line]
         left += [f"folder {d}" for d in (self.root, self.run_dir) if d.exists()]
         return left
+
+    def _processes_in_namespaces(self) -> list[tuple[int, str, str]]:
+        """Every process of this machine in a network namespace of ours, even one whose name is deleted (a Ray
+        node's raylet or a training rank that outlived the teardown would show here): pid, name, namespace."""
+        found = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                if (ns := self.net_inodes.get(os.stat(proc / "ns" / "net").st_ino)) is not None:
+                    found.append((int(proc.name), (proc / "comm").read_text().strip(), ns))
+        return found
 
 
 def _end_all(procs: list[subprocess.Popen], grace_s: float) -> None:

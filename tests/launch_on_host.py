@@ -1,5 +1,6 @@
-"""Launch a training run on the Docker backend from the host this runs in (tests/test_hosts.py runs it in the
-services host, the launching machine of a multi-host run): shard, open the lineage, follow the containers.
+"""Launch a training run from the host this runs in (tests/test_hosts.py runs it in the services host, the
+launching machine of a multi-host run; tests/test_hosts_ray.py beside host a's Ray node): shard, open the
+lineage, follow the containers (launch.backend=docker) or the Ray actors (ray, through lmyard's launcher).
 
     python tests/launch_on_host.py OUT.json --set KEY=VALUE ...
 
@@ -13,9 +14,12 @@ import argparse
 import json
 import sys
 
+from lmyard.stages import TrainSpec
+
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import UserError
 from lmyard.launch.containers import run_docker
+from lmyard.launch.launcher import launch
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
@@ -36,9 +40,11 @@ def main() -> int:
         lineage = lineage.record_attempt(resumed_from=None, start_step=0, info={})
         out["mlflow_run_id"] = lineage.ref.mlflow_run_id
         spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": lineage.to_dict()}
-        out["result"] = run_docker(cfg, spec, on_line=lines.append, flow_run_id=args.flow_run_id).model_dump(
-            mode="json"
-        )
+        if cfg.launch.backend == "docker":
+            result = run_docker(cfg, spec, on_line=lines.append, flow_run_id=args.flow_run_id)
+        else:
+            result = launch(TrainSpec.model_validate(spec), on_line=lines.append, flow_run_id=args.flow_run_id)
+        out["result"] = result.model_dump(mode="json")
     except Exception as e:
         out.update(error=str(e), error_type=type(e).__name__, exit_code=getattr(e, "exit_code", None))
         if not isinstance(e, UserError):

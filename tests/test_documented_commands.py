@@ -32,6 +32,11 @@ SKIP: list[tuple[str, str]] = [
     (r"\.venv/bin/ruff check ", "the checks CI runs (.ci/run), in the virtualenv the line before creates"),
     (r"\.venv/bin/python -m pytest", "the test suite itself (35+ minutes, the unit tests alone 2 to 6; CI runs it)"),
     (r"prefect worker start ", "blocks: a worker serves until stopped (tests/test_deployments.py starts one)"),
+    (r"ray start ", "starts a Ray node on a host (tests/test_hosts_ray.py starts them in simulated hosts)"),
+    (
+        r"cd \S+ && PREFECT_API_URL=\S+ prefect worker start ",
+        "blocks: a worker on another host (tests/test_hosts_prefect.py)",
+    ),
     (r"prefect deployment run ", "starts a training run (tests/test_deployments.py runs the deployments)"),
     (r"(\.venv/bin/)?mlflow (ui|server) ", "blocks: a server runs until stopped"),
     (r"lmyard run gpt2-124m --set run_name=gpt2-quickstart ", "needs a GPU"),

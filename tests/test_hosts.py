@@ -25,6 +25,9 @@ from lmyard.recipes import load_recipe
 
 pytestmark = pytest.mark.slow
 S3_PORT, MLFLOW_PORT = 5001, 5002
+WATCHDOG_S = (
+    45  # launch.watchdog_s of the link-cut test: above a step, an evaluation and a checkpoint on a busy machine
+)
 NO_MEMLOCK = test_docker.NO_MEMLOCK
 docker_client, stage_image = test_docker.docker_client, test_docker.stage_image  # fixtures: the stage image built here
 
@@ -336,6 +339,61 @@ def test_two_hosts_train_one_node_each_and_end_at_the_val_loss_of_two_local_rank
     assert here.step == 6 and here.val_loss is not None
     assert result["val_loss"] == pytest.approx(here.val_loss, rel=1e-6), (result["val_loss"], here.val_loss)
     assert result["train_loss"] == pytest.approx(here.train_loss, rel=1e-6), (result["train_loss"], here.train_loss)
+
+
+def test_host_bs_link_cut_mid_run_ends_the_launch_in_one_line_naming_host_b_and_a_retry_resumes_from_the_checkpoint(
+    hosts, services, pushed, tmp_path, monkeypatch
+):
+    """Host b's link is cut once step 3 is committed (both ranks pause after step 4, so the cut lands before step
+    5): both ranks wait in step 5's all-reduce. The watchdog (launch.watchdog_s) ends the launch; its one line says
+    that no step completed and that node 1, host b, cannot reach node 0's rendezvous, asked through each host's
+    engine. The link comes back; the retry resumes from step 3, the last committed checkpoint."""
+    import subprocess
+
+    from lmyard.checkpoint.catalog import complete_steps
+    from lmyard.store import open_store
+
+    a, b = hosts["a"], hosts["b"]
+    bucket = services.s3.new_bucket()
+    out = tmp_path / "launch.json"
+    sets = {"run_name": "link-cut", "launch.watchdog_s": WATCHDOG_S, "launch.grace_s": 10}
+    cmd = _launch(hosts, services, tmp_path, bucket, out, **sets)
+    faults = {"LMYARD_FAULTS": "pause@4", "LMYARD_FAULT_PAUSE_S": "15"}
+    launcher = subprocess.Popen(hosts.services.argv(cmd), env=hosts.services.env({**services.env, **faults}))
+    for k, v in services.s3.env.items():
+        monkeypatch.setenv(k, v)
+    store = open_store(f"s3://{bucket}/lmyard")
+    try:
+        deadline = time.monotonic() + 600
+        while not complete_steps(store, "link-cut"):
+            assert launcher.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(0.5)
+        hosts.set_link(b, up=False)
+        t0 = time.monotonic()
+        launcher.wait(timeout=WATCHDOG_S + 300)
+        took = time.monotonic() - t0
+        print(f"the launch ended {took:.0f} s after host b's link was cut")
+    finally:
+        hosts.set_link(b, up=True)
+        if launcher.poll() is None:
+            launcher.kill()
+    launched = json.loads(out.read_text())
+    assert "result" not in launched, launched["result"]
+    message = launched["error"]
+    assert launched["error_type"] == "TrainingFailed" and "\n" not in message, message
+    assert message.startswith("watchdog: no training step completed for"), message
+    assert f"node 1 ({b.hostname}, {b.addr}) cannot reach node 0 ({a.hostname}, {a.addr})'s rendezvous" in message
+    assert took < WATCHDOG_S + 120, took  # the watchdog, the probe (5 s), the kill: not torch's 30-minute timeout
+    assert _ours(a) == [] and _ours(b) == []
+    committed = complete_steps(store, "link-cut")
+    assert committed == [3], committed
+
+    retried = hosts.services.run(cmd, env=services.env, timeout=900)
+    text = "\n".join(json.loads(out.read_text())["lines"]) if out.exists() else retried.stderr
+    result = json.loads(out.read_text()).get("result")
+    assert result and result["status"] == "done" and result["step"] == 6, text[-3000:]
+    assert result["start_step"] == 3, text[-3000:]  # exactly the last committed checkpoint
+    assert complete_steps(store, "link-cut") == [3, 6]
 
 
 def test_host_bs_engine_stopping_mid_run_fails_the_launch_naming_node_1_and_leaves_nothing_on_host_a(

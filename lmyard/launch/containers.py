@@ -46,6 +46,7 @@ from lmyard.config import DockerConfig, RayConfig, RunConfig
 from lmyard.errors import UserError
 from lmyard.launch.follower import Follower, stage_command, stage_env
 from lmyard.launch.gpus import check_engine, node_gpus
+from lmyard.launch.peers import docker_unreachable
 from lmyard.launch.refusals import refused
 from lmyard.stages import EXCHANGE_ENV, SPEC_ENV, StageSpec, TrainSpec
 
@@ -226,7 +227,7 @@ def _environment(cfg: RunConfig, spec: dict, environ: Mapping[str, str]) -> tupl
     }
     if dc.socket_ifname:
         env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = dc.socket_ifname
-    for name in ("LMYARD_FAULTS", "LMYARD_FAULTS_STATE"):  # failure drills
+    for name in ("LMYARD_FAULTS", "LMYARD_FAULTS_STATE", "LMYARD_FAULT_PAUSE_S"):  # failure drills
         if environ.get(name):
             env[name] = environ[name]
     secrets = secret_names(dc, environ)
@@ -417,9 +418,7 @@ class DockerJob:
             return {}
 
     def read(self, name: str) -> bytes | None:
-        if not self.containers:
-            return None
-        return self._files(0, f"{EXCHANGE_DIR}/{name}").get(os.path.basename(name))
+        return self._files(0, f"{EXCHANGE_DIR}/{name}").get(os.path.basename(name)) if self.containers else None
 
     def read_all(self, folder: str) -> dict[str, bytes]:
         out: dict[str, bytes] = {}
@@ -447,6 +446,9 @@ class DockerJob:
 
     def kill(self) -> None:
         self._each(lambda c: c.kill())
+
+    def stalled_peers(self) -> str | None:  # the watchdog's line: a node that cannot reach node 0 (its host)
+        return docker_unreachable(self.plan.nodes, self.containers, self.clients)
 
     def why(self, node: int, code: int) -> str:
         try:

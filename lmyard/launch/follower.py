@@ -241,12 +241,20 @@ class Follower:
                 last_poll = now
                 stall = self._poll()
                 if stall:
+                    stall = self._where(stall)
                     self.on_line(stall + "; stopping the job")
                     self.job.kill()
                     return stall
         while not events.empty():  # lines printed just before the exits
             self._drain(events, 0)
         return None
+
+    def _where(self, stall: str) -> str:
+        """The watchdog's line, with the node (host, address) that cannot reach node 0 when the job can tell
+        (a Docker job: lmyard.launch.peers)."""
+        ask = getattr(self.job, "stalled_peers", None)
+        found = ask() if ask is not None else None
+        return f"{stall}; {found}" if found else stall
 
     def _poll(self) -> str | None:
         """Read started/progress/heartbeats; a watchdog message when the job stalled."""

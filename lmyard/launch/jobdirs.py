@@ -18,7 +18,7 @@ import tempfile
 
 import psutil
 
-from lmyard.paths import cache_root
+from lmyard.paths import cache_root, no_space
 
 OWNER = "owner.json"
 
@@ -30,8 +30,12 @@ def new_job_folder(stage: str) -> str:
     remove_orphans(root)
     folder = tempfile.mkdtemp(prefix=f"lmyard-{stage}-", dir=root)
     me = psutil.Process()
-    with open(os.path.join(folder, OWNER), "w") as f:
-        json.dump({"host": socket.gethostname(), "pid": me.pid, "started": me.create_time()}, f)
+    try:
+        with open(os.path.join(folder, OWNER), "w") as f:
+            json.dump({"host": socket.gethostname(), "pid": me.pid, "started": me.create_time()}, f)
+    except OSError as e:  # a full cache disk: nothing of the job is left, and the one line names the cache
+        shutil.rmtree(folder, ignore_errors=True)
+        raise (no_space(e, root) or e) from None
     return folder
 
 

@@ -59,7 +59,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from lmyard.config import RunConfig
-from lmyard.errors import TrainingFailed, UserError
+from lmyard.errors import NoSpace, TrainingFailed, UserError
 from lmyard.launch.containers import _Masker, secret_names
 from lmyard.launch.follower import Follower, LocalJob
 from lmyard.launch.ray_requests import SPECS, on_cluster, request, unfit_error
@@ -189,7 +189,12 @@ class NodeAgent:
             with socket.socket() as s:
                 s.bind((ip, 0))
                 port = s.getsockname()[1]
-        return {"ip": ip, "port": port, "node_id": ray.get_runtime_context().get_node_id()}
+        return {
+            "ip": ip,
+            "port": port,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "host": socket.gethostname(),
+        }
 
     def start(self, stage: str, spec_json: str, env: dict[str, str], torchrun: dict) -> int:
         """Start the stage on this node (torchrun for training); its process id. The stage's own Ray calls
@@ -290,6 +295,8 @@ class RayJob:
         self.stopping = threading.Event()
 
     def start(self, events: queue.Queue) -> None:
+        import ray
+
         _connect(self.address)
         self.connected = True
         self._place()
@@ -302,9 +309,15 @@ class RayJob:
             for i, w in enumerate(where)
         ]
         stage = self.spec.stage
-        pids = self._get(
-            [a.start.remote(stage, self.spec_json, self.env, t) for a, t in zip(self.actors, torchrun)], CALL_S, "start"
-        )
+        starts = [a.start.remote(stage, self.spec_json, self.env, t) for a, t in zip(self.actors, torchrun)]
+        pids = []
+        for i, ref in enumerate(starts):
+            try:
+                pids += self._get([ref], CALL_S, "start")
+            except ray.exceptions.RayTaskError as e:  # a full cache disk on that node: one line naming it
+                if not isinstance(e.cause, NoSpace):
+                    raise
+                raise NoSpace(f"node {i} ({where[i]['host']}, {where[i]['ip']}): {e.cause}") from None
         for i, (w, pid) in enumerate(zip(where, pids)):
             self.on_line(f"node {i}: {stage} on Ray node {w['node_id']} at {w['ip']} (pid {pid}), bundle {self.bundle}")
         for i in range(self.nodes):

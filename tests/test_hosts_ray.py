@@ -1,0 +1,170 @@
+"""The Ray backend across simulated hosts (tests/hosts.py): `ray start --head` in host a, `ray start --address` in
+host b, each at its host's address with one CPU; the launch runs beside host a's Ray node, as a driver there.
+
+The store is a folder and the tracking URI a sqlite file by absolute path: the simulated hosts share this
+machine's disk (real hosts need S3 and an MLflow server, docs/multi-host.md). Host b's LMYARD_CACHE is a small
+filesystem of its own (tmpfs), mounted before its Ray node starts, so that a test can fill it.
+
+Skipped where namespaces cannot be made (not root, no `ip`); LMYARD_REQUIRE_HOSTS=1 turns the skip into a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import tiny_overrides
+from hosts import RAY, RAY_PORT, Hosts, HostsUnavailable, check_available
+
+from lmyard.recipes import load_recipe
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+B_CACHE_SIZE = "64m"
+
+
+def _require() -> None:
+    try:
+        check_available()
+    except HostsUnavailable as e:
+        if os.environ.get("LMYARD_REQUIRE_HOSTS") == "1":
+            pytest.fail(f"LMYARD_REQUIRE_HOSTS=1 but {e}")
+        pytest.skip(str(e))
+    if not os.path.exists(RAY):
+        pytest.skip("Ray's `ray` command is not installed")
+
+
+def _wait_for_nodes(host, count: int, timeout_s: float = 180) -> None:
+    """From beside `host`'s Ray node: until the cluster has `count` live nodes."""
+    poll = (
+        "import sys, time, ray\n"
+        f"ray.init(address='{host.addr}:{RAY_PORT}', log_to_driver=False)\n"
+        f"deadline = time.monotonic() + {timeout_s}\n"
+        f"while sum(n['Alive'] for n in ray.nodes()) < {count}:\n"
+        "    if time.monotonic() > deadline: sys.exit(1)\n"
+        "    time.sleep(0.5)\n"
+    )
+    done = subprocess.run(host.in_ray([sys.executable, "-c", poll]), env=host.env(), timeout=timeout_s + 60)
+    assert done.returncode == 0, f"the Ray cluster did not reach {count} nodes (see the ray.log files)"
+
+
+@pytest.fixture(scope="module")
+def ray_hosts(tmp_path_factory):
+    """Hosts a (the Ray head) and b (a Ray node joining it), b's cache a small disk; for this module. Its
+    teardown runs `ray stop` in each host and checks that nothing of it is left, no Ray process included."""
+    _require()
+    harness = Hosts(tmp_path_factory.mktemp("ray-hosts"), ["a", "b"])
+    with harness:
+        a, b = harness["a"], harness["b"]
+        mount = ["mount", "-t", "tmpfs", "-o", f"size={B_CACHE_SIZE}", "lmyard-b-cache", str(b.cache)]
+        if subprocess.run(mount, capture_output=True).returncode != 0:
+            pytest.skip("host b's small cache disk needs `mount -t tmpfs` (root)")
+        try:
+            a.start_ray()
+            b.start_ray(head=a)
+            _wait_for_nodes(a, 2)
+            yield harness
+            for host in (b, a):  # `ray stop` in each host; the teardown's check below finds any Ray process left
+                host.stop_ray()
+        finally:
+            subprocess.run(["umount", "-l", str(b.cache)], check=False)
+    assert harness.leftovers() == []
+
+
+def _launch(hosts: Hosts, tmp: Path, **sets) -> dict:
+    """The tiny run on both Ray nodes, launched beside host a's node (tests/launch_on_host.py); its output."""
+    a = hosts["a"]
+    overrides = tiny_overrides(
+        tmp,
+        **{
+            "launch.backend": "ray",
+            "launch.nnodes": 2,
+            "launch.nproc_per_node": 1,
+            "launch.ray.address": f"{a.addr}:{RAY_PORT}",
+            "launch.ray.runtime_env": "{env_vars: {GLOO_SOCKET_IFNAME: eth0}}",  # each host's only interface
+            **sets,
+        },
+    )
+    out = tmp / "launch.json"
+    launcher = str(Path(__file__).with_name("launch_on_host.py"))
+    cmd = a.in_ray([sys.executable, launcher, str(out), *(f"--set={s}" for s in overrides)])
+    ran = subprocess.run(cmd, env=a.env(), capture_output=True, text=True, timeout=900)
+    return json.loads(out.read_text()) if out.exists() else {"lines": [ran.stdout, ran.stderr], "error": "no output"}
+
+
+def _ray_processes(hosts: Hosts) -> list[str]:
+    return [f"{comm} in {ns}" for _, comm, ns in hosts._processes_in_namespaces() if comm in ("raylet", "gcs_server")]
+
+
+def test_two_ray_nodes_on_two_hosts_train_one_rank_each_to_the_val_loss_of_two_local_ranks(ray_hosts, tmp_path):
+    """The placement group puts one actor on each host (STRICT_SPREAD); each runs torchrun at its node's address,
+    the rendezvous at host a's. The same config on two local ranks ends at the same validation loss within a
+    relative 1e-6, as across Docker engines (tests/test_hosts.py)."""
+    from lmyard.stages import TrainSpec
+
+    from lmyard.data.sharding import tokenize_and_shard
+    from lmyard.launch.follower import run_local
+
+    a, b = ray_hosts["a"], ray_hosts["b"]
+    assert sorted(_ray_processes(ray_hosts)) == [
+        f"gcs_server in {a.netns}",
+        f"raylet in {a.netns}",
+        f"raylet in {b.netns}",
+    ]
+    t0 = time.perf_counter()
+    launched = _launch(ray_hosts, tmp_path, run_name="ray-hosts")
+    print(f"two Ray nodes: {time.perf_counter() - t0:.0f} s")
+    text = "\n".join(launched["lines"])
+    assert "result" in launched, f"{launched.get('error')}\n{text[-4000:]}"
+    result = launched["result"]
+    assert result["status"] == "done" and result["step"] == 6, text[-3000:]
+
+    # one actor on each host, at its host's address (the placement group picks which node is node 0)
+    placed = [re.match(r"node (\d): Ray node \w+ at ([\d.]+),", line) for line in launched["lines"]]
+    addrs = {int(m.group(1)): m.group(2) for m in placed if m}
+    assert sorted(addrs) == [0, 1] and sorted(addrs.values()) == [a.addr, b.addr], text[-3000:]
+    host_of = {a.addr: a.hostname, b.addr: b.hostname}
+    joined = sorted(line.split(": ranks")[0] for line in launched["lines"] if "of 2 joined" in line)
+    assert joined == [f"[node {i}] {host_of[addrs[i]]}" for i in (0, 1)], text[-3000:]
+
+    local = load_recipe(
+        "smoke", tiny_overrides(tmp_path / "local", run_name="ray-hosts", **{"launch.nproc_per_node": 2})
+    )
+    shards, _ = tokenize_and_shard(local, log=lambda s: None)
+    here = run_local(local, TrainSpec(config=local, shards=shards), on_line=lambda s: None)
+    assert here.step == 6 and here.val_loss is not None
+    assert result["val_loss"] == pytest.approx(here.val_loss, rel=1e-6), (result["val_loss"], here.val_loss)
+    assert result["train_loss"] == pytest.approx(here.train_loss, rel=1e-6), (result["train_loss"], here.train_loss)
+
+
+def test_a_full_cache_disk_on_host_b_ends_the_launch_with_exit_4_in_one_line_naming_host_bs_folder(ray_hosts, tmp_path):
+    """Host b's LMYARD_CACHE (its own small filesystem) is full when the job starts there: not retried (a retry
+    would meet the same disk), no checkpoint lost (there is none yet), no Ray actor left."""
+    from test_full_disk import fill
+
+    a, b = ray_hosts["a"], ray_hosts["b"]
+    fill(b.cache, leave=0)
+    try:
+        t0 = time.perf_counter()
+        launched = _launch(ray_hosts, tmp_path, run_name="b-full")
+        print(f"host b's full cache: {time.perf_counter() - t0:.0f} s")
+    finally:
+        (b.cache / "filler").unlink()
+    text = "\n".join(launched["lines"])
+    assert "result" not in launched, text[-3000:]
+    message = launched["error"]
+    assert launched["error_type"] == "NoSpace" and launched["exit_code"] == 4, f"{message}\n{text[-3000:]}"
+    assert "\n" not in message and f"no space left in {b.cache}" in message, message
+    assert re.search(rf"^node [01] \({b.hostname}, {re.escape(b.addr)}\): ", message), message  # the node, its host
+    assert not [p for p in a.cache.iterdir() if p.name.startswith("lmyard-train-")]  # the driver's job folders
+    assert sorted(_ray_processes(ray_hosts)) == [
+        f"gcs_server in {a.netns}",
+        f"raylet in {a.netns}",
+        f"raylet in {b.netns}",
+    ]
