@@ -14,13 +14,12 @@ import argparse
 import json
 import sys
 
-from lmyard.stages import TrainSpec
-
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import UserError
 from lmyard.launch.containers import run_docker
 from lmyard.launch.launcher import launch
 from lmyard.recipes import load_recipe
+from lmyard.stages import TrainSpec
 from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
 

@@ -106,10 +106,9 @@ def test_two_ray_nodes_on_two_hosts_train_one_rank_each_to_the_val_loss_of_two_l
     """The placement group puts one actor on each host (STRICT_SPREAD); each runs torchrun at its node's address,
     the rendezvous at host a's. The same config on two local ranks ends at the same validation loss within a
     relative 1e-6, as across Docker engines (tests/test_hosts.py)."""
-    from lmyard.stages import TrainSpec
-
     from lmyard.data.sharding import tokenize_and_shard
     from lmyard.launch.follower import run_local
+    from lmyard.stages import TrainSpec
 
     a, b = ray_hosts["a"], ray_hosts["b"]
     assert sorted(_ray_processes(ray_hosts)) == [
