@@ -93,10 +93,10 @@ def test_store_outage_during_uploads_does_not_stop_training_and_checkpoints_land
     cut, seen = threading.Event(), set()
 
     def on_line(line):
-        if "checkpoint step 40 saving" in line and not cut.is_set():
+        if "step 40/160 |" in line and not cut.is_set():  # step 40 is done: its save starts next
             cut.set()
             proxy.stop()  # cuts the upload of step 40 mid-flight
-        seen.update(k for k in ("step 40: upload failed", "step 120 saving") if k in line)
+        seen.update(k for k in ("step 40: upload failed", "step 120/160 |") if k in line)
         if len(seen) == 2 and "back" not in seen:  # the store comes back while training goes on, not on a clock
             seen.add("back")
             proxy.start()
