@@ -125,7 +125,7 @@ def test_two_ray_nodes_on_two_hosts_train_one_rank_each_to_the_val_loss_of_two_l
     assert result["status"] == "done" and result["step"] == 6, text[-3000:]
 
     # one actor on each host, at its host's address (the placement group picks which node is node 0)
-    placed = [re.match(r"node (\d): Ray node \w+ at ([\d.]+),", line) for line in launched["lines"]]
+    placed = [re.match(r"node (\d): train on Ray node \w+ at ([\d.]+) ", line) for line in launched["lines"]]
     addrs = {int(m.group(1)): m.group(2) for m in placed if m}
     assert sorted(addrs) == [0, 1] and sorted(addrs.values()) == [a.addr, b.addr], text[-3000:]
     host_of = {a.addr: a.hostname, b.addr: b.hostname}
