@@ -19,7 +19,7 @@ from prefect.context import FlowRunContext
 
 from lmyard.recipes import load_recipe
 from lmyard.stages import EvalResult
-from lmyard.tracking.lineage import Lineage
+from lmyard.tracking.lineage import Lineage, LineageRef
 from tasks.register import approve_promotion, judge
 from tasks.results import Evaluation, RegisteredModel
 
@@ -54,7 +54,16 @@ def _lineage(tracking: str) -> dict:
     client = MlflowClient(tracking)
     (version,) = client.search_model_versions("name = 'smoke'")
     run = client.get_run(version.run_id)
-    return Lineage("smoke", tracking, run.info.experiment_id, version.run_id, 1, None, 0).to_dict()
+    ref = LineageRef(
+        run_name="smoke",
+        tracking_uri=tracking,
+        experiment_id=run.info.experiment_id,
+        mlflow_run_id=version.run_id,
+        attempt=1,
+        resumed_from=None,
+        start_step=0,
+    )
+    return Lineage(ref).to_dict()
 
 
 def _aliases(tracking: str) -> list[str]:
