@@ -357,7 +357,7 @@ def test_a_node_lost_while_sharding_on_ray_ends_with_the_uninterrupted_manifest(
         assert fired.exists() and any(fired.iterdir()), "no piece reached the third node"
         assert victim.node_id not in {a["Address"]["NodeID"] for a in ray_actors(run_name)}
     finally:
-        ray_cluster.remove_node(victim, allow_graceful=False)
+        _remove_and_wait(ray_cluster, victim)
     thread.join(timeout=600)
     assert outcome, "the stage did not finish"
     result = outcome[0]
@@ -365,6 +365,15 @@ def test_a_node_lost_while_sharding_on_ray_ends_with_the_uninterrupted_manifest(
     assert len(result.ray_nodes) == ROW_GROUPS and victim.node_id not in result.ray_nodes  # read again elsewhere
     _same_shard_sets(address, here, cfg.store)
     assert ray_leftovers(run_name) == ([], [])
+
+
+def _remove_and_wait(cluster, node) -> None:
+    """Remove `node` abruptly and wait (at most 120 s) until the cluster counts it dead: Ray learns of a node
+    removed so from its missed heartbeats, and until then it may place the next test's actors there."""
+    cluster.remove_node(node, allow_graceful=False)
+    deadline = time.monotonic() + 120
+    while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 def test_evaluate_and_export_on_ray_run_on_a_cluster_node_not_in_this_process(ray_cluster, sharded_here, tmp_path):

@@ -111,7 +111,8 @@ def test_a_tune_search_on_ray_stops_a_bad_trial_before_its_last_step(ray_cluster
         c.info.run_name: max(m.step for m in client.get_metric_history(c.info.run_id, "loss/val")) for c in children
     }
     stopped = [c.info.run_name for c in children if STOPPED_TAG in c.data.tags]
-    assert stopped and all(last[n] < steps for n in stopped), (last, stopped)
+    # ASHA stops trials as their val losses come; one may be stopped after its last step (while it evaluates)
+    assert any(last[n] < steps for n in stopped), (last, stopped)
     assert any(c.info.status == "FINISHED" and last[c.info.run_name] == steps for c in children), last
 
 
