@@ -73,6 +73,19 @@ def check_available(docker: bool = False, registry: bool = False) -> None:
         raise HostsUnavailable(f"`ip netns add` fails here: {made.stderr.strip()}")
 
 
+def require_hosts(docker: bool = False, registry: bool = False) -> None:
+    """In a test: skip with the reason when simulated hosts cannot be had, or fail under LMYARD_REQUIRE_HOSTS=1
+    (.ci/run sets it)."""
+    import pytest
+
+    try:
+        check_available(docker, registry)
+    except HostsUnavailable as e:
+        if os.environ.get("LMYARD_REQUIRE_HOSTS") == "1":
+            pytest.fail(f"LMYARD_REQUIRE_HOSTS=1 but {e}")
+        pytest.skip(str(e))
+
+
 class Host:
     """One simulated host: a namespace, a hostname, an address, an LMYARD_CACHE, maybe a Docker engine."""
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import test_docker
 from conftest import S3Server, tiny_overrides
-from hosts import REGISTRY_PORT, SUBNET, Host, Hosts, HostsUnavailable, check_available
+from hosts import REGISTRY_PORT, SUBNET, Host, Hosts, require_hosts
 
 from lmyard.errors import UserError
 from lmyard.recipes import load_recipe
@@ -33,12 +32,7 @@ docker_client, stage_image = test_docker.docker_client, test_docker.stage_image 
 
 
 def _require(docker: bool = False, registry: bool = False) -> None:
-    try:
-        check_available(docker, registry)
-    except HostsUnavailable as e:
-        if os.environ.get("LMYARD_REQUIRE_HOSTS") == "1":
-            pytest.fail(f"LMYARD_REQUIRE_HOSTS=1 but {e}")
-        pytest.skip(str(e))
+    require_hosts(docker, registry)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import time
 
 import pytest
 from conftest import REPO, wait_for_http
-from hosts import Hosts, HostsUnavailable, check_available
+from hosts import Hosts, require_hosts
 from test_deployments import _config, _write_corpus
 
 from lmyard.checkpoint.catalog import complete_steps
@@ -31,12 +31,7 @@ PREFECT_PORT = 4200
 
 @pytest.fixture(scope="module")
 def worker_hosts(tmp_path_factory):
-    try:
-        check_available()
-    except HostsUnavailable as e:
-        if os.environ.get("LMYARD_REQUIRE_HOSTS") == "1":
-            pytest.fail(f"LMYARD_REQUIRE_HOSTS=1 but {e}")
-        pytest.skip(str(e))
+    require_hosts()
     harness = Hosts(tmp_path_factory.mktemp("worker-hosts"), ["b"])
     with harness:
         yield harness

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import tiny_overrides
-from hosts import RAY, RAY_PORT, Hosts, HostsUnavailable, check_available
+from hosts import RAY, RAY_PORT, Hosts, require_hosts
 
 from lmyard.recipes import load_recipe
 
@@ -30,12 +30,7 @@ B_CACHE_SIZE = "64m"
 
 
 def _require() -> None:
-    try:
-        check_available()
-    except HostsUnavailable as e:
-        if os.environ.get("LMYARD_REQUIRE_HOSTS") == "1":
-            pytest.fail(f"LMYARD_REQUIRE_HOSTS=1 but {e}")
-        pytest.skip(str(e))
+    require_hosts()
     if not os.path.exists(RAY):
         pytest.skip("Ray's `ray` command is not installed")
 

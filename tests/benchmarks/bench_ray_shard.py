@@ -35,26 +35,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+
+from bench_shard import write_corpus  # noqa: E402  (the corpus bench_shard.py measures: pydoc topics)
+
 # the Ray workers and the stage process import lmyard from this checkout too
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-
-
-def write_corpus(folder: Path, target_bytes: int, files: int) -> None:
-    """A JSONL corpus of about target_bytes in `files` files: pydoc topics, each copy made distinct by a prefix."""
-    import gzip
-
-    with gzip.open(REPO / "lmyard" / "data" / "pydoc_topics.json.gz", "rt", encoding="utf-8") as f:
-        topics = json.load(f)
-    bodies = [json.dumps(topics[k])[1:-1] for k in sorted(topics)]
-    folder.mkdir()
-    written, copy = 0, 0
-    for i in range(files):
-        with open(folder / f"part-{i:04d}.jsonl", "w", encoding="utf-8", buffering=1 << 22) as f:
-            while written < target_bytes * (i + 1) / files:
-                block = "".join(f'{{"text": "Copy {copy} of the Python reference.\\n\\n{b}"}}\n' for b in bodies)
-                f.write(block)
-                written += len(block.encode())
-                copy += 1
 
 
 def texts_of(folder: Path) -> list[str]:
