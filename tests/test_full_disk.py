@@ -210,7 +210,7 @@ def test_a_background_save_that_fails_stops_the_run_at_that_save(tmp_path, monke
 def test_a_plan_whose_checkpoints_cannot_fit_the_cache_is_refused_before_the_first_step(tmp_path, monkeypatch):
     from lmyard.launch.follower import run_local
 
-    cfg, spec = _smoke(tmp_path, steps=3)
+    cfg, spec = _smoke(tmp_path, steps=9)  # 3 checkpoints written (every 3rd step): all 3 may be staged at once
     lines: list[str] = []
     with small_disk(tmp_path / "cache", "2m") as cache:  # 3 staged copies of a 1.4 MiB checkpoint do not fit
         monkeypatch.setenv("LMYARD_CACHE", str(cache))
@@ -225,13 +225,15 @@ def test_a_plan_whose_checkpoints_cannot_fit_the_cache_is_refused_before_the_fir
     assert _steps_logged(lines) == [] and not [line for line in lines if "Traceback" in line], "\n".join(lines)
 
 
-def test_a_plan_whose_kept_checkpoints_cannot_fit_a_local_store_names_the_store_and_its_keys(tmp_path):
+def test_a_plan_whose_kept_checkpoints_cannot_fit_a_local_store_names_the_store_and_its_keys_and_counts_only_those_written(
+    tmp_path,
+):
     from lmyard.checkpoint import budget
     from lmyard.models.registry import resolve
     from lmyard.recipes import load_recipe
 
     with small_disk(tmp_path / "store", "5m") as store:  # 4 kept + 1 committing of 1.4 MiB do not fit, 2 + 1 do
-        cfg = load_recipe("smoke", tiny_overrides(tmp_path))
+        cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=30))  # 10 checkpoints written, 4 kept
         fields = {"arch": cfg.model.architecture(), **resolve(cfg.model, 256)}
         with pytest.raises(UserError, match=re.escape(f"checkpoints do not fit the store {store}: ")) as refused:
             budget.check(cfg, open_store(str(store)), str(tmp_path / "cache"), fields, node_share=1)
@@ -240,6 +242,10 @@ def test_a_plan_whose_kept_checkpoints_cannot_fit_a_local_store_names_the_store_
             update={"checkpoint": cfg.checkpoint.model_copy(update={"keep_last": 2, "keep_best": False})}
         )
         budget.check(fewer, open_store(str(store)), str(tmp_path / "cache"), fields, node_share=1)  # 3 fit
+        once = cfg.model_copy(  # a run that writes one checkpoint (its last step) needs room for one
+            update={"checkpoint": cfg.checkpoint.model_copy(update={"interval": cfg.train.max_steps})}
+        )
+        budget.check(once, open_store(str(store)), str(tmp_path / "cache"), fields, node_share=1)
         on_s3 = budget.disks(cfg, open_store("s3://bucket/lmyard"), str(tmp_path / "cache"), 2**20, 2**20)
         assert [d.folder for d in on_s3] == [f"LMYARD_CACHE {tmp_path / 'cache'}"]  # nothing said about the store
 

@@ -12,7 +12,8 @@ the copies lie at most:
                         full format, its ranks' shards under fsdp
 
 A store on the cache's filesystem adds the two (a commit there is a rename, so
-the one being committed is counted once). An S3 store is not checked; the cache
+the one being committed is counted once). No count exceeds the checkpoints the run
+writes at all: every checkpoint.interval-th step and the last. An S3 store is not checked; the cache
 still is. Space the run holds already (its checkpoints in a local store, its
 staging folder) counts as free: a rerun is not refused for what it wrote itself.
 """
@@ -37,11 +38,27 @@ def checkpoint_bytes(cfg: RunConfig, fields: dict) -> int:
     return registry.parameters(fields) * (14 if low else 12)
 
 
+def made(cfg: RunConfig) -> int:
+    """Checkpoints the run writes at all: every checkpoint.interval-th step, and the last step."""
+    return max(1, -(-cfg.train.max_steps // cfg.checkpoint.interval))
+
+
 def kept(cfg: RunConfig) -> int:
     """Checkpoints retention keeps in the store at most."""
     c = cfg.checkpoint
     every = cfg.train.max_steps // c.keep_every if c.keep_every else 0
-    return c.keep_last + int(c.keep_best) + every
+    return min(c.keep_last + int(c.keep_best) + every, made(cfg))
+
+
+def _fewer(cfg: RunConfig, count: int) -> tuple[int, str]:
+    """`count` copies capped at the checkpoints the run writes, and what the line adds when the cap applies."""
+    n = made(cfg)
+    if count <= n:
+        return count, ""
+    return (
+        n,
+        f", at most {n} written (train.max_steps={cfg.train.max_steps}, checkpoint.interval={cfg.checkpoint.interval})",
+    )
 
 
 @dataclass(frozen=True)
@@ -85,11 +102,12 @@ def disks(cfg: RunConfig, store: Store, cache_dir: str, size: int, node_share: i
     fix_cache = "lower checkpoint.max_pending or point LMYARD_CACHE at a bigger disk"
     fix_store = "lower checkpoint.keep_last (or keep_every, keep_best) or point `store` at a bigger disk"
     cache_dev, cache_free = _device(staging)
+    staged, capped = _fewer(cfg, c.max_pending + 1)
     cache = Disk(
         f"LMYARD_CACHE {cache_dir}",
-        (c.max_pending + 1) * node_share,
+        staged * node_share,
         cache_free + _held(staging),
-        pending,
+        pending + capped,
         fix_cache,
     )
     local = store.local_path(RunLayout(cfg.run_name).checkpoints)
@@ -97,20 +115,22 @@ def disks(cfg: RunConfig, store: Store, cache_dir: str, size: int, node_share: i
         return [cache] if node_share else []
     store_dev, store_free = _device(local)
     if store_dev == cache_dev:  # one disk: the commit is a rename
+        capped = _fewer(cfg, kept(cfg) + c.max_pending + 1)[1]
         return [
             Disk(
                 f"LMYARD_CACHE {cache_dir} and the store {store.local_path('')}",
-                kept(cfg) * size + cache.needed,
+                min(kept(cfg) * size + cache.needed, made(cfg) * size),  # no copy is larger than a whole one
                 cache.free + _held(local),
-                f"{stored} + {pending}",
+                f"{stored} + {pending}{capped}",
                 f"{fix_store}, {fix_cache}",
             )
         ]
+    copies, capped = _fewer(cfg, kept(cfg) + 1)
     held = Disk(
         f"the store {store.local_path('')}",
-        (kept(cfg) + 1) * size,
+        copies * size,
         store_free + _held(local),
-        f"{stored} + 1 being committed",
+        f"{stored} + 1 being committed{capped}",
         fix_store,
     )
     return [held, cache] if node_share else [held]
