@@ -24,7 +24,10 @@ rank, torchtitan's own entry point `torchtitan.train.main(Trainer)` after three 
   rank r, step s taking sequences (s * world + r) * batch ... + batch of seq + 1 tokens, as bench_llama.py
   does, so both sides see the same tokens. A tokenizer folder is still written (a 3-entry WordLevel vocab.json
   and tokenizer_config.json naming bos/eos, for `--model.hf_assets_path`): torchtitan builds one; the ids come
-  already tokenized.
+  already tokenized. bench_titan_target.py points it at a file of real-text rows written in the order lmyard's
+  loader reads them, and with `crc_dir` in LMYARD_TITAN each rank writes a checksum of the rows it read
+  (BatchCrc). `launch` takes torchtitan flags that replace or add to `titan_flags` (its lr schedule, AdamW
+  settings and seed there).
 
 The rest is torchtitan's, set by its own flags: parallelize_llama (activation checkpointing: `selective` is its
 op-level policy, `--activation_checkpoint.selective_ac_option op`, as lmyard's; per-block torch.compile of the
