@@ -208,7 +208,7 @@ def check_batches(crc_dir: Path, gpus: int) -> dict:
 
 def moving_mean(loss: np.ndarray, window: int) -> np.ndarray:
     """The mean of the last `window` losses at each step (NaN before the first full window)."""
-    out = np.full(len(loss), np.nan)
+    out, window = np.full(len(loss), np.nan), min(window, len(loss))
     sums = np.cumsum(np.insert(loss, 0, 0.0))
     out[window - 1 :] = (sums[window:] - sums[:-window]) / window
     return out
@@ -216,6 +216,7 @@ def moving_mean(loss: np.ndarray, window: int) -> np.ndarray:
 
 def compile_out(seconds: np.ndarray, k: int) -> tuple[np.ndarray, float]:
     """Seconds with the first `k` steps counted at the median step time of the rest; (seconds, that step time)."""
+    k = max(1, min(k, len(seconds) - 2))
     steady = float(np.median(np.diff(seconds[k - 1 :])))
     return np.where(np.arange(len(seconds)) < k, steady * np.arange(1, len(seconds) + 1),
                     seconds - seconds[k - 1] + k * steady), steady  # fmt: skip
@@ -254,6 +255,7 @@ def summarize(runs: list[dict], a: argparse.Namespace, tokens_per_step: int) -> 
             for k in ("s_in", "s_out", "step"):
                 row[f"{side}_{k}"] = float(np.mean([h[k] for h in hits[side]]))
             row[f"{side}_gpu_h"] = row[f"{side}_s_in"] * a.gpus / 3600
+            row[f"{side}_gpu_h_out"] = row[f"{side}_s_out"] * a.gpus / 3600
             row[f"{side}_s_in_per_seed"] = [h["s_in"] for h in hits[side]]
         row.update({f"titan_over_lmyard_{k}": row[f"torchtitan_{k}"] / row[f"lmyard_{k}"] for k in ("s_in", "s_out")})
         rows.append(row)
@@ -266,7 +268,7 @@ def summarize(runs: list[dict], a: argparse.Namespace, tokens_per_step: int) -> 
 
 def table(summary: dict) -> str:
     head = (f"| target (train loss, {summary['window']}-step mean) | lmyard s: compile in / out | torchtitan s: in / out "
-            "| torchtitan / lmyard: in / out | GPU-h lmyard / torchtitan (in) | step lmyard / torchtitan |\n"
+            "| torchtitan / lmyard: in / out | GPU-h lmyard / torchtitan: in (out) | step lmyard / torchtitan |\n"
             "| ---: | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
     lines = [head]
     for r in summary["targets"]:
@@ -276,7 +278,8 @@ def table(summary: dict) -> str:
         lines.append(f"| {r['target']:.2f} | {r['lmyard_s_in']:.1f} / {r['lmyard_s_out']:.1f} "
                      f"| {r['torchtitan_s_in']:.1f} / {r['torchtitan_s_out']:.1f} "
                      f"| {r['titan_over_lmyard_s_in']:.3f}x / {r['titan_over_lmyard_s_out']:.3f}x "
-                     f"| {r['lmyard_gpu_h']:.4f} / {r['torchtitan_gpu_h']:.4f} "
+                     f"| {r['lmyard_gpu_h']:.4f} ({r['lmyard_gpu_h_out']:.4f}) / {r['torchtitan_gpu_h']:.4f} "
+                     f"({r['torchtitan_gpu_h_out']:.4f}) "
                      f"| {r['lmyard_step']:.0f} / {r['torchtitan_step']:.0f} |")  # fmt: skip
     f, ms = summary["final_moving_mean"], summary["step_ms"]
     lines.append(f"| final moving mean (mean of seeds) | {np.mean(f['lmyard']):.4f} | {np.mean(f['torchtitan']):.4f} "
@@ -352,6 +355,9 @@ def main() -> None:
         corpus, _, shards, _, _, _, _ = prepare(a, work)
         runs = [one_seed(a, work, corpus, shards, T, seed) for seed in a.seeds]
     summary = summarize(runs, a, tokens_per_step)
+    summary["batches"] = [{"seed": r["seed"], **r["batches"]} for r in runs]
+    for same in summary["batches"]:  # each rank's CRC-32 of its rows, the same on both sides (else SystemExit above)
+        print("batches " + json.dumps(same))
     print(table(summary))
     print("summary " + json.dumps(summary), flush=True)
     if a.json:
