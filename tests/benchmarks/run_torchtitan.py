@@ -24,7 +24,10 @@ rank, torchtitan's own entry point `torchtitan.train.main(Trainer)` after three 
   rank r, step s taking sequences (s * world + r) * batch ... + batch of seq + 1 tokens, as bench_llama.py
   does, so both sides see the same tokens. A tokenizer folder is still written (a 3-entry WordLevel vocab.json
   and tokenizer_config.json naming bos/eos, for `--model.hf_assets_path`): torchtitan builds one; the ids come
-  already tokenized.
+  already tokenized. bench_titan_target.py points it at a file of real-text rows written in the order lmyard's
+  loader reads them, and with `crc_dir` in LMYARD_TITAN each rank writes a checksum of the rows it read
+  (BatchCrc). `launch` takes torchtitan flags that replace or add to `titan_flags` (its lr schedule, AdamW
+  settings and seed there).
 
 The rest is torchtitan's, set by its own flags: parallelize_llama (activation checkpointing: `selective` is its
 op-level policy, `--activation_checkpoint.selective_ac_option op`, as lmyard's; per-block torch.compile of the
@@ -169,16 +172,20 @@ def _shard_loader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **_):
     sys.path.insert(0, str(REPO))
     from lmyard.data.shards import read_shard
 
+    crc_dir = json.loads(os.environ.get("LMYARD_TITAN", "{}")).get("crc_dir")
+
     class ShardLoader(BaseDataLoader):
         def __init__(self):
             self.tokens = read_shard(job_config.training.dataset_path)
             self.T, self.B = job_config.training.seq_len, job_config.training.local_batch_size
             self.step = 0
+            self.crc = BatchCrc(crc_dir, "torchtitan", dp_rank, job_config.training.steps)
 
         def __iter__(self):
             while True:
                 first = (self.step * dp_world_size + dp_rank) * self.B * (self.T + 1)
                 rows = np.asarray(self.tokens[first : first + self.B * (self.T + 1)], dtype=np.int64)
+                self.crc.add(self.step, rows)
                 rows = torch.from_numpy(rows).view(self.B, self.T + 1)
                 self.step += 1
                 yield {"input": rows[:, :-1]}, rows[:, 1:]
@@ -190,6 +197,31 @@ def _shard_loader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **_):
             self.step = state_dict.get("step", 0)
 
     return ShardLoader()
+
+
+class BatchCrc:
+    """One rank's CRC-32 of the token rows it reads (int64, each step's (batch, seq + 1) in order): of step 0's,
+    and running over steps 0 .. steps - 1, written to `<folder>/<side>-rank<r>.json` once the last step's rows
+    are read; nothing without a folder. bench_titan_target.py checks both sides' batches with it."""
+
+    def __init__(self, folder: str | None, side: str, rank: int, steps: int):
+        self.folder, self.side, self.rank, self.steps = folder, side, rank, steps
+        self.first, self.running = 0, 0
+
+    def add(self, step: int, rows) -> None:
+        import zlib
+
+        import numpy as np
+
+        if self.folder is None or step >= self.steps:
+            return
+        self.running = zlib.crc32(np.ascontiguousarray(rows, dtype=np.int64).tobytes(), self.running)
+        self.first = self.running if step == 0 else self.first
+        if step == self.steps - 1:
+            out = {"side": self.side, "rank": self.rank, "step0": self.first, "all_steps": self.running}
+            (Path(self.folder) / f"{self.side}-rank{self.rank}.json").write_text(
+                json.dumps({**out, "steps": self.steps})
+            )
 
 
 def register(model: dict, flavor: str, attn: str) -> None:
@@ -243,30 +275,41 @@ def titan_settings(preset: str, seq: int, n_vocab: int = 50257) -> dict:
     return d
 
 
-def titan_flags(a: argparse.Namespace, flavor: str, shard: Path, work: Path) -> list[str]:
-    """torchtitan 0.2.2's own command-line flags for this run."""
-    flags = [
-        *("--model.name", "llama3", "--model.flavor", flavor),
-        *("--model.hf_assets_path", str(tokenizer_folder(work / "tokenizer"))),
-        *("--job.dump_folder", str(work / "outputs")),
-        *("--training.dataset", "lmyard_shard", "--training.dataset_path", str(shard)),
-        *("--training.local_batch_size", str(a.batch), "--training.seq_len", str(a.seq)),
-        *("--training.steps", str(a.steps), "--training.max_norm", "1.0"),
-        *("--optimizer.lr", "3e-4", "--lr_scheduler.warmup_steps", "2"),
-        *("--metrics.log_freq", str(a.log_freq), "--debug.seed", "0"),
-        *("--activation_checkpoint.mode", a.ac, "--activation_checkpoint.selective_ac_option", "op"),
-    ]
+def titan_flags(a: argparse.Namespace, flavor: str, shard: Path, work: Path, options: dict | None = None) -> list[str]:
+    """torchtitan 0.2.2's own command-line flags for this run; `options` ({flag: value}, None for a switch)
+    replaces or adds flags (bench_titan_target.py: the schedule, the optimizer, the seed)."""
+    flags: dict[str, object] = {
+        "--model.name": "llama3",
+        "--model.flavor": flavor,
+        "--model.hf_assets_path": tokenizer_folder(work / "tokenizer"),
+        "--job.dump_folder": work / "outputs",
+        "--training.dataset": "lmyard_shard",
+        "--training.dataset_path": shard,
+        "--training.local_batch_size": a.batch,
+        "--training.seq_len": a.seq,
+        "--training.steps": a.steps,
+        "--training.max_norm": "1.0",
+        "--optimizer.lr": "3e-4",
+        "--lr_scheduler.warmup_steps": "2",
+        "--metrics.log_freq": a.log_freq,
+        "--debug.seed": "0",
+        "--activation_checkpoint.mode": a.ac,
+        "--activation_checkpoint.selective_ac_option": "op",
+    }
     if a.compile:
-        flags += ["--compile.enable", "--compile.components", "model,loss"]
+        flags.update({"--compile.enable": None, "--compile.components": "model,loss"})
     if a.float8 != "none":
-        flags += ["--model.converters", "quantize.linear.float8"]
-        flags += ["--quantize.linear.float8.recipe_name", a.float8, "--quantize.linear.float8.filter_fqns", "output"]
+        flags["--model.converters"] = "quantize.linear.float8"
+        flags.update(
+            {"--quantize.linear.float8.recipe_name": a.float8, "--quantize.linear.float8.filter_fqns": "output"}
+        )
     # a dry run on the CPU: float32; float8 passes torchtitan's SM89 check only with `emulate` (which its recipes
     # then ignore: torch's CPU float8 matmul runs them)
     if a.device == "cpu":
-        flags += ["--optimizer.implementation", "foreach", "--training.mixed_precision_param", "float32"]
-        flags += ["--quantize.linear.float8.emulate"] if a.float8 != "none" else []
-    return flags
+        flags.update({"--optimizer.implementation": "foreach", "--training.mixed_precision_param": "float32"})
+        flags.update({"--quantize.linear.float8.emulate": None} if a.float8 != "none" else {})
+    flags.update(options or {})
+    return [str(x) for flag, value in flags.items() for x in ((flag,) if value is None else (flag, value))]
 
 
 def parse_log(out: str, warmup_logs: int) -> list[tuple[str, ...]]:
@@ -275,24 +318,35 @@ def parse_log(out: str, warmup_logs: int) -> list[tuple[str, ...]]:
     return logs[warmup_logs:]
 
 
-def run(a: argparse.Namespace, gpus: int) -> dict:
-    """One torchtitan run on `gpus` GPUs (ranks, with --device cpu); its parsed figures."""
+def launch(
+    a: argparse.Namespace, gpus: int, shard: Path, options: dict | None = None, extra: dict | None = None
+) -> str:
+    """torchtitan on `gpus` GPUs (ranks, with --device cpu) reading `shard`: rank 0's whole output (appended to
+    a.log too); SystemExit with its end where it failed. `options`: titan_flags'; `extra`: more worker settings
+    (LMYARD_TITAN, e.g. crc_dir)."""
     flavor = f"lmyard-{a.preset}"
-    shard = ensure_shards(a.data, (a.steps + 1) * a.batch * (a.seq + 1) * gpus)
     work = Path(tempfile.mkdtemp(prefix="titan-"))
     settings = {"model": titan_settings(a.preset, a.seq), "flavor": flavor, "attn": a.attn, "device": a.device}
-    env = {**os.environ, "LMYARD_TITAN": json.dumps(settings), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "LMYARD_TITAN": json.dumps({**settings, **(extra or {})}), "PYTHONUNBUFFERED": "1"}
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as torchtitan's run_train.sh launches
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
     torchrun += ["--local-ranks-filter", "0", "--role", "rank", "--tee", "3"]  # rank 0's log: one line a step
-    cmd = [*torchrun, str(Path(__file__).resolve()), "--worker", *titan_flags(a, flavor, shard, work)]
+    cmd = [*torchrun, str(Path(__file__).resolve()), "--worker", *titan_flags(a, flavor, shard, work, options)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     out = proc.stdout + proc.stderr
     if a.log:
         Path(a.log).open("a").write(out)
-    timed = parse_log(out, a.warmup_logs)
-    if proc.returncode or not timed:
+    if proc.returncode or not parse_log(out, 0):
         raise SystemExit(f"torchtitan run failed (rc {proc.returncode}):\n{ANSI.sub('', out)[-6000:]}")
+    return out
+
+
+def run(a: argparse.Namespace, gpus: int) -> dict:
+    """One torchtitan run on `gpus` GPUs (ranks, with --device cpu) on the random-token shard; its figures."""
+    shard = ensure_shards(a.data, (a.steps + 1) * a.batch * (a.seq + 1) * gpus)
+    timed = parse_log(launch(a, gpus, shard), a.warmup_logs)
+    if not timed:
+        raise SystemExit(f"torchtitan logged no interval after the first {a.warmup_logs}")
     tps = statistics.median(float(t[3].replace(",", "")) for t in timed)
     return {
         "impl": f"torchtitan-{VERSION}",
