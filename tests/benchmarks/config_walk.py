@@ -1,8 +1,8 @@
 """The walk of the pretrain flow's config: which of lmyard's functions the run's config passes through.
 
-    TIKTOKEN_CACHE_DIR=... python tests/benchmarks/config_walk.py                       # this checkout
-    python tests/benchmarks/config_walk.py --tree /path/to/other/checkout               # another tree
-    python tests/benchmarks/config_walk.py --tree OLD --tree NEW                        # both, side by side
+    python tests/benchmarks/config_walk.py                              # this checkout
+    python tests/benchmarks/config_walk.py --tree /path/to/other/checkout  # another tree
+    python tests/benchmarks/config_walk.py --tree OLD --tree NEW        # both, side by side
 
 It runs the pretrain flow in this process (`lmyard run smoke` through flows.cli.main, on Prefect's temporary
 server) on a tiny smoke run in a temporary folder (the cwd, the store, MLflow's sqlite, LMYARD_CACHE,
@@ -378,8 +378,8 @@ def main() -> int:
                 results.append(json.loads(Path(f.name).read_text() or "null"))
         results = [r for r in results if r]
     print()
-    for r in results:
-        print(details(r))
+    if len(trees) == 1:  # with several, each tree's process printed its own
+        print(details(results[0]))
         print()
     print(table(results))
     if args.json:
