@@ -26,16 +26,16 @@ from tasks.results import CheckpointReport
 )
 def record_checkpoint(config: RunConfig, lineage: Lineage, step: int) -> CheckpointReport:
     """Verify checkpoint `step` against its manifest in the store; its place, size and upload time to
-    MLflow (checkpoint/* at its step) and to a Prefect artifact. The upload itself ran on the training node."""
+    MLflow (system/checkpoint/* at its step) and to a Prefect artifact. The upload itself ran on the training node."""
     report = CheckpointReport.model_validate(catalog.verify(Run.of(config).store, config.run_name, step))
     if _recorded(lineage, report):
         get_run_logger().info(f"checkpoint step {step} was recorded by an earlier attempt; not logged again")
         return report
-    metrics: dict[str, float] = {"checkpoint/bytes": report.bytes}
+    metrics: dict[str, float] = {"system/checkpoint/bytes": report.bytes}
     if report.serialize_s is not None:
-        metrics["checkpoint/serialize_s"] = report.serialize_s
+        metrics["system/checkpoint/serialize_s"] = report.serialize_s
     if report.upload_s is not None:
-        metrics["checkpoint/upload_s"] = report.upload_s
+        metrics["system/checkpoint/upload_s"] = report.upload_s
     if report.committed is not None:  # which checkpoint of this step (see the module doc): no metric, no tag
         bookkeeping.update(lineage, step, recorded=report.committed)
     lineage.log_metrics(metrics, step)  # one batch: all of them or none; after the bookkeeping
@@ -53,10 +53,10 @@ def record_checkpoint(config: RunConfig, lineage: Lineage, step: int) -> Checkpo
 
 
 def _recorded(lineage: Lineage, report: CheckpointReport) -> bool:
-    """Whether this checkpoint's metrics are on the lineage's run already: its step has checkpoint/bytes and,
+    """Whether this checkpoint's metrics are on the lineage's run already: its step has system/checkpoint/bytes and,
     when its manifest has a commit time, the bookkeeping holds that time at its step."""
     history = lineage.client.get_metric_history
-    if all(m.step != report.step for m in history(lineage.ref.mlflow_run_id, "checkpoint/bytes")):
+    if all(m.step != report.step for m in history(lineage.ref.mlflow_run_id, "system/checkpoint/bytes")):
         return False
     committed = set(bookkeeping.recorded(lineage, report.step))
     return report.committed is None or not committed or report.committed in committed

@@ -86,7 +86,7 @@ def test_hellaswag_limit_and_bad_examples(tmp_path):
 
 
 def test_gates_pass_only_when_every_configured_gate_holds():
-    result = {"loss/eval": 2.0, "eval/hellaswag_acc_norm": 0.3}
+    result = {"loss/eval": 2.0, "task/hellaswag_acc_norm": 0.3}
     assert gate_results(EvalGates(), result) == {}
     ok = gate_results(EvalGates(val_loss_max=2.5, hellaswag_acc_norm_min=0.25), result)
     assert all(g["passed"] for g in ok.values())
@@ -101,15 +101,15 @@ def test_gates_on_any_logged_metric_take_the_final_evaluation_over_the_runs_late
         val_loss_max=2.5,
         metrics=[
             {"metric": "loss/val", "max": 3.0},
-            {"metric": "eval/hellaswag_acc", "min": 0.3},
-            {"metric": "harness/arc/acc", "min": 0.5},
+            {"metric": "task/hellaswag_acc", "min": 0.3},
+            {"metric": "task/arc/acc", "min": 0.5},
         ],
     )
-    result = {"loss/eval": 2.0, "eval/hellaswag_acc": 0.25, "eval/hellaswag_acc_norm": 0.3, "harness/arc/acc": 0.6}
-    out = gate_results(gates, result, logged={"loss/val": 2.9, "loss/eval": 9.0, "eval/hellaswag_acc": 0.9})
-    assert list(out) == ["val_loss_max", "loss/val max", "eval/hellaswag_acc min", "harness/arc/acc min"]
+    result = {"loss/eval": 2.0, "task/hellaswag_acc": 0.25, "task/hellaswag_acc_norm": 0.3, "task/arc/acc": 0.6}
+    out = gate_results(gates, result, logged={"loss/val": 2.9, "loss/eval": 9.0, "task/hellaswag_acc": 0.9})
+    assert list(out) == ["val_loss_max", "loss/val max", "task/hellaswag_acc min", "task/arc/acc min"]
     assert out["val_loss_max"] == {"value": 2.0, "limit": 2.5, "passed": True}  # the final evaluation's, not 9.0
     assert out["loss/val max"] == {"value": 2.9, "limit": 3.0, "passed": True}  # logged by the trainer only
-    assert out["eval/hellaswag_acc min"] == {"value": 0.25, "limit": 0.3, "passed": False}
-    assert out["harness/arc/acc min"]["passed"]
+    assert out["task/hellaswag_acc min"] == {"value": 0.25, "limit": 0.3, "passed": False}
+    assert out["task/arc/acc min"]["passed"]
     assert not gate_results(EvalGates(metrics=[{"metric": "nowhere", "max": 1.0}]), result)["nowhere max"]["passed"]

@@ -104,4 +104,9 @@ def test_a_step_trained_again_after_a_fallback_is_evaluated_again_and_its_damage
     assert third.steps == 12
     assert sorted(m.step for m in client.get_metric_history(first.mlflow_run_id, "loss/eval")) == [4, 8, 8, 12]
     # and records each checkpoint once: step 8 twice (two checkpoints), the final step 12 not again
-    assert sorted(m.step for m in client.get_metric_history(first.mlflow_run_id, "checkpoint/bytes")) == [4, 8, 8, 12]
+    assert sorted(m.step for m in client.get_metric_history(first.mlflow_run_id, "system/checkpoint/bytes")) == [
+        4,
+        8,
+        8,
+        12,
+    ]

@@ -123,7 +123,7 @@ def test_killed_training_is_retried_as_one_mlflow_run_with_two_attempts(
     best = min(evaluated, key=lambda s: (val[s], -s))  # the trainer's val loss, as in the manifests
     assert complete_steps(store, run_name) == sorted({150, 200, best})
     assert all(store.exists(f"{step_prefix(run_name, s)}/evaluated.json") for s in complete_steps(store, run_name))
-    acc_norm = client.get_metric_history(run.info.run_id, "eval/hellaswag_acc_norm")
+    acc_norm = client.get_metric_history(run.info.run_id, "task/hellaswag_acc_norm")
     assert sorted(m.step for m in acc_norm) == [50, 100, 150, 200]
     assert all(0 <= m.value <= 1 for m in acc_norm)
     # system metrics come from inside the trainer, one series per node, continued (not restarted) by the retry
@@ -197,7 +197,10 @@ def test_checkpoint_metrics_are_logged_once_per_checkpoint_across_reruns(prefect
         record_checkpoint(cfg, lineage, step)
 
     client = MlflowClient(mlflow_server.uri)
-    assert sorted(m.step for m in client.get_metric_history(lineage.ref.mlflow_run_id, "checkpoint/bytes")) == [2, 4]
+    assert sorted(m.step for m in client.get_metric_history(lineage.ref.mlflow_run_id, "system/checkpoint/bytes")) == [
+        2,
+        4,
+    ]
     assert [len(bookkeeping.recorded(lineage, s)) for s in (2, 4)] == [1, 1]
     assert client.get_metric_history(lineage.ref.mlflow_run_id, "checkpoint/committed") == []  # no timestamp metric
 

@@ -47,8 +47,8 @@ def test_startup_parts_are_logged_once_non_negative_and_sum_to_no_more_than_the_
     client = MlflowClient(mlflow_server.uri)
     times = {}
     for part in (*PARTS, "total"):
-        history = client.get_metric_history(lineage.ref.mlflow_run_id, f"startup/{part}_s")
-        assert [m.step for m in history] == [2], f"startup/{part}_s logged at steps {[m.step for m in history]}"
+        history = client.get_metric_history(lineage.ref.mlflow_run_id, f"system/startup/{part}_s")
+        assert [m.step for m in history] == [2], f"system/startup/{part}_s logged at steps {[m.step for m in history]}"
         times[part] = history[0].value
     assert all(v >= 0 for v in times.values()), times
     assert times["launch"] > 0 and times["first_step"] > 0, times  # measured, not left at zero

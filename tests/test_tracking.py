@@ -59,23 +59,23 @@ def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_m
                 "harness": {"metrics": {"hellaswag_local/acc": 0.5, "hellaswag_local/acc_norm": 0.75}},
                 "metrics": {
                     "loss/eval": 2.5,
-                    "harness/hellaswag_local/acc": 0.5,
-                    "harness/hellaswag_local/acc_norm": 0.75,
+                    "task/hellaswag_local/acc": 0.5,
+                    "task/hellaswag_local/acc_norm": 0.75,
                 },
             }
         ),
     )
 
     client = MlflowClient(cfg.tracking.uri)
-    history = client.get_metric_history(lineage.ref.mlflow_run_id, "harness/hellaswag_local/acc_norm")
+    history = client.get_metric_history(lineage.ref.mlflow_run_id, "task/hellaswag_local/acc_norm")
     assert [(m.step, m.value) for m in history] == [(3, 0.75)]
     [model] = client.search_logged_models([lineage.ref.experiment_id])
     assert model.name == "smoke-step-00000003" and model.params == {"checkpoint_uri": ckpt, "step": "3"}
     assert {m.key: (m.step, m.value) for m in model.metrics} == {
         "loss/eval": (3, 2.5),
-        "eval/seconds": (3, 1.0),
-        "harness/hellaswag_local/acc": (3, 0.5),
-        "harness/hellaswag_local/acc_norm": (3, 0.75),
+        "system/eval/seconds": (3, 1.0),
+        "task/hellaswag_local/acc": (3, 0.5),
+        "task/hellaswag_local/acc_norm": (3, 0.75),
     }
     assert [o.model_id for o in client.get_run(lineage.ref.mlflow_run_id).outputs.model_outputs] == [model.model_id]
 

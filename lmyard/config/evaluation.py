@@ -13,8 +13,8 @@ class MetricGate(_Section):
     metric: str = Field(
         min_length=1,
         pattern=r"^[A-Za-z0-9_./ -]+$",
-        description="A metric of the lineage's MLflow run (e.g. `loss/eval`, `eval/hellaswag_acc_norm`, "
-        "`harness/arc_easy/acc`, `loss/val`).",
+        description="A metric of the lineage's MLflow run (e.g. `loss/eval`, `task/hellaswag_acc_norm`, "
+        "`task/arc_easy/acc`, `loss/val`).",
     )
     min: float | None = Field(None, description="The metric must be at least this.")
     max: float | None = Field(None, description="The metric must be at most this.")

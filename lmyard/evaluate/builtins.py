@@ -42,15 +42,15 @@ HELLASWAG = EvaluationSpec(
     name="hellaswag",
     run=_hellaswag,
     enabled=lambda e: e.hellaswag is not None,
-    metrics=lambda r: {"eval/hellaswag_acc": r.acc, "eval/hellaswag_acc_norm": r.acc_norm},
+    metrics=lambda r: {"task/hellaswag_acc": r.acc, "task/hellaswag_acc_norm": r.acc_norm},
     fields=lambda r: {"hellaswag": _evals().as_fields(r)},
-    gates={"hellaswag_acc_norm_min": "eval/hellaswag_acc_norm"},
+    gates={"hellaswag_acc_norm_min": "task/hellaswag_acc_norm"},
 )
 HARNESS = EvaluationSpec(
     name="harness",
     run=_harness,
     enabled=lambda e: bool(e.harness_tasks),
-    metrics=lambda r: {f"harness/{k}": v for k, v in r.metrics.items()},
+    metrics=lambda r: {f"task/{k}": v for k, v in r.metrics.items()},
     fields=lambda r: {"harness": _evals().as_fields(r)},
 )
 SAMPLES = EvaluationSpec(

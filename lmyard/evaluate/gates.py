@@ -28,8 +28,8 @@ def result_metrics(result: dict[str, Any]) -> dict[str, float]:
     hs = result.get("hellaswag") or {}
     for key in ("acc", "acc_norm"):
         if hs.get(key) is not None:
-            out[f"eval/hellaswag_{key}"] = hs[key]
-    out.update({f"harness/{k}": v for k, v in ((result.get("harness") or {}).get("metrics") or {}).items()})
+            out[f"task/hellaswag_{key}"] = hs[key]
+    out.update({f"task/{k}": v for k, v in ((result.get("harness") or {}).get("metrics") or {}).items()})
     return out
 
 

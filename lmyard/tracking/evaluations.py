@@ -2,7 +2,7 @@
 logged model), one row in the run's tables, its whole result as JSON, and the bookkeeping that says which
 checkpoint of the step it was (lmyard.tracking.bookkeeping). Names: lmyard.tracking.schema.
 
-The metrics are the evaluations' own (lmyard.evaluate.registry: `EvalResult.metrics`) and `eval/seconds`.
+The metrics are the evaluations' own (lmyard.evaluate.registry: `EvalResult.metrics`) and `system/eval/seconds`.
 Samples of every evaluated step go to one table (evals/samples.json: step, prompt, completion), as do the
 checkpoints' scores (evals/checkpoints.json), appended at each evaluation.
 """

@@ -1,9 +1,12 @@
 """The names a lineage's MLflow run is read by: its metrics, tags and artifacts.
 
-The run page reads as a training run: the losses in one section (MLflow groups metrics by the part before
-`/`): `loss/train` (the trainer, every log step), `loss/val` (the trainer, every eval.interval) and
-`loss/eval` (the evaluator, every checkpoint: the same routine as `loss/val`); the rest in their own
-(`checkpoint/*`, `eval/*`, `harness/*`, the trainer's unprefixed ones). No metric is a timestamp. Bookkeeping (which checkpoint of a step was
+The run page reads as a training run. MLflow's Model metrics tab groups metrics by the part before `/`,
+sections in name order, the unprefixed ones last, and keeps every `system/` metric to its System metrics tab. So
+the losses come first, in one section: `loss/train` (the trainer, every log step), `loss/val` (the trainer,
+every eval.interval) and `loss/eval` (the evaluator, every checkpoint: the same routine as `loss/val`); then the
+scores of the evaluations (`task/*`) and the trainer's unprefixed ones (lr, grad norm, tokens/s). The plumbing
+(`system/checkpoint/*`, `system/eval/seconds`, `system/startup/*`, `system/guard/*`) lies beside MLflow's
+own system metrics. No metric is a timestamp. Bookkeeping (which checkpoint of a step was
 recorded and evaluated: a step trained again after a fallback holds another one) is no run tag: it is the
 JSON artifact BOOKKEEPING (lmyard.tracking.bookkeeping), out of the run page's way.
 """
@@ -14,7 +17,7 @@ TRAIN_LOSS = "loss/train"
 VAL_LOSS = "loss/val"
 EVAL_LOSS = "loss/eval"
 LOSSES = (TRAIN_LOSS, VAL_LOSS, EVAL_LOSS)
-EVAL_SECONDS = "eval/seconds"
+EVAL_SECONDS = "system/eval/seconds"
 EVALUATED = EVAL_LOSS  # the metric whose steps say which checkpoints have been evaluated
 
 # artifacts

@@ -238,7 +238,7 @@ class FaultHook:
 
 
 class Startup:
-    """The restart to the first step's end, in parts, once per attempt (rank 0 reports: `startup/<part>_s` metrics
+    """The restart to the first step's end, in parts, once per attempt (rank 0 reports: `system/startup/<part>_s` metrics
     and one line). launch: from the launch (lmyard.stages.startup.launched_at: the launcher's time, torchrun's start
     or this process's) to the train stage's entry, when this is made: torchrun, the interpreter, imports;
     rendezvous: the process group; resume: the CheckpointManager's load; compile: the first step's time over the
@@ -297,7 +297,7 @@ class Startup:
         assert times is not None
         self.reported = True
         if is_main:
-            sink.log({f"startup/{k}_s": v for k, v in times.items()}, step)
+            sink.log({f"system/startup/{k}_s": v for k, v in times.items()}, step)
             parts = " + ".join(f"{k.replace('_', ' ')} {times[k]:.2f} s" for k in self.PARTS)
             print(
                 f"startup to the end of step {step - len(self.steps) + 1}: {times['total']:.2f} s = {parts} "

@@ -227,7 +227,7 @@ class Trainer:
         self.state.val_loss = self.validator.at(self.state.step)
         blocked = self.checkpoints.save(self.state.model_dump(mode="json"))
         if self.d.is_main:  # the commit's line says the checkpoint; the time the loop waited is a metric
-            self.sink.log({"checkpoint/blocked_s": blocked}, self.state.step)
+            self.sink.log({"system/checkpoint/blocked_s": blocked}, self.state.step)
         self.logger.restart(self.batches.waited_s)
 
     def resume(self) -> None:
@@ -275,7 +275,9 @@ class Trainer:
         self.state.cursor, self.state.rollbacks = cursor, rollbacks + 1
         self.batches.reset(cursor)
         if self.d.is_main:
-            self.sink.log({"guard/rollbacks": rollbacks + 1, "guard/skipped_sequences": skipped}, bad_step)
+            self.sink.log(
+                {"system/guard/rollbacks": rollbacks + 1, "system/guard/skipped_sequences": skipped}, bad_step
+            )
             print(
                 f"divergence at step {bad_step}: {problem}; rolled back to {ckpt.uri} (step {ckpt.step}), "
                 f"skipping {skipped} sequences; rollback {rollbacks + 1} of {self.t.guard.max_rollbacks}",
