@@ -162,7 +162,7 @@ def _dom(url: str) -> str:
     not (shutil.which("chromium") or shutil.which("chromium-browser")),
     reason="needs Debian's chromium (bash .ci/run installs it)",
 )
-def test_mlflow_ui_shows_the_runs_dataset_logged_model_and_registered_version(served_run, mlflow_server):
+def test_mlflow_ui_shows_the_runs_dataset_logged_model_registered_version_and_losses_first(served_run, mlflow_server):
     cfg, summary, client = served_run
     run = client.get_run(summary.mlflow_run_id)
     exp, model_id = run.info.experiment_id, client.get_model_version(NAME, "1").source.removeprefix("models:/")
@@ -178,3 +178,11 @@ def test_mlflow_ui_shows_the_runs_dataset_logged_model_and_registered_version(se
     page = _dom(f"{mlflow_server.uri}/#/experiments/{exp}/models/{model_id}?{view}")
     text = re.sub(r"<[^>]+>", " ", page)
     assert "Not registered" not in text and re.search(rf"{NAME}\s*v1", text), text[-3000:]
+    # the Model metrics tab leads with the losses; the plumbing is on the System metrics tab, beside MLflow's own
+    tabs = {}
+    for tab in ("model-metrics", "system-metrics"):
+        page = _dom(f"{mlflow_server.uri}/#/experiments/{exp}/runs/{run.info.run_id}/{tab}?{view}")
+        tabs[tab] = re.findall(r"(\S+) \((\d+)\) Add chart", re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", page)))
+    assert tabs["model-metrics"][0] == ("loss", "3"), tabs  # loss/train, loss/val, loss/eval
+    assert not {name for name, _ in tabs["model-metrics"]} & {"checkpoint", "startup", "eval", "guard"}, tabs
+    assert ("system/checkpoint", "4") in tabs["system-metrics"], tabs
