@@ -5,6 +5,7 @@ preempted (exit 5) saying only what the store holds, and a rerun resumes from wh
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import ExitCode, Preempted
 from lmyard.launch.follower import run_local, stage_env, torchrun_command
 from lmyard.recipes import load_recipe
+from lmyard.stages import RANK_EXITS_ENV, rank_exit, rank_exits
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -89,27 +91,51 @@ def test_preempted_step_not_committed_within_the_grace_is_named_with_the_last_co
 
 RANK_SCRIPT = """
 import os, signal, sys, time
+from lmyard.errors import ExitCode
+from lmyard.stages import rank_exit
 signal.signal(signal.SIGTERM, lambda *a: None)  # the trainer's handler: the stop is already under way
 if os.environ["RANK"] == "1":
     time.sleep(2)  # rank 0 has its handler by now
-    sys.exit(5)  # preempted: nothing of its own to upload
+    sys.exit(rank_exit(ExitCode.PREEMPTED))  # nothing of its own to upload
 time.sleep({busy_s})  # still committing the checkpoint
 open({done!r}, "w").close()
-sys.exit(5)
+sys.exit(rank_exit(ExitCode.PREEMPTED))
 """
 
 
-def test_torchrun_waits_launch_grace_s_not_30_s_before_killing_the_ranks_left_after_one_exited(tmp_path):
+def test_a_rank_still_committing_30_s_after_another_ended_preempted_is_not_killed_and_the_node_exits_5(tmp_path):
+    """torchrun stops the ranks left 30 s after one exits non-zero, whatever its shutdown timeout: under the
+    launcher's torchrun a preempted rank's exit does not start that, and the node still exits as preempted."""
     cfg = load_recipe("smoke", tiny_overrides(tmp_path, **{"launch.grace_s": 60}))
     done = tmp_path / "rank0-done"
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT.format(busy_s=SLOW_UPLOAD_S, done=str(done)))
     cmd = torchrun_command(cfg)
     cmd = [*cmd[: cmd.index("-m", 3)], str(script)]  # the launcher's torchrun, running the script as its ranks
-    proc = subprocess.run(
-        cmd, env={**os.environ, **stage_env(cfg)}, capture_output=True, text=True, timeout=SLOW_UPLOAD_S + 60
-    )
-    assert done.exists(), "torchrun killed rank 0 before launch.grace_s:\n" + proc.stderr[-2000:]
+    exchange = tmp_path / "exchange"
+    env = {**os.environ, **stage_env(cfg), "LMYARD_EXCHANGE_DIR": str(exchange)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SLOW_UPLOAD_S + 60)
+    assert done.exists(), "torchrun killed rank 0 while it committed:\n" + proc.stderr[-2000:]
+    assert proc.returncode == ExitCode.PREEMPTED, proc.stderr[-2000:]
+    assert "torchrun: rank 1 exited with code 5" in proc.stderr  # the first to end, in one line
+    (record,) = (exchange / "exits").iterdir()
+    assert json.loads(record.read_text()) == {"0": 5, "1": 5}  # for the launcher, as any failed rank's
+    assert sorted(p.name for p in exchange.iterdir()) == ["exits"]  # the ranks' own records are gone
+
+
+def test_a_preempted_rank_exits_0_with_its_code_recorded_only_under_the_launchers_torchrun(tmp_path, monkeypatch):
+    monkeypatch.delenv(RANK_EXITS_ENV, raising=False)
+    monkeypatch.setenv("RANK", "3")
+    assert rank_exit(ExitCode.PREEMPTED) == 5  # plain torchrun, a Ray actor: as before
+    monkeypatch.setenv(RANK_EXITS_ENV, str(tmp_path))
+    assert rank_exit(ExitCode.STORE_OUTAGE) == 4 and rank_exit(ExitCode.CRASHED) == 1  # torchrun stops the rest
+    assert rank_exits(str(tmp_path)) == []
+    assert rank_exit(ExitCode.PREEMPTED) == 0
+    (record,) = rank_exits(str(tmp_path))
+    assert (record.rank, record.code, record.pid) == (3, 5, os.getpid())
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(RANK_EXITS_ENV, str(tmp_path / "file" / "exits"))
+    assert rank_exit(ExitCode.PREEMPTED) == 5  # no record can be written: the code itself
 
 
 def test_a_rank_killed_by_sigkill_is_named_first_not_through_the_survivors_broken_collective(tmp_path, monkeypatch):

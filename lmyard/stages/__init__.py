@@ -33,11 +33,12 @@ from lmyard.stages.results import (
     Started,
     TrainResult,
 )
-from lmyard.stages.runtime import read_result, read_spec, run_stage
+from lmyard.stages.runtime import RANK_EXITS_ENV, RankExit, rank_exit, rank_exits, read_result, read_spec, run_stage
 from lmyard.stages.specs import EvalSpec, ExportSpec, ShardSpec, StageSpec, TrainSpec
 
 __all__ = [
     "EXCHANGE_ENV",
+    "RANK_EXITS_ENV",
     "SPEC_ENV",
     "Contract",
     "EvalResult",
@@ -49,6 +50,7 @@ __all__ = [
     "HellaSwagScore",
     "Heartbeat",
     "Progress",
+    "RankExit",
     "Sample",
     "ShardProgress",
     "ShardResult",
@@ -58,6 +60,8 @@ __all__ = [
     "Started",
     "TrainResult",
     "TrainSpec",
+    "rank_exit",
+    "rank_exits",
     "read_beats",
     "read_model",
     "read_result",
