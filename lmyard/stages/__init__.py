@@ -9,6 +9,8 @@ container a folder inside it, read back through the engine). Nothing is parsed f
     exchange/started.json       Started            training's rank 0, once resumed (what it actually loaded) results
     exchange/progress.json      Progress           training's rank 0, replaced at every log step             results
     exchange/heartbeat/rank-R   step number        every rank, at every step (the watchdog's input)          heartbeat
+    exchange/rank-exits-*/      RankExit           a preempted training rank, for lmyard's torchrun alone    runtime
+      rank-R.json                                  (rank_exit; the folder goes when torchrun ends)
     exchange/result.json        the spec's result  last: ShardResult, TrainResult, EvalResult, ExportResult,  results
                                                    or the StageError of a failure (exit_code != 0)
 

@@ -101,7 +101,7 @@ def rank_exit(code: int) -> int:
     (torch's process context, whatever its shutdown timeout says): a rank still committing its preemption
     checkpoint to a slow store would be killed and the step lost. So under lmyard's torchrun (RANK_EXITS_ENV
     set) a preempted rank records its code there and exits 0: torchrun then waits for every rank to end on its
-    own, and exits with the recorded code itself. Any other code (a crash, a full disk, a diverged loss...) is
+    own, and lmyard's torchrun exits with the recorded code. Any other code (a crash, a full disk, a diverged loss...) is
     the exit code, for torchrun to stop the others, which wait on a broken collective; so is every code of a
     rank started any other way (plain torchrun, a Ray actor), or one whose record could not be written."""
     folder = os.environ.get(RANK_EXITS_ENV)
