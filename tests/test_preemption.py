@@ -7,13 +7,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
 
 import psutil
 import pytest
-from conftest import tiny_overrides
+from conftest import free_port, tiny_overrides
 
 from lmyard.checkpoint.catalog import complete_steps
 from lmyard.data.sharding import tokenize_and_shard
@@ -123,9 +124,55 @@ def test_a_rank_still_committing_30_s_after_another_ended_preempted_is_not_kille
     assert sorted(p.name for p in exchange.iterdir()) == ["exits"]  # the ranks' own records are gone
 
 
-def test_a_preempted_rank_exits_0_with_its_code_recorded_only_under_the_launchers_torchrun(tmp_path, monkeypatch):
+NODE_RANK_SCRIPT = """
+import os, signal, sys, time
+from lmyard.errors import ExitCode
+from lmyard.stages import rank_exit
+signal.signal(signal.SIGTERM, lambda *a: None)  # the trainer's handler: it checkpoints, then ends
+open(os.path.join({tmp!r}, "started-" + os.environ["RANK"]), "w").close()
+while not os.path.exists({committed!r}):
+    time.sleep(0.1)
+sys.exit(rank_exit(ExitCode.PREEMPTED))
+"""
+
+
+def test_a_node_whose_ranks_ended_preempted_ends_at_once_when_another_nodes_torchrun_got_the_signal(tmp_path):
+    """Two nodes of two ranks each; node 1's torchrun gets SIGTERM (its host is reclaimed) and every rank ends
+    preempted. Node 0 exits 5 at once: torchrun's exit barrier would wait 300 s for node 1's torchrun, which
+    never comes, were all of node 0's ranks to exit 0."""
+    endpoint = {"launch.nnodes": 2, "launch.rdzv_endpoint": f"127.0.0.1:{free_port()}", "launch.nproc_per_node": 2}
+    cfg = load_recipe("smoke", tiny_overrides(tmp_path, **endpoint))
+    script, committed = tmp_path / "rank.py", tmp_path / "committed"
+    script.write_text(NODE_RANK_SCRIPT.format(tmp=str(tmp_path), committed=str(committed)))
+    nodes = []
+    try:
+        for node in (0, 1):
+            cmd = torchrun_command(cfg, node=node)
+            cmd = [*cmd[: cmd.index("-m", 3)], str(script)]
+            env = {**os.environ, **stage_env(cfg), "LMYARD_EXCHANGE_DIR": str(tmp_path / f"node{node}")}
+            with open(tmp_path / f"node{node}.log", "w") as log:
+                nodes.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 180
+        while not all((tmp_path / f"started-{r}").exists() for r in range(4)):
+            assert time.monotonic() < deadline, (tmp_path / "node0.log").read_text()[-2000:]
+            time.sleep(0.2)
+        nodes[1].send_signal(signal.SIGTERM)
+        committed.touch()  # every rank has checkpointed: they end as preempted
+        nodes[1].wait(timeout=120)
+        assert nodes[0].wait(timeout=120) == ExitCode.PREEMPTED, (tmp_path / "node0.log").read_text()[-2000:]
+        assert re.search(r"^torchrun: rank \d exited with code 5 ", (tmp_path / "node0.log").read_text(), re.M)
+    finally:
+        for p in nodes:
+            p.kill()
+            p.wait()
+
+
+def test_a_preempted_rank_but_its_nodes_last_exits_0_with_its_code_recorded_only_under_the_launchers_torchrun(
+    tmp_path, monkeypatch
+):
     monkeypatch.delenv(RANK_EXITS_ENV, raising=False)
     monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert rank_exit(ExitCode.PREEMPTED) == 5  # plain torchrun, a Ray actor: as before
     monkeypatch.setenv(RANK_EXITS_ENV, str(tmp_path))
     assert rank_exit(ExitCode.STORE_OUTAGE) == 4 and rank_exit(ExitCode.CRASHED) == 1  # torchrun stops the rest
@@ -133,6 +180,9 @@ def test_a_preempted_rank_exits_0_with_its_code_recorded_only_under_the_launcher
     assert rank_exit(ExitCode.PREEMPTED) == 0
     (record,) = rank_exits(str(tmp_path))
     assert (record.rank, record.code, record.pid) == (3, 5, os.getpid())
+    monkeypatch.setenv("RANK", "2")
+    assert rank_exit(ExitCode.PREEMPTED) == 5  # the node's last: no rank left for torchrun to stop
+    assert [x.rank for x in rank_exits(str(tmp_path))] == [3, 2]  # earliest first
     (tmp_path / "file").write_text("")
     monkeypatch.setenv(RANK_EXITS_ENV, str(tmp_path / "file" / "exits"))
     assert rank_exit(ExitCode.PREEMPTED) == 5  # no record can be written: the code itself

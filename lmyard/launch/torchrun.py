@@ -11,23 +11,26 @@ ARGS` with two differences.
      that exited as preempted (5) would so have a rank still uploading its checkpoint to
      a slow store SIGKILLed 30 s later, and the step lost.
 
-   So a preempted rank does not exit 5 here: this program points RANK_EXITS_ENV at a folder
-   of its own (the ranks inherit the agent's environment), where such a rank records its
-   code and exits 0 (lmyard.stages.rank_exit, called by the train stage). With every rank
-   exiting 0 torchrun waits for each to end on its own, within `launch.grace_s` (the
-   trainer's budget); then this program reads the records back and exits with the node's
-   code, 5, after the same one line and `exits/` record as any failed rank (below). Any
-   other failure (a crash, a full disk, a store outage, a diverged loss) still exits
-   non-zero and makes torchrun stop the other ranks, which wait on a broken collective.
-   Ranks started any other way (plain torchrun, Ray actors) exit 5 as before. Preempted
-   ranks also wait for each other's commit before exiting (lmyard.train.components.
-   Preemption.barrier).
+   So this program points RANK_EXITS_ENV at a folder of its own (the ranks inherit the
+   agent's environment), where a preempted rank records its code and exits 0, but the last
+   of the node, which exits 5 with no rank left to stop (lmyard.stages.rank_exit, called by
+   the train stage; a node whose ranks all exited 0 would wait in torchrun's exit barrier
+   for the other nodes' torchrun, which never comes from a node that got the signal). So
+   torchrun lets every rank end on its own, within `launch.grace_s` (the trainer's budget).
+   Any other failure (a crash, a full disk, a store outage, a diverged loss) still exits
+   non-zero at once and makes torchrun stop the other ranks, which wait on a broken
+   collective. Ranks started any other way (plain torchrun, Ray actors) exit 5 as before.
+   Preempted ranks also wait for each other's commit before exiting (lmyard.train.
+   components.Preemption.barrier).
 
 2. A rank that fails ends it with one line, not torchrun's traceback of its own ChildFailedError. The ranks say
    why they failed themselves (one line for a known error, a traceback for a crash) and rank 0's result file
    carries it to the launcher; torchrun's own ~40-line report of the same failure, with a traceback of the
-   agent, told a person nothing more and made a full disk or a bad config read like a crash. The exit code stays
-   what torchrun's uncaught error gave (1); signals reach the agent as before (the same process).
+   agent, told a person nothing more and made a full disk or a bad config read like a crash. The line names the
+   rank that failed first, by torchrun's report and the ranks' records (a record wins: it is the rank's own word,
+   and torchrun may stop a preempted rank after it recorded its code); `exits/` in the exchange folder gets every
+   code. The exit code is 5 when every rank that ended so was preempted, else what torchrun's uncaught error
+   gave (1); signals reach the agent as before (the same process).
 
 It is a program, and nothing imports this module (it loads torch, which flows and tasks must not).
 """
@@ -39,7 +42,8 @@ import shutil
 import sys
 import tempfile
 
-from lmyard.stages import EXCHANGE_ENV, RANK_EXITS_ENV, rank_exits
+from lmyard.errors import ExitCode
+from lmyard.stages import EXCHANGE_ENV, RANK_EXITS_ENV, RankExit, rank_exits
 
 
 def main() -> int:
@@ -50,26 +54,27 @@ def main() -> int:
     if folder:
         os.environ[RANK_EXITS_ENV] = folder  # before torchrun's agent starts the ranks with its environment
     try:
+        failures = []
         try:
             torchrun()
         except ChildFailedError as e:
-            exits = {rank: f.exitcode for rank, f in e.failures.items()}
-            rank = first_to_fail(exits, {rank: f.timestamp for rank, f in e.failures.items()})
-            failure = e.failures[rank]
-            print(f"torchrun: rank {rank} exited with code {failure.exitcode} (pid {failure.pid})", file=sys.stderr)
-            recorded = {x.rank: x.code for x in rank_exits(folder)} if folder else {}
-            _record_exits({**recorded, **exits})
-            return 1
-        ended = [x for x in rank_exits(folder) if x.code] if folder else []
-        if not ended:
-            return 0
-        first = ended[0]
-        print(f"torchrun: rank {first.rank} exited with code {first.code} (pid {first.pid})", file=sys.stderr)
-        _record_exits({x.rank: x.code for x in ended})
-        return first.code
+            failures = [RankExit(rank=r, code=f.exitcode, pid=f.pid, at=f.timestamp) for r, f in e.failures.items()]
+        # a rank's own record wins: torchrun may have stopped a preempted rank after it recorded, its work done
+        return node_code({x.rank: x for x in [*failures, *(rank_exits(folder) if folder else [])]})
     finally:
         if folder:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def node_code(exits: dict[int, RankExit]) -> int:
+    """The node's exit code from its ranks' failures and records: 0 for none; else, after one line naming the rank
+    that failed first and the node's `exits/` record, 5 when every rank that ended so was preempted, else 1."""
+    if not exits:
+        return 0
+    first = exits[first_to_fail({r: x.code for r, x in exits.items()}, {r: x.at for r, x in exits.items()})]
+    print(f"torchrun: rank {first.rank} exited with code {first.code} (pid {first.pid})", file=sys.stderr)
+    _record_exits({r: x.code for r, x in exits.items()})
+    return ExitCode.PREEMPTED if {x.code for x in exits.values()} == {ExitCode.PREEMPTED} else 1
 
 
 def _rank_exits_folder() -> str | None:
@@ -85,7 +90,7 @@ def _rank_exits_folder() -> str | None:
         return None
 
 
-def first_to_fail(exits: dict[int, int], timestamps: dict[int, int]) -> int:
+def first_to_fail(exits: dict[int, int], timestamps: dict[int, float]) -> int:
     """The rank that failed first: one killed by a signal (negative code: SIGKILL by the OOM killer, a kill -9)
     before any that exited with an error (the others fail after it, on the broken collective), else the earliest."""
     return min(exits, key=lambda r: (exits[r] >= 0, timestamps.get(r, 0), r))

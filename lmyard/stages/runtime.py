@@ -4,7 +4,7 @@
 (the result, or a StageError); the trainer's ranks use it too. `read_result` is how the launcher reads that
 file back; `read_spec` how a stage reads its spec. `rank_exit` is the exit code a training rank's process ends
 with, and `rank_exits` how lmyard's torchrun (lmyard.launch.torchrun) reads back the codes of the preempted ranks
-that it let exit 0.
+that exited 0.
 """
 
 from __future__ import annotations
@@ -100,10 +100,12 @@ def rank_exit(code: int) -> int:
     torchrun stops the other ranks of the node as soon as one exits non-zero, and gives them a fixed 30 s
     (torch's process context, whatever its shutdown timeout says): a rank still committing its preemption
     checkpoint to a slow store would be killed and the step lost. So under lmyard's torchrun (RANK_EXITS_ENV
-    set) a preempted rank records its code there and exits 0: torchrun then waits for every rank to end on its
-    own, and lmyard's torchrun exits with the recorded code. Any other code (a crash, a full disk, a diverged loss...) is
-    the exit code, for torchrun to stop the others, which wait on a broken collective; so is every code of a
-    rank started any other way (plain torchrun, a Ray actor), or one whose record could not be written."""
+    set) a preempted rank records its code there and exits 0, but the last of its node: that one exits 5, with
+    no rank left for torchrun to stop. (A node whose ranks all exited 0 would wait in torchrun's exit barrier
+    for the torchrun of every other node, up to 300 s: one that got the signal itself never comes.) lmyard's
+    torchrun reports the recorded codes. Any other code (a crash, a full disk, a diverged loss...) is the exit
+    code, for torchrun to stop the others, which wait on a broken collective; so is every code of a rank
+    started any other way (plain torchrun, a Ray actor), or one whose record could not be written."""
     folder = os.environ.get(RANK_EXITS_ENV)
     if code != ExitCode.PREEMPTED or not folder:
         return code
@@ -112,9 +114,10 @@ def rank_exit(code: int) -> int:
         write_json(
             os.path.join(folder, f"rank-{rank}.json"), RankExit(rank=rank, code=code, pid=os.getpid(), at=time.time())
         )
+        ended = len(rank_exits(folder))  # this node's: the folder is its torchrun's
     except OSError:
         return code
-    return 0
+    return code if ended >= int(os.environ.get("LOCAL_WORLD_SIZE", 1)) else 0
 
 
 def rank_exits(folder: str) -> list[RankExit]:
