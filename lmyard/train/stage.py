@@ -115,7 +115,8 @@ def _train(spec_path: str | None, run: TrainRun) -> TrainResult:
 def train_stage(spec_path: str | None = None) -> int:
     """`python -m lmyard.stages train` on every rank: rank 0 writes result.json, any other rank that fails
     writes failures/rank-R.json (lmyard.stages.run_stage, the one path from an exception to an exit code). The
-    process's exit code is lmyard.stages.rank_exit's: a preempted rank under lmyard's torchrun exits 0."""
+    process's exit code is lmyard.stages.rank_exit's: under lmyard's torchrun a preempted rank exits 0, but its
+    node's last."""
     run = TrainRun()
     _KEPT.append(run)
     exchange = Exchange.from_env()
