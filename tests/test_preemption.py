@@ -5,20 +5,23 @@ preempted (exit 5) saying only what the store holds, and a rerun resumes from wh
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import time
 
 import psutil
 import pytest
-from conftest import tiny_overrides
+from conftest import free_port, tiny_overrides
 
 from lmyard.checkpoint.catalog import complete_steps
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import ExitCode, Preempted
 from lmyard.launch.follower import run_local, stage_env, torchrun_command
 from lmyard.recipes import load_recipe
+from lmyard.stages import RANK_EXITS_ENV, rank_exit, rank_exits
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -89,27 +92,100 @@ def test_preempted_step_not_committed_within_the_grace_is_named_with_the_last_co
 
 RANK_SCRIPT = """
 import os, signal, sys, time
+from lmyard.errors import ExitCode
+from lmyard.stages import rank_exit
 signal.signal(signal.SIGTERM, lambda *a: None)  # the trainer's handler: the stop is already under way
 if os.environ["RANK"] == "1":
     time.sleep(2)  # rank 0 has its handler by now
-    sys.exit(5)  # preempted: nothing of its own to upload
+    sys.exit(rank_exit(ExitCode.PREEMPTED))  # nothing of its own to upload
 time.sleep({busy_s})  # still committing the checkpoint
 open({done!r}, "w").close()
-sys.exit(5)
+sys.exit(rank_exit(ExitCode.PREEMPTED))
 """
 
 
-def test_torchrun_waits_launch_grace_s_not_30_s_before_killing_the_ranks_left_after_one_exited(tmp_path):
+def test_a_rank_still_committing_30_s_after_another_ended_preempted_is_not_killed_and_the_node_exits_5(tmp_path):
+    """torchrun stops the ranks left 30 s after one exits non-zero, whatever its shutdown timeout: under the
+    launcher's torchrun a preempted rank's exit does not start that, and the node still exits as preempted."""
     cfg = load_recipe("smoke", tiny_overrides(tmp_path, **{"launch.grace_s": 60}))
     done = tmp_path / "rank0-done"
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT.format(busy_s=SLOW_UPLOAD_S, done=str(done)))
     cmd = torchrun_command(cfg)
     cmd = [*cmd[: cmd.index("-m", 3)], str(script)]  # the launcher's torchrun, running the script as its ranks
-    proc = subprocess.run(
-        cmd, env={**os.environ, **stage_env(cfg)}, capture_output=True, text=True, timeout=SLOW_UPLOAD_S + 60
-    )
-    assert done.exists(), "torchrun killed rank 0 before launch.grace_s:\n" + proc.stderr[-2000:]
+    exchange = tmp_path / "exchange"
+    env = {**os.environ, **stage_env(cfg), "LMYARD_EXCHANGE_DIR": str(exchange)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SLOW_UPLOAD_S + 60)
+    assert done.exists(), "torchrun killed rank 0 while it committed:\n" + proc.stderr[-2000:]
+    assert proc.returncode == ExitCode.PREEMPTED, proc.stderr[-2000:]
+    assert "torchrun: rank 1 exited with code 5" in proc.stderr  # the first to end, in one line
+    (record,) = (exchange / "exits").iterdir()
+    assert json.loads(record.read_text()) == {"0": 5, "1": 5}  # for the launcher, as any failed rank's
+    assert sorted(p.name for p in exchange.iterdir()) == ["exits"]  # the ranks' own records are gone
+
+
+NODE_RANK_SCRIPT = """
+import os, signal, sys, time
+from lmyard.errors import ExitCode
+from lmyard.stages import rank_exit
+signal.signal(signal.SIGTERM, lambda *a: None)  # the trainer's handler: it checkpoints, then ends
+open(os.path.join({tmp!r}, "started-" + os.environ["RANK"]), "w").close()
+while not os.path.exists({committed!r}):
+    time.sleep(0.1)
+sys.exit(rank_exit(ExitCode.PREEMPTED))
+"""
+
+
+def test_a_node_whose_ranks_ended_preempted_ends_at_once_when_another_nodes_torchrun_got_the_signal(tmp_path):
+    """Two nodes of two ranks each; node 1's torchrun gets SIGTERM (its host is reclaimed) and every rank ends
+    preempted. Node 0 exits 5 at once: torchrun's exit barrier would wait 300 s for node 1's torchrun, which
+    never comes, were all of node 0's ranks to exit 0."""
+    endpoint = {"launch.nnodes": 2, "launch.rdzv_endpoint": f"127.0.0.1:{free_port()}", "launch.nproc_per_node": 2}
+    cfg = load_recipe("smoke", tiny_overrides(tmp_path, **endpoint))
+    script, committed = tmp_path / "rank.py", tmp_path / "committed"
+    script.write_text(NODE_RANK_SCRIPT.format(tmp=str(tmp_path), committed=str(committed)))
+    nodes = []
+    try:
+        for node in (0, 1):
+            cmd = torchrun_command(cfg, node=node)
+            cmd = [*cmd[: cmd.index("-m", 3)], str(script)]
+            env = {**os.environ, **stage_env(cfg), "LMYARD_EXCHANGE_DIR": str(tmp_path / f"node{node}")}
+            with open(tmp_path / f"node{node}.log", "w") as log:
+                nodes.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 180
+        while not all((tmp_path / f"started-{r}").exists() for r in range(4)):
+            assert time.monotonic() < deadline, (tmp_path / "node0.log").read_text()[-2000:]
+            time.sleep(0.2)
+        nodes[1].send_signal(signal.SIGTERM)
+        committed.touch()  # every rank has checkpointed: they end as preempted
+        nodes[1].wait(timeout=120)
+        assert nodes[0].wait(timeout=120) == ExitCode.PREEMPTED, (tmp_path / "node0.log").read_text()[-2000:]
+        assert re.search(r"^torchrun: rank \d exited with code 5 ", (tmp_path / "node0.log").read_text(), re.M)
+    finally:
+        for p in nodes:
+            p.kill()
+            p.wait()
+
+
+def test_a_preempted_rank_but_its_nodes_last_exits_0_with_its_code_recorded_only_under_the_launchers_torchrun(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv(RANK_EXITS_ENV, raising=False)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert rank_exit(ExitCode.PREEMPTED) == 5  # plain torchrun, a Ray actor: as before
+    monkeypatch.setenv(RANK_EXITS_ENV, str(tmp_path))
+    assert rank_exit(ExitCode.STORE_OUTAGE) == 4 and rank_exit(ExitCode.CRASHED) == 1  # torchrun stops the rest
+    assert rank_exits(str(tmp_path)) == []
+    assert rank_exit(ExitCode.PREEMPTED) == 0
+    (record,) = rank_exits(str(tmp_path))
+    assert (record.rank, record.code, record.pid) == (3, 5, os.getpid())
+    monkeypatch.setenv("RANK", "2")
+    assert rank_exit(ExitCode.PREEMPTED) == 5  # the node's last: no rank left for torchrun to stop
+    assert [x.rank for x in rank_exits(str(tmp_path))] == [3, 2]  # earliest first
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(RANK_EXITS_ENV, str(tmp_path / "file" / "exits"))
+    assert rank_exit(ExitCode.PREEMPTED) == 5  # no record can be written: the code itself
 
 
 def test_a_rank_killed_by_sigkill_is_named_first_not_through_the_survivors_broken_collective(tmp_path, monkeypatch):

@@ -110,7 +110,7 @@ def torchrun_command(
     cmd = [
         python,
         "-m",
-        "lmyard.launch.torchrun",  # torchrun: every kill waits launch.grace_s, a failed rank is one line
+        "lmyard.launch.torchrun",  # torchrun: a preempted rank stops no other, a failed rank is one line
         "--nnodes",
         str(n),
         "--nproc_per_node",
@@ -142,8 +142,8 @@ def stage_command(cfg: RunConfig, spec: StageSpec, *, python: str = sys.executab
 
 def stage_env(cfg: RunConfig) -> dict[str, str]:
     """Environment every launch gives torchrun: unbuffered output, and torchrun's own grace before it kills its
-    ranks (after a signal, or after one rank exited: lmyard.launch.torchrun) a little longer than the trainer's,
-    so the checkpoint is committed before anything is killed.
+    ranks after a signal a little longer than the trainer's, so the checkpoint is committed before anything is
+    killed (a rank that ends preempted first stops no other: lmyard.launch.torchrun).
     OMP_NUM_THREADS: torchrun sets 1 itself when it is unset, with a 4-line banner; set, it says nothing (the
     trainer sets its threads itself: train.threads_per_rank)."""
     return {

@@ -9,6 +9,8 @@ container a folder inside it, read back through the engine). Nothing is parsed f
     exchange/started.json       Started            training's rank 0, once resumed (what it actually loaded) results
     exchange/progress.json      Progress           training's rank 0, replaced at every log step             results
     exchange/heartbeat/rank-R   step number        every rank, at every step (the watchdog's input)          heartbeat
+    exchange/rank-exits-*/      RankExit           a preempted training rank, for lmyard's torchrun alone    runtime
+      rank-R.json                                  (rank_exit; the folder goes when torchrun ends)
     exchange/result.json        the spec's result  last: ShardResult, TrainResult, EvalResult, ExportResult,  results
                                                    or the StageError of a failure (exit_code != 0)
 
@@ -33,11 +35,12 @@ from lmyard.stages.results import (
     Started,
     TrainResult,
 )
-from lmyard.stages.runtime import read_result, read_spec, run_stage
+from lmyard.stages.runtime import RANK_EXITS_ENV, RankExit, rank_exit, rank_exits, read_result, read_spec, run_stage
 from lmyard.stages.specs import EvalSpec, ExportSpec, ShardSpec, StageSpec, TrainSpec
 
 __all__ = [
     "EXCHANGE_ENV",
+    "RANK_EXITS_ENV",
     "SPEC_ENV",
     "Contract",
     "EvalResult",
@@ -49,6 +52,7 @@ __all__ = [
     "HellaSwagScore",
     "Heartbeat",
     "Progress",
+    "RankExit",
     "Sample",
     "ShardProgress",
     "ShardResult",
@@ -58,6 +62,8 @@ __all__ = [
     "Started",
     "TrainResult",
     "TrainSpec",
+    "rank_exit",
+    "rank_exits",
     "read_beats",
     "read_model",
     "read_result",

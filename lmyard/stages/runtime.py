@@ -2,21 +2,27 @@
 
 `run_stage` turns a stage's result or exception into its exit code (lmyard.errors.ExitCode) and result file
 (the result, or a StageError); the trainer's ranks use it too. `read_result` is how the launcher reads that
-file back; `read_spec` how a stage reads its spec.
+file back; `read_spec` how a stage reads its spec. `rank_exit` is the exit code a training rank's process ends
+with, and `rank_exits` how lmyard's torchrun (lmyard.launch.torchrun) reads back the codes of the preempted ranks
+that exited 0.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 
 from pydantic import BaseModel
 
 from lmyard.errors import ExitCode, NoSpace, UserError, exit_code_of, one_line, status_of
 from lmyard.paths import no_space
-from lmyard.stages.exchange import SPEC_ENV, M, write_json
+from lmyard.stages.exchange import SPEC_ENV, Contract, M, write_json
 from lmyard.stages.results import StageError
+
+# set by lmyard's torchrun (lmyard.launch.torchrun) to a folder of its own, which its ranks inherit
+RANK_EXITS_ENV = "LMYARD_RANK_EXITS"
 
 
 def read_spec(cls: type[M], path: str | None) -> M:
@@ -77,3 +83,51 @@ def read_result(raw: bytes | str, cls: type[M]) -> M | StageError:
         error = StageError.ended(ExitCode(data["exit_code"]), data.get("message") or data.get("status") or "failed")
         return error.model_copy(update={"status": data["status"]}) if data.get("status") == "no_space" else error
     return cls.model_validate(data)
+
+
+class RankExit(Contract):
+    """A training rank's own exit code, recorded where lmyard's torchrun reads it: `<RANK_EXITS_ENV>/rank-R.json`."""
+
+    rank: int
+    code: int
+    pid: int
+    at: float  # time.time() as the rank ended
+
+
+def rank_exit(code: int) -> int:
+    """The exit code of a training rank whose stage ended with `code`.
+
+    torchrun stops the other ranks of the node as soon as one exits non-zero, and gives them a fixed 30 s
+    (torch's process context, whatever its shutdown timeout says): a rank still committing its preemption
+    checkpoint to a slow store would be killed and the step lost. So under lmyard's torchrun (RANK_EXITS_ENV
+    set) a preempted rank records its code there and exits 0, but the last of its node: that one exits 5, with
+    no rank left for torchrun to stop. (A node whose ranks all exited 0 would wait in torchrun's exit barrier
+    for the torchrun of every other node, up to 300 s: one that got the signal itself never comes.) lmyard's
+    torchrun reports the recorded codes. Any other code (a crash, a full disk, a diverged loss...) is the exit
+    code, for torchrun to stop the others, which wait on a broken collective; so is every code of a rank
+    started any other way (plain torchrun, a Ray actor), or one whose record could not be written."""
+    folder = os.environ.get(RANK_EXITS_ENV)
+    if code != ExitCode.PREEMPTED or not folder:
+        return code
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        write_json(
+            os.path.join(folder, f"rank-{rank}.json"), RankExit(rank=rank, code=code, pid=os.getpid(), at=time.time())
+        )
+        ended = len(rank_exits(folder))  # this node's: the folder is its torchrun's
+    except OSError:
+        return code
+    return code if ended >= int(os.environ.get("LOCAL_WORLD_SIZE", 1)) else 0
+
+
+def rank_exits(folder: str) -> list[RankExit]:
+    """The exits the ranks recorded in `folder` (rank_exit), earliest first; [] when there are none."""
+    found = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.startswith("rank-") and name.endswith(".json"):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    found.append(RankExit.model_validate_json(f.read()))
+            except (OSError, ValueError):  # written atomically: only a file that is not a rank's
+                continue
+    return sorted(found, key=lambda e: (e.at, e.rank))

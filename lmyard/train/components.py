@@ -9,7 +9,7 @@
   rollback or stop, by `train.guard.policy`.
 - `Preemption`: SIGTERM sets a flag; the ranks agree on it after every step (one tiny all-reduce
   on a gloo group), so they all checkpoint the same step, wait together for its commit (a barrier:
-  a rank that exits early makes torchrun stop the rest), and exit as preempted.
+  a rank that exits early non-zero makes torchrun stop the rest), and exit as preempted.
 - `FaultHook`: the injected failures of lmyard.faults, in one place.
 - `Startup`: the time from the launch to the end of the attempt's first step, in parts, reported once.
 """

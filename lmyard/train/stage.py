@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lmyard.config import RunConfig
 from lmyard.errors import ExitCode, UserError
 from lmyard.run import Run
-from lmyard.stages import Exchange, TrainResult, TrainSpec, read_spec, run_stage
+from lmyard.stages import Exchange, TrainResult, TrainSpec, rank_exit, read_spec, run_stage
 from lmyard.tracking.lease import Fence
 from lmyard.tracking.lineage import LineageRef
 from lmyard.tracking.sink import MetricsSink, NullSink, metrics_sink, system_metrics
@@ -114,13 +114,15 @@ def _train(spec_path: str | None, run: TrainRun) -> TrainResult:
 
 def train_stage(spec_path: str | None = None) -> int:
     """`python -m lmyard.stages train` on every rank: rank 0 writes result.json, any other rank that fails
-    writes failures/rank-R.json (lmyard.stages.run_stage, the one path from an exception to an exit code)."""
+    writes failures/rank-R.json (lmyard.stages.run_stage, the one path from an exception to an exit code). The
+    process's exit code is lmyard.stages.rank_exit's: under lmyard's torchrun a preempted rank exits 0, but its
+    node's last."""
     run = TrainRun()
     _KEPT.append(run)
     exchange = Exchange.from_env()
     rank = int(os.environ.get("RANK", 0))  # torchrun's; the same as the process group's once it is set up
     try:
-        return run_stage(
+        code = run_stage(
             lambda: _train(spec_path, run),
             exchange.path("result.json") if exchange and rank == 0 else None,
             failure_out=exchange.path("result.json" if rank == 0 else f"failures/rank-{rank}.json")
@@ -131,3 +133,4 @@ def train_stage(spec_path: str | None = None) -> int:
         )
     finally:
         run.close()
+    return rank_exit(code)

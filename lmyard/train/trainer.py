@@ -297,7 +297,8 @@ class Trainer:
         except StoreOutage:
             pass  # not committed within the grace: the message below says so, from what the store holds
         finally:
-            # no rank exits before the writers are done: torchrun stops every rank once one has exited
+            # no rank exits before the writers are done: torchrun stops every rank once one has exited non-zero (a
+            # preempted rank exits 0, but its node's last, under lmyard.launch.torchrun)
             self.preemption.barrier()
         committed = self.checkpoints.committed_steps()
         if step in committed:
