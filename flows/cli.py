@@ -219,7 +219,7 @@ def _run_flow(command: str, config, **parameters) -> int:
         print(f"lmyard: shard set {result.address} at {result.uri}")
         return 0
     if command == "sweep":
-        print(f"lmyard: sweep {result.run_name}: {result.summary}")
+        print(f"lmyard: sweep {result.run_name} finished (MLflow run {result.mlflow_run_id})")  # its summary: above
         print(f"lmyard: {console.where_next(config.tracking.uri, result.mlflow_run_id, None)}")
         return 0
     val = f"val loss {result.val_loss:.4f}" if result.val_loss is not None else "no val loss"

@@ -68,6 +68,7 @@ def test_a_size_sweep_trains_each_size_as_a_child_run_and_fits_loss_against_comp
     assert [c.data.params["model.n_head"] for c in children] == ["2", "4", "6"]
     assert [c.data.params["model.n_layer"] for c in children] == ["2", "2", "2"]  # depth fixed
     assert parent.info.status == "FINISHED"
+    assert "| trial |" in parent.data.tags["mlflow.note.content"]  # the trials' table on the parent run's page
     assert math.isfinite(parent.data.metrics["sweep/power_law_exponent"])
     client = MlflowClient(mlflow_server.uri)
     table = json.loads(open(client.download_artifacts(parent.info.run_id, "trials.json")).read())

@@ -108,15 +108,28 @@ def log_summary(cfg: RunConfig, parent: str, rows: list[dict[str, Any]], sizes: 
     columns = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)}
     client.log_table(parent, data=columns, artifact_file="trials.json")
     said = f"{len(rows)} trials logged to MLflow run {parent} ({redact_uri(cfg.tracking.uri)})"
+    fit = power_law([r["flops"] for r in rows], [r["val_loss"] for r in rows]) if sizes else None
+    client.set_tag(parent, "mlflow.note.content", _description(columns, fit))  # the run page's Description
     if not sizes:
         return said
-    fit = power_law([r["flops"] for r in rows], [r["val_loss"] for r in rows])
     if fit is None:
         return said + "; too few finished sizes for a power law"
     a, b = fit
     client.log_metric(parent, "sweep/power_law_exponent", b)
     client.log_metric(parent, "sweep/power_law_coefficient", a)
     return said + f"; val loss = {a:.4g} * C^{b:.4f} (C = 6ND FLOPs)" + _plot(client, parent, rows, a, b)
+
+
+def _description(columns: dict[str, list], fit: tuple[float, float] | None) -> str:
+    """The trials as a markdown table (and a size sweep's fit), for the parent run's page."""
+
+    def cell(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else "" if v is None else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in zip(*columns.values(), strict=True)]
+    law = [f"\nval loss = {fit[0]:.4g} * C^{fit[1]:.4f} (C = 6ND training FLOPs)"] if fit else []
+    return "\n".join(["Trials of this sweep (trials.json):", "", *lines, *law])
 
 
 def _plot(client, parent: str, rows: list[dict[str, Any]], a: float, b: float) -> str:
