@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -146,10 +147,12 @@ def test_deployment_runs_and_scheduled_retraining_continues_only_on_new_data(pre
     )
     assert first.returncode == 0 and "Completed" in first.stdout, first.stdout[-2000:] + worker_log.read_text()[-4000:]
     assert complete_steps(store, "deployed")[-1] == 8
-    # the flow ran from the pull step's clone (the worker works outside this checkout): its steps are in the log
+    # the flow ran from the pull step's clone (the worker works outside this checkout): its steps are in the log,
+    # under its flow run's name (the log holds the killed run's steps too)
+    name = re.search(r"Created flow run '([^']+)'", first.stdout).group(1)
     log = worker_log.read_text()
-    assert "Deployment step 'git_clone' completed successfully" in log, log[-4000:]
-    assert "Deployment step 'set_working_directory' completed successfully" in log
+    assert f"Flow run '{name}' - Deployment step 'git_clone' completed successfully" in log, log[-4000:]
+    assert f"Flow run '{name}' - Deployment step 'set_working_directory' completed successfully" in log
 
     _write_corpus(corpus, 60)  # new documents appended
     params = {"config": _config(tmp, corpus, 8), "extra_steps": 4}
@@ -223,8 +226,6 @@ def killed_worker(prefect_stack):
     """The worker killed mid-run (SIGKILL, with its flow run's process) once the run's first checkpoint is
     committed, and a new worker started: (flow run id, store). Made before the deployment runs of this module, so
     that the heartbeat automation's 90 s pass while they run on the new worker instead of in a wait of their own."""
-    import re
-
     import psutil
 
     tmp, run, _, start_worker, _ = prefect_stack
