@@ -1,5 +1,5 @@
 """The pretrain flow: tokenize-and-shard -> open lineage -> train (checkpoint, evaluate, retain each step) ->
-register (-> approval) -> finish."""
+register (-> approval; not with tracking.registry=false) -> finish."""
 
 from __future__ import annotations
 
@@ -50,7 +50,11 @@ def pretrain(config: RunConfig = RunConfig(), recipe: str | None = None) -> RunS
             evaluations.append(final := evaluate_checkpoint(config, shards, lineage, trained.step))
             retain_checkpoints(config, trained.step, True, final=True, return_state=True)
             held.check()
-            model = approve_promotion(config, lineage, register_model(config, shards, lineage, final))
+            model = (
+                approve_promotion(config, lineage, register_model(config, shards, lineage, final))
+                if config.tracking.registry
+                else None
+            )
         except BaseException as exc:
             stop_training(config)  # waits for the trainers' end: the lease is released after it
             close_lineage(lineage, ended_status(exc))

@@ -22,7 +22,7 @@ def finish(
     lineage: Lineage,
     trained: TrainResult,
     evaluations: list[Evaluation],
-    model: RegisteredModel,
+    model: RegisteredModel | None,
 ) -> RunSummary:
     """Log config, manifest, loss curve and summary; mark the MLflow run FINISHED. `evaluations`: every
     checkpoint's, the final one last; those that failed are listed in the summary."""
@@ -40,8 +40,8 @@ def finish(
         val_loss=final.result.val_loss if final.result else trained.val_loss,
         hellaswag_acc_norm=hs.acc_norm if hs else None,
         checkpoint=final.checkpoint,
-        registered_model=f"{model.name}/{model.version}",
-        alias=model.alias,
+        registered_model=f"{model.name}/{model.version}" if model else None,
+        alias=model.alias if model else None,
         failed_evaluations={e.step: e.error for e in evaluations if e.error},
     )
     lineage.log_text(yaml.safe_dump(config.redacted_dump(), sort_keys=False), "config.yaml")
@@ -58,7 +58,7 @@ def finish(
     return summary
 
 
-def _markdown(summary: RunSummary, attempts: list[dict], model: RegisteredModel, final: Evaluation) -> str:
+def _markdown(summary: RunSummary, attempts: list[dict], model: RegisteredModel | None, final: Evaluation) -> str:
     rows = "\n".join(f"| {k} | {v} |" for k, v in summary.model_dump().items())
     tries = "\n".join(
         f"| {a['attempt']} | {a.get('start_step', '')} | {a.get('resumed_from') or '-'} | "
@@ -66,7 +66,10 @@ def _markdown(summary: RunSummary, attempts: list[dict], model: RegisteredModel,
         for a in attempts
     )
     gates = (
-        "\n".join(f"| {k} | {g.value} | {g.limit} | {'pass' if g.passed else 'FAIL'} |" for k, g in model.gates.items())
+        "\n".join(
+            f"| {k} | {g.value} | {g.limit} | {'pass' if g.passed else 'FAIL'} |"
+            for k, g in (model.gates if model else {}).items()
+        )
         or "| (none configured) | | | |"
     )
     samples = "\n\n".join(f"**{s.prompt}**{s.completion}" for s in (final.result.samples if final.result else []))

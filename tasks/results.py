@@ -67,7 +67,7 @@ class RunSummary(Contract):
     val_loss: float | None = Field(None, description="The final evaluation's, else the trainer's own.")
     hellaswag_acc_norm: float | None = None
     checkpoint: str
-    registered_model: str
+    registered_model: str | None = Field(None, description="NAME/VERSION; none with tracking.registry=false.")
     alias: str | None = None
     failed_evaluations: dict[int, str] = Field(default_factory=dict, description="step -> what went wrong.")
 

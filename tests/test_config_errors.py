@@ -30,6 +30,15 @@ def test_checkpointing_the_first_blocks_is_accepted_for_every_mode_that_recomput
     assert (cfg.train.activation_checkpointing, cfg.train.activation_checkpointing_blocks) == (mode, 2)
 
 
+@pytest.mark.parametrize(
+    "gate", ["eval.gates.val_loss_max=3", "eval.gates.metrics=[{metric: loss/val, max: 3}]", "eval.approval=true"]
+)
+def test_a_run_that_registers_nothing_refuses_gates_and_approval(gate):
+    assert load_recipe("smoke", ["tracking.registry=false"]).tracking.registry is False
+    with pytest.raises(UserError, match="act on the registered model: with tracking.registry=false, unset them"):
+        load_recipe("smoke", ["tracking.registry=false", gate])
+
+
 def test_recipe_file_is_read_and_overridden(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("run_name: r1\ntrain:\n  max_steps: 7\n")

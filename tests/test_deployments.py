@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -127,7 +128,8 @@ def _write_corpus(path: Path, n: int) -> None:
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
 
 
-def test_deployment_runs_and_scheduled_retraining_continues_only_on_new_data(prefect_stack):
+def test_deployment_runs_and_scheduled_retraining_continues_only_on_new_data(prefect_stack, killed_worker):
+    """Three deployment runs on the worker started in place of the killed one (`killed_worker`)."""
     tmp, run, worker_log, *_ = prefect_stack
     corpus = tmp / "corpus.jsonl"
     _write_corpus(corpus, 40)
@@ -145,10 +147,12 @@ def test_deployment_runs_and_scheduled_retraining_continues_only_on_new_data(pre
     )
     assert first.returncode == 0 and "Completed" in first.stdout, first.stdout[-2000:] + worker_log.read_text()[-4000:]
     assert complete_steps(store, "deployed")[-1] == 8
-    # the flow ran from the pull step's clone (the worker works outside this checkout): its steps are in the log
+    # the flow ran from the pull step's clone (the worker works outside this checkout): its steps are in the log,
+    # under its flow run's name (the log holds the killed run's steps too)
+    name = re.search(r"Created flow run '([^']+)'", first.stdout).group(1)
     log = worker_log.read_text()
-    assert "Deployment step 'git_clone' completed successfully" in log, log[-4000:]
-    assert "Deployment step 'set_working_directory' completed successfully" in log
+    assert f"Flow run '{name}' - Deployment step 'git_clone' completed successfully" in log, log[-4000:]
+    assert f"Flow run '{name}' - Deployment step 'set_working_directory' completed successfully" in log
 
     _write_corpus(corpus, 60)  # new documents appended
     params = {"config": _config(tmp, corpus, 8), "extra_steps": 4}
@@ -205,24 +209,31 @@ def _wait(what: str, check, timeout_s: float, poll_s: float = 2.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_a_killed_worker_leaves_a_crashed_flow_run_a_failed_mlflow_run_and_the_next_run_resumes(prefect_stack):
-    """A worker killed mid-run (SIGKILL, with its flow run's process): the heartbeat automation marks the flow run
-    Crashed, the Crashed event's deployment marks the lineage's MLflow run FAILED, and the next run resumes."""
-    import re
+KILLED_AT = 250  # the killed run's first checkpoint: the next run resumes from it
 
+
+def _crash_config(tmp: Path, corpus: Path, steps: int) -> dict:
+    return {
+        **_config(tmp, corpus, steps),
+        "run_name": "worker-killed",
+        "checkpoint": {"interval": KILLED_AT},
+        "eval": {"interval": KILLED_AT, "val_tokens": 2048, "sample_tokens": 8},
+    }
+
+
+@pytest.fixture(scope="module")
+def killed_worker(prefect_stack):
+    """The worker killed mid-run (SIGKILL, with its flow run's process) once the run's first checkpoint is
+    committed, and a new worker started: (flow run id, store). Made before the deployment runs of this module, so
+    that the heartbeat automation's 90 s pass while they run on the new worker instead of in a wait of their own."""
     import psutil
-    from mlflow.tracking import MlflowClient
 
-    tmp, run, worker_log, start_worker, env = prefect_stack
+    tmp, run, _, start_worker, _ = prefect_stack
     corpus = tmp / "crash-corpus.jsonl"
     _write_corpus(corpus, 40)
     store = open_store(str(tmp / "store"))
-    config = {
-        **_config(tmp, corpus, 1000),
-        "run_name": "worker-killed",
-        "checkpoint": {"interval": 250},
-        "eval": {"interval": 250, "val_tokens": 2048, "sample_tokens": 8},
-    }
+    # far more steps than the time the kill takes: the run is still training when it comes
+    config = _crash_config(tmp, corpus, 1000)
     started = run("deployment", "run", "pretrain/smoke", "--params", json.dumps({"config": config}))
     assert started.returncode == 0, started.stdout + started.stderr
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
@@ -232,6 +243,19 @@ def test_a_killed_worker_leaves_a_crashed_flow_run_a_failed_mlflow_run_and_the_n
     for victim in [worker, *worker.children(recursive=True)]:  # the machine dies: the worker and the flow run
         victim.kill()
     start_worker()
+    return flow_run_id, store
+
+
+def test_a_killed_worker_leaves_a_crashed_flow_run_a_failed_mlflow_run_and_the_next_run_resumes(
+    prefect_stack, killed_worker
+):
+    """A worker killed mid-run (SIGKILL, with its flow run's process): the heartbeat automation marks the flow run
+    Crashed, the Crashed event's deployment marks the lineage's MLflow run FAILED, and the next run resumes."""
+    from mlflow.tracking import MlflowClient
+
+    tmp, run, worker_log, _, env = prefect_stack
+    flow_run_id, store = killed_worker
+    assert complete_steps(store, "worker-killed") == [KILLED_AT]  # killed before the run's next checkpoint
 
     api = env["PREFECT_API_URL"]
     state = _wait(
@@ -244,6 +268,8 @@ def test_a_killed_worker_leaves_a_crashed_flow_run_a_failed_mlflow_run_and_the_n
     mlflow = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
     _wait("the MLflow run to end FAILED", lambda: mlflow.get_run(run_id).info.status == "FAILED", 180)
 
+    # the next run, a few steps past the checkpoint it resumes from
+    config = _crash_config(tmp, tmp / "crash-corpus.jsonl", KILLED_AT + 4)
     again = run(
         "deployment",
         "run",
@@ -256,8 +282,9 @@ def test_a_killed_worker_leaves_a_crashed_flow_run_a_failed_mlflow_run_and_the_n
     )
     assert again.returncode == 0 and "Completed" in again.stdout, again.stdout[-2000:] + worker_log.read_text()[-4000:]
     tags = mlflow.get_run(run_id).data.tags
-    assert tags["lmyard.attempts"] == "2" and tags["lmyard.attempt.2.resumed_from"].endswith("step_00000250")
+    assert tags["lmyard.attempts"] == "2" and tags["lmyard.attempt.2.resumed_from"].endswith(f"step_{KILLED_AT:08d}")
     assert mlflow.get_run(run_id).info.status == "FINISHED"
+    assert complete_steps(store, "worker-killed")[-1] == KILLED_AT + 4
 
 
 @flow(name="another-teams-flow")

@@ -156,8 +156,9 @@ def test_a_lost_raylet_is_one_line_said_once_and_the_run_ends_in_its_one_line(ra
             "train.log_interval": 10,
         },
     )
-    # every rank pauses 60 s after step 10: the node is lost in that window
-    env = {**cli_env, "RAY_ADDRESS": ray_cluster.address, "LMYARD_FAULTS": "pause@10", "LMYARD_FAULT_PAUSE_S": "60"}
+    # every rank pauses 30 s after step 10: the node is lost in that window (a second after the step's line), and
+    # the rank left ends once its pause does (the run waits for it)
+    env = {**cli_env, "RAY_ADDRESS": ray_cluster.address, "LMYARD_FAULTS": "pause@10", "LMYARD_FAULT_PAUSE_S": "30"}
     log = tmp_path / "run.log"
     with open(log, "w") as out:
         run = subprocess.Popen(

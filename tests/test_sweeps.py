@@ -29,6 +29,7 @@ def _sets(tmp_path, tracking_uri: str, run_name: str, steps: int, **extra) -> li
         "eval.interval": 1,
         "eval.val_tokens": 512,
         "checkpoint.interval": steps,
+        "tracking.registry": False,  # trials compare losses: no export, no registered model
         **extra,
     }
     return [a for s in tiny_overrides(tmp_path, steps=steps, **values) for a in ("--set", s)]
@@ -77,6 +78,7 @@ def test_a_size_sweep_trains_each_size_as_a_child_run_and_fits_loss_against_comp
     assert all(r["status"] == "finished" and r["step"] == 2 for r in rows)
     assert rows[0]["flops"] < rows[1]["flops"] < rows[2]["flops"]  # 6ND: N grows with the width
     assert "loss_vs_compute.png" in [a.path for a in client.list_artifacts(parent.info.run_id)]
+    assert not client.search_registered_models(f"name LIKE '{name}%'")  # tracking.registry=false: none registered
 
 
 @pytest.mark.integration

@@ -93,6 +93,15 @@ class RunConfig(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _gates_need_registration(self) -> RunConfig:
+        gates = self.eval.gates
+        if not self.tracking.registry and (gates.configured() or gates.metrics or self.eval.approval):
+            raise ValueError(
+                "eval.gates and eval.approval act on the registered model: with tracking.registry=false, unset them"
+            )
+        return self
+
     @field_validator("run_name")
     @classmethod
     def _short_run_name(cls, v: str) -> str:

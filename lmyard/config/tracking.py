@@ -26,6 +26,12 @@ class TrackingConfig(_Section):
     registered_model: str | None = Field(
         None, description="Model registry name of the final model; default: the run_name."
     )
+    registry: bool = Field(
+        True,
+        description="Export the final checkpoint and register it as a version of tracking.registered_model "
+        "(eval.gates, eval.alias and eval.approval act on it); false: the run ends at its final evaluation, "
+        "nothing registered (sweep trials, drills).",
+    )
     parent_run_id: str | None = Field(
         None,
         description="The MLflow run of the sweep this lineage is a trial of (set by `lmyard sweep`): the lineage's "
