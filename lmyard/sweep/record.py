@@ -126,6 +126,7 @@ def _description(columns: dict[str, list], fit: tuple[float, float] | None) -> s
     def cell(v: Any) -> str:
         return f"{v:.4g}" if isinstance(v, float) else "" if v is None else str(v)
 
+    columns = {k: v for k, v in columns.items() if k != "mlflow_run_id"}  # the child runs are linked already
     lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in zip(*columns.values(), strict=True)]
     law = [f"\nval loss = {fit[0]:.4g} * C^{fit[1]:.4f} (C = 6ND training FLOPs)"] if fit else []
