@@ -44,7 +44,7 @@ OUTAGE_WARN_EVERY_S = 30.0  # a store that stays unreachable is said once, then 
 def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: Lineage, step: int) -> Evaluation:
     """Val loss, HellaSwag and samples of one checkpoint (`python -m lmyard.stages evaluate` on eval.device),
     logged at its step. A failure (the evaluator's, or logging's) is recorded on the MLflow run and returned
-    in the Evaluation: an evaluation never turns a training run into a failed one (issue 23)."""
+    in the Evaluation: an evaluation never turns a training run into a failed one."""
     logger, run = get_run_logger(), Run.of(config)
     try:
         commit = commit_id(run.store, run.name, step)  # before: which checkpoint is read
