@@ -58,7 +58,7 @@ def test_fallback_moves_the_damaged_checkpoint_aside_and_the_attempt_names_what_
 def test_a_step_trained_again_after_a_fallback_is_evaluated_again_and_its_damaged_result_marked(
     prefect_api_url, tmp_path, monkeypatch
 ):
-    """the rerun falls back from the damaged step 8 to step 4 and trains step 8 again; that new
+    """The rerun falls back from the damaged step 8 to step 4 and trains step 8 again; that new
     checkpoint is evaluated (once), and the earlier result of step 8 is marked as a damaged checkpoint's."""
     from mlflow.tracking import MlflowClient
 

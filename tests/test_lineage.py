@@ -178,7 +178,7 @@ def _save_tiny_checkpoint(store, run_name: str, step: int, staging) -> str:
 
 
 def test_checkpoint_metrics_are_logged_once_per_checkpoint_across_reruns(prefect_api_url, mlflow_server, tmp_path):
-    """a rerun (or a retry) of the checkpoint stage for a checkpoint already recorded logs nothing
+    """A rerun (or a retry) of the checkpoint stage for a checkpoint already recorded logs nothing
     again; a checkpoint trained again at the same step after a fallback is another checkpoint, recorded."""
     from lmyard.checkpoint.catalog import quarantine
     from lmyard.tracking import bookkeeping

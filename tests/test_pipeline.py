@@ -131,7 +131,7 @@ def test_empty_corpus_fails_with_one_line_and_no_traceback(cli_env, tmp_path):
 
 
 def test_a_failed_evaluation_is_recorded_and_does_not_fail_a_finished_training(prefect_api_url, tmp_path, monkeypatch):
-    """every evaluation fails (its HellaSwag file is missing); training finishes, the model is
+    """Every evaluation fails (its HellaSwag file is missing); training finishes, the model is
     registered, and the failures are on the MLflow run and in the flow's result."""
     from flows.pretrain import pretrain
 

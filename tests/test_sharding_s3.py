@@ -160,7 +160,7 @@ def test_killed_run_then_rerun_gives_byte_identical_shards(s3_server, s3_bucket,
 
 
 def test_source_too_small_for_both_splits_fails_and_leaves_no_shards_in_the_store(s3_server, s3_bucket, tmp_path):
-    """one document makes a validation shard and no train tokens: the one-line error, and no
+    """One document makes a validation shard and no train tokens: the one-line error, and no
     manifest-less shard (nor sidecar) of that set left in the store."""
     s3 = s3_server.client()
     s3.put_object(Bucket=s3_bucket, Key="tiny/part-0.jsonl", Body=_corpus(n=1))

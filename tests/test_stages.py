@@ -124,7 +124,7 @@ def test_the_command_line_reads_its_spec_and_writes_its_result_or_its_error(trai
 
 
 def test_jobs_leave_no_folder_in_the_cache_and_remove_those_of_launchers_that_died(tmp_path, monkeypatch):
-    """a job's exchange folder goes when the job ends, finished or failed; one left by a launcher that
+    """A job's exchange folder goes when the job ends, finished or failed; one left by a launcher that
     was killed goes when the next job starts; a live launcher's stays."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("LMYARD_CACHE", str(cache))
