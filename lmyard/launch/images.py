@@ -195,7 +195,7 @@ def pinned_requirements(include_torch: bool = True) -> list[str]:
 
 
 def build_wheelhouse(dest: Path, include_torch: bool = True, log: Callable[[str], None] = print) -> None:
-    """Every wheel the image installs into `dest` (a build context's wheels/): deps, then lmyard's own."""
+    """Every dependency's wheel the image installs, and the pinned requirements.txt, into `dest`."""
     shared = cache_dir() / "wheels"  # downloads kept across builds
     shared.mkdir(parents=True, exist_ok=True)
     dest.mkdir(parents=True, exist_ok=True)
@@ -217,7 +217,17 @@ def build_wheelhouse(dest: Path, include_torch: bool = True, log: Callable[[str]
         ],
         check=True,
     )
-    with tempfile.TemporaryDirectory() as tmp:  # lmyard's wheel from a clean copy of this checkout's sources
+    for whl in shared.glob("*.whl"):
+        try:
+            os.link(whl, dest / whl.name)
+        except OSError:
+            shutil.copy2(whl, dest / whl.name)
+
+
+def build_own_wheel(dest: Path) -> None:
+    """lmyard's own wheel into `dest`, from a clean copy of this checkout's sources."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp, "src")
         src.mkdir()
         for name in ("pyproject.toml", "README.md"):
@@ -229,11 +239,6 @@ def build_wheelhouse(dest: Path, include_torch: bool = True, log: Callable[[str]
         )
         for whl in Path(tmp).glob("*.whl"):
             shutil.move(str(whl), dest / whl.name)
-    for whl in shared.glob("*.whl"):
-        try:
-            os.link(whl, dest / whl.name)
-        except OSError:
-            shutil.copy2(whl, dest / whl.name)
 
 
 def build_image(
@@ -244,7 +249,6 @@ def build_image(
     force: bool = False,
 ) -> str:
     """Build (or reuse) the stage image; returns its tag."""
-    import docker
 
     client = _client()
     tag = tag or image_tag()
@@ -263,6 +267,7 @@ def build_image(
     with tempfile.TemporaryDirectory(prefix="lmyard-build-", dir=cache_dir()) as ctx:
         shutil.copy2(IMAGES / "Dockerfile", Path(ctx, "Dockerfile"))
         build_wheelhouse(Path(ctx, "wheels"), include_torch, log)
+        build_own_wheel(Path(ctx, "lmyard-wheel"))
         log(f"docker build {tag} FROM {base}")
         tail: collections.deque[str] = collections.deque(maxlen=5)
         try:
@@ -285,12 +290,7 @@ def build_image(
                 if text.startswith("Step "):
                     log(text)
         finally:
-            # The build stage (venv + wheels) is left as an untagged image carrying our label; drop it.
-            for img in client.images.list(filters={"dangling": True, "label": BUILD_STAGE_LABEL}):
-                try:
-                    client.images.remove(img.id, force=True)
-                except docker.errors.APIError:
-                    pass
+            _drop_old_build_stages(client)
     if ".src" in tag:  # a build of uncommitted sources replaces the earlier ones (~1.1 GB each)
         for img in client.images.list(name=STAGE_REPO):
             if img.tags and all(".src" in t and t != tag for t in img.tags):
@@ -391,6 +391,18 @@ def _ensure(client, where: str, ref: str, log: Callable[[str], None]):
         return client.images.pull(ref)
     except docker.errors.APIError as e:
         raise UserError(f"{where}: cannot pull {ref} from the registry {registry}: {_one_line(e)}") from None
+
+
+def _drop_old_build_stages(client) -> None:
+    """Remove the build stages (untagged, labelled) but the newest: the engine's cache of the dependencies."""
+    import docker
+
+    stages = client.images.list(filters={"dangling": True, "label": BUILD_STAGE_LABEL})
+    for img in sorted(stages, key=_created, reverse=True)[1:]:
+        try:
+            client.images.remove(img.id, force=True)
+        except docker.errors.APIError:
+            pass
 
 
 def _created(img) -> tuple[str, str]:
