@@ -576,6 +576,26 @@ def test_resume_onto_a_gpu_copies_from_the_reused_pinned_buffers_exactly(tmp_pat
     assert phases["copy"] > 0 and phases["hash"] > 0, phases
 
 
+def test_staging_buffers_of_a_sharded_state_keep_its_sharding_and_take_an_exact_copy_of_every_shard(one_rank):
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_flatten
+
+    model = _fsdp(_model())
+    opt = _optimizer(model)
+    _train(model, opt, 2)
+    live, _ = tree_flatten(sc.state_dict(model, opt))
+    made, _ = tree_flatten(sc.pinned_like(sc.state_dict(model, opt)))
+    assert len(made) == len(live) and any(isinstance(t, DTensor) for t in made)
+    for t, c in zip(live, made):
+        if not (torch.is_tensor(t) and t.dim() > 0):
+            continue
+        assert (type(c), c.shape, c.dtype) == (type(t), t.shape, t.dtype)
+        assert not isinstance(t, DTensor) or c.placements == t.placements
+        local, source = (c.to_local(), t.to_local()) if isinstance(c, DTensor) else (c, t)
+        local.copy_(source)  # as DCP's writer stages into its cache (from the GPU where FSDP put the model)
+        assert torch.equal(c.to_local() if isinstance(c, DTensor) else c, source.cpu())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_staging_buffers_made_ahead_are_pinned_and_shaped_like_the_state_and_the_save_into_them_is_exact(tmp_path):
     from torch.distributed.tensor import DTensor

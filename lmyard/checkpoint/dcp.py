@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_map_only
 
 from lmyard.checkpoint.commit import Parked, RetryPolicy, ensure_new, outage, publish, upload_files
 from lmyard.checkpoint.manifest import FileMeta, Manifest, file_meta
+from lmyard.checkpoint.pinned import pinned_empty
 from lmyard.checkpoint.ranks import agree, distributed, rank_world
 from lmyard.errors import StoreOutage
 from lmyard.layout import RunLayout
@@ -123,14 +124,22 @@ def pinned_like(sd: dict) -> dict:
     """Empty pinned CPU tensors of `sd`'s structure, shapes and dtypes (DTensors keep their sharding): the
     cache DCP's writer stages into (`state_dict_cache`). Unlike torch's `_create_cpu_state_dict` it copies no
     values: that one moves every shard to pageable host memory first, which occupies the training stream
-    and stretches steps while it runs (the trainer makes the cache in the background after step 1)."""
+    and stretches steps while it runs (the trainer makes the cache in the background after step 1); and its
+    pages are lmyard.checkpoint.pinned's, which do not stall the training thread's launches."""
 
     def empty(t: torch.Tensor) -> torch.Tensor:
         if t.dim() == 0:
             return t if isinstance(t, DTensor) else torch.tensor(0, dtype=t.dtype)
-        local = t.to_local() if isinstance(t, DTensor) else t
-        pin = local.numel() > 0 and local.data_ptr() != 0  # an empty shard cannot be pinned
-        return torch.empty_like(t, device="cpu", pin_memory=pin)
+        if not isinstance(t, DTensor):
+            return pinned_empty(t.shape, t.dtype)
+        out = torch.empty_like(t, device="cpu")
+        assert isinstance(out, DTensor), "empty_like keeps a DTensor's type and sharding"
+        with torch.no_grad():
+            local = out.to_local()  # the DTensor's own local tensor: its storage is swapped for pinned pages
+            if local.numel():
+                pages = pinned_empty((local.untyped_storage().nbytes(),), torch.uint8)
+                local.set_(pages.untyped_storage(), local.storage_offset(), local.shape, local.stride())
+        return out
 
     return tree_map_only(torch.Tensor, empty, sd)
 

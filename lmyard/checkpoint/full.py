@@ -47,6 +47,7 @@ import torch
 from lmyard.checkpoint.catalog import complete_steps
 from lmyard.checkpoint.commit import PARKED_WAKE_S, Parked, RetryPolicy, outage, publish
 from lmyard.checkpoint.manifest import DamagedCheckpoint, Manifest, check_file, file_meta
+from lmyard.checkpoint.pinned import pinned_empty
 from lmyard.checkpoint.schema import CheckpointState
 from lmyard.checkpoint.state import Checkpoint
 from lmyard.errors import StoreFull, StoreOutage
@@ -111,7 +112,7 @@ class Snapshot:
         """Create the pinned buffers for a tree's CUDA tensors ahead of the first copy (seconds for GBs)."""
         if isinstance(tree, torch.Tensor):
             if tree.is_cuda and path not in self.buffers:
-                self.buffers[path] = torch.empty(tree.shape, dtype=tree.dtype, pin_memory=True)
+                self.buffers[path] = pinned_empty(tree.shape, tree.dtype)
         elif isinstance(tree, dict):
             for k, v in tree.items():
                 self.allocate(v, f"{path}/{k}")
@@ -139,7 +140,7 @@ class Snapshot:
                 return tree.detach().clone()
             buf = self.buffers.get(path)
             if buf is None or buf.shape != tree.shape or buf.dtype != tree.dtype:
-                buf = self.buffers[path] = torch.empty(tree.shape, dtype=tree.dtype, pin_memory=True)
+                buf = self.buffers[path] = pinned_empty(tree.shape, tree.dtype)
             buf.copy_(tree.detach(), non_blocking=True)
             return buf
         if isinstance(tree, dict):

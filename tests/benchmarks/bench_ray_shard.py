@@ -8,13 +8,13 @@ prefix; no network) to a temporary folder. For each node count n it starts a loc
 (ray.cluster_utils.Cluster, bound to 127.0.0.1) of n nodes of C CPUs each (default: this machine's cores
 over the largest n), runs the shard stage through the launcher with launch.backend=ray (the stage's
 coordinator on one node, its read pieces, ~1 MiB of JSONL each, as Ray tasks over every node;
-lmyard.data.raypool) into a fresh local store, and stops the cluster. Then it times raw tiktoken
-`encode_ordinary_batch(texts, num_threads=C * n)` on the same texts, for every n. Every run gives the
-same shard set (the address is checked). Everything it writes is removed at the end.
+lmyard.data.raypool) into a fresh local store, and stops the cluster. Then it times raw tiktoken in
+C * n processes on the same texts (`encode_ordinary_batch` of 512 documents a call in each), for every
+n. Every run gives the same shard set (the address is checked). Everything it writes is removed at the end.
 
 Columns: nodes, CPUs in all, the stage's seconds (manifest `created_s`: fingerprint to manifest) and
-the launch's (actor and Ray workers started, cleanup), stage tokens/s, raw tiktoken tokens/s with as
-many threads, and their ratio. The nodes of a local cluster share this machine's cores: the rows
+the launch's (actor and Ray workers started, cleanup), stage tokens/s, raw tiktoken tokens/s in as
+many processes, and their ratio. The nodes of a local cluster share this machine's cores: the rows
 scale while n * C <= its cores.
 
 It imports numpy, tiktoken, ray, and what the stage imports for a local JSONL source (pydantic,
@@ -91,19 +91,37 @@ def on_cluster(nodes: int, cpus: int, corpus: Path, store: Path) -> dict:
     }
 
 
-def raw_tiktoken(texts: list[str], threads: int, chunk: int = 16384) -> float:
-    """Tokens/s of encode_ordinary_batch over the texts, `chunk` documents a call; only the calls are timed."""
+_texts: list[str] = []  # the corpus's texts, inherited by raw_tiktoken's forked processes
+_enc = None
+
+
+def _raw_init() -> None:
+    global _enc
     import tiktoken
 
-    enc = tiktoken.get_encoding("r50k_base")
-    enc.encode_ordinary_batch(texts[:256], num_threads=threads)  # warm
-    tokens, seconds = 0, 0.0
-    for i in range(0, len(texts), chunk):
+    _enc = tiktoken.get_encoding("r50k_base")
+    _enc.encode_ordinary("warm")
+
+
+def _raw_count(span: tuple[int, int]) -> int:
+    assert _enc is not None, "_raw_init ran in this process"
+    return sum(len(x) for x in _enc.encode_ordinary_batch(_texts[span[0] : span[1]], num_threads=1))
+
+
+def raw_tiktoken(texts: list[str], procs: int, chunk: int = 512) -> float:
+    """Tokens/s of tiktoken in `procs` processes (each one a thread) over the texts, `chunk` documents a
+    call, as the stage's pieces run: processes, not threads (tiktoken's threads share one interpreter and
+    stop scaling at a few). Only the encoding is timed: the processes are started and warm before."""
+    import multiprocessing
+
+    global _texts
+    _texts = texts
+    spans = [(i, min(i + chunk, len(texts))) for i in range(0, len(texts), chunk)]
+    with multiprocessing.get_context("fork").Pool(procs, initializer=_raw_init) as pool:
+        pool.map(_raw_count, [(0, 1)] * procs)
         t0 = time.perf_counter()
-        out = enc.encode_ordinary_batch(texts[i : i + chunk], num_threads=threads)
-        seconds += time.perf_counter() - t0
-        tokens += sum(len(x) for x in out)
-    return tokens / seconds
+        tokens = sum(pool.imap_unordered(_raw_count, spans))
+        return tokens / (time.perf_counter() - t0)
 
 
 def main() -> None:

@@ -109,6 +109,15 @@ def lmyard_worker(spec: str, out: str, crc_dir: str) -> None:
         return step(self)
 
     TrainBatches.micro_batch, trainer.Trainer.step = checked, timed
+    way = os.environ.get("BENCH_PINNED")  # bench_first_steps.py: how the checkpoint copy buffers are made
+    if way == "none":
+        from lmyard.checkpoint import manager
+
+        manager.CheckpointManager.prepare = lambda self: None
+    elif way == "torch":
+        from lmyard.checkpoint import dcp, full
+
+        full.pinned_empty = dcp.pinned_empty = lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=True)
     code = stage.train_stage(spec)
     if code:
         sys.exit(code)
