@@ -109,8 +109,6 @@ def test_key_scan_sees_keys_in_strings_and_fstrings(tmp_path):
     assert [f.split()[0].rsplit(":", 1)[1] for f in found] == ["2", "3", "4"], found
 
 
-# EXPECTED STATE: on the `config` branch alone this fails, naming lmyard/tracking/lease.py (its lease key); it
-# passes once the tracking branch (and the checkpoint branch, whose keys it must not add) is merged.
 def test_only_layout_formats_store_keys():
     found = [
         hit
@@ -197,8 +195,6 @@ def test_cycle_check_sees_imports_inside_functions(tmp_path):
     assert import_cycles(graph) == [["pkg.a", "pkg.sub", "pkg.sub.b"]]
 
 
-# EXPECTED STATE: on the `config` branch alone this fails with checkpoint.dcp <-> checkpoint.full (the checkpoint
-# branch merges them) and evaluate.evals <-> evaluate.harness <-> export.hf (the models branch breaks it).
 def test_no_import_cycles_among_lmyard_modules():
     cycles = import_cycles(module_graph(REPO / "lmyard"))
     assert not cycles, "import cycles (imports inside functions count): move the shared part down a layer: " + (
@@ -245,8 +241,6 @@ def upward_imports() -> list[str]:
     )
 
 
-# EXPECTED STATE: on the `config` branch alone this fails with export.hf -> evaluate.evals (the cycle above;
-# the models branch removes it).
 def test_no_lmyard_module_imports_a_layer_above_its_own():
     upward = upward_imports()
     assert not upward, "imports against docs/architecture.md's layer order:\n" + "\n".join(upward)
