@@ -169,6 +169,8 @@ def run(a: argparse.Namespace, work: Path) -> dict:
         attempts.append(attempt)
         took = attempt.run()
         print(f"attempt {attempt.n}: {attempt.ended} after {took:.1f} s, at step {attempt.stopped_at}", flush=True)
+        if attempt.ended.startswith("failed: UserError"):  # the config cannot run: no retry runs it either
+            raise SystemExit(f"attempt {attempt.n} {attempt.ended}")
     wall = time.monotonic() - t0
     committed = complete_steps(open_store(cfg.store), RUN)
     return summarize(a, cfg, attempts, committed[-1] if committed else 0, wall, caches)
