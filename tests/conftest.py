@@ -223,6 +223,23 @@ def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
     proc.wait()
 
 
+def stop_prefect_worker(proc: subprocess.Popen, drain_s: float = 3) -> None:
+    """End a `prefect worker start` started in its own group. Prefect's worker drains on the first SIGTERM (stops
+    taking flow runs, waits for its own) and kills itself on the second; idle, its drain does not end by itself,
+    so the second signal follows after `drain_s`."""
+    for _ in range(2):
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=drain_s)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+    stop_group(proc, 5)
+
+
 def wait_for_http(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path | None = None) -> None:
     """Poll `url` until it answers; fail with the server's log if it exits or the time runs out."""
     deadline = time.monotonic() + timeout_s

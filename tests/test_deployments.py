@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, prefect_server, stop_group
+from conftest import REPO, prefect_server, stop_prefect_worker
 from prefect import flow
 
 from lmyard.checkpoint.catalog import complete_steps
@@ -74,7 +74,7 @@ def prefect_stack(tmp_path_factory):
             yield tmp, run, worker_log, start_worker, env
         finally:
             for p in reversed(procs):
-                stop_group(p, 20)
+                stop_prefect_worker(p)
 
 
 def test_every_deployment_names_a_recipe_that_loads_and_sets_nothing_that_disagrees_with_it():

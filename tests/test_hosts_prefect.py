@@ -17,7 +17,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, wait_for_http
+from conftest import REPO, stop_prefect_worker, wait_for_http
 from hosts import Hosts, require_hosts
 from test_deployments import _config, _write_corpus
 
@@ -67,20 +67,23 @@ def test_a_worker_on_host_b_runs_a_deployment_from_its_own_clone_of_the_reposito
     worker_env = {**common, "PREFECT_API_URL": f"http://{svc.addr}:{PREFECT_PORT}/api"}
     worker_env |= {"PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "1"}
     cd_and_work = f"cd {workdir} && exec " + " ".join([*PREFECT, "worker", "start", "--pool", "lmyard-process"])
-    b.start(["sh", "-c", cd_and_work], "worker.log", env=worker_env, resolvable=True)
+    worker = b.start(["sh", "-c", cd_and_work], "worker.log", env=worker_env, resolvable=True)
 
-    corpus = tmp_path / "corpus.jsonl"
-    _write_corpus(corpus, 40)
-    t0 = time.perf_counter()
-    params = json.dumps({"config": _config(tmp_path, corpus, 2)})
-    ran = prefect(
-        "deployment", "run", "pretrain/smoke", "--params", params, "--watch", "--watch-timeout", "500", timeout=600
-    )
-    print(f"the deployment on host b: {time.perf_counter() - t0:.0f} s")
-    log = (b.root / "worker.log").read_text()
-    assert ran.returncode == 0 and "Completed" in ran.stdout, ran.stdout[-2000:] + log[-4000:]
-    assert complete_steps(open_store(str(tmp_path / "store")), "deployed")[-1] == 2
+    try:
+        corpus = tmp_path / "corpus.jsonl"
+        _write_corpus(corpus, 40)
+        t0 = time.perf_counter()
+        params = json.dumps({"config": _config(tmp_path, corpus, 2)})
+        ran = prefect(
+            "deployment", "run", "pretrain/smoke", "--params", params, "--watch", "--watch-timeout", "500", timeout=600
+        )
+        print(f"the deployment on host b: {time.perf_counter() - t0:.0f} s")
+        log = (b.root / "worker.log").read_text()
+        assert ran.returncode == 0 and "Completed" in ran.stdout, ran.stdout[-2000:] + log[-4000:]
+        assert complete_steps(open_store(str(tmp_path / "store")), "deployed")[-1] == 2
 
-    # the worker, in host b and outside the checkout, ran the flow from the pull step's clone
-    assert "Deployment step 'git_clone' completed successfully" in log, log[-4000:]
-    assert "Deployment step 'set_working_directory' completed successfully" in log, log[-4000:]
+        # the worker, in host b and outside the checkout, ran the flow from the pull step's clone
+        assert "Deployment step 'git_clone' completed successfully" in log, log[-4000:]
+        assert "Deployment step 'set_working_directory' completed successfully" in log, log[-4000:]
+    finally:
+        stop_prefect_worker(worker)  # before the harness ends the server: Prefect's worker drains forever
