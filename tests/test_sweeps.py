@@ -51,7 +51,8 @@ def size_sweep(tmp_path_factory, mlflow_server, prefect_api_url):
 
     tmp = tmp_path_factory.mktemp("sizes")
     name = f"sizes-{uuid.uuid4().hex[:6]}"
-    args = lmyard_cmd("sweep", "smoke", "--sizes", "1,2,3", *_sets(tmp, mlflow_server.uri, name, steps=2))
+    sets = _sets(tmp, mlflow_server.uri, name, steps=2, **{"eval.interval": 2})  # one evaluation: the last step's
+    args = lmyard_cmd("sweep", "smoke", "--sizes", "1,2,3", *sets)
     env = {**os.environ, "PREFECT_API_URL": prefect_api_url, "LMYARD_CACHE": str(tmp / "cache")}
     env.pop("PREFECT_HOME", None)
     proc = subprocess.run(args, cwd=tmp, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
