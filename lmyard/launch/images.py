@@ -249,7 +249,6 @@ def build_image(
     force: bool = False,
 ) -> str:
     """Build (or reuse) the stage image; returns its tag."""
-
     client = _client()
     tag = tag or image_tag()
     if not force and _image_exists(client, tag):
