@@ -114,9 +114,11 @@ def test_a_tune_search_on_ray_stops_a_bad_trial_before_its_last_step(ray_cluster
     last = {
         c.info.run_name: max(m.step for m in client.get_metric_history(c.info.run_id, "loss/val")) for c in children
     }
-    stopped = [c.info.run_name for c in children if STOPPED_TAG in c.data.tags]
-    # ASHA stops trials as their val losses come; one may be stopped after its last step (while it evaluates)
-    assert any(last[n] < steps for n in stopped), (last, stopped)
+    stopped = {c.info.run_name: int(c.data.tags[STOPPED_TAG]) for c in children if STOPPED_TAG in c.data.tags}
+    # the tag is the scheduler's decision, at a rung (1, 2, 4, 8): two trials run at once on the 2 CPUs, so the
+    # second pair meets the first pair's recorded losses, and lr 1e-7 or 1e-8 is worse at a rung. A tiny trial's
+    # process may still reach its last step before its SIGTERM lands: the lineage's last step is not asserted.
+    assert any(at < steps for at in stopped.values()), (last, stopped)
     assert any(c.info.status == "FINISHED" and last[c.info.run_name] == steps for c in children), last
 
 

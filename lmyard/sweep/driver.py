@@ -96,12 +96,12 @@ def run_on_ray(config: RunConfig, p: Plan, commands: dict[str, list[str]]) -> No
         }
         for n, c in commands.items()
     ]
-    errors = tune_run(config, rows, p.schedule_(), Path(cache_root("sweeps", "tune")))
+    ends = tune_run(config, rows, p.schedule_(), Path(cache_root("sweeps", "tune")))
     store = Run.of(config).store
-    for name, error in errors.items():
-        if not error and record.outcome(config, store, Trial(name, {})).status != "finished":
-            record.mark_stopped(config, store, Trial(name, {}))
-    failed = {n: e for n, e in errors.items() if e}
+    for name, (_, stopped_at) in ends.items():
+        if stopped_at is not None:
+            record.mark_stopped(config, store, Trial(name, {}), stopped_at)
+    failed = {n: e for n, (e, _) in ends.items() if e}
     if failed:
         raise TrialFailed(f"{len(failed)} trial(s) failed: " + "; ".join(f"{n}: {e}" for n, e in failed.items()))
 

@@ -1,8 +1,9 @@
 """The sweep's MLflow run: the parent of its trials' lineage runs (their `mlflow.parentRunId`), the table of
 trials and, for a size sweep, the loss against compute with a fitted power law.
 
-A trial is finished when its lineage's run is FINISHED (the pretrain flow closed it after its final checkpoint)
-or when the scheduler stopped it early (the tag `lmyard.sweep.stopped_at_step`); a resumed sweep skips those.
+A trial is finished when its lineage's run is FINISHED (the pretrain flow closed it after its final checkpoint),
+stopped when the scheduler stopped it early (the tag `lmyard.sweep.stopped_at_step`: the step of the scheduler's
+decision; the lineage may hold later steps, logged before the SIGTERM landed); a resumed sweep skips both.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def outcome(cfg: RunConfig, store, trial: Trial) -> Outcome:
     history = lineage.metric_history("loss/val")
     step = max(history) if history else None
     status = {"FINISHED": "finished", "FAILED": "failed", "KILLED": "failed"}.get(run.info.status, "running")
-    if STOPPED_TAG in run.data.tags:
+    if STOPPED_TAG in run.data.tags and status != "finished":  # one that ended before its stop landed: finished
         status = "stopped"
     return Outcome(trial.name, status, step, history[step] if step is not None else None, lineage.ref.mlflow_run_id)
 
@@ -74,12 +75,11 @@ def done(o: Outcome) -> bool:
     return o.status in ("finished", "stopped")
 
 
-def mark_stopped(cfg: RunConfig, store, trial: Trial) -> None:
-    """Tag a trial the scheduler stopped before its last step: done for the sweep, not for its lineage."""
+def mark_stopped(cfg: RunConfig, store, trial: Trial, step: int) -> None:
+    """Tag a trial the scheduler stopped at `step` (before its last): done for the sweep, not for its lineage."""
     lineage = Lineage.find(cfg.tracking.uri, store, trial.name)
     if lineage is not None:
-        history = lineage.metric_history("loss/val")
-        lineage.set_tags({STOPPED_TAG: str(max(history) if history else 0)})
+        lineage.set_tags({STOPPED_TAG: str(step)})
 
 
 def compute(config: dict[str, Any], n_vocab: int, steps: int | None) -> tuple[int, int, float]:

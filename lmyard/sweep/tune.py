@@ -58,8 +58,8 @@ def _trainable():
         def step(self) -> dict[str, Any]:
             try:
                 self.last = next(self.points)
-            except StopIteration:  # the run ended: its last point again, done
-                return {"step": self.last[0], "val_loss": self.last[1], "done": True}
+            except StopIteration:  # the run ended: its last point again, done (Tune sets done on a stop too)
+                return {"step": self.last[0], "val_loss": self.last[1], "done": True, "ended": True}
             return {"step": self.last[0], "val_loss": self.last[1]}
 
         def save_checkpoint(self, checkpoint_dir: str) -> dict:
@@ -76,9 +76,12 @@ def _trainable():
 
 def run_on_ray(
     cfg: RunConfig, trials: list[dict[str, Any]], schedule: Schedule | None, storage: Path
-) -> dict[str, str]:
-    """Run the trials (their names, commands, logs) under Tune; name -> its error ('' for a trial that ended or
-    was stopped by the scheduler)."""
+) -> dict[str, tuple[str, int | None]]:
+    """Run the trials (their names, commands, logs) under Tune; name -> (its error, '' for a trial that ended or
+    was stopped by the scheduler; the step at which the scheduler stopped it, None for one that ran to its end).
+
+    The step is the scheduler's decision, at a rung: a trial's process may run on past it until its SIGTERM
+    lands (a tiny trial can reach its last step first)."""
     import ray
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
@@ -115,5 +118,8 @@ def run_on_ray(
     out = {}
     for i in range(len(results)):
         r = results[i]
-        out[(r.config or {})["trial"]["name"]] = str(r.error).strip().splitlines()[-1] if r.error else ""
+        error = str(r.error).strip().splitlines()[-1] if r.error else ""
+        metrics = r.metrics or {}
+        stopped = None if error or metrics.get("ended") else int(metrics.get("step", 0))
+        out[(r.config or {})["trial"]["name"]] = (error, stopped)
     return out
