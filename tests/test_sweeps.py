@@ -97,13 +97,14 @@ def test_a_rerun_sweep_skips_its_finished_trials(size_sweep, mlflow_server):
 def test_a_tune_search_on_ray_stops_a_bad_trial_before_its_last_step(ray_cluster, mlflow_server, cli_env, tmp_path):
     from lmyard.sweep.record import STOPPED_TAG
 
-    steps, name = 16, f"search-{uuid.uuid4().hex[:6]}"
+    # 120 steps: the 112 after the first rung give a stop time to land (1-2 s here; a poll of 2 s, then SIGTERM)
+    steps, name = 120, f"search-{uuid.uuid4().hex[:6]}"
     (tmp_path / "space.yaml").write_text(
         "params:\n  train.lr: {grid: [0.01, 0.005, 1.0e-7, 1.0e-8]}\n"
-        "scheduler: {asha: {grace_steps: 1, reduction_factor: 2}}\n"
+        "scheduler: {asha: {grace_steps: 8, reduction_factor: 2}}\n"
     )
-    ray_sets = ["launch.backend=ray", "launch.nnodes=1"]
-    sets = _sets(tmp_path, mlflow_server.uri, name, steps=steps) + [a for s in ray_sets for a in ("--set", s)]
+    ray = {"launch.backend": "ray", "launch.nnodes": 1, "eval.interval": 8}
+    sets = _sets(tmp_path, mlflow_server.uri, name, steps=steps, **ray)
     args = lmyard_cmd("sweep", "smoke", "--search", "space.yaml", *sets)
     env = {**cli_env, "RAY_ADDRESS": ray_cluster.address}
     proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -115,10 +116,11 @@ def test_a_tune_search_on_ray_stops_a_bad_trial_before_its_last_step(ray_cluster
         c.info.run_name: max(m.step for m in client.get_metric_history(c.info.run_id, "loss/val")) for c in children
     }
     stopped = {c.info.run_name: int(c.data.tags[STOPPED_TAG]) for c in children if STOPPED_TAG in c.data.tags}
-    # the tag is the scheduler's decision, at a rung (1, 2, 4, 8): two trials run at once on the 2 CPUs, so the
-    # second pair meets the first pair's recorded losses, and lr 1e-7 or 1e-8 is worse at a rung. A tiny trial's
-    # process may still reach its last step before its SIGTERM lands: the lineage's last step is not asserted.
+    # the tag is the scheduler's decision at a rung (8, 16, 32, ...): two trials run at once on the 2 CPUs, so
+    # the second pair meets the first pair's recorded losses, and lr 1e-7 or 1e-8 is worse at a rung
     assert any(at < steps for at in stopped.values()), (last, stopped)
+    # and the trial's process ran on only until its SIGTERM landed: it did not train to its end
+    assert any(last[n] < steps for n in stopped), (last, stopped)
     assert any(c.info.status == "FINISHED" and last[c.info.run_name] == steps for c in children), last
 
 
