@@ -91,9 +91,9 @@ def test_a_lost_node_fails_the_attempt_and_the_retry_resumes_from_the_checkpoint
     from lmyard.tracking.lineage import Lineage
     from tasks.train import train
 
-    # every rank pauses 30 s after step 10 (the retry resumes after it): the node is lost in that window
+    # every rank pauses 12 s after step 10 (the retry resumes after it): the node is lost in that window
     monkeypatch.setenv("LMYARD_FAULTS", "pause@10")
-    monkeypatch.setenv("LMYARD_FAULT_PAUSE_S", "30")
+    monkeypatch.setenv("LMYARD_FAULT_PAUSE_S", "12")
     run_name = f"lost-{lose.__name__.strip('_').replace('_', '')}"
     cfg = _ray_cfg(
         tmp_path,
@@ -156,9 +156,9 @@ def test_a_lost_raylet_is_one_line_said_once_and_the_run_ends_in_its_one_line(ra
             "train.log_interval": 10,
         },
     )
-    # every rank pauses 30 s after step 10: the node is lost in that window (a second after the step's line), and
+    # every rank pauses 12 s after step 10: the node is lost in that window (a second after the step's line), and
     # the rank left ends once its pause does (the run waits for it)
-    env = {**cli_env, "RAY_ADDRESS": ray_cluster.address, "LMYARD_FAULTS": "pause@10", "LMYARD_FAULT_PAUSE_S": "30"}
+    env = {**cli_env, "RAY_ADDRESS": ray_cluster.address, "LMYARD_FAULTS": "pause@10", "LMYARD_FAULT_PAUSE_S": "12"}
     log = tmp_path / "run.log"
     with open(log, "w") as out:
         run = subprocess.Popen(
