@@ -103,8 +103,8 @@ def test_a_tune_search_on_ray_stops_a_bad_trial_before_its_last_step(ray_cluster
         "params:\n  train.lr: {grid: [0.01, 0.005, 1.0e-7, 1.0e-8]}\n"
         "scheduler: {asha: {grace_steps: 8, reduction_factor: 2}}\n"
     )
-    ray = {"launch.backend": "ray", "launch.nnodes": 1, "eval.interval": 8}
-    sets = _sets(tmp_path, mlflow_server.uri, name, steps=steps, **ray)
+    on_ray = {"launch.backend": "ray", "launch.nnodes": 1, "eval.interval": 8}
+    sets = _sets(tmp_path, mlflow_server.uri, name, steps=steps, **on_ray)
     args = lmyard_cmd("sweep", "smoke", "--search", "space.yaml", *sets)
     env = {**cli_env, "RAY_ADDRESS": ray_cluster.address}
     proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)

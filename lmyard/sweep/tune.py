@@ -77,8 +77,8 @@ def _trainable():
 def run_on_ray(
     cfg: RunConfig, trials: list[dict[str, Any]], schedule: Schedule | None, storage: Path
 ) -> dict[str, tuple[str, int | None]]:
-    """Run the trials (their names, commands, logs) under Tune; name -> (its error, '' for a trial that ended or
-    was stopped by the scheduler; the step at which the scheduler stopped it, None for one that ran to its end).
+    """Run the trials (their names, commands, logs) under Tune; name -> (error, stopped at): the error's last
+    line ('' if none), and the step at which the scheduler stopped the trial (None if it ran to its end or failed).
 
     The step is the scheduler's decision, at a rung: a trial's process may run on past it until its SIGTERM
     lands (a tiny trial can reach its last step first)."""
