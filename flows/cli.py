@@ -120,7 +120,9 @@ def _indices(text: str) -> list[int]:
 
 def _sweep_parameters(args: argparse.Namespace, config) -> dict:
     """The sweep flow's sizes or search space, checked here (one line, exit 2) before Prefect starts."""
-    from lmyard.sweep.driver import plan
+    from prefect.settings import PREFECT_API_URL
+
+    from lmyard.sweep.driver import check_cluster, plan
     from lmyard.sweep.space import read_space
 
     search = None
@@ -130,7 +132,8 @@ def _sweep_parameters(args: argparse.Namespace, config) -> dict:
 
         with open(args.search) as f:
             search = yaml.safe_load(f)
-    plan(config, args.sizes, search, f"--search {args.search}")
+    trials = plan(config, args.sizes, search, f"--search {args.search}")
+    check_cluster(config, trials, PREFECT_API_URL.value())  # unset: lmyard's temporary server, on 127.0.0.1
     return {"sizes": args.sizes, "search": search}
 
 
@@ -156,6 +159,10 @@ def _command(args: argparse.Namespace) -> int:
     """Every command but the flows' is quick and starts nothing; run and shard run their flow (_run_flow)."""
     from lmyard.recipes import load_recipe
 
+    if args.command in ("runs", "status", "eval", "sample", "export"):
+        from lmyard.tracking.client import operator_timeouts
+
+        operator_timeouts()  # a tracking server that stops answering ends the command in seconds, not minutes
     if args.command == "export":
         return _export(args)
     if args.command in ("runs", "status", "eval", "sample"):
@@ -187,11 +194,14 @@ def _run_flow(command: str, config, **parameters) -> int:
     from lmyard.data.shardset import ShardSet
     from lmyard.errors import StageFailed, UserError
     from lmyard.run import Run
+    from lmyard.tracking.client import check_reachable
     from lmyard.tracking.credentials import credentials_to_env
 
     # a read-only store (or its runs/) fails here, before Prefect starts
     run = Run.of(config)
     run.store.check_writable(*([run.layout.root] if command == "run" else []))
+    if command != "shard":  # the tracking server answers, before any shard or Prefect server is made
+        check_reachable(config.tracking.uri)
     # Offline-friendly Prefect defaults; an operator's own settings win.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if command == "run":

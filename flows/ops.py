@@ -27,6 +27,7 @@ def add_parsers(sub) -> None:
     r = sub.add_parser("runs", help="list the lineages of a store")
     s = sub.add_parser("status", help="the state of one lineage")
     s.add_argument("run_name", metavar="RUN", help="the lineage's run_name")
+    s.add_argument("--verify", action="store_true", help="check the newest checkpoint's checksums (reads it all)")
     for p in (r, s):
         p.add_argument("--store", help="the store (default: LMYARD_STORE, else the default store)")
         p.add_argument("--json", action="store_true", help="one JSON document, for scripts")
@@ -92,20 +93,35 @@ def _device(text: str) -> str:
     return text
 
 
-def _config(args: argparse.Namespace):
+def _config(args: argparse.Namespace, tracking: bool = False):
+    """The site's config with the command's flags; with `tracking`, its MLflow server answers (one line in
+    seconds when it does not: lmyard.tracking.client)."""
     from lmyard.recipes import site_config
+    from lmyard.tracking.client import check_reachable
 
     overrides = [f"store={args.store}"] if args.store else []
     if getattr(args, "tracking_uri", None):
         overrides.append(f"tracking.uri={args.tracking_uri}")
-    return site_config(overrides)
+    cfg = site_config(overrides)
+    if tracking:
+        check_reachable(cfg.tracking.uri)
+    return cfg
+
+
+def _store(cfg):
+    """The config's store, which must exist (one line naming it when it does not)."""
+    from lmyard.run import Run
+    from lmyard.tracking.runs import check_store
+
+    store = Run.of(cfg).store
+    check_store(store)
+    return store
 
 
 def runs(args: argparse.Namespace) -> int:
-    from lmyard.run import Run
     from lmyard.tracking.runs import list_runs
 
-    store = Run.of(_config(args)).store
+    store = _store(_config(args))
     rows = list_runs(store)
     if args.json:
         print(json.dumps([r.model_dump(mode="json") for r in rows], indent=1))
@@ -120,18 +136,18 @@ def runs(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    from lmyard.run import Run
     from lmyard.tracking.runs import run_status
 
-    cfg = _config(args)
-    s = run_status(Run.of(cfg).store, args.run_name, cfg.tracking.uri)
+    cfg = _config(args, tracking=True)
+    s = run_status(_store(cfg), args.run_name, cfg.tracking.uri, checksums=args.verify)
     if args.json:
         print(s.model_dump_json(indent=1))
         return 0
     lines = [
         f"lineage {s.run_name}",
         f"  newest checkpoint: {s.newest_checkpoint or 'none'}"
-        + (f" (step {s.newest_step}, {s.tokens_seen:,} tokens seen)" if s.tokens_seen is not None else ""),
+        + (f" (step {s.newest_step}, {s.tokens_seen:,} tokens seen)" if s.tokens_seen is not None else "")
+        + (f" DAMAGED ({s.newest_damaged})" if s.newest_damaged else ""),
         f"  lease: {s.lease.holder + (' (expired)' if s.lease.expired else '') if s.lease else 'not held'}",
         f"  MLflow run: {s.mlflow_run_id or '-'} {s.mlflow_status or ''} {s.mlflow_run_url or ''}".rstrip(),
     ]
@@ -141,6 +157,8 @@ def status(args: argparse.Namespace) -> int:
         + f", {a.outcome or 'no outcome recorded'}"
         for a in s.attempts
     ]
+    if s.damaged_steps:
+        lines.append(f"  moved aside as damaged: steps {s.damaged_steps}")
     if s.last_evaluation:
         lines.append(f"  last evaluation: step {s.last_evaluation.step}, val loss {s.last_evaluation.val_loss:.4f}")
     lines += [
@@ -155,8 +173,9 @@ def _model(args: argparse.Namespace, tasks: list[str] | None = None, hellaswag: 
     from lmyard.config import EvalConfig
     from lmyard.data.loader import default_cache_dir
     from lmyard.evaluate import ondemand
+    from lmyard.tracking.registered import is_registered
 
-    cfg = _config(args)
+    cfg = _config(args, tracking=is_registered(args.source) or getattr(args, "log", False))
     src = ondemand.resolve(args.source, args.step, cfg.store, cfg.tracking.uri)
     if tasks is not None:
         ondemand.check_tasks(tasks, hellaswag)

@@ -473,3 +473,33 @@ def finished_run(s3_server, mlflow_server, prefect_api_url, tmp_path_factory):
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return env, store, mlflow_server.uri
+
+
+@pytest.fixture
+def silent_server():
+    """A server on 127.0.0.1 that accepts connections and never answers (a hung tracking server): its URI."""
+    import socket
+    import threading
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(sock.accept()[0])
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    stop.set()
+    t.join()
+    for c in held:
+        c.close()
+    sock.close()

@@ -458,3 +458,19 @@ def test_a_runs_store_is_opened_through_the_run_handle_only():
         if config_store.search(line)
     ]
     assert not reopened, "a config's store opened beside lmyard.run.Run.of: " + ", ".join(reopened)
+
+
+# ---------------------------------------------------------------- one MLflow client
+
+
+def test_an_mlflow_client_is_made_in_one_place_only():
+    sites = [
+        f"{p.relative_to(REPO)}:{i}"
+        for folder in FOLDERS
+        for p in sorted((REPO / folder).rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "MlflowClient(" in line
+    ]
+    assert len(sites) == 1 and sites[0].startswith("lmyard/tracking/client.py:"), (
+        "make MLflow clients with lmyard.tracking.client.mlflow_client: " + ", ".join(sites)
+    )

@@ -53,6 +53,20 @@ def load_step(store: Store, run_name: str, step: int, cache_dir: str, optimizer:
     return read_full(store, run_name, manifest, cache_dir)
 
 
+def load_complete(store: Store, run_name: str, step: int, cache_dir: str, hint: str, optimizer: bool = True):
+    """`load_step` for an operator command: a damaged checkpoint (or one that does not load) is a UserError naming
+    it, the complete steps, and `hint` (what to give instead, e.g. "give another step with --step")."""
+    import pickle
+
+    try:
+        return load_step(store, run_name, step, cache_dir, optimizer=optimizer)
+    except (ValueError, OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as e:
+        raise UserError(
+            f"checkpoint {store.uri(RunLayout(run_name).step(step))} is damaged ({str(e).splitlines()[0]}); "
+            f"{hint} (complete steps: {complete_steps(store, run_name)})"
+        ) from None
+
+
 def load_into(
     store: Store,
     run_name: str,

@@ -115,13 +115,12 @@ def _folder(given: str, step: int | None, store_uri: str) -> Source:
 
 
 def _registered(given: str, step: int | None, store_uri: str, tracking_uri: str) -> Source:
-    from mlflow.tracking import MlflowClient
-
+    from lmyard.tracking.client import mlflow_client
     from lmyard.tracking.registered import model_version
 
     if step is not None:
         raise UserError(f"{given} is a registered version of one step: drop --step")
-    version = model_version(MlflowClient(tracking_uri, registry_uri=tracking_uri), given, tracking_uri, "model")
+    version = model_version(mlflow_client(tracking_uri), given, tracking_uri, "model")
     return Source(given, "registered", store_uri, mlflow_run_id=version.run_id)
 
 
@@ -148,7 +147,9 @@ def load(src: Source, device: str, cache_dir: str, tracking_uri: str) -> Loaded:
 
     if src.kind == "checkpoint":
         assert src.store and src.run_name and src.step is not None
-        ckpt = resume.load_step(_store(src.store), src.run_name, src.step, cache_dir, optimizer=False)
+        ckpt = resume.load_complete(
+            _store(src.store), src.run_name, src.step, cache_dir, "give another step with --step", optimizer=False
+        )
         facts, config = checkpoint_facts(ckpt), ckpt.state.config
         return Loaded(
             model_from_checkpoint(ckpt, device),
@@ -269,10 +270,17 @@ def _harness(src: Source, m: Loaded, tasks: list[str], hellaswag: str | None, de
 def log(result: dict, src: Source, tracking_uri: str, experiment: str) -> str:
     """The metrics to the lineage's MLflow run (at the model's step, under lmyard_eval/), or to a new run of
     `experiment` when the lineage is not known; the run's id."""
-    from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
+    from lmyard.tracking.client import mlflow_client, tracking_errors
 
-    client = MlflowClient(tracking_uri)
+    client, run_id = mlflow_client(tracking_uri), src.mlflow_run_id
+    fix = "give --tracking-uri (or LMYARD_TRACKING__URI) the MLflow server the lineage was recorded on"
+    with tracking_errors(tracking_uri, f"the MLflow run {run_id or 'of a new evaluation'}", fix):
+        return _log(client, result, src, experiment)
+
+
+def _log(client, result: dict, src: Source, experiment: str) -> str:
+    from mlflow.entities import Metric
+
     run_id, new = src.mlflow_run_id, src.mlflow_run_id is None
     if run_id is None:
         exp = client.get_experiment_by_name(experiment)

@@ -105,8 +105,6 @@ def parse_source(uri: str, step: int | None) -> tuple[str, str, int | None]:
 
 def load_checkpoint(uri: str, step: int | None, cache_dir: str) -> Checkpoint:
     """The complete checkpoint named by `uri` (and `step`); a missing, incomplete or damaged one is a UserError."""
-    import pickle
-
     root, run, step = parse_source(uri, step)
     store = open_store(root)
     steps = catalog.complete_steps(store, run)
@@ -120,13 +118,7 @@ def load_checkpoint(uri: str, step: int | None, cache_dir: str) -> Checkpoint:
         started = store.list(catalog.step_prefix(run, step))
         state = "is incomplete (no manifest.json)" if started else "does not exist"
         raise UserError(f"checkpoint {where} {state}; complete steps: {steps or 'none'}")
-    try:
-        return resume.load_step(store, run, step, cache_dir)
-    except (ValueError, OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as e:
-        raise UserError(
-            f"checkpoint {where} is damaged ({str(e).splitlines()[0]}); export another step with "
-            f"--step (complete steps: {steps})"
-        ) from None
+    return resume.load_complete(store, run, step, cache_dir, "export another step with --step")
 
 
 # ---------------------------------------------------------------- writing the folder

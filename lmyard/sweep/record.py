@@ -15,7 +15,8 @@ from typing import Any
 from lmyard.config import RunConfig, redact_uri
 from lmyard.models import registry
 from lmyard.sweep.space import Trial
-from lmyard.tracking.lineage import Lineage, _client, _experiment_id, check_reachable
+from lmyard.tracking.client import check_reachable, mlflow_client
+from lmyard.tracking.lineage import Lineage, _experiment_id
 
 SWEEP_TAG = "lmyard.sweep"
 STOPPED_TAG = "lmyard.sweep.stopped_at_step"
@@ -35,7 +36,7 @@ class Outcome:
 def open_parent(cfg: RunConfig, kind: str) -> str:
     """The sweep's run (by its name, tagged lmyard.sweep), created or reopened RUNNING; its id."""
     check_reachable(cfg.tracking.uri)
-    client = _client(cfg.tracking.uri)
+    client = mlflow_client(cfg.tracking.uri)
     experiment_id = _experiment_id(client, cfg)
     found = client.search_runs([experiment_id], filter_string=f"tags.`{SWEEP_TAG}` = '{cfg.run_name}'", max_results=1)
     if found:
@@ -55,7 +56,7 @@ def _params(cfg: RunConfig) -> list:
 
 
 def close_parent(cfg: RunConfig, run_id: str, status: str) -> None:
-    _client(cfg.tracking.uri).set_terminated(run_id, status)
+    mlflow_client(cfg.tracking.uri).set_terminated(run_id, status)
 
 
 def outcome(cfg: RunConfig, store, trial: Trial) -> Outcome:
@@ -104,7 +105,7 @@ def power_law(flops: list[float], losses: list[float]) -> tuple[float, float] | 
 def log_summary(cfg: RunConfig, parent: str, rows: list[dict[str, Any]], sizes: bool) -> str:
     """The table of trials (trials.json) on the parent run; for a size sweep the power law's metrics and a plot
     (loss_vs_compute.png, when matplotlib is installed). A line saying what was logged."""
-    client = _client(cfg.tracking.uri)
+    client = mlflow_client(cfg.tracking.uri)
     columns = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)}
     client.log_table(parent, data=columns, artifact_file="trials.json")
     said = f"{len(rows)} trials logged to MLflow run {parent} ({redact_uri(cfg.tracking.uri)})"

@@ -35,36 +35,11 @@ from lmyard.config import RunConfig, redact_uri
 from lmyard.errors import UserError
 from lmyard.layout import RunLayout
 from lmyard.tracking import schema
+from lmyard.tracking.client import check_reachable, mlflow_client
 
 CHECKPOINT_MODEL = "lmyard-checkpoint"  # model_type of a checkpoint's logged model
 DELETED_TAG = "lmyard.checkpoint_deleted"
 DAMAGED_TAG = "lmyard.checkpoint_damaged"  # its checkpoint failed its checksums and was moved aside
-
-
-def _client(uri: str):
-    """The one place an MlflowClient is made for a lineage (the sink makes its own, in the trainer)."""
-    from mlflow.tracking import MlflowClient
-
-    if uri.startswith("sqlite:///"):
-        path = uri.removeprefix("sqlite:///")
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    return MlflowClient(uri)
-
-
-def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
-    """Fail in seconds, with one line, when an http(s) tracking server does not answer at all (MLflow's own
-    client would retry for minutes). Any HTTP answer counts as reachable; other URIs are not checked."""
-    if not uri.startswith(("http://", "https://")):
-        return
-    import requests
-
-    try:
-        requests.get(f"{uri.rstrip('/')}/health", timeout=timeout_s)
-    except requests.RequestException as e:
-        raise UserError(
-            f"tracking.uri {redact_uri(uri)}: the MLflow server does not answer ({type(e).__name__}); "
-            "start it, or point tracking.uri at a running server"
-        ) from None
 
 
 def _experiment_id(client, cfg: RunConfig) -> str:
@@ -129,7 +104,7 @@ class Lineage:
 
     @cached_property
     def client(self):
-        return _client(self.ref.tracking_uri)
+        return mlflow_client(self.ref.tracking_uri)
 
     def to_dict(self) -> dict:
         return self.ref.to_dict()
@@ -155,7 +130,7 @@ class Lineage:
         Attempts are recorded by `record_attempt`, once per launch of the trainer.
         """
         check_reachable(cfg.tracking.uri)
-        client = _client(cfg.tracking.uri)
+        client = mlflow_client(cfg.tracking.uri)
         run_id, changed, params = _saved_run_id(store, cfg.run_name), {}, cfg.flat()
         if run_id is not None:
             try:
@@ -193,7 +168,7 @@ class Lineage:
         run_id = _saved_run_id(store, run_name)
         if run_id is None:
             return None
-        client = _client(tracking_uri)
+        client = mlflow_client(tracking_uri)
         run = client.get_run(run_id)
         attempt = int(run.data.tags.get("lmyard.attempts", "0"))
         lineage = cls(_ref(run_name, tracking_uri, run.info.experiment_id, run_id, attempt))

@@ -14,6 +14,7 @@ import re
 
 from lmyard.config import redact_uri
 from lmyard.errors import UserError
+from lmyard.tracking.client import mlflow_client
 
 _URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+|latest)|@(?P<alias>[\w-]+))$")
 
@@ -52,9 +53,7 @@ def model_version(client, uri: str, tracking_uri: str, what: str = "model.init_f
 
 def check(uri: str, tracking_uri: str) -> None:
     """A UserError now, before any training, when `uri` names no registered version."""
-    from mlflow.tracking import MlflowClient
-
-    model_version(MlflowClient(tracking_uri, registry_uri=tracking_uri), uri, tracking_uri)
+    model_version(mlflow_client(tracking_uri), uri, tracking_uri)
 
 
 def export_folder(uri: str, tracking_uri: str, cache_dir: str) -> str:
@@ -62,9 +61,8 @@ def export_folder(uri: str, tracking_uri: str, cache_dir: str) -> str:
     under `cache_dir`)."""
     import mlflow.artifacts
     import yaml
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
+    client = mlflow_client(tracking_uri)
     version = model_version(client, uri, tracking_uri)
     model_id = version.model_id or str(version.source).removeprefix("models:/")
     location = client.get_logged_model(model_id).artifact_location

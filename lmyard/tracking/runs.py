@@ -8,6 +8,7 @@ Nothing here writes. The types are what `--json` prints.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from pydantic import BaseModel
@@ -18,6 +19,7 @@ from lmyard.errors import UserError
 from lmyard.layout import RUNS, RunLayout
 from lmyard.store import Store
 from lmyard.tracking import lease, schema
+from lmyard.tracking.client import mlflow_client, tracking_errors
 
 
 class LeaseHolder(BaseModel):
@@ -60,11 +62,24 @@ class RunStatus(RunRow):
     """One lineage: the store's view and its MLflow run's."""
 
     tokens_seen: int | None  # at the newest complete checkpoint
+    newest_damaged: str | None  # what is wrong with the newest complete checkpoint's files (None: nothing found)
+    damaged_steps: list[int]  # steps whose checkpoint was moved aside as damaged (runs/RUN/damaged/)
     mlflow_status: str | None  # RUNNING, FINISHED, FAILED, KILLED
     mlflow_run_url: str | None  # the run's page, for a tracking server over HTTP
     attempts: list[Attempt]
     last_evaluation: LastEvaluation | None
     registered_versions: list[ModelVersion]
+
+
+def check_store(store: Store) -> None:
+    """UserError when the store is not there: a local folder that does not exist, a bucket that does not (an
+    unreachable S3 endpoint is one line too: lmyard.store.s3_errors)."""
+    local = store.local_path("")
+    if local is not None and not os.path.isdir(local):
+        raise UserError(
+            f"store {local} does not exist: give --store (or LMYARD_STORE) the store the lineages were written to"
+        )
+    store.exists(RUNS)
 
 
 def run_names(store: Store) -> list[str]:
@@ -138,18 +153,38 @@ def _run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
     return redact_uri(f"{uri}/#/experiments/{experiment_id}/runs/{run_id}")  # not a store key: the UI page
 
 
-def run_status(store: Store, run_name: str, tracking_uri: str) -> RunStatus:
-    """The state of lineage `run_name`; UserError when the store holds no such lineage."""
-    from mlflow.tracking import MlflowClient
+def checkpoint_damage(store: Store, run_name: str, step: int, checksums: bool = False) -> str | None:
+    """What is wrong with checkpoint `step`'s files against its manifest: their sizes (one listing call a file),
+    and with `checksums` their SHA-256 (reads every byte); None when nothing is."""
+    from lmyard.checkpoint.manifest import mismatch
 
+    try:
+        catalog.verify(store, run_name, step)
+        catalog.read_state(store, run_name, step)
+        if checksums:
+            for name, meta in catalog.read_manifest(store, run_name, step).files.items():
+                key = RunLayout(run_name).step_file(step, name)
+                if store.sha256(key) != meta.sha256:
+                    raise mismatch(store.uri(key))
+    except ValueError as e:  # DamagedCheckpoint and pydantic's ValidationError are ValueErrors
+        return str(e).splitlines()[0]
+    return None
+
+
+def run_status(store: Store, run_name: str, tracking_uri: str, checksums: bool = False) -> RunStatus:
+    """The state of lineage `run_name`; UserError when the store holds no such lineage."""
     if run_name not in run_names(store):
         known = ", ".join(run_names(store)) or "none"
         raise UserError(f"no lineage {run_name!r} in {store.uri(RUNS)} (lineages there: {known})")
     row = run_row(store, run_name)
-    tokens = catalog.read_state(store, run_name, row.newest_step).tokens_seen if row.newest_step is not None else None
+    step = row.newest_step
+    damage = checkpoint_damage(store, run_name, step, checksums) if step is not None else None
+    tokens = catalog.read_state(store, run_name, step).tokens_seen if step is not None and not damage else None
     status = RunStatus(
         **row.model_dump(),
         tokens_seen=tokens,
+        newest_damaged=damage,
+        damaged_steps=sorted(catalog.damaged(store, run_name)),
         mlflow_status=None,
         mlflow_run_url=None,
         attempts=[],
@@ -158,11 +193,13 @@ def run_status(store: Store, run_name: str, tracking_uri: str) -> RunStatus:
     )
     if row.mlflow_run_id is None:
         return status
-    client = MlflowClient(tracking_uri)
-    run = client.get_run(row.mlflow_run_id)
-    history = client.get_metric_history(row.mlflow_run_id, schema.EVAL_LOSS)
+    client = mlflow_client(tracking_uri)
+    fix = "give --tracking-uri (or LMYARD_TRACKING__URI) the MLflow server the lineage was recorded on"
+    with tracking_errors(tracking_uri, f"lineage {run_name}'s MLflow run {row.mlflow_run_id}", fix):
+        run = client.get_run(row.mlflow_run_id)
+        history = client.get_metric_history(row.mlflow_run_id, schema.EVAL_LOSS)
+        versions = client.search_model_versions(f"run_id = '{row.mlflow_run_id}'")
     last = max(history, key=lambda m: m.step) if history else None
-    versions = client.search_model_versions(f"run_id = '{row.mlflow_run_id}'")
     status.mlflow_status = run.info.status
     status.mlflow_run_url = _run_url(tracking_uri, run.info.experiment_id, row.mlflow_run_id)
     status.attempts = _attempts(run.data.tags)

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from lmyard.config import redact_uri
+from lmyard.tracking.client import mlflow_client
 from lmyard.tracking.lineage import LineageRef
 
 
@@ -62,9 +63,7 @@ class MLflowSink:
         import queue
         import threading
 
-        from mlflow.tracking import MlflowClient
-
-        self.client, self.run_id = MlflowClient(tracking_uri), run_id
+        self.client, self.run_id = mlflow_client(tracking_uri), run_id
         self.queue: queue.Queue = queue.Queue()
         self.floor: dict[str, int] | None = None  # key -> highest step the run holds; read by the thread
         self.skipped = 0
