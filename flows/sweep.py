@@ -10,10 +10,11 @@ import sys
 from typing import Any
 
 from prefect import flow
+from prefect.settings import PREFECT_API_URL
 
 from lmyard.config import RunConfig
 from lmyard.recipes import with_recipe
-from lmyard.sweep.driver import SweepResult, plan
+from lmyard.sweep.driver import SweepResult, check_cluster, plan
 from lmyard.sweep.space import Trial, assignments, trial_config
 from lmyard.tracking.credentials import credentials_to_env
 from tasks.shard import tokenize_and_shard
@@ -37,6 +38,7 @@ def sweep(
     `search` (docs/sweeps.md); a rerun trains only the trials that are not done."""
     config = credentials_to_env(with_recipe(config, recipe))
     trials = plan(config, sizes, search)  # a bad space or trial: one line, before anything
+    check_cluster(config, trials, PREFECT_API_URL.value())  # Ray: each trial placed, the Prefect API reached
     shards = tokenize_and_shard(config)  # once: every trial of the same data reuses this shard set
     parent = open_sweep(config, trials.kind)
     commands = {t["name"]: trial_command(config, t, parent) for t in pending_trials(config, trials)}

@@ -162,3 +162,36 @@ def test_a_full_cache_disk_on_host_b_ends_the_launch_with_exit_4_in_one_line_nam
         f"raylet in {a.netns}",
         f"raylet in {b.netns}",
     ]
+
+
+@pytest.mark.parametrize(
+    "api_url, says",
+    [
+        (None, "PREFECT_API_URL is unset (lmyard's temporary server on 127.0.0.1): the sweep's trials on the Ray"),
+        ("http://127.0.0.1:4200/api", "PREFECT_API_URL http://127.0.0.1:4200/api: the sweep's trials on the Ray"),
+        ("http://{services}:4200/api", "trial sw-x1: the Ray cluster can never place its training: 0 of its 2"),
+    ],
+    ids=["temporary-server", "loopback", "placement"],
+)
+def test_a_ray_sweep_its_trials_cannot_run_is_refused_in_one_line_before_anything_is_made(
+    ray_hosts, tmp_path, api_url, says
+):
+    """Trials on host b cannot reach a Prefect API on host a's loopback; 64 CPUs a node are on no node. The
+    sweep launched beside host a says so in one line, exit 2, before a Prefect server, a shard or a run exists."""
+    a, b = ray_hosts["a"], ray_hosts["b"]
+    sets = {"run_name": "sw", "launch.backend": "ray", "launch.ray.address": f"{a.addr}:{RAY_PORT}"}
+    if api_url and "{services}" in api_url:  # reachable from every host; the refusal is the placement's
+        sets["launch.ray.cpus_per_node"] = 64
+    overrides = tiny_overrides(tmp_path, **sets)
+    env = {k: v for k, v in a.env().items() if k != "PREFECT_API_URL"}
+    if api_url:
+        env["PREFECT_API_URL"] = api_url.format(services=ray_hosts.services.addr)
+    cmd = a.in_ray(
+        [sys.executable, "-m", "flows.cli", "sweep", "smoke", "--sizes", "1", *(f"--set={s}" for s in overrides)]
+    )
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"lmyard: error: {says}"), lines
+    assert (b.addr in lines[0]) == says.startswith("PREFECT_API_URL") and proc.stdout == ""
+    assert not (tmp_path / "store").exists() and not (tmp_path / "mlflow.db").exists()  # no shard, no MLflow run

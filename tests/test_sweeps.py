@@ -140,3 +140,20 @@ def test_a_bad_search_space_is_one_line_and_exit_2_before_anything_starts(tmp_pa
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"lmyard: error: --search space.yaml: {named}"), lines
     assert not (tmp_path / "store").exists()  # no shard, no run
+
+
+def test_a_size_whose_checkpoints_cannot_fit_is_one_line_naming_the_trial_before_any_shard_or_run(tmp_path):
+    store, db = tmp_path / "store", tmp_path / "mlflow.db"
+    sets = ["--set", f"store={store}", "--set", f"tracking.uri=sqlite:///{db}"]
+    proc = subprocess.run(
+        lmyard_cmd("sweep", "smoke", "--sizes", "1,1000000", *sets),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lmyard: error: trial smoke-x1000000 (model.n_embd="), lines
+    assert "checkpoints do not fit" in lines[0] and "MiB needed" in lines[0]
+    assert not store.exists() and not db.exists() and proc.stdout == ""  # no shard, no MLflow run, no flow

@@ -24,14 +24,19 @@ SHARD_MEMORY = 512 << 20  # tokenize-and-shard's coordinator: the pieces in flig
 SPECS: dict[str, type[StageSpec]] = {c.stage: c for c in (ShardSpec, TrainSpec, EvalSpec, ExportSpec)}
 
 
+def train_request(cfg: RunConfig) -> dict[str, float]:
+    """One node's bundle of training (see the module doc)."""
+    rc = cfg.launch.ray
+    out = {"CPU": float(rc.cpus_per_node or cfg.launch.nproc_per_node)}
+    if rc.gpus_per_node:
+        out["GPU"] = float(rc.gpus_per_node)
+    return {**out, **{k: float(v) for k, v in rc.resources.items()}}
+
+
 def request(cfg: RunConfig, spec: StageSpec) -> dict[str, float]:
     """One node's resources for `spec`'s stage (see the module doc)."""
-    rc = cfg.launch.ray
     if isinstance(spec, TrainSpec):
-        out = {"CPU": float(rc.cpus_per_node or cfg.launch.nproc_per_node)}
-        if rc.gpus_per_node:
-            out["GPU"] = float(rc.gpus_per_node)
-        return {**out, **{k: float(v) for k, v in rc.resources.items()}}
+        return train_request(cfg)
     if isinstance(spec, EvalSpec) and cfg.eval.device.startswith("cuda"):
         return {"CPU": 1.0, "GPU": 1.0}
     if isinstance(spec, EvalSpec):  # beside training, as locally: the CPUs of eval.threads, else none reserved

@@ -16,7 +16,16 @@ from lmyard.paths import cache_root
 from lmyard.run import Run
 from lmyard.sweep import record
 from lmyard.sweep.runner import TrialFailed, TrialProcess
-from lmyard.sweep.space import Schedule, Trial, absolute_uri, parse_space, search_trials, size_trials, trial_config
+from lmyard.sweep.space import (
+    Schedule,
+    Trial,
+    absolute_uri,
+    parse_space,
+    said,
+    search_trials,
+    size_trials,
+    trial_config,
+)
 
 log = logging.getLogger("lmyard.sweep")
 
@@ -51,10 +60,41 @@ def plan(config: RunConfig, sizes: list[int] | None, search: dict[str, Any] | No
     else:
         space = parse_space(search, source or "search space")
         trials, schedule = search_trials(config, space), space.schedule
-    for t in trials:
-        trial_config(config, t)  # every trial's config valid before the shards are made
+    vocab: dict[str, int] = {}
+    for t in trials:  # every trial's config valid, its checkpoints fitting the disks, before the shards are made
+        _check_disks(RunConfig.model_validate(trial_config(config, t)), t, vocab)
     rows = [{"name": t.name, "overrides": t.overrides, "size": t.size} for t in trials]
     return Plan(kind="sizes" if sizes is not None else "search", trials=rows, schedule=schedule and vars(schedule))
+
+
+def _check_disks(cfg: RunConfig, trial: Trial, vocab: dict[str, int]) -> None:
+    """The trial's checkpoints fit this node's disks (lmyard.checkpoint.budget, as its trainer checks before its
+    first step): a UserError naming the trial and its keys when they cannot. `vocab`: n_vocab by tokenizer."""
+    from lmyard.checkpoint import budget
+    from lmyard.data.tokenizer import get_tokenizer
+    from lmyard.models import registry
+
+    if cfg.model.init_from:  # its sizes are those of a model not read yet: its trainer checks them
+        return
+    key = cfg.tokenizer.model_dump_json()
+    n_vocab = vocab[key] = vocab.get(key) or get_tokenizer(cfg.tokenizer).n_vocab
+    fields = {"arch": cfg.model.architecture(), **registry.resolve(cfg.model, n_vocab)}
+    run = Run.of(cfg)
+    try:
+        budget.check(cfg, run.store, run.cache, fields, node_share=1.0)
+    except UserError as e:
+        raise UserError(f"trial {trial.name} ({said(trial.overrides)}): {e}") from None
+
+
+def check_cluster(config: RunConfig, p: Plan, api_url: str | None) -> None:
+    """On the Ray backend, before anything is made: the cluster places every trial's training and its trials
+    reach the Prefect API `api_url` (lmyard.sweep.tune.check_cluster); nothing to check on the local backend."""
+    if config.launch.backend != "ray":
+        return
+    from lmyard.sweep.tune import check_cluster as on_ray
+
+    trials = {row["name"]: RunConfig.model_validate(trial_config(config, _trial(row))) for row in p.trials}
+    on_ray(config, trials, api_url)
 
 
 def _trial(row: dict[str, Any]) -> Trial:

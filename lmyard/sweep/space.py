@@ -188,7 +188,7 @@ def trial_config(config: RunConfig, trial: Trial, parent_run_id: str | None = No
     try:
         RunConfig.model_validate(data)
     except ValidationError as e:
-        raise UserError(f"trial {trial.name} ({_said(trial.overrides)}): {format_validation_error(e)}") from None
+        raise UserError(f"trial {trial.name} ({said(trial.overrides)}): {format_validation_error(e)}") from None
     return data
 
 
@@ -199,7 +199,8 @@ def absolute_uri(uri: str) -> str:
     return uri if "://" in uri else os.path.abspath(uri)
 
 
-def _said(overrides: dict[str, Any]) -> str:
+def said(overrides: dict[str, Any]) -> str:
+    """A trial's overrides as `key=value, ...` (floats to 4 digits): how a message names them."""
     return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in overrides.items())
 
 

@@ -14,14 +14,24 @@ import logging
 import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from lmyard.config import RunConfig
+from lmyard.errors import UserError
 from lmyard.launch import ray as ray_launch
 from lmyard.store import open_store
 from lmyard.sweep.runner import TrialProcess
 from lmyard.sweep.space import Schedule
 
-PASSED = ("PREFECT_API_URL", "LMYARD_CACHE", "LMYARD_STORE", "MLFLOW_TRACKING_URI", "PYTHONPATH", "TIKTOKEN_CACHE_DIR")
+PASSED = (
+    "PREFECT_API_URL",
+    "LMYARD_CACHE",
+    "LMYARD_STORE",
+    "MLFLOW_TRACKING_URI",
+    "PYTHONPATH",
+    "TIKTOKEN_CACHE_DIR",
+    *ray_launch.QUIET_ENV,
+)
 
 
 def _connect(cfg: RunConfig) -> None:
@@ -30,6 +40,7 @@ def _connect(cfg: RunConfig) -> None:
     if ray.is_initialized():
         return
     env = {k: v for k, v in os.environ.items() if k in PASSED or k == "LMYARD_TRACKING__URI"}
+    ray_launch.quiet_driver()
     ray.init(
         address=ray_launch.address(cfg),
         namespace=ray_launch.NAMESPACE,
@@ -39,6 +50,49 @@ def _connect(cfg: RunConfig) -> None:
     )
     # the trials' own `lmyard run` reaches the same cluster, whatever the nodes' RAY_ADDRESS
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+
+
+def prefect_unreachable(api_url: str | None, here: str, nodes: list[dict]) -> str | None:
+    """Why trials on the cluster's other hosts cannot reach the sweep's Prefect API (a loopback PREFECT_API_URL,
+    this machine's, and live nodes at other addresses than `here`); None when they can."""
+    host = urlsplit(api_url).hostname if api_url else None
+    if host is not None and host != "localhost" and not host.startswith("127.") and host != "::1":
+        return None
+    others = sorted({n["NodeManagerAddress"] for n in nodes if n.get("Alive") and n["NodeManagerAddress"] != here})
+    if not others:
+        return None
+    said = api_url or "is unset (lmyard's temporary server on 127.0.0.1)"
+    return (
+        f"PREFECT_API_URL {said}: the sweep's trials on the Ray cluster's other hosts ({', '.join(others)}) cannot "
+        "reach this machine's loopback; set PREFECT_API_URL to a Prefect server every node reaches "
+        "(docs/sweeps.md), or sweep on a one-host cluster"
+    )
+
+
+def check_cluster(cfg: RunConfig, trials: dict[str, RunConfig], api_url: str | None) -> None:
+    """Before anything is made: the trials reach the sweep's Prefect API (`api_url`; None: a temporary server on
+    this machine), and the cluster can place each trial's training (lmyard.launch.ray_requests); a UserError
+    naming PREFECT_API_URL, or the trial and its keys. A connection made here is closed: the sweep's own
+    connects with the environment its trials get."""
+    import ray
+
+    from lmyard.launch.ray_requests import train_request, unfit
+
+    connected = ray.is_initialized()
+    _connect(cfg)
+    try:
+        nodes, here = ray.nodes(), ray.util.get_node_ip_address()
+    finally:
+        if not connected:
+            ray.shutdown()
+    if why := prefect_unreachable(api_url, here, nodes):
+        raise UserError(why)
+    for name, trial in trials.items():
+        if why := unfit(train_request(trial), trial.launch.nnodes, nodes):
+            raise UserError(
+                f"trial {name}: the Ray cluster can never place its training: {why} (one bundle per node); lower "
+                "launch.nnodes or launch.nproc_per_node, launch.ray.cpus_per_node/gpus_per_node/resources"
+            )
 
 
 def _trainable():
