@@ -101,6 +101,15 @@ def test_recipe_file_is_read_and_overridden(tmp_path):
             "eval.gates.metrics.0: gate on 'loss/val' needs exactly one bound: min (higher is better) or max",
         ),
         (["config", "--set", "eval.gates.metrics=[{max: 3}]"], "eval.gates.metrics.0.metric: Field required"),
+        (
+            ["config", "--set", "launch.ray.runtime_env={env_vars: {NCCL_SOCKET_IFNAME: null}}"],
+            "launch.ray.runtime_env: env_vars.NCCL_SOCKET_IFNAME is None, not a string: give it a value, "
+            'quoted in YAML (e.g. NCCL_SOCKET_IFNAME: "1")',
+        ),
+        (
+            ["config", "--set", "launch.ray.runtime_env={env_var: {A: b}}"],
+            "launch.ray.runtime_env: unknown key 'env_var'; Ray's keys: conda, config",
+        ),
     ],
 )
 def test_bad_config_prints_one_line_and_exits_2(args, message):
@@ -202,3 +211,11 @@ def test_deployment_recipe_sits_over_the_environment_and_under_explicit_fields(m
     assert cfg.tracking.experiment == "site"  # the environment fills what the recipe leaves out
     assert cfg.run_name == "smoke-deployment"  # the recipe wins over the environment
     assert cfg.train.max_steps == 5  # the deployment's explicit field wins over both
+
+
+def test_the_runtime_env_keys_lmyard_accepts_are_rays():
+    ray_env = pytest.importorskip("ray.runtime_env")
+    from lmyard.config.launch import RUNTIME_ENV_KEYS
+
+    public = {k.removeprefix("_") for k in ray_env.RuntimeEnv.known_fields if k in ("_nsight", "_rocprof_sys")}
+    assert RUNTIME_ENV_KEYS == public | {k for k in ray_env.RuntimeEnv.known_fields if not k.startswith("_")}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from lmyard.config.base import _Section
 
@@ -117,6 +117,16 @@ class DockerConfig(_Section):
         return self
 
 
+# the public keys of Ray's RuntimeEnv (ray.runtime_env.RuntimeEnv.known_fields, less its private ones, plus nsight
+# and rocprof_sys, which it takes under those names); tests/test_config_errors.py checks them against Ray's
+RUNTIME_ENV_KEYS = frozenset(
+    {
+        "conda", "config", "container", "env_vars", "excludes", "image_uri", "java_jars", "nsight", "pip",
+        "py_executable", "py_modules", "rocprof_sys", "uv", "worker_process_setup_hook", "working_dir",
+    }
+)  # fmt: skip
+
+
 class RayConfig(_Section):
     """One actor per node in a placement group of a Ray cluster (see docs/ray.md)."""
 
@@ -146,6 +156,23 @@ class RayConfig(_Section):
     placement_timeout_s: float = Field(
         600, gt=0, description="How long to wait for the placement group and the actors (a busy cluster)."
     )
+
+    @field_validator("runtime_env")
+    @classmethod
+    def _known_runtime_env(cls, env: dict[str, Any]) -> dict[str, Any]:
+        """Ray's own keys only, env_vars' values strings: a YAML slip is one line here, not a TypeError of Ray's
+        when the actors start."""
+        if unknown := sorted(set(env) - RUNTIME_ENV_KEYS):
+            raise ValueError(f"unknown key {unknown[0]!r}; Ray's keys: {', '.join(sorted(RUNTIME_ENV_KEYS))}")
+        variables = env.get("env_vars", {})
+        if not isinstance(variables, dict):
+            raise ValueError("env_vars must map names to strings, e.g. {env_vars: {NCCL_SOCKET_IFNAME: eth0}}")
+        if bad := [k for k, v in variables.items() if not isinstance(v, str)]:
+            raise ValueError(
+                f"env_vars.{bad[0]} is {variables[bad[0]]!r}, not a string: give it a value, quoted in YAML "
+                f'(e.g. {bad[0]}: "1"), or remove it'
+            )
+        return env
 
 
 class LaunchConfig(_Section):
