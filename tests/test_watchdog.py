@@ -60,8 +60,11 @@ def test_hung_rank_is_detected_within_the_configured_time_and_the_job_killed(tmp
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
     seen, on_line = _first_seen("injected hang", "watchdog:")
 
-    with pytest.raises(TrainingFailed, match="no training step completed for .* last heartbeats: rank-0 after step"):
+    with pytest.raises(
+        TrainingFailed, match="no training step completed for .* last heartbeats: rank-0 after step"
+    ) as e:
         run_local(cfg, spec, on_line=on_line)
+    assert str(e.value).endswith("; a retry resumes from the last checkpoint")  # launch.retries=1
     assert 6 <= seen["watchdog:"] - seen["injected hang"] < 6 + 5  # timeout + polling and kill slack
     assert complete_steps(open_store(cfg.store), "smoke") == [4]
     assert _ranks_of(tmp_path) == [], "a killed job left ranks running (each rank has a session of its own)"
@@ -90,7 +93,7 @@ def test_rank_hung_before_its_first_step_is_killed_after_the_startup_timeout_nam
     monkeypatch.setenv("LMYARD_FAULTS", "hang_before@1")  # the last rank never starts step 1, so rank 0 waits too
     monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
     startup_s = 20  # more than a healthy start takes here, so the kill is the timeout's
-    cfg = _cfg(tmp_path, **{"launch.startup_timeout_s": startup_s})
+    cfg = _cfg(tmp_path, **{"launch.startup_timeout_s": startup_s, "launch.retries": 0})
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
     seen, on_line = _first_seen("injected hang", "watchdog:")
@@ -99,6 +102,7 @@ def test_rank_hung_before_its_first_step_is_killed_after_the_startup_timeout_nam
     with pytest.raises(TrainingFailed, match=r"watchdog: rank-0, rank-1 completed no training step") as info:
         run_local(cfg, spec, on_line=on_line)
     assert "launch.startup_timeout_s=20" in str(info.value) and "\n" not in str(info.value)  # one line
+    assert str(info.value).endswith("; run the same command again to resume from the last checkpoint")  # no retry
     assert "injected hang" in seen, "the fault did not fire: the test proves nothing"
     assert startup_s <= seen["watchdog:"] - started < startup_s + 15  # from the job's start, + polling and kill slack
     assert complete_steps(open_store(cfg.store), "smoke") == []

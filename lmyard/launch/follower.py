@@ -285,7 +285,8 @@ class Follower:
 
     def _result(self, stalled: str | None):
         if stalled:
-            raise TrainingFailed(stalled + "; a retry resumes from the last checkpoint")
+            again = "a retry resumes" if self.cfg.launch.retries else "run the same command again to resume"
+            raise TrainingFailed(f"{stalled}; {again} from the last checkpoint")
         raw = self.job.read("result.json")
         result = read_result(raw, type(self.job.spec).result) if raw else None
         if result is None or not isinstance(result, StageError) and any(self.exits.values()):

@@ -55,7 +55,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from lmyard.config import RunConfig
@@ -80,8 +80,20 @@ def address(cfg: RunConfig, environ: Mapping[str, str] | None = None) -> str:
     return cfg.launch.ray.address or environ.get("RAY_ADDRESS") or "auto"
 
 
+@contextlib.contextmanager
+def _runtime_env_refusal() -> Iterator[None]:
+    """Ray refusing launch.ray.runtime_env as the actors are made (a TypeError or ValueError of its validation):
+    one line, a UserError, so the attempt is not retried as a crash."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise UserError(f"launch.ray.runtime_env: Ray refused it: {first}") from None
+
+
 # ---------------------------------------------------------------- the driver's connection (one per process)
 
+QUIET_ENV = ("MLFLOW_LOGGING_LEVEL", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")  # set by lmyard.console.install
 _LOCK = threading.Lock()
 _users = 0
 _ours = False  # this module called ray.init, so it shuts the connection down after the last job
@@ -119,12 +131,26 @@ def _connect(addr: str) -> None:
                 )
         else:
             try:
+                quiet_driver()
                 ray.init(address=addr, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
                 _fold_cluster_errors()
             except (ConnectionError, ValueError, RuntimeError) as e:
                 raise no_cluster(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
             _ours = True
         _users += 1
+
+
+class _SigtermHandlerNotSet(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+
+def quiet_driver() -> None:
+    """Before ray.init in a flow's task thread: Ray warns that it set no SIGTERM handler there. None is wanted:
+    Prefect's own, in the main thread, stops the job and records its end (Ray's would exit the process)."""
+    worker = logging.getLogger("ray._private.worker")  # the logger of ray.init's module, by its name
+    if not any(isinstance(f, _SigtermHandlerNotSet) for f in worker.filters):
+        worker.addFilter(_SigtermHandlerNotSet())
 
 
 _said: set[str] = set()  # the cluster's errors folded so far (each is published once per agent that saw it)
@@ -284,7 +310,8 @@ class RayJob:
         self.spec_json = on_cluster(cfg, spec)
         secrets = secret_names(rc, environ)
         faults = [k for k in environ if k.startswith("LMYARD_FAULT")]  # failure drills
-        self.env = {k: environ[k] for k in [*secrets, *faults]}
+        quiet = [k for k in QUIET_ENV if k in environ]  # the command line's quiet MLflow, on the nodes too
+        self.env = {k: environ[k] for k in [*secrets, *faults, *quiet]}
         self.mask = _Masker([environ[k] for k in secrets])
         self.launch_id = uuid.uuid4().hex[:12]
         self.names = [f"lmyard-{cfg.run_name}-{self.launch_id}-node{i}"[:120] for i in range(n)]
@@ -366,8 +393,8 @@ class RayJob:
         custom = {k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU", "memory")}
         for i, name in enumerate(self.names):
             where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i) if self.pg else "DEFAULT"
-            self.actors.append(
-                agent.options(
+            with _runtime_env_refusal():
+                actor = agent.options(
                     name=name,
                     namespace=NAMESPACE,
                     num_cpus=self.bundle["CPU"],
@@ -379,7 +406,7 @@ class RayJob:
                     runtime_env=self.cfg.launch.ray.runtime_env or None,
                     scheduling_strategy=where,
                 ).remote()
-            )
+            self.actors.append(actor)
 
     def _pump(self, i: int, events: queue.Queue) -> None:
         import ray

@@ -30,7 +30,8 @@ ARGS` with two differences.
    rank that failed first, by torchrun's report and the ranks' records (a record wins: it is the rank's own word,
    and torchrun may stop a preempted rank after it recorded its code); `exits/` in the exchange folder gets every
    code. The exit code is 5 when every rank that ended so was preempted, else what torchrun's uncaught error
-   gave (1); signals reach the agent as before (the same process).
+   gave (1); signals reach the agent as before (the same process), and the agent's SignalException, once it
+   has stopped the ranks, is one line (exit 1, as before), not its traceback.
 
 It is a program, and nothing imports this module (it loads torch, which flows and tasks must not).
 """
@@ -47,6 +48,7 @@ from lmyard.stages import EXCHANGE_ENV, RANK_EXITS_ENV, RankExit, rank_exits
 
 
 def main() -> int:
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
@@ -59,6 +61,9 @@ def main() -> int:
             torchrun()
         except ChildFailedError as e:
             failures = [RankExit(rank=r, code=f.exitcode, pid=f.pid, at=f.timestamp) for r, f in e.failures.items()]
+        except SignalException as e:  # its agent stopped the ranks already; the launcher said why it signalled
+            print(f"torchrun: stopped by {e.sigval.name}; its ranks were stopped first", file=sys.stderr)
+            return 1  # as torchrun's own uncaught SignalException exited, less its traceback
         # a rank's own record wins: torchrun may have stopped a preempted rank after it recorded, its work done
         return node_code({x.rank: x for x in [*failures, *(rank_exits(folder) if folder else [])]})
     finally:
