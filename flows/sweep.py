@@ -17,6 +17,7 @@ from lmyard.recipes import with_recipe
 from lmyard.sweep.driver import SweepResult, check_cluster, plan
 from lmyard.sweep.space import Trial, assignments, trial_config
 from lmyard.tracking.credentials import credentials_to_env
+from tasks.lineage import ended_status
 from tasks.shard import tokenize_and_shard
 from tasks.sweep import close_sweep, log_sweep, open_sweep, pending_trials, train_trial, train_trials_on_ray
 
@@ -48,7 +49,7 @@ def sweep(
         else:
             for name, command in commands.items():
                 train_trial(config, command, name)
-    except BaseException:
-        close_sweep(config, parent, "FAILED")
+    except BaseException as exc:
+        close_sweep(config, parent, ended_status(exc) or "FAILED")  # KILLED on an interrupt, as `lmyard run`'s
         raise
     return log_sweep(config, trials, parent, shards.n_vocab)

@@ -157,3 +157,25 @@ def test_a_size_whose_checkpoints_cannot_fit_is_one_line_naming_the_trial_before
     assert len(lines) == 1 and lines[0].startswith("lmyard: error: trial smoke-x1000000 (model.n_embd="), lines
     assert "checkpoints do not fit" in lines[0] and "MiB needed" in lines[0]
     assert not store.exists() and not db.exists() and proc.stdout == ""  # no shard, no MLflow run, no flow
+
+
+@pytest.mark.integration
+def test_a_trial_that_fails_for_a_user_error_ends_the_sweep_with_exit_2_in_one_line_naming_it(cli_env, tmp_path):
+    (tmp_path / "space.yaml").write_text("params:\n  train.lr: {grid: [0.01]}\n")
+    name = f"userr-{uuid.uuid4().hex[:6]}"
+    sets = _sets(
+        tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}", name, steps=2, **{"model.init_from": "models:/nope/1"}
+    )
+    proc = subprocess.run(
+        lmyard_cmd("sweep", "smoke", "--search", "space.yaml", *sets),
+        cwd=tmp_path,
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"lmyard: error: trial {name}-t00 failed (exit 2): lmyard: error: model.init_from"), last
+    assert "no such registered model version" in last and "Traceback" not in proc.stdout + proc.stderr
+    assert (tmp_path / "cache" / "sweeps" / name / f"{name}-t00.log").exists()  # the trial's whole output kept

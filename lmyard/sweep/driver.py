@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from lmyard.config import RunConfig
-from lmyard.errors import UserError
+from lmyard.errors import ExitCode, UserError
 from lmyard.paths import cache_root
 from lmyard.run import Run
 from lmyard.sweep import record
@@ -138,12 +138,18 @@ def run_on_ray(config: RunConfig, p: Plan, commands: dict[str, list[str]]) -> No
     ]
     ends = tune_run(config, rows, p.schedule_(), Path(cache_root("sweeps", "tune")))
     store = Run.of(config).store
-    for name, (_, stopped_at) in ends.items():
+    for name, (_, stopped_at, _) in ends.items():
         if stopped_at is not None:
             record.mark_stopped(config, store, Trial(name, {}), stopped_at)
-    failed = {n: e for n, (e, _) in ends.items() if e}
+    failed = {n: (e, code) for n, (e, _, code) in ends.items() if e}
+    for e, _ in failed.values():
+        log.error(e)  # one line each: the trial's own (its name, exit code, last line, log)
     if failed:
-        raise TrialFailed(f"{len(failed)} trial(s) failed: " + "; ".join(f"{n}: {e}" for n, e in failed.items()))
+        user = all(code == ExitCode.USER_ERROR for _, code in failed.values())
+        raise TrialFailed(
+            f"{len(failed)} of {len(ends)} trial(s) failed: {', '.join(failed)} (each said above)",
+            ExitCode.USER_ERROR if user else ExitCode.CRASHED,
+        )
 
 
 def summarize(config: RunConfig, p: Plan, parent: str, n_vocab: int) -> SweepResult:

@@ -17,14 +17,22 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from lmyard.errors import StageFailed
+from lmyard.errors import ExitCode, StageFailed
 from lmyard.tracking.lineage import Lineage
 
 POLL_S = 2.0
 
 
 class TrialFailed(StageFailed):
-    """A trial's `lmyard run` ended with an error (after its own retries)."""
+    """A trial's `lmyard run` ended with an error (after its own retries); `exit_code` is the run's when it was
+    a user error (2: a config that cannot work), else a crash's (1)."""
+
+    def __init__(self, message: str, code: int = ExitCode.CRASHED):
+        super().__init__(message)
+        self.exit_code = ExitCode.USER_ERROR if code == ExitCode.USER_ERROR else ExitCode.CRASHED
+
+    def __reduce__(self):  # through Ray Tune's actors with its code
+        return (TrialFailed, (str(self), int(self.exit_code)))
 
 
 def _die_with_parent() -> None:  # in the child, before exec: SIGTERM when the starting thread ends
@@ -63,7 +71,10 @@ class TrialProcess:
         yield from self._new_points()
         if self.proc.returncode != 0:
             tail = self.log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-            raise TrialFailed(f"trial {self.name} failed (exit {self.proc.returncode}): {tail[0]} (log: {self.log})")
+            raise TrialFailed(
+                f"trial {self.name} failed (exit {self.proc.returncode}): {tail[0]} (log: {self.log})",
+                self.proc.returncode,
+            )
 
     def stop(self, grace_s: float) -> None:
         """SIGTERM (the flow checkpoints and closes its lineage), then SIGKILL after `grace_s`."""

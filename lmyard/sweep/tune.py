@@ -130,9 +130,10 @@ def _trainable():
 
 def run_on_ray(
     cfg: RunConfig, trials: list[dict[str, Any]], schedule: Schedule | None, storage: Path
-) -> dict[str, tuple[str, int | None]]:
-    """Run the trials (their names, commands, logs) under Tune; name -> (error, stopped at): the error's last
-    line ('' if none), and the step at which the scheduler stopped the trial (None if it ran to its end or failed).
+) -> dict[str, tuple[str, int | None, int]]:
+    """Run the trials (their names, commands, logs) under Tune; name -> (error, stopped at, exit code): the
+    error's last line ('' if none), the step at which the scheduler stopped the trial (None if it ran to its end
+    or failed), and the trial's exit code (2: a user error, 1: any other failure, 0: none).
 
     The step is the scheduler's decision, at a rung: a trial's process may run on past it until its SIGTERM
     lands (a tiny trial can reach its last step first)."""
@@ -168,12 +169,25 @@ def run_on_ray(
             checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=False),
         ),
     )
-    results = tuner.fit()
+    controller = logging.getLogger("ray.tune.execution.tune_controller")  # its traceback of each failed trial
+    controller.addFilter(said_by_the_sweep := _TrialFailures())
+    try:
+        results = tuner.fit()
+    finally:
+        controller.removeFilter(said_by_the_sweep)
     out = {}
     for i in range(len(results)):
         r = results[i]
         error = str(r.error).strip().splitlines()[-1] if r.error else ""
+        code = int(getattr(getattr(r.error, "cause", None) or r.error, "exit_code", 1)) if r.error else 0
         metrics = r.metrics or {}
         stopped = None if error or metrics.get("ended") else int(metrics.get("step", 0))
-        out[(r.config or {})["trial"]["name"]] = (error, stopped)
+        out[(r.config or {})["trial"]["name"]] = (error, stopped, code)
     return out
+
+
+class _TrialFailures(logging.Filter):
+    """Tune's error record (with the remote traceback) of a failed trial: the sweep says each in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Trial task failed for trial")
