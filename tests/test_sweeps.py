@@ -179,3 +179,22 @@ def test_a_trial_that_fails_for_a_user_error_ends_the_sweep_with_exit_2_in_one_l
     assert last.startswith(f"lmyard: error: trial {name}-t00 failed (exit 2): lmyard: error: model.init_from"), last
     assert "no such registered model version" in last and "Traceback" not in proc.stdout + proc.stderr
     assert (tmp_path / "cache" / "sweeps" / name / f"{name}-t00.log").exists()  # the trial's whole output kept
+
+
+@pytest.mark.parametrize(
+    "api_url, addresses, refused",
+    [
+        (None, ["10.0.0.1", "10.0.0.2"], True),  # lmyard's temporary server, on this machine's loopback
+        ("http://localhost:4200/api", ["10.0.0.1", "10.0.0.2"], True),
+        ("http://127.0.0.1:4200/api", ["10.0.0.1"], False),  # a one-host cluster reaches it
+        ("http://10.0.0.1:4200/api", ["10.0.0.1", "10.0.0.2"], False),
+    ],
+)
+def test_a_loopback_prefect_api_is_refused_only_when_trials_may_run_on_other_hosts(api_url, addresses, refused):
+    from lmyard.sweep.tune import prefect_unreachable
+
+    nodes = [{"NodeManagerAddress": a, "Alive": True} for a in addresses]
+    nodes.append({"NodeManagerAddress": "10.0.0.9", "Alive": False})  # a dead node runs no trial
+    why = prefect_unreachable(api_url, "10.0.0.1", nodes)
+    assert (why is not None) == refused, why
+    assert why is None or (why.startswith("PREFECT_API_URL ") and "(10.0.0.2)" in why and "10.0.0.9" not in why)
