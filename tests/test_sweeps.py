@@ -195,6 +195,6 @@ def test_a_loopback_prefect_api_is_refused_only_when_trials_may_run_on_other_hos
 
     nodes = [{"NodeManagerAddress": a, "Alive": True} for a in addresses]
     nodes.append({"NodeManagerAddress": "10.0.0.9", "Alive": False})  # a dead node runs no trial
-    why = prefect_unreachable(api_url, "10.0.0.1", nodes)
+    why = prefect_unreachable(api_url, {"127.0.0.1", "10.0.0.1"}, nodes)
     assert (why is not None) == refused, why
     assert why is None or (why.startswith("PREFECT_API_URL ") and "(10.0.0.2)" in why and "10.0.0.9" not in why)

@@ -52,13 +52,13 @@ def _connect(cfg: RunConfig) -> None:
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
 
 
-def prefect_unreachable(api_url: str | None, here: str, nodes: list[dict]) -> str | None:
+def prefect_unreachable(api_url: str | None, here: set[str], nodes: list[dict]) -> str | None:
     """Why trials on the cluster's other hosts cannot reach the sweep's Prefect API (a loopback PREFECT_API_URL,
-    this machine's, and live nodes at other addresses than `here`); None when they can."""
+    this machine's, and live nodes at addresses not in `here`, this machine's); None when they can."""
     host = urlsplit(api_url).hostname if api_url else None
     if host is not None and host != "localhost" and not host.startswith("127.") and host != "::1":
         return None
-    others = sorted({n["NodeManagerAddress"] for n in nodes if n.get("Alive") and n["NodeManagerAddress"] != here})
+    others = sorted({n["NodeManagerAddress"] for n in nodes if n.get("Alive") and n["NodeManagerAddress"] not in here})
     if not others:
         return None
     said = api_url or "is unset (lmyard's temporary server on 127.0.0.1)"
@@ -67,6 +67,13 @@ def prefect_unreachable(api_url: str | None, here: str, nodes: list[dict]) -> st
         "reach this machine's loopback; set PREFECT_API_URL to a Prefect server every node reaches "
         "(docs/sweeps.md), or sweep on a one-host cluster"
     )
+
+
+def _local_addresses() -> set[str]:
+    """This machine's addresses, every interface's (loopback included)."""
+    import psutil
+
+    return {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.address}
 
 
 def check_cluster(cfg: RunConfig, trials: dict[str, RunConfig], api_url: str | None) -> None:
@@ -81,11 +88,11 @@ def check_cluster(cfg: RunConfig, trials: dict[str, RunConfig], api_url: str | N
     connected = ray.is_initialized()
     _connect(cfg)
     try:
-        nodes, here = ray.nodes(), ray.util.get_node_ip_address()
+        nodes = ray.nodes()
     finally:
         if not connected:
             ray.shutdown()
-    if why := prefect_unreachable(api_url, here, nodes):
+    if why := prefect_unreachable(api_url, _local_addresses(), nodes):
         raise UserError(why)
     for name, trial in trials.items():
         if why := unfit(train_request(trial), trial.launch.nnodes, nodes):
