@@ -160,9 +160,11 @@ def _command(args: argparse.Namespace) -> int:
     from lmyard.recipes import load_recipe
 
     if args.command in ("runs", "status", "eval", "sample", "export"):
+        from lmyard import console
         from lmyard.tracking.client import operator_timeouts
 
         operator_timeouts()  # a tracking server that stops answering ends the command in seconds, not minutes
+        console.quiet_tools()  # MLflow's INFO lines (a new sqlite database's) are not the command's output
     if args.command == "export":
         return _export(args)
     if args.command in ("runs", "status", "eval", "sample"):

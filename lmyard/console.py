@@ -252,13 +252,10 @@ def install(store: str, stream: TextIO | None = None) -> Console:
     """Print what Prefect's loggers print through a Console (in place of Prefect's console handler), quiet other
     tools here and in the processes this one starts. For the command line, before it runs a flow."""
     global _console
-    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "ERROR")  # read by MLflow here and in the trainer's processes
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # MLflow's own bars, in a log too
+    quiet_tools()
     # Python warnings become records of `py.warnings`, and `line` keeps only lmyard's own: a filter would not do,
     # as MLflow shows its (colored) UserWarnings under a "once" filter of its own
     logging.captureWarnings(True)
-    for name in _QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
     root = logging.getLogger()
     for handler in list(root.handlers):
         if type(handler).__name__ == "PrefectConsoleHandler":
@@ -266,6 +263,15 @@ def install(store: str, stream: TextIO | None = None) -> Console:
     _console = Console(store, stream)
     root.addHandler(_console)
     return _console
+
+
+def quiet_tools() -> None:
+    """MLflow, its database migrations and the storage clients say only their errors, here and in the processes
+    this one starts (an operator command's one line stays the only one)."""
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "ERROR")  # read by MLflow here and in the trainer's processes
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # MLflow's own bars, in a log too
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def settle(error: BaseException | None) -> None:

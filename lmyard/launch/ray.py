@@ -55,14 +55,14 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from lmyard.config import RunConfig
 from lmyard.errors import NoSpace, TrainingFailed, UserError
 from lmyard.launch.containers import _Masker, secret_names
 from lmyard.launch.follower import Follower, LocalJob
-from lmyard.launch.ray_requests import SPECS, on_cluster, request, unfit_error
+from lmyard.launch.ray_requests import SPECS, on_cluster, request, runtime_env_refusal, unfit_error
 from lmyard.stages import StageSpec, TrainResult, TrainSpec
 
 if TYPE_CHECKING:
@@ -78,17 +78,6 @@ def address(cfg: RunConfig, environ: Mapping[str, str] | None = None) -> str:
     """launch.ray.address, else RAY_ADDRESS, else `auto`."""
     environ = os.environ if environ is None else environ
     return cfg.launch.ray.address or environ.get("RAY_ADDRESS") or "auto"
-
-
-@contextlib.contextmanager
-def _runtime_env_refusal() -> Iterator[None]:
-    """Ray refusing launch.ray.runtime_env as the actors are made (a TypeError or ValueError of its validation):
-    one line, a UserError, so the attempt is not retried as a crash."""
-    try:
-        yield
-    except (TypeError, ValueError) as e:
-        first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        raise UserError(f"launch.ray.runtime_env: Ray refused it: {first}") from None
 
 
 # ---------------------------------------------------------------- the driver's connection (one per process)
@@ -393,7 +382,7 @@ class RayJob:
         custom = {k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU", "memory")}
         for i, name in enumerate(self.names):
             where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i) if self.pg else "DEFAULT"
-            with _runtime_env_refusal():
+            with runtime_env_refusal():
                 actor = agent.options(
                     name=name,
                     namespace=NAMESPACE,

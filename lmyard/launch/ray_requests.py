@@ -13,7 +13,9 @@ pieces are Ray tasks of one CPU each, lmyard.data.raypool, so that every CPU of 
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 from lmyard.config import RunConfig
 from lmyard.errors import UserError
@@ -110,3 +112,14 @@ def on_cluster(cfg: RunConfig, spec: StageSpec) -> str:
     if lineage and (sqlite := _sqlite_dir(lineage["tracking_uri"])):
         lineage["tracking_uri"] = sqlite[0]
     return type(spec).model_validate(data).model_dump_json()
+
+
+@contextlib.contextmanager
+def runtime_env_refusal() -> Iterator[None]:
+    """Ray refusing launch.ray.runtime_env as the actors are made (a TypeError or ValueError of its validation):
+    one line, a UserError, so the attempt is not retried as a crash."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise UserError(f"launch.ray.runtime_env: Ray refused it: {first}") from None
