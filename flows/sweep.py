@@ -12,6 +12,7 @@ from typing import Any
 from prefect import flow
 from prefect.settings import PREFECT_API_URL
 
+from lmyard import backends
 from lmyard.config import RunConfig
 from lmyard.recipes import with_recipe
 from lmyard.sweep.driver import SweepResult, check_cluster, plan
@@ -44,7 +45,7 @@ def sweep(
     parent = open_sweep(config, trials.kind)
     commands = {t["name"]: trial_command(config, t, parent) for t in pending_trials(config, trials)}
     try:
-        if config.launch.backend == "ray":
+        if backends.of(config).on_ray:
             train_trials_on_ray(config, trials, commands)
         else:
             for name, command in commands.items():

@@ -16,6 +16,7 @@ from prefect.events import emit_event
 from prefect.exceptions import FlowPauseTimeout
 from prefect.input import RunInput
 
+from lmyard import backends
 from lmyard.checkpoint import retention
 from lmyard.config import RunConfig
 from lmyard.data.shardset import ShardSet
@@ -164,7 +165,7 @@ def promote(lineage: Lineage, model: RegisteredModel, alias: str, note: str = ""
 def _export(config: RunConfig, checkpoint_uri: str, folder: str) -> ExportResult:
     """The export stage (`python -m lmyard.stages export`, on config.launch.backend: torch stays out of the
     flow's process) into the local `folder`."""
-    if config.launch.backend == "docker":  # the stage image's user writes into this folder (bind-mounted)
+    if backends.of(config).other_user:  # the stage image's user writes into this folder (bind-mounted)
         os.chmod(os.path.dirname(folder), 0o777)
     spec = ExportSpec(config=config, source=checkpoint_uri, dest=folder)
     return launch_stage(spec, get_run_logger().info)

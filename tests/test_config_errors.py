@@ -215,7 +215,7 @@ def test_deployment_recipe_sits_over_the_environment_and_under_explicit_fields(m
 
 def test_the_runtime_env_keys_lmyard_accepts_are_rays():
     ray_env = pytest.importorskip("ray.runtime_env")
-    from lmyard.config.launch import RUNTIME_ENV_KEYS
+    from lmyard.backends.ray import RUNTIME_ENV_KEYS
 
     public = {k.removeprefix("_") for k in ray_env.RuntimeEnv.known_fields if k in ("_nsight", "_rocprof_sys")}
     assert RUNTIME_ENV_KEYS == public | {k for k in ray_env.RuntimeEnv.known_fields if not k.startswith("_")}

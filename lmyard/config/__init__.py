@@ -6,7 +6,8 @@ The field defaults are the `smoke` recipe, the embedded default: a tiny
 byte-level GPT trained on CPython's own documentation with 2 CPU ranks.
 
 One module a section: `data` (data, tokenizer), `model`, `train` (and its
-guard), `evaluation` (eval and its gates), `checkpoint`, `launch` (docker, ray),
+guard), `evaluation` (eval and its gates), `checkpoint`, `launch` (and each backend's
+section, from the backend table lmyard.backends),
 `tracking`; `base` holds what every section shares. This module holds the
 whole, RunConfig, and names every section's type.
 
@@ -22,11 +23,13 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from lmyard.backends.docker import DockerConfig
+from lmyard.backends.ray import RayConfig
 from lmyard.config.base import RUN_NAME_MAX, _Section, digest, redact_uri
 from lmyard.config.checkpoint import CheckpointConfig
 from lmyard.config.data import DataConfig, SourceConfig, TokenizerConfig
 from lmyard.config.evaluation import EvalConfig, EvalGates, MetricGate
-from lmyard.config.launch import DockerConfig, LaunchConfig, RayConfig
+from lmyard.config.launch import LaunchConfig
 from lmyard.config.model import ModelConfig
 from lmyard.config.tracking import DEFAULT_TRACKING_URI, TrackingConfig, default_tracking_uri
 from lmyard.config.train import GuardConfig, TrainConfig

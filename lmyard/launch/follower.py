@@ -2,12 +2,12 @@
 
 Every stage (shard, train, evaluate, export; lmyard.stages) is launched the
 same way: a spec (lmyard.stages.StageSpec) in, its result type out. One
-interface, three backends. A `Job` starts the nodes and reports what they print
+interface, a backend table (lmyard.backends). A `Job` starts the nodes and reports what they print
 and how they exit; `LocalJob` runs the stage as a process group here (torchrun
 for training, one `python -m lmyard.stages STAGE` otherwise),
 `lmyard.launch.containers.DockerJob` one container per node in the stage
 image, `lmyard.launch.ray.RayJob` one Ray actor per node (each runs a `LocalJob`
-on its node; training only). `lmyard.launch.launcher.launch` picks the backend (`launch.backend`).
+on its node; training only). `lmyard.launch.launcher.launch` starts the table's Job of `launch.backend`.
 Everything else is shared, in `Follower`:
 
 - output: every line reaches `on_line`, prefixed `[node i]` when there are several nodes;
@@ -91,6 +91,15 @@ class Job(Protocol):
 
     def close(self) -> None:
         """Remove everything the job made; tolerates what is already gone."""
+
+
+class JobFactory(Protocol):
+    """How the launcher makes a backend's Job (named `module:name` in the backend table, lmyard.backends): the
+    job of `spec`'s stage; `flow_run_id` labels what the job makes (None outside a flow)."""
+
+    def __call__(
+        self, cfg: RunConfig, spec: StageSpec, on_line: Callable[[str], None], *, flow_run_id: str | None
+    ) -> Job: ...
 
 
 def torchrun_command(
@@ -390,6 +399,12 @@ class LocalJob:
         self.cmd = stage_command(cfg, spec, spec_path=self.exchange.path("spec.json"), **torchrun)
         self.env = {**os.environ, **stage_env(cfg), EXCHANGE_ENV: self.folder}
         self.proc: subprocess.Popen | None = None
+
+    @classmethod
+    def for_stage(
+        cls, cfg: RunConfig, spec: StageSpec, on_line: Callable[[str], None], *, flow_run_id: str | None
+    ) -> LocalJob:
+        return cls(cfg, spec)
 
     def start(self, events: queue.Queue) -> None:
         self.proc = subprocess.Popen(

@@ -2,18 +2,21 @@
 
     result = launch(EvalSpec(config=config, shards=shards, step=600), on_line=log.info)
 
-`launch.backend` picks the `Job` (`local`: lmyard.launch.follower.LocalJob, a process group here;
-`docker`: lmyard.launch.containers.DockerJob, the stage image; `ray`: lmyard.launch.ray.RayJob, one actor
-per node of a placement group for training, one actor on a cluster node for the other stages); the same
-`Follower` follows every stage on every backend, so output, the watchdog, cancellation, cleanup and result
-reading exist once. Nothing in flows/ or tasks/ starts a process any other way.
+`launch.backend` names a row of the backend table (lmyard.backends), whose `job` makes the `Job` (`local`:
+lmyard.launch.follower.LocalJob, a process group here; `docker`: lmyard.launch.containers.DockerJob, the stage
+image; `ray`: lmyard.launch.ray.RayJob, one actor per node of a placement group for training, one actor on a
+cluster node for the other stages); the same `Follower` follows every stage on every backend, so output, the
+watchdog, cancellation, cleanup and result reading exist once. Nothing in flows/ or tasks/ starts a process any
+other way.
 """
 
 from __future__ import annotations
 
+import pkgutil
 from collections.abc import Callable
 
-from lmyard.launch.follower import Follower, Job, LocalJob
+from lmyard import backends
+from lmyard.launch.follower import Follower, JobFactory
 from lmyard.paths import no_space
 from lmyard.stages import StageSpec
 
@@ -38,15 +41,6 @@ def launch(
 
 def _launch(spec: StageSpec, on_line: Callable[[str], None], *, flow_run_id: str | None, **callbacks):
     config = spec.config
-    job: Job
-    if config.launch.backend == "docker":
-        from lmyard.launch.containers import DockerJob
-
-        job = DockerJob(config, spec, on_line, flow_run_id=flow_run_id)
-    elif config.launch.backend == "ray":
-        from lmyard.launch.ray import RayJob
-
-        job = RayJob(config, spec, on_line)
-    else:
-        job = LocalJob(config, spec)
+    make: JobFactory = pkgutil.resolve_name(backends.of(config).job)
+    job = make(config, spec, on_line, flow_run_id=flow_run_id)
     return Follower(job, config, on_line, **callbacks).run()

@@ -310,6 +310,12 @@ class RayJob:
         self.connected = False
         self.stopping = threading.Event()
 
+    @classmethod
+    def for_stage(
+        cls, cfg: RunConfig, spec: StageSpec, on_line: Callable[[str], None], *, flow_run_id: str | None
+    ) -> RayJob:
+        return cls(cfg, spec, on_line)
+
     def start(self, events: queue.Queue) -> None:
         import ray
 

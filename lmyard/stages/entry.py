@@ -29,6 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from lmyard import backends
 from lmyard.config import RunConfig
 from lmyard.stages import (
     EXCHANGE_ENV,
@@ -88,7 +89,7 @@ def _on_ray(config: RunConfig) -> tuple[RunConfig, Callable | None, list]:
     """On launch.backend=ray the read pieces run as Ray tasks over the cluster's nodes (lmyard.data.raypool), as
     many at a time as its CPUs (or data.num_proc): the config, the pool's maker, the pools it made."""
     pools: list = []
-    if config.launch.backend != "ray":
+    if not backends.of(config).on_ray:
         return config, None, pools
     from lmyard.data import raypool
 

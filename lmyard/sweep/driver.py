@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from lmyard import backends
 from lmyard.config import RunConfig
 from lmyard.errors import ExitCode, UserError
 from lmyard.paths import cache_root
@@ -89,7 +90,7 @@ def _check_disks(cfg: RunConfig, trial: Trial, vocab: dict[str, int]) -> None:
 def check_cluster(config: RunConfig, p: Plan, api_url: str | None) -> None:
     """On the Ray backend, before anything is made: the cluster places every trial's training and its trials
     reach the Prefect API `api_url` (lmyard.sweep.tune.check_cluster); nothing to check on the local backend."""
-    if config.launch.backend != "ray":
+    if not backends.of(config).on_ray:
         return
     from lmyard.sweep.tune import check_cluster as on_ray
 

@@ -1,0 +1,33 @@
+"""What a backend is: one entry of the backend table (lmyard.backends), declared by the backend's own module."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+
+def _no_checks(launch: Any) -> None:
+    """A backend with nothing to check across its section and the rest of `launch`."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One value of `launch.backend`.
+
+    `job`: `module:name` of what makes its Job (lmyard.launch.follower.JobFactory, a Job class or a classmethod),
+    imported by the launcher when a stage runs (the Jobs live above the config in the layer order).
+    `section`: its config section, `launch.<name>` (None: it has none). `check`: its checks of the whole launch
+    section (a ValueError's one line names the field and the fix), run when `launch.backend` names it.
+    `on_ray`: its stages run on a Ray cluster (tokenize-and-shard reads its pieces as Ray tasks, a sweep's
+    trials run under Ray Tune). `other_user`: its stages write a local folder of the flow's as another user (a
+    container's), so the flow opens the folder to them."""
+
+    name: str
+    job: str
+    section: type[BaseModel] | None = None
+    check: Callable[[Any], None] = _no_checks
+    on_ray: bool = False
+    other_user: bool = False

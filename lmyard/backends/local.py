@@ -1,0 +1,7 @@
+"""The local backend: every node a process group on this machine (lmyard.launch.follower.LocalJob)."""
+
+from __future__ import annotations
+
+from lmyard.backends.base import Backend
+
+BACKEND = Backend(name="local", job="lmyard.launch.follower:LocalJob.for_stage")
