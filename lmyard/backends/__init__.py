@@ -10,7 +10,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 from typing import Any
 
-from lmyard.backends import docker, local, ray
+from lmyard.backends import docker, local, ray, slurm
 from lmyard.backends.base import Backend
 
 GROUP = "lmyard.backends"
@@ -19,6 +19,7 @@ BACKENDS: dict[str, Backend] = {
     "local": local.BACKEND,
     "docker": docker.BACKEND,
     "ray": ray.BACKEND,
+    "slurm": slurm.BACKEND,
 }
 
 

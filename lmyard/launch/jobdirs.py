@@ -23,9 +23,10 @@ from lmyard.paths import cache_root, no_space
 OWNER = "owner.json"
 
 
-def new_job_folder(stage: str) -> str:
-    """A fresh exchange folder for a job of `stage`, owned by this process; dead launchers' folders removed."""
-    root = cache_root()
+def new_job_folder(stage: str, root: str | None = None) -> str:
+    """A fresh exchange folder for a job of `stage` under `root` (default the cache root), owned by this process;
+    dead launchers' folders removed."""
+    root = root or cache_root()
     os.makedirs(root, exist_ok=True)
     remove_orphans(root)
     folder = tempfile.mkdtemp(prefix=f"lmyard-{stage}-", dir=root)
