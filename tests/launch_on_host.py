@@ -5,7 +5,8 @@ lineage, follow the containers (launch.backend=docker) or the Ray actors (ray, t
     python tests/launch_on_host.py OUT.json --set KEY=VALUE ...
 
 Writes {"result": TrainResult, "lines": [...], "mlflow_run_id": ...}, or {"error", "error_type", "exit_code",
-"lines"} when the launch fails.
+"lines"} when the launch fails. `--evaluate`: then the evaluate stage on the same backend, its EvalResult as
+"evaluation" and its lines as "eval_lines".
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from lmyard.errors import UserError
 from lmyard.launch.containers import run_docker
 from lmyard.launch.launcher import launch
 from lmyard.recipes import load_recipe
-from lmyard.stages import TrainSpec
+from lmyard.stages import EvalSpec, TrainSpec
 from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
 
@@ -29,6 +30,7 @@ def main() -> int:
     p.add_argument("out")
     p.add_argument("--set", action="append", default=[], dest="sets")
     p.add_argument("--flow-run-id", default="hosts")
+    p.add_argument("--evaluate", action="store_true")
     args = p.parse_args()
     cfg = load_recipe("smoke", args.sets)
     lines: list[str] = []
@@ -44,6 +46,10 @@ def main() -> int:
         else:
             result = launch(TrainSpec.model_validate(spec), on_line=lines.append, flow_run_id=args.flow_run_id)
         out["result"] = result.model_dump(mode="json")
+        if args.evaluate:
+            out["eval_lines"] = eval_lines = []
+            evaluation = launch(EvalSpec(config=cfg, shards=shards), on_line=eval_lines.append)
+            out["evaluation"] = evaluation.model_dump(mode="json")
     except Exception as e:
         out.update(error=str(e), error_type=type(e).__name__, exit_code=getattr(e, "exit_code", None))
         if not isinstance(e, UserError):

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "example_backend"
 
@@ -93,3 +95,37 @@ def test_the_comparison_scan_sees_a_comparison(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text('if cfg.launch.backend == "ray":\n    pass\nok = launch.backend in ("a", "b")\n')
     assert [hit.rsplit(":", 1)[1] for hit in _backend_comparisons(sample)] == ["1", "3"]
+
+
+# ---------------------------------------------------------------- the Slurm row: what it asks sbatch and srun for
+
+
+def test_a_slurm_job_asks_for_the_sites_settings_the_signal_before_its_limit_and_no_requeue(tmp_path):
+    from lmyard.launch.slurm import batch_script, sbatch_options
+    from lmyard.recipes import load_recipe
+    from lmyard.stages import ExportSpec
+
+    sets = ["launch.backend=slurm", "launch.nnodes=2", "launch.nproc_per_node=4", "launch.grace_s=90"]
+    sets += ["launch.slurm.partition=gpu", "launch.slurm.account=lab", "launch.slurm.time_limit=01:00:00"]
+    sets += ["launch.slurm.gpus_per_node=4", "launch.slurm.sbatch_args=['--mem=0']"]
+    sets += ["launch.slurm.container_image=registry/lmyard:1", "launch.slurm.container_mounts=['/data:/data']"]
+    cfg = load_recipe("smoke", sets)
+    spec = ExportSpec(config=cfg, source=str(tmp_path / "ckpt"), dest=str(tmp_path / "hf"))
+    opts = sbatch_options(cfg, spec, str(tmp_path))
+    for wanted in ("--nodes=1", "--partition=gpu", "--account=lab", "--time=01:00:00", "--gpus-per-node=4"):
+        assert wanted in opts, opts
+    assert "--signal=TERM@150" in opts and "--no-requeue" in opts and opts[-1] == "--mem=0"
+    script = batch_script(cfg, spec, str(tmp_path))
+    assert "--container-image=registry/lmyard:1" in script
+    assert f"--container-mounts={tmp_path}:{tmp_path},/data:/data" in script
+    assert script.rstrip().endswith(f"python3 -m lmyard.launch.slurm_node {tmp_path}")
+
+
+def test_slurm_settings_that_contradict_the_launch_section_are_refused_when_the_config_loads():
+    from lmyard.errors import UserError
+    from lmyard.recipes import load_recipe
+
+    with pytest.raises(UserError, match="one rank per GPU"):
+        load_recipe("smoke", ["launch.backend=slurm", "launch.nproc_per_node=2", "launch.slurm.gpus_per_node=8"])
+    with pytest.raises(UserError, match="container_mounts needs launch.slurm.container_image"):
+        load_recipe("smoke", ["launch.backend=slurm", "launch.slurm.container_mounts=['/a:/a']"])

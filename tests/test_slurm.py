@@ -53,30 +53,35 @@ def _sets(tmp: Path, **extra) -> list[str]:
     )
 
 
-def _start(slurm: SlurmCluster, tmp: Path, out: Path, env: dict[str, str] | None = None, **sets) -> subprocess.Popen:
+def _start(
+    slurm: SlurmCluster, tmp: Path, out: Path, env: dict[str, str] | None = None, *flags: str, **sets
+) -> subprocess.Popen:
     """tests/launch_on_host.py in the services host (the login node): shard, open the lineage, launch on Slurm."""
     svc = slurm.hosts.services
-    cmd = svc.argv([sys.executable, LAUNCHER, str(out), *(f"--set={s}" for s in _sets(tmp, **sets))])
+    cmd = svc.argv([sys.executable, LAUNCHER, str(out), *flags, *(f"--set={s}" for s in _sets(tmp, **sets))])
     return subprocess.Popen(cmd, env=svc.env(slurm.env(env)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def _launch(slurm: SlurmCluster, tmp: Path, env: dict[str, str] | None = None, **sets) -> dict:
+def _launch(slurm: SlurmCluster, tmp: Path, env: dict[str, str] | None = None, *flags: str, **sets) -> dict:
     out = tmp / f"launch-{time.monotonic_ns()}.json"
-    proc = _start(slurm, tmp, out, env, **sets)
+    proc = _start(slurm, tmp, out, env, *flags, **sets)
     output, _ = proc.communicate(timeout=900)
     return json.loads(out.read_text()) if out.exists() else {"lines": [output.decode()], "error": "no output"}
 
 
-def test_two_slurm_nodes_train_one_rank_each_to_the_val_loss_of_two_local_ranks(slurm, tmp_path):
+def test_two_slurm_nodes_train_one_rank_each_to_the_val_loss_of_two_local_ranks_then_evaluate_on_a_job_of_its_own(
+    slurm, tmp_path
+):
     """One Slurm job of two nodes, torchrun on each with the rendezvous at the first node: a rank in each host's
     namespace, and the validation loss of the same config on two local ranks within a relative 1e-6 (as across
-    Docker engines and Ray nodes, tests/test_hosts.py, tests/test_hosts_ray.py). No job is left in squeue."""
+    Docker engines and Ray nodes, tests/test_hosts.py, tests/test_hosts_ray.py). The evaluate stage is a Slurm job
+    of its own, scoring the last checkpoint at the trainer's val loss. No job is left in squeue."""
     from lmyard.data.sharding import tokenize_and_shard
     from lmyard.launch.follower import run_local
     from lmyard.stages import TrainSpec
 
     t0 = time.perf_counter()
-    launched = _launch(slurm, tmp_path, run_name="slurm-hosts")
+    launched = _launch(slurm, tmp_path, None, "--evaluate", run_name="slurm-hosts")
     print(f"two Slurm nodes: {time.perf_counter() - t0:.0f} s")
     text = "\n".join(launched["lines"])
     assert "result" in launched, f"{launched.get('error')}\n{text[-4000:]}"
@@ -84,6 +89,9 @@ def test_two_slurm_nodes_train_one_rank_each_to_the_val_loss_of_two_local_ranks(
     assert result["status"] == "done" and result["step"] == 6, text[-3000:]
     joined = sorted(line.split(": ranks")[0] for line in launched["lines"] if "of 2 joined" in line)
     assert joined == ["[node 0] host-a", "[node 1] host-b"], text[-3000:]
+    evaluation, eval_text = launched["evaluation"], "\n".join(launched["eval_lines"])
+    assert evaluation["step"] == 6 and any(line.startswith("Slurm job ") for line in launched["eval_lines"]), eval_text
+    assert evaluation["val_loss"] == pytest.approx(evaluation["trainer_val_loss"], rel=1e-6)
     assert slurm.jobs() == []
 
     local = load_recipe(
@@ -148,3 +156,23 @@ def test_a_job_slurm_can_never_run_is_one_line_exit_2_before_training_and_leaves
     assert named in launched["error"] and "\n" not in launched["error"], launched["error"]
     assert not [line for line in launched["lines"] if "joined" in line or "step 1" in line], text[-3000:]
     assert slurm.jobs() == []
+
+
+def test_a_job_pending_past_its_timeout_is_cancelled_in_one_line_naming_the_partition_and_squeues_reason(
+    slurm, tmp_path
+):
+    """Both nodes are taken by another job: the launch's job pends for Resources, and after
+    launch.slurm.pending_timeout_s it is cancelled, in one line; only the other job is left."""
+    blocker = slurm.run(["sbatch", "--parsable", "-N", "2", "--exclusive", "--wrap", "sleep 600"])
+    assert blocker.returncode == 0, blocker.stderr
+    other = blocker.stdout.strip()
+    try:
+        launched = _launch(slurm, tmp_path, None, **{"run_name": "slurm-pending", "launch.slurm.pending_timeout_s": 5})
+        assert slurm.jobs() in ([f"{other} RUNNING"], [f"{other} PENDING"])
+    finally:
+        slurm.run(["scancel", other])
+    text = "\n".join(launched["lines"])
+    assert launched.get("error_type") == "UserError" and launched["exit_code"] == 2, text[-3000:]
+    message = launched["error"]
+    assert f"in partition {PARTITION}: " in message and "(squeue)" in message and "\n" not in message, message
+    assert "pending_timeout_s" in message, message

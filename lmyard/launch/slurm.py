@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import queue
+import shlex
 import shutil
 import subprocess
 import sys
@@ -110,14 +111,8 @@ def batch_script(cfg: RunConfig, spec: StageSpec, folder: str) -> str:
         mounts = ",".join([f"{folder}:{folder}", *sc.container_mounts])
         srun += [f"--container-image={sc.container_image}", f"--container-mounts={mounts}"]
         python = "python3"
-    cmd = " ".join(_quote(a) for a in [*srun, python, "-m", "lmyard.launch.slurm_node", folder])
+    cmd = " ".join(shlex.quote(a) for a in [*srun, python, "-m", "lmyard.launch.slurm_node", folder])
     return f"#!/bin/sh\nexec {cmd}\n"
-
-
-def _quote(arg: str) -> str:
-    import shlex
-
-    return shlex.quote(arg)
 
 
 class SlurmJob:
