@@ -183,7 +183,8 @@ class SlurmJob:
 
     def _follow(self, events: queue.Queue) -> None:
         """Each node's new output lines and its exit code onto `events`, until every node has exited."""
-        offsets, rest, exited = [0] * self.nodes, [""] * self.nodes, set()
+        offsets, rest = [0] * self.nodes, [""] * self.nodes
+        exited: set[int] = set()
         last_state, gone_at = 0.0, None
         while len(exited) < self.nodes and not self.done.is_set():
             for i in range(self.nodes):
