@@ -78,14 +78,19 @@ class SlurmCluster:
         """`id state` of every job slurmctld lists."""
         return [line for line in self.run(["squeue", "-h", "-o", "%i %T"]).stdout.splitlines() if line.strip()]
 
+    def idle(self, timeout_s: float = 60) -> list[str]:
+        """The jobs still listed once none is, or `timeout_s` has passed (a cancelled job completes first)."""
+        deadline = time.monotonic() + timeout_s
+        while (jobs := self.jobs()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return jobs
+
     def close(self) -> None:
         """Cancel every job and wait until none is listed (the harness ends the daemons)."""
         if not self.conf.exists():
             return
         self.run(["scancel", "--user=root"])
-        deadline = time.monotonic() + 60
-        while self.jobs() and time.monotonic() < deadline:
-            time.sleep(0.5)
+        self.idle()
 
     def _conf(self) -> str:
         svc, r = self.hosts.services, self.root

@@ -35,7 +35,7 @@ def slurm(tmp_path_factory):
     harness = Hosts(tmp_path_factory.mktemp("slurm-hosts"), ["a", "b"])
     with harness, SlurmCluster(harness) as cluster:
         yield cluster
-        assert cluster.jobs() == []
+        assert cluster.idle() == []
     assert harness.leftovers() == []
 
 
@@ -145,7 +145,7 @@ def test_scancel_term_commits_the_step_and_the_retried_attempt_resumes_it_in_the
     ("sets", "named"),
     [
         ({"launch.slurm.partition": "nope"}, "Invalid partition name specified"),
-        ({"launch.nnodes": 3}, f"in partition {PARTITION}: PartitionNodeLimit"),
+        ({"launch.nnodes": 3}, f"in partition {PARTITION}: Partition"),  # PartitionConfig or PartitionNodeLimit
     ],
     ids=["no-such-partition", "more-nodes-than-the-cluster"],
 )
@@ -171,6 +171,7 @@ def test_a_job_pending_past_its_timeout_is_cancelled_in_one_line_naming_the_part
         assert slurm.jobs() in ([f"{other} RUNNING"], [f"{other} PENDING"])
     finally:
         slurm.run(["scancel", other])
+        assert slurm.idle() == []
     text = "\n".join(launched["lines"])
     assert launched.get("error_type") == "UserError" and launched["exit_code"] == 2, text[-3000:]
     message = launched["error"]
