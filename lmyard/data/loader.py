@@ -5,24 +5,7 @@ It is cut into sequences of T+1 tokens that overlap by one token (inputs
 s[:-1], targets s[1:]); global sequence k starts at token (k mod n) * T,
 where n sequences fit the stream, so the stream repeats after n.
 
-Every optimizer step takes the next N = batch_tokens / T global sequences.
-Micro-step m on rank r of W reads sequences m*W*B + r*B ... + B of them.
-The cursor (global sequences consumed) is the whole data state: the token
-order does not depend on the world size, and resuming is exact.
-
-With a shuffle seed (data.shuffle_sequences, seeded by train.seed), global
-sequence k of epoch e = k // n reads sequence P_e(k mod n), where P_e is a
-pseudo-random permutation of 0..n-1 that depends only on the seed and e:
-numpy's permutation for up to 4M sequences (16 MB, one epoch's cached), and
-above that a 6-round Feistel network over the next power of 4, cycle-walked
-into range, which needs no memory. There is no state besides the cursor, so resume stays exact and
-the order stays the same for any number of ranks; every epoch reads every
-sequence once, in a new order. (The shard-time document shuffle,
-data.shuffle_documents, is separate: it changes the shards themselves.)
-
-Shards come from a node-local cache filled from the store on first use
-(a local store is read in place); the next shard is fetched in the
-background, and batches are built ahead of the GPU by a background thread.
+Design notes: docs/data.md, `lmyard/data/loader.py`.
 """
 
 from __future__ import annotations

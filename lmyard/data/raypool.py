@@ -2,21 +2,7 @@
 
     shards, reused = tokenize_and_shard(cfg, start_pool=RayPool)  # cfg.data.num_proc: e.g. cluster_cpus()
 
-`RayPool` has the interface of the local process pool that lmyard.data.sharding uses (`submit`, `shutdown`,
-`num_proc`): each read piece (`sources.Unit`: a byte range of JSONL, a small file, a parquet row group; or a
-batch of texts of a hub dataset) becomes one Ray task of one CPU, spread over the live nodes (Ray's SPREAD
-strategy), which reads, decodes and tokenizes it there. The stage takes the results in submission order,
-exactly as it does locally, so the token stream, every shard byte, the manifest and the content address are
-those of the local stage. At most `2 * num_proc` pieces of a source are in flight (num_proc: data.num_proc,
-else the CPUs of the cluster's live nodes), so a node holds a bounded number of pieces, whatever the corpus.
-
-A node lost while its pieces run: Ray runs those pieces again on another node (`PIECE_RETRIES` times); a
-piece's result is taken once, so no document is missing or doubled. A piece that fails (a decode error, a
-user error) fails the stage with its own exception.
-
-The nodes read the pieces' files where the stage's node has them: a local source must be at the same path
-on every node (a shared filesystem); S3 objects are fetched by the node that needs one (docs/ray.md).
-`nodes` holds the Ray node id that read each piece, in submission order.
+Design notes: docs/data.md, `lmyard/data/raypool.py`.
 """
 
 from __future__ import annotations

@@ -6,72 +6,7 @@ document separators, the shard size, the split rule, the shuffle (seed
 included) and the format. Same inputs -> same address -> the existing set is
 reused.
 
-Each document is written as its separators around its tokens: by default
-<|endoftext|> followed by its tokens (llm.c's convention), so exactly one
-end-of-text separates consecutive documents; a tokenizer.json declares its own
-(tokenizer.bos before, tokenizer.eos after). Document i of the final order
-goes to validation when i % data.val_every == 0, else to train.
-
-Parallel, ordered, bounded
---------------------------
-A pool of `data.num_proc` processes (default: every core) does the work in
-tasks. Local and S3 files are cut into read tasks (`sources.Unit`: ~1 MiB
-byte ranges of JSONL, whole small files, parquet row groups) that a process
-reads, decodes and tokenizes itself; hub datasets are read by the main
-process and sent in batches of about 1 MiB of text. Each source's results are
-taken in submission order, so the token stream -- and every shard byte -- is
-the same for any number of processes. At most 2 tasks per process and source
-are in flight, and tokens go to a local shard file as they arrive (never a
-shard-sized buffer in memory), so peak memory depends on the task size and
-the process count, not on the corpus or the shard size. A full shard is
-hashed and uploaded (boto3's managed multipart transfer on S3) by a
-background thread while tokenizing goes on; at most two shards wait for it,
-which bounds the local disk used.
-
-Mixtures
---------
-`data.sources` lists sources with weights or token budgets. Their documents
-are interleaved one at a time: the next document comes from the source whose
-tokens so far, divided by its weight, are lowest (ties: the first listed), so
-every prefix of the stream holds each source's share to within a document.
-With weights the mixture ends when its first source runs out; with budgets
-each source gives documents until its budget is met, read again from its
-start if it runs out first.
-
-Shuffle (data.shuffle_documents)
---------------------------------
-The read tasks of each file source go in a seeded order, and the mixed stream
-passes a seeded shuffle buffer of data.shuffle_buffer_tokens tokens: each
-document waits there and leaves at a random turn. The order depends on the
-seed and the inputs only, so the shards stay reproducible; the seed is in the
-address. The loader's per-epoch order of sequences (data.shuffle_sequences,
-lmyard.data) is the other, independent shuffle.
-
-Resume
-------
-After shard `<split>_NNNNNN.bin` is uploaded, a sidecar `<split>_NNNNNN.json`
-is written next to it: the shard's manifest entry (tokens, bytes, sha256) and
-the split's cursor at the shard's end -- `doc`, the index of the document
-whose tokens end the shard, and `doc_tokens`, how many of that document's
-tokens (its separators included) this and earlier shards hold.
-
-A run that finds no manifest at its address looks for sidecars. For each
-split it keeps the longest run of shards 0, 1, 2, ... whose sidecar exists
-and whose bytes in the store hash to the sidecar's sha256; the first shard
-that fails the check, and all after it, are written again. Shard numbers
-continue after the kept ones. For one unshuffled `data.source` the kept shards
-are not tokenized again: documents before a split's cursor are read but not
-tokenized (file read tasks then run one at a time until both cursors are
-passed, since a task's first document index is known only after the task
-before it), and the cursor's document only contributes its tokens from
-`doc_tokens` on. A mixture or a shuffled stream is tokenized again from the
-start (the interleaving depends on every document's token count) and only the
-kept shards' writes are skipped. The token stream is deterministic, so the
-shards written after a resume are byte-identical to those of an uninterrupted
-run. The manifest is written last: without it the shard set does not exist.
-A source too small to give both splits tokens fails with a UserError, and the
-shards it wrote are deleted first: the same inputs would fail again, so no
-attempt could ever resume from them.
+Design notes: docs/data.md, `lmyard/data/sharding.py`.
 """
 
 from __future__ import annotations

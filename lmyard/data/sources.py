@@ -1,31 +1,10 @@
 """Text sources through HF `datasets`, each with a content fingerprint.
 
-`data.source` is one of:
-- `builtin:pydoc-topics`: the English documentation bundled with CPython
-  (`pydoc_data.topics`), one document per topic. Offline; the smoke corpus. lmyard
-  ships CPython 3.11.7's copy (`pydoc_topics.json.gz` beside this module, PSF
-  License): every interpreter, here or in a stage image, reads the same corpus, so
-  a lineage moves between backends with the same shard set.
-- a local file or glob: .txt (one document per file), .jsonl/.json, .parquet.
-- s3://bucket/key-or-glob: the same file types, fetched through boto3.
-- anything else: a Hugging Face hub dataset name (streamed).
+`data.source` is `builtin:pydoc-topics` (CPython's bundled documentation, offline: the smoke corpus), a local
+file or glob (.txt, .jsonl/.json, .parquet), s3://bucket/key-or-glob, or a Hugging Face hub dataset name.
+Files are read in `Unit`s (`read_unit`) that the tokenizer processes read themselves.
 
-The fingerprint pins the content: a hash of file names, sizes and checksums
-(local), of keys, sizes and ETags (S3), or the hub commit.
-
-Files (local, and S3 objects once fetched to the cache) are read in `Unit`s: a
-byte range of about UNIT_BYTES of a .jsonl file (the lines that start in it),
-whole .txt/.json files grouped up to that size, or one parquet row group. The
-tokenizer processes read the units themselves (`read_unit`), so reading scales
-with them; documents come out in file order, lines in order, for any number of
-processes. Hub datasets and the built-in corpus stream through one reader.
-
-Text files (.txt, .jsonl, .json) must be UTF-8. A unit is decoded as it is
-read (S3 files are also checked right after download): with
-data.on_decode_error=error the first bad byte stops the stage with the file
-and its byte offset; with `skip` a .txt or .json file holding bad bytes is
-dropped whole, a .jsonl file loses only the lines holding them, and the count
-lands in `Source.skipped`.
+Design notes: docs/data.md, `lmyard/data/sources.py`.
 """
 
 from __future__ import annotations

@@ -6,12 +6,7 @@ from tiktoken (`r50k_base` is GPT-2's exact BPE); air-gapped machines point
 `tokenizer.ranks_file` at a local or s3:// copy of the ranks, or set
 TIKTOKEN_CACHE_DIR to a folder holding tiktoken's cache.
 
-`tokenizer.file` loads a Hugging Face `tokenizers` tokenizer.json (the format
-of Llama, Mistral, Qwen ... tokenizers) from a local path, s3:// or the hub
-(`hf://org/repo[@revision]`). Documents are encoded without the tokenizer's
-post-processor (no special tokens added by it); the document separators are
-the ones the config declares: `tokenizer.bos` before each document,
-`tokenizer.eos` after it (tiktoken and `bytes`: <|endoftext|> before, as llm.c).
+Design notes: docs/data.md, `lmyard/data/tokenizer.py`.
 """
 
 from __future__ import annotations
