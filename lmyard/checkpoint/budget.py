@@ -1,21 +1,6 @@
 """The disk budget of a run's checkpoints, checked before the first step: a plan that cannot fit is a UserError.
 
-A checkpoint is 12 bytes a parameter (float32 weights, AdamW's two float32
-moments), 14 with train.fsdp_param_dtype=bfloat16 (bf16 weights; float32 masters
-and moments), parameters from the family's terms (lmyard.models.registry). Where
-the copies lie at most:
-
-    a local store       kept: checkpoint.keep_last, the best (checkpoint.keep_best), every
-                        checkpoint.keep_every-th step up to train.max_steps; plus the one being committed
-    LMYARD_CACHE        pending: checkpoint.max_pending waiting for the store, plus the one being staged
-                        (staging/<run>); this node's share: the whole checkpoint on rank 0's node for the
-                        full format, its ranks' shards under fsdp
-
-A store on the cache's filesystem adds the two (a commit there is a rename, so
-the one being committed is counted once). No count exceeds the checkpoints the run
-writes at all: every checkpoint.interval-th step and the last. An S3 store is not checked; the cache
-still is. Space the run holds already (its checkpoints in a local store, its
-staging folder) counts as free: a rerun is not refused for what it wrote itself.
+Design notes: docs/checkpoints.md, `lmyard/checkpoint/budget.py`.
 """
 
 from __future__ import annotations

@@ -4,34 +4,7 @@
     commit()         the manifest: from then on the checkpoint exists
     ensure_new()     a complete step is never written again (StepExists)
 
-One retry policy (`RetryPolicy`, `checkpoint.upload_retries`) for every put of
-either format:
-
-- a put that fails is retried `upload_retries` times with backoff 1, 2, 4 ... 30 s
-  (a *round*); only StepExists is final (the store says UserError for an endpoint
-  it cannot reach, too: a blip must not end the run);
-- when a round is spent the checkpoint is *parked* (`Parked`): it stays staged on
-  local disk, training goes on, and the writer says so; the next save, a flush, or
-  30 s start a new round for it (`RetryPolicy.wait`);
-- the loop gets a StoreOutage (exit 4, retryable: the checkpoints stay staged and
-  the run resumes from the last committed one) when `checkpoint.max_pending`
-  checkpoints are waiting at the next save, when a flush's deadline passes
-  (rollback, preemption), or when a round fails after close() (no more saves
-  will come to retry it: the last checkpoint gets one round, then the run ends).
-- when the last failure was a full disk (ENOSPC, EDQUOT) of a local store, that
-  error is StoreFull instead (exit 4, no_space, not retried): one line naming the
-  store's folder and its free space; the staged copies are kept, and a writer that
-  `recovers` (the full format: `FullCheckpointer.recover`) uploads them on the rerun.
-
-Fencing: `RetryPolicy.fence` (the trainer's lmyard.tracking.lease.Fence, set by
-make_checkpointer when the run holds a lease) is called right before every
-manifest write, retries included: a run whose lease was taken over gets
-LeaseLost (final, like StepExists) and its checkpoint never exists.
-
-Fault injection (lmyard.faults) for checkpoints happens here only:
-`crash_in_upload@S` kills the process once the files of step S are uploaded and
-before its manifest (a checkpoint cut short, invisible); `slow_upload@S` delays
-the files of step S (a slow store).
+Design notes: docs/checkpoints.md, `lmyard/checkpoint/commit.py`.
 """
 
 from __future__ import annotations

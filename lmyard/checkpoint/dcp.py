@@ -8,27 +8,7 @@
                                          manifest.json        Manifest(format="dcp"): every file above but
                                                               the markers; written last
 
-The manifest, the commit (files first, manifest last), the retry policy and the
-checksums are those of the `full` format (lmyard.checkpoint.manifest, .commit),
-so the catalog, lmyard.checkpoint.resume.find_latest and retention treat a
-sharded checkpoint like any other.
-
-Saving (`ShardedCheckpointer.save`, called by every rank): the loop is blocked
-while DCP stages this rank's shards into reused CPU buffers (pinned on GPUs; with
-`async_staging` the copy runs on a side stream and only `before_update()` waits
-for it). DCP then writes them to a node-local folder in its own thread (its
-collectives use a gloo group of their own), and this rank's upload thread puts its
-files into the store and writes its marker object `ranks/rank_RRRRR.json` (a
-store that fails parks the checkpoint, as for the full format: training goes on
-until `max_pending` checkpoints wait, then save() raises StoreOutage). Rank 0
-waits until every rank's marker exists, then writes rng.pt, state.json and the
-manifest. Markers rather than a collective: the ranks of different nodes share no
-filesystem and rank 0 needs every file's checksum; a marker carries them, a slow
-or failed upload of one rank never stalls a collective in the other ranks, and
-rank 0 gives up after `commit_timeout_s` leaving the step without a manifest
-(invisible).
-
-Loading is lmyard.checkpoint.dcp_load.
+Design notes: docs/checkpoints.md, `lmyard/checkpoint/dcp.py`.
 """
 
 from __future__ import annotations

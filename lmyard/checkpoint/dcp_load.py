@@ -1,21 +1,10 @@
 """Loading the `dcp` format (written by lmyard.checkpoint.dcp, which describes its files).
 
-Loading (`load_sharded`) reshards to any world size (DCP plans the reads from
-the target's DTensor placements). A rank writes `write_threads` files
-(checkpoint.files_per_rank) and hashes them in parallel; each file is read once,
-front to back, into a few reused buffers (pinned on CUDA) by a thread while a
-second hashes it, four files at a time (lmyard.checkpoint.readahead); the
-reader's `read_data` builds each tensor as a view of its span's bytes and copies
-it once into the target (DCP's own loop would torch.load each span into a fresh
-storage first);
-a damaged or missing file raises DamagedCheckpoint naming it, so
-resume.find_latest falls back to the previous checkpoint on every rank together.
-`load_full` reads a sharded checkpoint on one process, without a process group,
-into full state dicts (`state.Checkpoint`: model by name, optimizer by parameter
-index), what resume.load_step returns for either format; `load_full_into` puts
-full state dicts into a sharded model. Non-tensor values and DCP's metadata are
-unpickled with restricted loaders: a checkpoint from a shared bucket cannot run
-code.
+`load_sharded` reshards to any world size; `load_full` reads a sharded checkpoint on one process into full
+state dicts; `load_full_into` puts full state dicts into a sharded model. A damaged or missing file raises
+DamagedCheckpoint naming it.
+
+Design notes: docs/checkpoints.md, `lmyard/checkpoint/dcp_load.py`.
 """
 
 from __future__ import annotations

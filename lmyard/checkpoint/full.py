@@ -6,29 +6,7 @@
                                          state.json     step, tokens seen, data cursor, config, lineage
                                          manifest.json  lmyard.checkpoint.manifest.Manifest; written last
 
-Tensors are loaded with torch.load(weights_only=True): a checkpoint from a shared
-bucket cannot run code.
-
-Saving is asynchronous (`FullCheckpointer`): the training loop is blocked only
-while the state is copied off the GPU into reused pinned buffers (on a side
-stream, overlapped with the next forward and backward; the next optimizer update
-waits for the copy). Two background threads follow: the *serializer* writes the
-copy to a local staging folder, the *uploader* commits staged folders, oldest
-first (lmyard.checkpoint.commit: files, then the manifest, under the one retry
-policy), so manifests are committed in step order. Apart, a hung upload of step
-N does not hold up the serialization of step N+1, and so not the loop. At most
-one copy is held in memory: if the next checkpoint is due before the previous
-copy is serialized, the loop waits (and says so). Serialized checkpoints waiting
-for the store are *pending*; while the store is down training goes on until
-`checkpoint.max_pending` are pending, then stops with StoreOutage naming where
-they are staged. A full staging disk is NoSpace (lmyard.paths.no_space): the
-half-written folder is deleted at once, and `discard()` deletes the run's
-staging folder as the run ends. A full local store is StoreFull
-(lmyard.checkpoint.commit): the staged folders stay, each given its manifest
-(`staged.json`), and the next writer of the run uploads those newer than the
-store's newest checkpoint before anything else (`recover`). Other leftovers (a
-crash, a preemption past its grace) have none and are not uploaded: such a rerun
-resumes from the last committed checkpoint, as their messages say.
+Design notes: docs/checkpoints.md, `lmyard/checkpoint/full.py`.
 """
 
 from __future__ import annotations

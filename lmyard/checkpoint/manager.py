@@ -1,23 +1,13 @@
 """The trainer's one door to checkpoints: a `CheckpointManager` on every rank, called alike on each.
 
-    CheckpointManager.check_disks(cfg, ...)    before the model is made: the disk budget (budget.check)
-    manager = CheckpointManager(cfg, ...)      the checkpointer of the model's layout (checkpointer.make_checkpointer);
-                                               the full format uploads what an earlier attempt kept staged (full.py)
-    manager.load(model_spec)                   resume: the newest good checkpoint, agreed by every rank, damaged
-                                               ones moved aside (catalog.quarantine), this rank's RNG state restored
-    manager.prepare()                          after the first step: the copy buffers (the optimizer has its state)
-    manager.before_update                      given to the step: a copy in flight finishes before the weights change
-    manager.save(state)                        every rank's RNG state gathered, a full cache disk agreed on; snapshot
-                                               and return (serialized and committed in the background)
+    manager = CheckpointManager(cfg, ...)      (CheckpointManager.check_disks(cfg, ...) before the model is made)
+    manager.load(model_spec)                   resume: the newest good checkpoint, agreed by every rank
+    manager.prepare() / manager.save(state)    copy buffers after the first step / a snapshot, committed behind
     manager.rollback_target(model_spec)        the last checkpoint, loaded, for the divergence guard
-    manager.flush(timeout_s)                   every checkpoint so far committed (StoreOutage after the timeout)
-    manager.stop_on_failure()                  a failed background save ends every rank alike, with its error
-    manager.close() / manager.abort(error)     the end of a run: the last upload waited for / the run failing
+    manager.flush(timeout_s)                   every checkpoint so far committed
+    manager.close() / manager.abort(error)     the end of a run
 
-A commit applies retention (retention.apply) unless the flow holds checkpoints for evaluation
-(`hold_for_eval`: it applies retention itself as each evaluation ends, so there is one deleter). After
-torchtitan's CheckpointManager (load / save / close); the formats, their integrity (manifests, sha256 sums,
-the commit order) and their retry policy stay in the modules named above.
+Design notes: docs/checkpoints.md, `lmyard/checkpoint/manager.py`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """Page-locked host buffers for checkpoint copies, made without stalling the training thread.
 
-torch's pinned allocation (`torch.empty(..., pin_memory=True)`, cudaHostAlloc) faults in and zero-fills the
-pages while it holds the CUDA driver, so every kernel launch of the training thread waits meanwhile: making
-the buffers of llama-1b's 18 GB state (fp32 weights and AdamW moments) in a background thread after the
-first step cost the steps it overlapped 9.1 s on an H200 (tests/benchmarks/bench_first_steps.py). Here the
-pages are an anonymous mapping faulted in as ordinary memory, 64 MiB at a time with a 20 ms pause after each
-(the fault-in holds Python's interpreter lock, which the training thread needs too), then registered with
-CUDA (`cudaHostRegister`): the same buffers cost those steps 0.4-0.5 s; the pauses add about 6 s to their
-making at 18 GB (the first checkpoint is due far later). The mapping is the buffer's own (page-aligned,
-shared with nothing), so its registration cannot overlap another's; it is unregistered when the last tensor
-on it is freed.
-
-Without CUDA (or where registration fails) a buffer is ordinary memory: copies into it are then synchronous,
-and correct.
+Design notes: docs/checkpoints.md, `lmyard/checkpoint/pinned.py`.
 """
 
 from __future__ import annotations

@@ -8,27 +8,7 @@ and the tail. One thread reads, a second hashes what it read (so a disk slower t
 limit), and each span goes on to the loading thread (lmyard.checkpoint.dcp's reader), so reading and
 hashing overlap the deserialising and the copies into the target.
 
-A rank writes its shards into several files (checkpoint.files_per_rank, 4 by default), and the files
-are read in `lanes` (LANES, 4) at once, each lane a reader and a hasher thread of its own over every
-lanes-th file: sha256 is one thread a file, and at 8B one hasher kept up with neither the disk nor the
-loading thread (0.3-0.4 GB/s a rank, docs/history/benchmarks-log.md), four do. The loading thread takes each span as
-a lane has hashed it (`next_span`), in no fixed order across files; DCP's own loop, kept for items it
-saved transformed, asks in order (`take`, one lane).
-
-The bytes land in a small ring of buffers a lane (`depth` with one lane, two with several; each as large
-as the largest span or CHUNK), reused
-from span to span: no fresh allocation per span (24 GB a rank for an 8B model with AdamW, page-faulted
-in and zeroed by the kernel, then freed), and on CUDA they are pinned, so the copy into a GPU shard is a
-DMA the loading thread only issues (non_blocking). A buffer goes back to the reader once the hasher is
-done with it (a gap) or the loading thread asks for the next span (a span); on CUDA it carries an event
-recorded after its copies were issued, which the reader waits for before it reads into the buffer again.
-`tensor_in` builds the tensor DCP saved in a span (a torch.save archive) as a view of the buffer: the
-archive's small pickle through torch's weights-only unpickler, its storage the buffer's bytes where the
-archive keeps them, so the bytes are copied once, into the target.
-
-A file whose bytes differ from the manifest is found when its last byte has been read, after DCP may have
-copied some of its tensors into the target. That is harmless: the DamagedCheckpoint makes the resume fall
-back to an older checkpoint (lmyard.checkpoint.resume), whose load overwrites them.
+Design notes: docs/checkpoints.md, `lmyard/checkpoint/readahead.py`.
 """
 
 from __future__ import annotations

@@ -6,18 +6,7 @@
     find_latest(store, run, ..., load)     the newest checkpoint that loads; damaged ones skipped
     load_latest(..., model, optimizer)     find_latest + load_into, after checking the model's shape
 
-A `full` checkpoint loads into a sharded model and a `dcp` one into a plain model
-(lmyard.checkpoint.dcp.load_full_into / load_full), so a lineage moves between
-train.parallel=ddp and fsdp, and between world sizes.
-
-find_latest's fallback: a damaged checkpoint (DamagedCheckpoint: its files do not
-match its manifest, or do not load) is skipped with a warning naming it and the
-previous one is tried; the caller moves it aside (catalog.quarantine). A read that
-fails (the store down) is retried `read_attempts` times and then raised: a store
-hiccup never makes a good checkpoint look damaged. Under torch.distributed every
-rank tries rank 0's list of steps, and all skip a checkpoint any rank found damaged.
-A checkpoint of another model shape is neither: it is a UserError naming both
-shapes, raised before any tensor is read.
+Design notes: docs/checkpoints.md, `lmyard/checkpoint/resume.py`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Checkpoint retention: one policy, applied to the store (local or S3).
 
-Kept: the last `keep_last` complete checkpoints (at least 2: the newest may
-still be in use by a reader while the next is written), every step that is a
-multiple of `keep_every`, the one with the lowest validation loss
-(`keep_best`), and every step listed in `runs/<run>/protected.json`
-(`{"steps": [...]}`, written when a registered model points at a checkpoint),
-and, while the pretrain flow evaluates checkpoints (`hold_for_eval`), every
-checkpoint it has not released yet: the flow writes `evaluated.json` into a
-checkpoint's folder once its evaluation ended (passed or failed) and then
-applies retention itself (the trainer does not, so there is one deleter), so an
-evaluator that falls behind still finds each checkpoint it has to score.
-Everything else is deleted: its manifest first, so a half-deleted checkpoint
-never looks complete, then its files. Folders without a manifest (an upload
-cut short) older than the newest complete checkpoint are deleted too.
+Kept: the last `keep_last` complete checkpoints (at least 2), every multiple of `keep_every`, the best
+(`keep_best`), protected steps, and checkpoints still held for evaluation; everything else is deleted,
+its manifest first.
+
+Design notes: docs/checkpoints.md, `lmyard/checkpoint/retention.py`.
 """
 
 from __future__ import annotations
