@@ -1,25 +1,12 @@
 """The ways a stage can end, each with its exit code and whether a retry can help.
 
-A stage (the trainer, the evaluator, tokenize-and-shard) that fails writes its
-result file with the status and message below and exits with the status's
-code; the launcher reads the file (never the log) and raises the matching
-exception, and the train task's retry policy follows `retryable()`:
+    0 done   1 crashed (retried)   2 user_error (never retried)   3 diverged (never retried)
+    4 store_outage (retried) or no_space (not retried)   5 preempted (retried)   6 lease_lost (never retried)
 
-    0  done
-    1  crashed        anything unexpected (a dead rank, a lost node): retried, resumes from a checkpoint
-    2  user_error     bad input, a config that cannot work (out of memory included): never retried
-    3  diverged       the loss went non-finite or spiked beyond the guard's policy: never retried
-    4  store_outage   checkpoints could not reach the store in time: retried (the store may come back)
-    4  no_space       the local cache disk (LMYARD_CACHE) is full or over quota: not retried (a retry would
-                      fill it again); the run's staging is deleted, and a rerun once space is freed resumes.
-                      A full local store (StoreFull) is no_space too, but keeps the staged checkpoints: a
-                      rerun once space is freed uploads them
-    5  preempted      SIGTERM (a spot reclaim, `docker stop`, a cancelled run): checkpointed, retried
-    6  lease_lost     another run took over the lineage's lease (lmyard.tracking.lease): this one stopped
-                      without writing further; never retried (the lineage has its writer)
+A failing stage writes its result file with its status and exits with the status's code; the launcher reads
+the file (never the log) and raises the matching exception; `retryable()` decides the train task's retry.
 
-Every message is one line that names the problem and the fix; the command
-line prints it alone, without a traceback.
+Design notes: docs/launch.md, `lmyard/errors.py`.
 """
 
 from __future__ import annotations

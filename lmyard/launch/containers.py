@@ -6,25 +6,7 @@ Training runs torchrun in each container, c10d rendezvous on node 0; every other
 stage (shard, evaluate, export) runs `python -m lmyard.stages STAGE` in one
 container, its spec in LMYARD_SPEC.
 
-`plan()` turns the config into one container definition per node (pure: unit
-tested without an engine). `DockerJob` connects to each node's engine, removes
-leftovers of the same flow run, creates a bridge network when asked, starts the
-containers and streams their logs; the shared `lmyard.launch.Follower` does the
-rest, as for a local job: `[node i]` lines, progress, the heartbeat watchdog,
-SIGTERM with `launch.grace_s` to checkpoint, the result and its exit code. The
-trainer writes its exchange folder (lmyard.stages) inside each container, at
-EXCHANGE_DIR; the job reads it through the engine (`get_archive`), so nodes on
-other hosts need no shared folder. Whatever ends the follow, the containers and
-the network are removed.
-
-GPUs (launch.docker.gpu_mode toolkit | devices | cdi, per-node GPU ids, and the host pid/IPC namespaces
-nodes sharing one host need) are lmyard.launch.gpus: `plan()` merges its per-node container arguments, and
-`DockerJob.start` runs its engine check on every engine before any container is created.
-
-Credentials (every AWS_* variable of the launching process, MLflow's MLFLOW_TRACKING_USERNAME,
-_PASSWORD and _TOKEN, and the names in
-launch.docker.pass_env) reach the containers through their environment only;
-`describe()` and the log lines mask their values.
+Design notes: docs/launch.md, `lmyard/launch/containers.py`.
 """
 
 from __future__ import annotations

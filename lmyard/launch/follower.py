@@ -1,28 +1,11 @@
 """Launchers: start a stage on every node, follow the job, and turn its end into a result or an error.
 
-Every stage (shard, train, evaluate, export; lmyard.stages) is launched the
-same way: a spec (lmyard.stages.StageSpec) in, its result type out. One
-interface, a backend table (lmyard.backends). A `Job` starts the nodes and reports what they print
-and how they exit; `LocalJob` runs the stage as a process group here (torchrun
-for training, one `python -m lmyard.stages STAGE` otherwise),
-`lmyard.launch.containers.DockerJob` one container per node in the stage
-image, `lmyard.launch.ray.RayJob` one Ray actor per node (each runs a `LocalJob`
-on its node; training only). `lmyard.launch.launcher.launch` starts the table's Job of `launch.backend`.
-Everything else is shared, in `Follower`:
+A `Job` starts the nodes and reports what they print and how they exit (`LocalJob` here; the other backends'
+Jobs in the backend table, lmyard.backends); `Follower` does everything else alike for every backend: output,
+progress, the watchdog, cancellation and cleanup, and the result (or the exception of lmyard.errors that its
+exit code names).
 
-- output: every line reaches `on_line`, prefixed `[node i]` when there are several nodes;
-- progress (training, tokenize-and-shard: the spec's `progress` type) and resume (training):
-  `progress.json` and `started.json` from the job's exchange folder (lmyard.stages), never parsed
-  from the log;
-- the heartbeat watchdog (`launch.watchdog_s`, and `launch.startup_timeout_s` from the job's start to
-  every rank's first step): stalled ranks, or ranks that never start, get the job killed (stages that
-  write no heartbeats are not watched);
-- cancellation and cleanup: an interrupt (Ctrl-C, Prefect's cancellation) or `stop_all()` sends
-  SIGTERM to every node, waits `launch.grace_s` for the checkpoint, then kills; the job's
-  processes, containers and networks are removed whatever happens;
-- the result: `result.json` (rank 0's, or a failing rank's own file) and the exit codes become the
-  spec's result (a `TrainResult`, `EvalResult`, ...), or the exception of lmyard.errors that its exit
-  code names (lmyard.stages.read_result).
+Design notes: docs/launch.md, `lmyard/launch/follower.py`.
 """
 
 from __future__ import annotations

@@ -3,46 +3,7 @@
     gpus = node_gpus(cfg.launch, urls)        # one NodeGpus per container (pure)
     check_engine(client, url, nodes, ...)     # per engine, before any training container starts
 
-`launch.docker.gpu_mode` picks how a container is given its GPUs:
-
-- `toolkit` (default): a device request with capabilities [["gpu"]], what `docker run --gpus` sends; the
-  NVIDIA container toolkit on the host injects device nodes and driver libraries.
-- `devices`: what a CDI spec would inject, done by hand, for hosts without the toolkit: the device nodes
-  /dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia-uvm-tools and /dev/nvidiaN per GPU, the driver folder
-  (`launch.docker.driver_dir`, default /usr/local/nvidia) bind-mounted read-only at its own path, and
-  LD_LIBRARY_PATH=<driver_dir>/lib64. A container's environment replaces the image's variable of the same
-  name, so the engine check appends the image's own LD_LIBRARY_PATH (read from the image) after the
-  driver's; a value the user sets in launch.docker.env wins over both. The bind mount is a `Mount`, not a
-  volume: the engine refuses a missing source instead of creating an empty folder as root.
-- `cdi`: a device request with driver "cdi" and names nvidia.com/gpu=N (Docker >= 25 with CDI enabled;
-  `nvidia-ctk cdi generate` writes the spec).
-
-Which GPUs: `gpus` (N means indices 0..N-1 in devices/cdi mode; a count request in toolkit mode),
-`gpu_ids` (the same ids on every node) or `node_gpus` (one entry per node, for nodes that share a host).
-
-Nodes that share one engine (one host). Probed on a 2x H100 host (docker 20.10, host network, GPUs as
-device nodes): with docker's private PID namespaces both containers hang forever, silent. Two causes:
-c10d's rendezvous tells nodes apart by (address, pid, local id), and every container's torchrun has the
-same pid and, on host networking, the same hostname, so the second node's join looks like the first
-rejoining (the loopback aliases of `--local_addr`, lmyard.launch.containers, also separate them); and
-NCCL's cuMem P2P transport passes buffer handles between processes by pid over a unix socket ("UDS
-converted handle ... on remote peer"), which needs the peers' pids in one namespace. With `--pid host`
-but only its own GPU's device node, a container fails at NCCL init (P2P to a GPU it cannot open). What
-works, at the bus bandwidth of two processes on the host (all-reduce 332 GB/s): pid and IPC namespaces of
-the host, every container given the device nodes of every GPU the engine's nodes use, and
-CUDA_VISIBLE_DEVICES naming its own. So when two or more GPU nodes share an engine URL, each gets all of
-that engine's GPUs, CUDA_VISIBLE_DEVICES set to its own (positions among them, in PCI bus order, which is
-the order of the device minors), pid_mode=ipc_mode=host (/dev/shm is then the host's: no shm_size). A node
-alone on its engine sees only its GPUs and keeps private namespaces.
-
-Inside every GPU container NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
-NVSHMEM_DISABLE_NVLS=1 are set (NVLink multicast is off on the lent machines) unless launch.docker.env
-sets them.
-
-The engine check (`check_engine`) creates and starts one throwaway container per engine with that
-engine's GPUs (devices, driver mount, device request) and `test -e <driver_dir>/lib64/libcuda.so.1` in
-devices mode, `true` otherwise, then removes it. What the engine answers becomes one UserError naming the
-nodes, the engine URL and what is missing, before any training container exists.
+Design notes: docs/launch.md, `lmyard/launch/gpus.py`.
 """
 
 from __future__ import annotations

@@ -6,26 +6,7 @@
     python -m lmyard.launch.images tag                         # the tag this checkout builds
     python -m lmyard.launch.images prune --keep 3              # drop older stage images (~1.1 GB each)
 
-No image registry is needed to build. Three steps, each cached under LMYARD_IMAGE_CACHE
-(default `images` in the cache root, LMYARD_CACHE or ~/.cache/lmyard) or in the engine:
-
-1. Base `lmyard-base:bookworm`: debootstrap Debian bookworm (minbase + python3,
-   whose 3.11 matches the cp311 torch wheel) from the Debian mirror apt uses,
-   trimmed of docs, locales and apt caches, then `docker import`.
-2. Wheelhouse: `pip download` of images/requirements.txt pinned to the versions
-   installed here (pip's find-links supplies the torch CPU wheel), plus
-   lmyard's own wheel built from this checkout.
-3. `docker build` of images/Dockerfile with BASE_IMAGE and CODE_VERSION; the
-   wheels reach only the build stage, and its image is removed afterwards.
-
-The tag is `lmyard-stage:<code version>` (`+` becomes `-`); a checkout with
-uncommitted changes adds a digest of the sources, so an edit never reuses a
-stale image. Needs root for debootstrap and a running Docker engine.
-
-With `--push REGISTRY` the image is pushed as `REGISTRY/lmyard-stage:<tag>` and its digest reference
-`REGISTRY/lmyard-stage@sha256:...` printed. The Docker launcher (`ensure_images`) pins an image from a
-registry to its digest, asked through node 0's engine, and each engine that lacks it pulls it by that
-digest before any container starts: every node runs the same bytes.
+Design notes: docs/launch.md, `lmyard/launch/images.py`.
 """
 
 from __future__ import annotations

@@ -3,43 +3,7 @@ placement group, torchrun in each.
 
     run_ray(cfg, spec, on_line=log)
 
-Ray holds the resources and places the nodes; it restarts nothing. Training
-asks for one bundle per node (`launch.ray`: CPUs, GPUs, custom resources) in a
-placement group, STRICT_SPREAD when there are several nodes, so no two nodes
-share a host. The other stages (tokenize-and-shard, evaluate, export) are one
-actor with the resources their stage asks for (lmyard.launch.ray_requests),
-running `python -m lmyard.stages STAGE` on its node; tokenize-and-shard's read
-pieces then run as Ray tasks over every node (lmyard.data.raypool). A request
-the cluster's nodes can never hold is refused at once, naming the resource
-(from the `ray.nodes()` totals of every node the cluster has had: after a lost
-node the retry waits for it to come back, up to
-`launch.ray.placement_timeout_s`). One `NodeAgent` actor then takes each bundle and runs a
-`LocalJob` on its node: torchrun with the c10d rendezvous hosted by node 0, at
-the address node 0's actor reads from its own node (`get_node_ip_address`) and
-a port free there, and an exchange folder on that node's disk.
-
-The driver (this process) reads that folder through the actor (`read`,
-`read_all` return file bytes; nodes share no disk; rank 0's files are on
-whichever node the rendezvous gave rank 0) and pumps each node's
-torchrun output with one thread per node (`output` returns the lines since an
-offset, waiting up to a second for new ones). The shared
-`lmyard.launch.follower.Follower` does the rest, as for local and Docker jobs:
-`[node i]` lines, progress, the heartbeat watchdog, SIGTERM with
-`launch.grace_s` to checkpoint, the result and its exit code. A node whose
-actor dies (the node was lost, the actor was killed) is a lost node: the job
-ends as crashed and the train task's retry resumes from the newest checkpoint.
-
-Whatever ends the follow, `close()` stops torchrun on every node, removes the
-exchange folders, kills the actors and removes the placement group. Both are
-also owned by the driver's Ray job: if the launching process dies, Ray removes
-them, and torchrun follows its actor (a parent-death signal, lmyard.launch.follower).
-
-What the cluster tells its drivers (a raylet's death with the tail of its log, a node marked dead, once
-per agent that saw it) is one warning line each, said once (`_fold_cluster_errors`).
-
-Credentials (every AWS_* variable of the launching process, and the names in
-launch.ray.pass_env) reach torchrun as arguments of the actor's `start`, not
-through the runtime_env (which Ray records and shows); output lines mask them.
+Design notes: docs/launch.md, `lmyard/launch/ray.py`.
 """
 
 from __future__ import annotations

@@ -1,39 +1,7 @@
 """torchrun as the launcher starts it: `python -m lmyard.launch.torchrun ARGS` is `python -m torch.distributed.run
 ARGS` with two differences.
 
-1. A preempted rank does not cut the others' commit short. torchrun stops its ranks in two ways:
-
-   - torchrun itself gets a signal (a cancelled run, `docker stop`): it forwards it and
-     kills what is left after TORCH_ELASTIC_SHUTDOWN_TIMEOUT, which the launcher sets
-     from `launch.grace_s` (lmyard.launch.follower.stage_env);
-   - a rank exits non-zero: the agent notices it while polling and stops the others with
-     its own fixed 30 s, whatever the timeout says (no public option reaches it). A rank
-     that exited as preempted (5) would so have a rank still uploading its checkpoint to
-     a slow store SIGKILLed 30 s later, and the step lost.
-
-   So this program points RANK_EXITS_ENV at a folder of its own (the ranks inherit the
-   agent's environment), where a preempted rank records its code and exits 0, but the last
-   of the node, which exits 5 with no rank left to stop (lmyard.stages.rank_exit, called by
-   the train stage; a node whose ranks all exited 0 would wait in torchrun's exit barrier
-   for the other nodes' torchrun, which never comes from a node that got the signal). So
-   torchrun lets every rank end on its own, within `launch.grace_s` (the trainer's budget).
-   Any other failure (a crash, a full disk, a store outage, a diverged loss) still exits
-   non-zero at once and makes torchrun stop the other ranks, which wait on a broken
-   collective. Ranks started any other way (plain torchrun, Ray actors) exit 5 as before.
-   Preempted ranks also wait for each other's commit before exiting (lmyard.train.
-   components.Preemption.barrier).
-
-2. A rank that fails ends it with one line, not torchrun's traceback of its own ChildFailedError. The ranks say
-   why they failed themselves (one line for a known error, a traceback for a crash) and rank 0's result file
-   carries it to the launcher; torchrun's own ~40-line report of the same failure, with a traceback of the
-   agent, told a person nothing more and made a full disk or a bad config read like a crash. The line names the
-   rank that failed first, by torchrun's report and the ranks' records (a record wins: it is the rank's own word,
-   and torchrun may stop a preempted rank after it recorded its code); `exits/` in the exchange folder gets every
-   code. The exit code is 5 when every rank that ended so was preempted, else what torchrun's uncaught error
-   gave (1); signals reach the agent as before (the same process), and the agent's SignalException, once it
-   has stopped the ranks, is one line (exit 1, as before), not its traceback.
-
-It is a program, and nothing imports this module (it loads torch, which flows and tasks must not).
+Design notes: docs/launch.md, `lmyard/launch/torchrun.py`.
 """
 
 from __future__ import annotations

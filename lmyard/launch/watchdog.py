@@ -1,24 +1,10 @@
 """The watchdog that ends a job whose ranks stopped making progress.
 
-Every rank writes its step number to `<exchange>/heartbeat/rank-<R>` when it
-completes a step (lmyard.stages.heartbeat). The launcher's follow loop
-(lmyard.launch.follower, shared by every backend) reads the heartbeats about
-once a second -- from the local folder, or from each container through its
-engine -- and hands them to `Watchdog.check`. When no
-rank's step has changed for `timeout_s` (a hung NCCL collective, a dead data
-source, a stuck filesystem) the check returns a message that says which ranks
-stopped where, and the launcher kills the job, so the task fails and a retry
-resumes from the last checkpoint. The clock is the launcher's own (no clock is
-compared across hosts).
+`Watchdog.arm` at the job's start, `Watchdog.check(heartbeats)` about once a second from the launcher's
+follow loop: a message naming the stalled ranks once no step changed for `launch.watchdog_s`, or once a rank
+has not reported its first step within `launch.startup_timeout_s`.
 
-The stall clock starts at the first heartbeat: loading, compiling and the first
-step are not timed by `launch.watchdog_s`, which is sized for one step. They have
-a clock of their own, `launch.startup_timeout_s` (generous: a big model compiles
-and resumes for minutes): it starts when the job has started (`Watchdog.arm`,
-after the launcher's image builds and container starts) and ends once every rank
-has written its first heartbeat. A rank stuck in rendezvous, in resume or before
-step 1 gets the job killed the same way, with a message naming the ranks that
-never reported and the setting to raise.
+Design notes: docs/launch.md, `lmyard/launch/watchdog.py`.
 """
 
 from __future__ import annotations

@@ -2,22 +2,7 @@
 
     python -m lmyard.stages {shard,train,evaluate,export} [--spec spec.json] [--out result.json]
 
-One entry convention for every stage: the spec (a `StageSpec` of
-lmyard.stages: ShardSpec, TrainSpec, EvalSpec, ExportSpec) comes from
-`--spec`, or from the LMYARD_SPEC environment variable in a container; the
-result (ShardResult, TrainResult, EvalResult, ExportResult) or the failure
-(StageError) goes atomically to `--out`, default `result.json` in the exchange
-folder (LMYARD_EXCHANGE_DIR, else the current folder), and the exit code
-follows lmyard.errors.ExitCode: 0 done, 2 a user error, ... (`run_stage`, the
-one path from an exception to an exit code). The launcher (lmyard.launch)
-writes the spec, starts the stage here or in the stage image, and reads the
-result back; training runs under torchrun on every node
-(`torchrun ... -m lmyard.stages train --spec spec.json`), the others as one
-process. The log says what happens, for people.
-
-The bodies live where their subject does (lmyard.data.sharding,
-lmyard.train.stage, lmyard.evaluate.evaluator, lmyard.export.hf); this module
-only turns a spec into their call and their answer into a result.
+Design notes: docs/launch.md, `lmyard/stages/entry.py`.
 """
 
 from __future__ import annotations
