@@ -1,37 +1,6 @@
 """Document masking (`model.doc_mask`): block-causal attention over the documents packed in a sequence.
 
-A training sequence is a window of the token stream, so it usually holds the end of one document and the
-start of the next, separated by the tokenizer's separator (lmyard.data.tokenizer.separators; by default
-<|endoftext|> *before* each document, as llm.c writes them; `tokenizer.eos` puts one *after*). Causal
-attention lets the second document attend to the first; with document masking a token attends only to
-earlier tokens of its own document:
-
-    document id of a token = separators that begin a document at or before it (bos)
-                           + separators that end a document strictly before it (eos)
-    token q attends to token k  <=>  k <= q  and  document(k) == document(q)
-
-so a begin-separator belongs to the document it begins and an end-separator to the one it ends (torchtitan
-counts end-of-sequence ids the same way; modded-nanogpt begins documents at its <|endoftext|>, as here).
-
-Positions do not restart per document (torchtitan and modded-nanogpt alike): a document that begins in the
-middle of a window keeps the window's positions (learned positions for GPT-2, RoPE for Llama). Simple, and
-RoPE is relative anyway; GPT-2's learned table sees every position either way.
-
-The mask is built once per forward from the input ids and shared by every block:
-
-- CUDA: a FlexAttention BlockMask (`create_block_mask`, compiled once per process), and attention through
-  `torch.compile(flex_attention)`: the fused Triton kernel, which skips the tiles of 128 x 128 that no
-  query of the tile may attend to (a tile across two documents costs nothing).
-- CPU: a dense (B, 1, T, T) boolean mask through scaled_dot_product_attention, because FlexAttention has no
-  backward on CPU (torch 2.13); the same attention, for the tests and the smoke recipe. (Inductor's CPU
-  FlexAttention kernel also mis-reads q and k whose layout differs from v's, as Llama's RoPE output does in a
-  compiled model: one more reason to keep CPU on SDPA.)
-
-With `model.doc_mask=false` (the default) no mask is made and the families call `causal`:
-scaled_dot_product_attention with is_causal=True, under the SDPA kernel of `model.attention` (`use_kernel`).
-That choice sits inside the model's graph (an sdpa_kernel context around the call), not around it: a
-compiled graph keeps the kernel it was traced with, and inductor's cache would otherwise hand a graph traced
-under one choice (an earlier run's) to a run that asked for another.
+Design notes: docs/models.md, `lmyard/models/attention.py`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """The language-model head and its loss in one op: `linear_cross_entropy(x, weight, targets)`.
 
-Equal to `F.cross_entropy(x @ weight.T, targets)` (mean over tokens; the softmax in
-fp32), but the gradient of the logits is computed in the forward pass, in the
-logits' own buffer: on CUDA one Triton kernel (lmyard.models.ops.cross_entropy) reads
-each row of logits, finds its log-sum-exp, and overwrites the row with `(softmax - onehot) / N`. The backward
-pass is then two matrix products, scaled by the loss's gradient. Against the plain
-path (inductor's log-softmax kernel forward, another kernel backward) that is one
-read of the logits less: with GPT-2's 50,304-wide vocabulary the logits are the
-largest tensor of the step (3.3 GB in bf16 for 32 x 1024 tokens). On an H200 the
-head's forward + backward takes 14.2 ms instead of 15.3 ms
-(tests/benchmarks/bench_lm_head.py).
+Equal to `F.cross_entropy(x @ weight.T, targets)`, but the gradient of the logits is computed in the forward
+pass, in the logits' own buffer (one Triton kernel on CUDA; plain torch elsewhere).
 
-Elsewhere (CPU, or no Triton) the same op runs as plain torch code. Under bf16
-autocast the product runs in bf16, as `F.linear`'s would; the gradients of x and
-the weight come back in their own dtypes, scaled by the loss's gradient in them.
+Design notes: docs/models.md, `lmyard/models/losses.py`.
 """
 
 from __future__ import annotations

@@ -7,12 +7,7 @@ products around them through cuBLASLt (lmyard.models.ops.cublaslt) instead:
 - forward: one product writes gelu(x @ W1.T + b1) and, for backward, its input;
 - backward: the product dy @ W2 is multiplied by gelu'(input) as it is written.
 
-The bias gradients stay column sums that inductor compiles (cuBLASLt's DGELU_BGRAD epilogue, which
-would also sum them, runs a second kernel that is slower than inductor's sum).
-
-The arithmetic is the plain path's (bf16 operands, fp32 accumulation, the tanh GELU in fp32, bf16
-results), with the GELU gradient taken from the product before it is rounded. Elsewhere (CPU, fp32,
-no cuBLASLt plan for a shape) the op runs the same steps in torch.
+Design notes: docs/models.md, `lmyard/models/mlp.py`.
 """
 
 from __future__ import annotations

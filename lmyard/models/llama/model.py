@@ -6,19 +6,7 @@ through lmyard.models.losses.linear_cross_entropy (the logits without targets), 
 `param_groups()`, `generate()`, `config.block_size`, and `layers`, the ModuleList of blocks that
 lmyard.train.distributed.parallel wraps one by one (FSDP2 units, activation checkpointing, torch.compile).
 
-Weight names follow Hugging Face's LlamaForCausalLM without its `model.` prefix
-(`embed_tokens`, `layers.i.self_attn.o_proj`, `layers.i.mlp.gate_proj`, `norm`, `lm_head`), except
-that q, k and v are one matmul, `self_attn.qkv_proj` (HF's q_proj, k_proj and v_proj stacked by rows,
-as torchtitan fuses them: one larger GEMM); RoPE rotates halves of each head as HF does, so an export
-only splits qkv_proj's rows, with no permutation of q and k.
-
-With `doc_bos`/`doc_eos` set (model.doc_mask), attention is block-causal over the packed documents
-(lmyard.models.attention); RoPE positions do not restart per document.
-
-Initialisation as torchtitan's Llama 3: embeddings N(0, 1); qkv and the gate projection
-truncated N(0, 0.02); the output projections of attention and MLP (o_proj, down_proj) and the up
-projection truncated N(0, 0.02 / sqrt(2 * (layer + 1))) (depth-scaled); the LM head truncated
-N(0, d^-1/2) cut at 3 sigma; RMSNorm gains 1.
+Design notes: docs/models.md, `lmyard/models/llama/model.py`.
 """
 
 from __future__ import annotations

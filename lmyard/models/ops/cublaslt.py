@@ -6,11 +6,7 @@ DGELU (the gradient's product multiplied by gelu'(input) as it is written). Each
 elementwise kernel over the (tokens, 4d) activations. (DGELU_BGRAD, which also sums the bias
 gradient, runs that sum as a second, slower kernel on H100: docs/history/benchmarks-log.md.)
 
-`linear(x, w, epilogue=..., ...)` computes `x @ w.T` (w: (N, K)) or `x @ w` (`w_t=True`, w: (K, N))
-for row-major 2-D CUDA tensors, returning None where the library or a plan for the shape is not
-available (the caller then runs its torch path). Plans (descriptors, the heuristic's algorithm) are
-made once per shape and epilogue. The library is the one torch itself loaded: its path is read from
-/proc/self/maps, so nothing is built or installed. Not thread-safe: a plan's pointers are set per call.
+Design notes: docs/models.md, `lmyard/models/ops/cublaslt.py`.
 """
 
 from __future__ import annotations

@@ -6,13 +6,7 @@ registry of torch.nn.attention); its FA4 entry calls the forward and backward of
 calling scaled_dot_product_attention, compiled or not; lmyard.models.attention.use_kernel("fa4") activates the
 entry once per process, and `attention.causal` allows only the flash backend.
 
-Releases of flash-attn-4 from 4.0.0b20 on return more than (out, lse) from their forward, and torch's entry
-unpacks two; so lmyard registers that entry over this module, whose forward passes the first two on. Its
-backward is flash-attn-4's own.
-
-Hopper (compute capability 9.x) and Blackwell (10.x) GPUs, bf16 or fp16, causal with grouped-query heads as
-the families call it. At Llama-3 8B's attention shape on one H200 (seq 8192, 32 query and 8 key/value heads
-of 128) its forward and backward take 3.16 ms against cuDNN's 3.60 (docs/history/benchmarks-log.md).
+Design notes: docs/models.md, `lmyard/models/ops/flash4.py`.
 """
 
 from __future__ import annotations

@@ -7,10 +7,7 @@ a token's row of qkv and writes its q, k and v heads; its backward, one kernel, 
 writes the row of qkv's. Both compute in float32 and round once, as inductor's kernels do. Elsewhere (CPU)
 the plain formula.
 
-What it replaces, compiled: a forward that keeps v as a view of qkv, so that attention's saved v keeps the
-whole (T, d + 2 kv) buffer until backward, and a backward that is one inductor kernel gathering both halves
-of every head under masks (the rotation's cat and the split's cat), at Llama-3 8B's shape 0.115 ms a block
-on an H200 (1.6 TB/s). With the op, 8B on two H200s peaks 2.5 GiB lower (docs/history/benchmarks-log.md).
+Design notes: docs/models.md, `lmyard/models/ops/rope.py`.
 """
 
 from __future__ import annotations

@@ -1,36 +1,6 @@
 """FSDP2's layout copies on the copy engines, off the compute stream (train.fsdp_copies).
 
-FSDP2 moves each unit's parameters and gradients through flat communication buffers, and three copies between
-those buffers and the tensors autograd sees run as kernels on the GPU's SMs, two of them on the compute stream:
-
-- before each all-gather, the shards into this rank's part of the buffer (a multi-tensor kernel, on FSDP2's
-  copy-in stream);
-- after it, the split of the gathered buffer into the unit's parameters (`split_with_sizes_copy`, on the
-  compute stream);
-- before each reduce-scatter, the cat of the unit's gradients into the buffer it sends (`chunk_cat`, on
-  the compute stream).
-
-At the Llama-3 8B shape on 4 GPUs the last two take 24 and 12 ms of an 800 ms step. A kernel on a side stream
-gains little: the matmuls beside it fill every SM, so it mostly runs between them. Under `side`
-(`move_off_compute`) each copy is one contiguous `copy_` a parameter (and rank), a memcpy that the GPU's copy
-engines run beside the kernels:
-
-- the copy-in on FSDP2's copy-in stream, as before;
-- the split on FSDP2's all-gather stream as soon as the all-gather is done, into parameters allocated on the
-  compute stream when the all-gather is issued; the compute stream waits for the split only where it used to
-  run it. So that the all-gather is issued a block ahead in forward as backward already does, each block
-  prefetches the next one's parameters (FSDP2's `set_modules_to_forward_prefetch`);
-- the cat on FSDP2's reduce-scatter stream, after the gradients are complete, where each gradient is a
-  dim-0 multiple of the ranks in the reduce dtype (bf16 gradients reduced in fp32 keep FSDP2's cat, which
-  casts); the gradients are held until the next cat, or the end of backward, has the compute stream wait
-  for this one.
-
-The numerics are FSDP2's: the same bytes land in the same places. The cost is memory: the next block's
-parameters are allocated while the current block computes (one gathered block more in forward, where each
-block is resharded after it), and a block's gradients are let go one cat later. FSDP2 has no hook for these
-copies; this module rebinds FSDPParamGroup.unshard, post_backward and finalize_backward and the three
-functions FSDP2's modules call for the copies (foreach_all_gather, foreach_all_gather_copy_out,
-foreach_reduce_scatter_copy_in), checked for by `missing`, in torch 2.11 to 2.13.
+Design notes: docs/models.md, `lmyard/train/distributed/fsdp_copies.py`.
 """
 
 from __future__ import annotations

@@ -1,56 +1,12 @@
 """Memory planning before the first step: what each GPU will hold, and what to change when it will not fit.
 
-`estimate(model_cfg, train_cfg, world, device_bytes)` -> Plan, per GPU, in bytes:
+    plan = estimate(model_cfg, train_cfg, world, device_bytes)   per GPU, in bytes: params, grads, optimizer,
+                                                                 working copies, activations, reserve
+    check(plan)           a UserError naming the changes that would fit
+    resolve(...)          train.activation_checkpointing=auto: the lightest policy whose plan fits
+    settle_reshard(...)   train.fsdp_reshard_after_forward=auto: kept gathered where that still fits
 
-- params: fp32 weights (whole under ddp, 1/world under fsdp).
-- grads: fp32 gradients, likewise. Under fsdp without gradient accumulation they are not there at the
-  activations' peak (the end of forward): zero_grad set them to None, and each block's reduce-scatter makes
-  its shard as backward frees that block's activations; so the plan counts the larger of the two there, and
-  both with accumulation (the earlier micro-steps' gradients wait) or under ddp (its buckets stay allocated).
-- optimizer: AdamW's two fp32 moments, likewise.
-  Under fsdp with train.fsdp_param_dtype=bfloat16 the weights and gradients are bf16 and the optimizer holds
-  fp32 master weights too: 2 + 2 + 12 bytes a parameter where float32 shards are 4 + 4 + 8.
-- working: bf16 copies of the weights made for compute: under ddp autocast's cast of every weight;
-  under fsdp the gathered bf16 blocks (two at a time with reshard-after-forward, every block without),
-  a block's fp32 unsharded gradients on their way to reduce-scatter (not there at the end of forward, the
-  activations' peak, where train.fsdp_copies=side holds the next block's bf16 parameters, allocated early,
-  instead), and the root unit (embeddings,
-  head) gathered with its unsharded gradients (the input table counted so even where it stays in its row
-  shards, train.fsdp_embedding: an upper end there).
-- activations: what backward keeps, bf16, for micro_batch x block_size tokens: per block and token the
-  family's figure (its spec's `terms`, e.g. GPT-2 34d eager, Korthikanti et al. 2022 with flash attention;
-  its `compiled` figure under torch.compile, train.compile, on by default on a GPU, where it has one);
-  `pointwise` keeps every matmul's and attention's output (the norms' outputs and SwiGLU's product are made
-  again in backward); `selective` keeps those but every second matmul's; `full` keeps each block's input
-  (2d) plus one block's worth during its recomputation; `full` on the first n of L blocks
-  (train.activation_checkpointing_blocks) keeps n inputs, L - n blocks' whole activations and the one
-  block being recomputed, so n = L is `full` and the step from n to n + 1 saves none - full per token;
-  `pointwise` or `selective` on the first n keeps n blocks' own figure and L - n blocks' whole activations
-  (their recomputation is op by op, no extra block's worth), so the step from n to n + 1 saves none - that
-  figure per token.
-  Plus the logits (bf16, their gradient is written in place).
-- reserve: 10% of the device for the CUDA context, NCCL buffers and allocator fragmentation.
-
-The figures are estimates (an upper end, checked against the peak allocated memory that
-tests/benchmarks/bench_llama.py prints beside the plan); `check(plan)` raises a
-UserError naming the changes that would fit: fsdp, activation checkpointing, a smaller micro-batch, more GPUs.
-
-`train.activation_checkpointing=auto` is settled here before the first step (`resolve`): the lightest policy
-whose plan fits, in order of recomputation (LADDER): none; pointwise on the fewest first blocks that fit (in
-those blocks the elementwise ops run again: 0.5-0.9% of the step at Llama-3 8B with every block so, where
-selective on as many blocks as free the same memory cost 5.2%, docs/history/benchmarks-log.md); pointwise on every
-block; selective on the fewest first blocks that fit (every second matmul runs again as well); selective on
-every block; full on the fewest first blocks that fit (each such block runs its whole forward twice, the rest
-run once); full on every block. The order is fixed, not measured: a few fully recomputed blocks may cost
-less than selective everywhere. Memory is what decides, never speed: a plan that fits without recomputation
-keeps every activation, and one that fits with pointwise on 8 of 32 blocks recomputes nothing in the other
-24. On CPU there is no device to plan against, and auto is none.
-
-`train.fsdp_reshard_after_forward=auto` is settled after the checkpointing (`settle_reshard`): every block
-stays gathered from its forward to its backward where that plan still fits (its backward then needs no
-second all-gather and no copy out of it: +3.6% at llama-1b on 4 H100s, docs/history/benchmarks-log.md), else each block
-is resharded after its forward. Checkpointing comes first because recomputing costs more than gathering
-again, which overlaps compute.
+Design notes: docs/models.md, `lmyard/train/distributed/memory.py`.
 """
 
 from __future__ import annotations

@@ -4,32 +4,7 @@
 applying, in torchtitan's order: float8 linears -> activation checkpointing -> torch.compile per block
 -> FSDP2 (`fully_shard` per block, the embeddings, the final norm with the head, then the root).
 
-The parameters stay fp32 and sharded (the optimizer updates fp32 shards); on CUDA each block's
-parameters are gathered in bf16 for its forward and backward, and gradients are reduce-scattered in
-fp32, or bf16 with train.fsdp_reduce_dtype (MixedPrecisionPolicy). On CPU everything is computed in fp32.
-With train.fsdp_param_dtype=bfloat16 the shards themselves are bf16 and the optimizer keeps their fp32
-master weights (lmyard.train.optim), started from the fp32 weights before rounding: on CUDA FSDP2 then
-gathers the shards as they are and keeps the reduced gradients in bf16, where it otherwise casts the
-shards before every all-gather and the gradients after every reduce-scatter.
-With train.fsdp_embedding sharded (auto's choice where the ranks' tokens of a micro-step are fewer than its
-rows) an untied input token table is not a unit: it stays in its row shards and each rank looks up every
-rank's tokens in its own rows (lmyard.train.distributed.sharded_embedding), so FSDP2 neither gathers the table nor
-reduce-scatters its gradient.
-
-The all-gathers (train.fsdp_all_gather): with every rank on one host, `copy_engine` (auto's choice there)
-gathers into NCCL symmetric memory under NCCL's zero-CTA policy (`process_group_options`, given to
-init_process_group), so NCCL moves the parameters with the GPU's copy engines instead of kernels that would
-share the SMs with the matmuls they overlap.
-
-Activation checkpointing (under ddp too, lmyard.train.distributed.parallelism): `full` recomputes each whole block in
-backward; `selective` is torchtitan's op-level policy: inside each block the outputs of matmuls and attention
-are kept, except every second matmul's, and everything else (norms, RoPE, SwiGLU's pointwise ops) is
-recomputed; FlexAttention's output (model.doc_mask) is kept as SDPA's is. `pointwise` is the same policy
-keeping every matmul's output: only the elementwise ops run again (norms, RoPE, SwiGLU's product, GELU,
-layout copies), a pass over memory that backward's own elementwise kernels mostly read anyway, where the
-compiled default keeps their outputs because a matmul in backward reads them. Each mode may wrap only the
-first train.activation_checkpointing_blocks blocks (the rest keep all their activations; lmyard.train.distributed.memory's
-`auto` picks that number); one wrapping loop for every mode, so they mean the same blocks.
+Design notes: docs/models.md, `lmyard/train/distributed/parallel.py`.
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
 """The input token table under fsdp, kept sharded by rows: each rank looks up every rank's tokens in its own rows.
 
-FSDP2 would gather the whole table (V x d) before the lookup and reduce-scatter its whole gradient after
-backward, the first and the last collectives of a step, with nothing to hide them behind. Here (train.
-fsdp_embedding=sharded) the table never leaves its shards:
-
-- forward: the ranks' token ids are all-gathered (world x tokens ids); each rank looks up those its rows hold
-  and writes zeros for the others; a reduce-scatter sums the world's lookups and hands each rank its own
-  tokens' rows. The sum is exact: each token's row is on one rank.
-- backward: the gradients of the looked-up rows are all-gathered, and each rank adds those of its own rows
-  into its shard's gradient, divided by the ranks (FSDP2's reduce-scatter averages). Nothing is
-  reduce-scattered.
-
-Both move world x tokens x d values a rank, against FSDP2's V x d: fewer wherever the ranks' tokens of a
-micro-step are fewer than the table's rows (train.fsdp_embedding=auto's test, `sharded_pays`). At Llama-3 8B
-on 4 GPUs (8,192 tokens a rank, 128,256 rows) that is 32,768 rows of 4,096 against 128,256.
-
-A forward with no backward (eval mode or no grad: the val loss, whose ranks may score different numbers of
-sequences in their last call) gathers the table whole for a plain lookup instead, as FSDP2 would.
-
-The weight stays the DTensor (Shard(0)) FSDP2 would make, so checkpoints, the optimizer (its bf16 master
-weights too) and the gradient norm see the same parameter either way. A table shared with another module
-(GPT-2's tied head) is left to FSDP2.
+Design notes: docs/models.md, `lmyard/train/distributed/sharded_embedding.py`.
 """
 
 from __future__ import annotations
