@@ -1,17 +1,10 @@
 """The Trainer's components. Each decides when it is due; the loop in lmyard.train only asks.
 
-- `MetricsLogger`: train loss, lr, grad norm, tokens/s, MFU, data wait, memory, every `log_interval`
-  steps; writes `progress.json` for the launcher (rank 0).
-- `Validator`: the validation loss every `eval.interval` steps and at the last step.
-- `Checkpointing`: saves every `checkpoint.interval` steps, at the last step and when preempted
-  (asynchronously on rank 0; every rank hands in its RNG state).
-- `DivergenceGuard`: checks the loss on log and checkpoint steps; non-finite or spiking means
-  rollback or stop, by `train.guard.policy`.
-- `Preemption`: SIGTERM sets a flag; the ranks agree on it after every step (one tiny all-reduce
-  on a gloo group), so they all checkpoint the same step, wait together for its commit (a barrier:
-  a rank that exits early non-zero makes torchrun stop the rest), and exit as preempted.
-- `FaultHook`: the injected failures of lmyard.faults, in one place.
-- `Startup`: the time from the launch to the end of the attempt's first step, in parts, reported once.
+`MetricsLogger` (train metrics, progress.json), `Validator` (val loss), `Checkpointing` (saves, on schedule
+and when preempted), `DivergenceGuard` (rollback or stop), `Preemption` (SIGTERM agreed on by every rank),
+`FaultHook` (the injected failures of lmyard.faults) and `Startup` (time to the first step, in parts).
+
+Design notes: docs/training.md, `lmyard/train/components.py`.
 """
 
 from __future__ import annotations

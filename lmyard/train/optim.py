@@ -4,22 +4,7 @@
 gradient norm (over the ranks' shards under FSDP2), the clip's scale `min(1, max_norm / (norm +
 1e-6))` as torch's `clip_grad_norm_` computes it, then `AdamW.step(grad_scale=scale)`.
 
-`AdamW` is torch's (its hyper-parameters, state and state_dict: checkpoints of either load into
-the other). On CUDA its step with a `grad_scale` is one Triton launch a parameter group (a table
-of the tensors' addresses, each program a block of one tensor) that reads the weight, gradient
-and both moments once and writes the weight and moments once, the gradient scaled as it is
-read. At GPT-2 124M (148 tensors) one launch a tensor made the step 7.4 ms, the GPU waiting on
-the host's launches, against 2.6 ms in one launch a group (bench_optimizer.py, H100). Clipping
-and then stepping with torch's fused AdamW reads the gradients three times and writes them once
-more: at the Llama-3 8B shape on 4 GPUs that is 16 of the 80 GB the optimizer moves per GPU,
-1.3x its time (tests/benchmarks/bench_optimizer.py). Elsewhere (CPU, no Triton, or options the
-kernel does not take: amsgrad, maximize, capturable, differentiable) the step scales the
-gradients in place and runs torch's own.
-
-bf16 parameters (FSDP2's shards under train.fsdp_param_dtype=bfloat16) keep float32 master weights and
-moments in their state; the kernel reads the bf16 gradient and writes both the master and the bf16 weight,
-so FSDP2 neither casts the shards before each all-gather nor the reduced gradients after each
-reduce-scatter. The updates are those of float32 parameters given the same bf16 gradients.
+Design notes: docs/training.md, `lmyard/train/optim.py`.
 """
 
 from __future__ import annotations
