@@ -8,8 +8,7 @@ runs/<run>/damaged/, its step trained again) the step holds another checkpoint: 
 results logged at the same step after the damaged one's, which is marked (the run tag
 `lmyard.eval_of_damaged.step_N`, its logged model FAILED with `lmyard.checkpoint_damaged`).
 
-The terminal gets each result once (the stage says nothing of it) and the samples of the final checkpoint
-only; MLflow keeps every checkpoint's.
+Design notes: docs/export.md, `tasks/evaluate.py`.
 """
 
 from __future__ import annotations

@@ -7,13 +7,7 @@ Runs in its own process on its own device (`eval.device`: cpu, or a spare
 GPU), independent of the trainer: it reads the checkpoint and the shards
 from the store, so training keeps its devices to itself.
 
-- val loss: the mean token loss over the fixed val sequences, by the trainer's
-  own routine (lmyard.evaluate.validation: float64 sums per sequence, bf16
-  autocast on CUDA), so it equals the trainer's `loss/val` at that step.
-- HellaSwag, scored as nanoGPT does: for each of the 4 endings, the loss of
-  the ending's tokens given the context. `acc`: the ending with the lowest
-  summed loss is right; `acc_norm`: the lowest mean loss per token.
-- samples: fixed prompts, a fixed seed.
+Design notes: docs/export.md, `lmyard/evaluate/evals.py`.
 """
 
 from __future__ import annotations

@@ -7,21 +7,7 @@ from `eval.harness_include` (task YAML files, e.g. `dataset_path: json` on
 local files) or lm-eval's own list with their data already in the local
 datasets cache: the hub is never asked (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE).
 
-Both score a choice by the log-likelihood of " " + ending given the context.
-lm-eval's acc_norm divides it by the choice's length in characters, lmyard's by
-its tokens: `hellaswag_local` puts the space inside the choice (an empty target
-delimiter), so the two count the same text and agree exactly where one token is
-one character (the `bytes` tokenizer on ASCII text); with a BPE tokenizer acc
-agrees and acc_norm is per character in lm-eval, per token in lmyard. An
-example longer than the context differs too: lm-eval keeps one token more of
-its context (block_size + 1 tokens, the last one only predicted).
-
-`check_tasks(config.eval)` runs when a run starts, before sharding: a task
-lm-eval does not know, or whose data cannot be loaded offline here, would fail
-every evaluation and end the run after all its training; it is a UserError
-(exit 2) instead. The check loads each task in a process of its own
-(`python -m lmyard.evaluate.harness TASK...`) with the evaluator's offline
-settings, which the hub libraries read when they are imported.
+Design notes: docs/export.md, `lmyard/evaluate/harness.py`.
 """
 
 from __future__ import annotations

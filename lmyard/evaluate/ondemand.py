@@ -6,11 +6,7 @@ or a registered version (`models:/NAME/VERSION`, `models:/NAME@ALIAS`, `models:/
 only names and manifests, so a mistake (an unknown run, no checkpoint, an unknown task) is one line before any
 weights are read; `load` then builds the model.
 
-The measures are the evaluator's own (lmyard.evaluate.evals, .validation, .harness): `val_loss` on the val split
-of the shard set the model was trained on (found in the store by its address), `hellaswag` (lmyard's scorer
-over a HellaSwag-format JSONL) and any lm-eval task. Their names are those of the run's logged metrics
-(lmyard.evaluate.gates.result_metrics); `log` writes them to the lineage's MLflow run under `lmyard_eval/`
-(the pipeline's own `eval/` history stays the pipeline's), or to a new run when the lineage is not known.
+Design notes: docs/export.md, `lmyard/evaluate/ondemand.py`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """An evaluation as a spec (after lmyard.models.spec): what it runs on a checkpoint, what it logs, what it gates.
 
-An `EvaluationSpec` names an evaluation and holds:
-
-- `enabled(eval_config)`: whether a run's `eval` section asks for it (its config keys live there);
-- `run(context)`: the evaluation of one checkpoint, in the evaluator's process (torch is there), returning the
-  evaluation's own typed result (a dataclass);
-- `metrics(result)`: its metrics at the checkpoint's step, by their MLflow names (`loss/eval`, `eval/...`);
-- `fields(result)`: what it fills of the stage's `EvalResult` besides its metrics (the built-ins' typed fields);
-- `gates`: `eval.gates.<key>` -> the metric that gate limits (`_max`: at most, `_min`: at least).
-
-This module loads no torch: the flow's process reads the specs' metric names and gates.
+Design notes: docs/export.md, `lmyard/evaluate/spec.py`.
 """
 
 from __future__ import annotations

@@ -2,23 +2,7 @@
 
     lmyard export STORE/runs/RUN[/checkpoints/step_NNNNNNNN] [--step N] --to DIR_OR_S3_URI
 
-The folder holds config.json, model.safetensors, generation_config.json, the
-run's tokenizer (tokenizer.json built offline from its ranks, see
-lmyard.data.hf_tokenizer) and lmyard_export.json (where it came from). The
-mapping to Hugging Face is the model family's (its spec's `hf`, found by
-`model.arch` in lmyard.models.registry): GPT-2 becomes `GPT2LMHeadModel`,
-Llama `LlamaForCausalLM`; nothing here names a family.
-
-The folder is written to a temporary folder first and moved (local) or
-uploaded (S3, config.json last) at the end, so a destination never holds half
-an export; `init_from_hf` reads such a folder back into an lmyard model. The
-folder and its files are readable by every user (0755 and 0644 under the
-umask): a model is served or evaluated by other users than the one who exported it.
-
-A model trained with `model.doc_mask` (block-causal attention over packed documents) exports as it is:
-Hugging Face's model attends causally, which is the same attention for a sequence holding one document
-(a prompt and its continuation), the way a model is used at inference; lmyard_export.json says
-`"doc_mask": true`. Several documents packed into one sequence would attend across their separators there.
+Design notes: docs/export.md, `lmyard/export/hf.py`.
 """
 
 from __future__ import annotations

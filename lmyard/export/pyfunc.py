@@ -8,12 +8,7 @@ never lmyard, so anything with those can load it, whatever the model family
     model = mlflow.pyfunc.load_model("models:/NAME@ALIAS")
     model.predict(["Exceptions are"], params={"max_new_tokens": 40})  # -> ["Exceptions are ..."]
 
-`predict` has type hints (prompts: list[str] in, texts: list[str] out), so MLflow checks and converts its input
-(a one-column DataFrame or a single string too); the export's generation config sets `max_new_tokens`, the
-same setting `params` overrides, so neither loading nor predicting warns.
-
-Each prompt is preceded by the end-of-text token, as lmyard's training
-documents are; the completion is cut at the next end-of-text token.
+Design notes: docs/export.md, `lmyard/export/pyfunc.py`.
 """
 
 from __future__ import annotations
