@@ -1,16 +1,6 @@
 """Where things live in the store: the one owner of every key under `runs/<run>/` and `shards/<address>/`.
 
-    runs/<run>/lineage.json                         the lineage's MLflow run id
-    runs/<run>/lease.json                           the one writer of the lineage (host, flow run, heartbeat)
-    runs/<run>/protected.json                       steps retention must keep (registered models)
-    runs/<run>/checkpoints/step_NNNNNNNN/<file>     one checkpoint; manifest.json written last
-    runs/<run>/checkpoints/step_NNNNNNNN/ranks/rank_RRRRR.json   a sharded checkpoint's upload marker of rank R
-    runs/<run>/damaged/step_NNNNNNNN-<time>/        a checkpoint that failed its checksums, moved aside
-    shards/<address>/manifest.json                  a shard set, written last
-    shards/<address>/{train,val}_NNNNNN.{bin,json}  its shards and their resume sidecars
-
-Keys are POSIX paths relative to the store's root (see lmyard.store). No other
-module formats these paths: they ask a `RunLayout` or a `ShardLayout`.
+Design notes: docs/tracking.md, `lmyard/layout.py`.
 """
 
 from __future__ import annotations

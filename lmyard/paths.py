@@ -5,11 +5,7 @@ Every node-local cache (shards read by the trainer, source files fetched from
 S3, checkpoints being loaded, checkpoints staged for upload, image builds)
 lives under one root: `LMYARD_CACHE`, default `~/.cache/lmyard`.
 
-A full cache disk (ENOSPC, or EDQUOT for a spent quota) anywhere under that
-root ends a stage with NoSpace (exit code 4, not retried): `no_space` turns the
-OSError, wherever it was raised (a staged checkpoint, a heartbeat, the exchange
-folder, the shard cache, or wrapped by DCP), into one line naming the folder,
-its free space and what to do.
+Design notes: docs/tracking.md, `lmyard/paths.py`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """The tracking server's password travels in the environment, never in a config.
 
-A `user:password@` in tracking.uri works (MLflow's HTTP client sends it as
-basic auth), but a config is written and passed in many places: the Prefect
-flow run's parameters, every checkpoint's state.json, the config.yaml
-artifact, the trainer's spec (LMYARD_SPEC in containers), MLflow's own
-"View run at" lines. So the entry points (`lmyard run`, the pretrain flow)
-call `credentials_to_env` first: the user and password move to MLflow's
-standard variables MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD in
-this process's environment (child processes inherit them; the Docker launcher
-passes them to its containers as secrets), and the config keeps the URI
-without them. What still writes a config writes `RunConfig.redacted_dump()`.
-
-A deployment whose parameters carry the password has already shown it to
-Prefect by the time the flow runs: set the two variables on the work pool
-instead (docs/operations.md).
+Design notes: docs/tracking.md, `lmyard/tracking/credentials.py`.
 """
 
 from __future__ import annotations

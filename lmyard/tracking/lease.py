@@ -8,40 +8,7 @@ expired and may be taken over: a crashed holder does not block the lineage
 for longer than the ttl. A second run waits up to `wait_s` for the lease,
 then refuses with one line naming the holder.
 
-Every change is a compare-and-swap, so two runs cannot both win:
-- local store: the lease file is created with O_EXCL; renewals, takeovers and
-  the release read and rewrite it under an exclusive flock of `.lease.lock`
-  beside it (local filesystems; NFS v4 supports the same locks).
-- S3: a conditional write (`If-None-Match: *` to create, `If-Match: <ETag>` to
-  renew, take over or delete), which AWS S3 and the moto server used in the
-  tests both honour. A server that ignores these headers gives only best
-  effort: the last writer wins, and the loser finds out at its next heartbeat
-  (its renewal no longer matches) and says so.
-
-Fencing. Every acquire writes a fresh `token` and an `epoch` one more than the
-record it replaced (1 for a fresh lease); the holder's `LeaseRef` (token, epoch,
-ttl) travels to the trainer in its TrainSpec, so every backend carries it. A
-`Fence` on the trainer's side refuses to go on once the record is not that one
-any more, or once its heartbeat is older than 2/3 of the ttl:
-
-- the checkpoint commit calls it right before a manifest is written (both
-  formats commit through lmyard.checkpoint.commit): a stale holder's checkpoint
-  never becomes visible;
-- the trainer's rank 0 calls it at step boundaries, at most every ttl/6 s (one
-  small read, on S3 too), and stops before logging that step.
-
-Why 2/3: a takeover needs a heartbeat older than the ttl. A trainer that has
-seen a heartbeat younger than 2/3 ttl has at least ttl/3 before anyone can take
-over; it looks again within ttl/6 (plus one step), so it stops, with LeaseLost
-(exit 6, never retried), before the new holder can start. A manifest written
-right after the fence's read is covered the same way: the read-then-write is
-not atomic, the margin is what makes it safe. The flow's heartbeat thread,
-finding its renewal refused, calls `on_lost` (the flow stops its job), and the
-flow checks its lease before it registers anything. Clocks of the flow's host
-and the trainer's nodes must agree to well within ttl/3 (NTP does).
-
-A lease record that does not parse (or lacks a field) is a UserError naming the
-file and the fix, never a traceback that blocks the lineage for good.
+Design notes: docs/tracking.md, `lmyard/tracking/lease.py`.
 """
 
 from __future__ import annotations

@@ -6,18 +6,7 @@ lineage reopens that run and records a new attempt (tags
 `lmyard.attempt.<n>.*`: start step, resumed-from checkpoint, outcome), never a
 fresh unrelated run.
 
-`Lineage` is the flow's handle on that run. It holds the ids, a `LineageRef`
-(plain data: it travels to the trainer's processes in the TrainSpec), and owns one
-`MlflowClient`, made on first use and shared by everything that object logs:
-the lifecycle (`open`, `record_attempt`, `end_attempt`, `close`), tags,
-metrics of evaluations, artifacts, the checkpoints' logged models. The
-trainer's metrics go through lmyard.tracking.sink instead (its own process);
-registering models is lmyard.tracking.registry.
-
-Retention (lmyard.checkpoint.retention) deletes checkpoints that may already
-be logged models of the run: `retire_checkpoint_models` marks those FAILED,
-tags them `lmyard.checkpoint_deleted` with the reason and says it in their
-description, so the UI no longer offers a model whose `checkpoint_uri` is gone.
+Design notes: docs/tracking.md, `lmyard/tracking/lineage.py`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """The model registry: the final model logged as an MLflow pyfunc and registered the way MLflow does it.
 
-`log_hf_model` logs an exported Hugging Face folder as a pyfunc model
-(lmyard/export/pyfunc.py: text in, text out, through `transformers`) whose
-files, the weights among them, go to the artifact store, never into MLflow's
-database. `register_model` makes it a version of a registered model (source
-`models:/<model id>`, which a tracking server accepts whatever the artifact
-store) and records the version on the logged model, as `mlflow.register_model`
-does: the logged model's `mlflow.modelVersions` tag, which is what the
-model's page in the MLflow UI reads. A tracking server writes that tag itself
-when it creates a version from a model id; MLflow's sqlite store does not, and
-a version made with `create_model_version` alone there leaves the page saying
-"Not registered". `mlflow.register_model` itself is not used: it appends the
-entry again after the server wrote it (the version listed twice), and works
-only through the process's global tracking URI.
-
-Aliases: a version gets `eval.alias` only when the eval gates pass (the flow
-decides, through `set_alias`); the newest version of a name is always
-`models:/<name>/latest`.
+Design notes: docs/tracking.md, `lmyard/tracking/registry.py`.
 """
 
 from __future__ import annotations

@@ -5,14 +5,7 @@ on the lineage's run, every other rank (and a run without a lineage) a `NullSink
 The sink owns its own MLflow client: it lives in the trainer's process, apart
 from the flow's `Lineage` (lmyard.tracking.lineage).
 
-Metric history stays continuous across attempts: a resumed trainer repeats
-the steps between its checkpoint and the point where the last attempt died,
-and `MLflowSink` does not log those again. For each key it drops points at
-or below the highest step the run already holds (from earlier attempts, or
-from this sink): the first value logged for a step is the one that stays.
-
-`system_metrics` samples a node's CPU, memory, disk, network (and GPU) into
-the same run meanwhile, from local rank 0 of each node.
+Design notes: docs/tracking.md, `lmyard/tracking/sink.py`.
 """
 
 from __future__ import annotations
