@@ -1,22 +1,6 @@
 """The `lmyard` command line: run the pipeline's flows here.
 
-    lmyard run RECIPE [--set dotted.key=value ...]     the pretrain flow
-    lmyard shard RECIPE [--set dotted.key=value ...]   tokenize-and-shard only
-    lmyard sweep RECIPE [--set ...] --sizes 1,2,3 | --search FILE
-                                                       the sweep flow: a lineage per size or trial (docs/sweeps.md)
-    lmyard config [RECIPE] [--set ...]                 print the resolved config (YAML)
-    lmyard --version                                   the package version
-    lmyard runs [--store URI] [--json]                 the lineages of a store
-    lmyard status RUN [--store URI] [--json]           one lineage (checkpoint, attempts, lease, MLflow)
-    lmyard eval SOURCE [--tasks ...] [--json] [--log]   val loss, HellaSwag, lm-eval tasks on a model
-    lmyard sample SOURCE --prompt TEXT [--seed S]      completions of a prompt
-    lmyard export RUN_OR_CHECKPOINT_URI [--step N] --to DIR_OR_S3_URI
-                                                       a checkpoint as a Hugging Face model folder
-
-RECIPE is a built-in name (`smoke`, the CPU default) or a YAML path.
-User mistakes print one line, `lmyard: error: ...`, and exit 2; a diverged run exits 3, a store
-outage or a full cache disk 4, a preempted run 5 (lmyard.errors.ExitCode). A failed run's last line is
-that one line, whatever ended it (a crash exits 1), said once (lmyard.console).
+Design notes: docs/cli.md, `flows/cli.py`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Operator commands of the `lmyard` command line: what a store holds and what its models do, without a flow.
 
-    lmyard runs [--store URI] [--json]                                the lineages of a store
-    lmyard status RUN [--store URI] [--tracking-uri URI] [--verify] [--json]
-                                                                      one lineage: checkpoint, attempts, lease,
-                                                                      last evaluation, MLflow run, registered versions
-    lmyard eval SOURCE [--step N] [--tasks T,...] [--hellaswag FILE] [--json] [--log]
-                                                                      val loss, HellaSwag, lm-eval tasks on a model
-    lmyard sample SOURCE --prompt TEXT [--max-new-tokens N] [--temperature T] [--seed S] [--json]
-                                                                      completions of prompts
+    lmyard runs [--store URI] [--json]                        the lineages of a store
+    lmyard status RUN [--verify] [--json]                     one lineage: checkpoint, attempts, lease, evaluation
+    lmyard eval SOURCE [--step N] [--tasks T,...] [--json]    val loss, HellaSwag, lm-eval tasks on a model
+    lmyard sample SOURCE --prompt TEXT [--json]               completions of prompts
 
-SOURCE: a lineage of the store (RUN), a checkpoint URI, an export folder or models:/NAME/VERSION (or @ALIAS);
-see lmyard.evaluate.ondemand. A mistake (an unknown run, no checkpoint, an unknown task) is one line, exit 2,
-before any model is read. The tracking server (where the command needs it) and the store are checked first: one
-line in seconds when either does not answer or does not hold what the command needs (lmyard.tracking.client).
-
-The store and the tracking URI are the site's (defaults < LMYARD_* environment < the flags). `--json` prints
-one JSON document (lmyard.tracking.runs' types) for scripts; without it, lines for a person.
+Design notes: docs/operations.md, `flows/ops.py`.
 """
 
 from __future__ import annotations

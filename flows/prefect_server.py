@@ -6,12 +6,7 @@ needs, in lmyard's process group: a terminal's Ctrl-C (SIGINT to the whole foreg
 at the same moment as the run, which then spends minutes retrying the API while it records how it ended, and exits
 1 instead of 130. And only an atexit hook would stop it, so a SIGTERM or SIGKILL to lmyard would leave it running.
 
-Here lmyard starts the server itself before the flow: `prefect server start` on a free port of 127.0.0.1 (Prefect's
-database under PREFECT_HOME, as Prefect's temporary server uses; no UI, no scheduler), in a session of its own, so
-only lmyard's signals reach it, and with PR_SET_PDEATHSIG, so the kernel stops it when lmyard dies however it dies.
-PREFECT_API_URL points this process's settings (and its subprocesses') at it. An atexit hook stops it; Prefect's
-log and event workers send what they hold before atexit hooks run (stopping it earlier leaves them retrying a
-closed port for a minute).
+Design notes: docs/operations.md, `flows/prefect_server.py`.
 """
 
 from __future__ import annotations

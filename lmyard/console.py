@@ -1,26 +1,6 @@
 """What `lmyard run` and `lmyard shard` print for a person at a terminal: the one place that shapes it.
 
-The log is for people (no code parses it: stages speak typed files), and the trainer, the launcher and the
-tasks log plain facts wherever they run: a terminal, a Prefect worker, a container. When the command line runs
-a flow here, it installs `Console` as the handler of what Prefect prints, and this module decides the form:
-
-- one line per record, `HH:MM:SS task: message`: Prefect's `| INFO    | Task run 'train-6b9' -` becomes the
-  task's name; a level shows only for warnings and errors, and only once (`warning: warning:` was twice);
-- paths under the run's store print relative to it (the first line names the store);
-- a message of several lines (a sample of generated text) prints as indented lines, not `\\n` escapes;
-- other tools' chatter is left out: Prefect's own INFO lines (the temporary server, its hints), each task's
-  "Finished in state Completed()", MLflow's INFO and WARNING lines, in this process and in the trainer's
-  and evaluator's processes (MLFLOW_LOGGING_LEVEL, which they inherit), MLflow's download bars, and Python
-  warnings that libraries raise in this process; errors always print;
-- on a terminal (a TTY) tokenization and training get progress bars with an ETA (tqdm), fed by the progress
-  both stages already report as typed records (`progress()`); lines print above the bars. Elsewhere (a file,
-  CI, a pipe) no bars: the plain lines are the record;
-- a failure is said once (`Console.settle`): the stage's `lmyard: error:` line and Prefect's lines of the
-  task's and the flow's failure print nothing when the command line's last line says it; a retried attempt's
-  failure is one line with its retry; a stage's "last lines" are not repeated (they printed as they came);
-- the last line says where to look next: the MLflow UI and the registered model (`where_next`).
-
-`progress()` is a no-op where no console is installed (a deployment run by a Prefect worker).
+Design notes: docs/cli.md, `lmyard/console.py`.
 """
 
 from __future__ import annotations

@@ -2,22 +2,7 @@
 
     LMYARD_FAULTS="nan_loss@7,crash@12"
 
-`nan_loss@S` makes the loss of step S non-finite; `crash@S` exits the trainer
-process with status 1 right after step S (once earlier checkpoints are
-committed); `crash_in_upload@S` exits while checkpoint S is half uploaded;
-`slow_upload@S` delays the upload of checkpoint S by LMYARD_FAULT_SLOW_S seconds
-(default 30: a slow store, for preemption drills); `hang@S` stops the last rank
-after step S (a stuck collective, for the watchdog); `hang_before@S` stops the
-last rank before step S (S=1: before its first step and heartbeat, as a rank
-stuck in rendezvous or resume would, for the startup timeout); `pause@S` makes
-every rank sleep LMYARD_FAULT_PAUSE_S seconds (default 5) after step S, a window
-in which a drill acts at a known step; `kill@S` makes the last rank SIGKILL itself
-after step S (the kernel's OOM killer, a `kill -9`); `pause_piece@N` makes
-tokenize-and-shard's read piece N sleep LMYARD_FAULT_PAUSE_S seconds where it
-runs as a Ray task (lmyard.data.raypool: a node lost mid-piece). Each fires
-once per process, or once for good when LMYARD_FAULTS_STATE names a folder where fired faults are recorded (so
-a retried job does not meet the same fault again).
-Unset in production: nothing here fires.
+Design notes: docs/operations.md, `lmyard/faults.py`.
 """
 
 from __future__ import annotations

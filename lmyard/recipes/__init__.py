@@ -2,25 +2,7 @@
 
     RunConfig defaults  <  LMYARD_* environment  <  recipe (YAML)  <  --set key=value / explicit fields
 
-Later layers win, key by key. The defaults are the `smoke` recipe (lmyard.config).
-The environment holds an operator's site settings, for every run started from
-that shell or worker: `LMYARD_STORE=s3://bucket/lmyard`,
-`LMYARD_TRACKING__URI=http://mlflow:5000`; a nested key joins its sections with
-`__` (`LMYARD_TRAIN__MAX_STEPS=50`), names are case-insensitive, a list or a
-mapping is given as JSON (`LMYARD_EVAL__PROMPTS='["Once upon", "A"]'`).
-pydantic-settings reads them, so they map to the same fields a recipe sets.
-A recipe is the reviewed definition of one run and wins over the site; a
-`--set` (or a field a deployment's `config` parameter sets) wins over both.
-Other LMYARD_* variables (LMYARD_CACHE, LMYARD_SPEC, ...) name no field and are
-not config. The environment applies where a config is resolved from a recipe
-(`lmyard run/shard/config`, `python -m lmyard.stages`, a deployment's `recipe`
-parameter); a RunConfig handed over whole (a flow called without a recipe, the
-trainer's spec) is taken as it is, so a stage never re-reads another host's
-environment into a run already resolved.
-
-The layers are merged as plain data and validated once, so cross-field rules
-(a llama field needs a llama preset) see the resolved run, and an error names
-the key, and the variable when the value came from the environment.
+Design notes: docs/cli.md, `lmyard/recipes/__init__.py`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """The trials of a sweep: a family of sizes from one recipe, or a search space over any config keys.
 
-A size sweep's trial `index` scales the model family's scaling fields (lmyard.models.registry.scaled: width and
-heads times the index; depth, context and the MLP's ratio kept). A search space is a YAML mapping:
-
-    params:                                  # dotted config key -> one distribution
-      train.lr: {loguniform: [1.0e-4, 1.0e-2]}
-      train.warmup_steps: {grid: [1, 2]}     # every value, crossed with the other grids
-      model.n_layer: {choice: [1, 2]}        # also uniform: [lo, hi], randint: [lo, hi] (hi excluded)
-    samples: 2                               # draws of the random keys for every grid point (default 1)
-    seed: 0                                  # the draws are a function of it: a rerun makes the same trials
-    scheduler: {asha: {grace_steps: 2, reduction_factor: 2}}   # Ray Tune's ASHA on the val loss; or none
-
-Every mistake is one UserError naming the key and the fix, before anything trains.
+Design notes: docs/sweeps.md, `lmyard/sweep/space.py`.
 """
 
 from __future__ import annotations
