@@ -4,8 +4,7 @@
     models/      model families (GPT-2, Llama) as specs, their modules, losses
     checkpoint/  one checkpoint API: formats, manifest, commit, catalog, retention
     tracking/    MLflow: the lineage, the trainer's metric sink, the lease
-    export/      Hugging Face folders and the MLflow pyfunc model
-    evaluate/    validation loss, multiple choice, samples, lm-eval
+    evaluate/    validation loss, multiple choice, samples, lm-eval (export/: Hugging Face folders, MLflow pyfunc)
     train/       the trainer, its components, memory planning, FSDP2
     launch/      the follower and its jobs (local, Docker), the stage image
     stages/      the stage runtime (exchange folder, specs, results, heartbeats) and the stage entrypoints
