@@ -8,7 +8,7 @@
     train/       the trainer, its components, memory planning, FSDP2
     launch/      the follower and its jobs (local, Docker), the stage image
     stages/      the stage runtime (exchange folder, specs, results, heartbeats) and the stage entrypoints
-    (bottom)     errors, paths, config, layout, store, run (one run's handle: its store, opened once)
+At the bottom, used by all: errors, paths, config, layout, store, run (one run's handle: its store, opened once).
 """
 
 __version__ = "0.1.0"
