@@ -177,7 +177,6 @@ def _run_flow(command: str, config, **parameters) -> int:
 
     from flows.prefect_server import start_temporary_server
     from lmyard import console
-    from lmyard.data.shardset import ShardSet
     from lmyard.errors import StageFailed, UserError
     from lmyard.run import Run
     from lmyard.tracking.client import check_reachable
@@ -211,6 +210,14 @@ def _run_flow(command: str, config, **parameters) -> int:
         except Exception as e:  # a flaw of the code: the console printed its traceback once, above
             return _failed(e, 1, f"{type(e).__name__}: ")
     console.settle(None)  # a failure the flow went on from (an evaluation) prints before the result
+    return _said(command, config, result)
+
+
+def _said(command: str, config, result) -> int:
+    """The last lines of a flow that ended: the shard set, the sweep or the run, and where to look next."""
+    from lmyard import console
+    from lmyard.data.shardset import ShardSet
+
     if isinstance(result, ShardSet):  # `lmyard shard`
         print(f"lmyard: shard set {result.address} at {result.uri}")
         return 0

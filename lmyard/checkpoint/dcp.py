@@ -159,26 +159,7 @@ class ShardedCheckpointer:
         self.attempt = agree(uuid.uuid4().hex, self.group)  # markers of an earlier attempt at a step don't count
         self.staging = os.path.join(staging_dir, run_name)
         self.write_threads = write_threads  # DCP's writer threads, one file each per rank
-        cuda = torch.cuda.is_available()
-        self.async_staging = cuda if async_staging is None else async_staging and cuda
-        # torch >= 2.12: DCP's stager (reused pinned buffers, optionally on a side stream). Before, its stager
-        # cannot copy a DTensor's spec (KeyError: <class 'type'>, then unbounded recursion): the writer stages
-        # instead, a blocking copy into pinned buffers it keeps (cache_staged_state_dict) between saves.
-        self.stager, self.writer = None, None
-        if _torch_at_least(2, 12):
-            self.stager = _stager_copying_classes(
-                DefaultStager(
-                    StagingOptions(
-                        use_pinned_memory=cuda,
-                        use_shared_memory=False,
-                        use_async_staging=self.async_staging,
-                        use_non_blocking_copy=cuda,
-                    )
-                )
-            )
-        else:
-            self.async_staging = False
-            self.writer = dcp.FileSystemWriter(self.staging, thread_count=write_threads, cache_staged_state_dict=cuda)
+        self._make_stager(async_staging)
         self.writing: Future | None = None  # DCP future of the newest save: its staged buffers are reused by the next
         self.staged: Future | None = None  # future of the newest save's staging (async_staging only)
         self.prepared: Future | None = None  # the background making of the staging buffers (prepare)
@@ -190,6 +171,28 @@ class ShardedCheckpointer:
         self.timings: list[dict] = []  # per save: seconds from save() until written, uploaded, committed (rank 0)
         self.thread = threading.Thread(target=self._work, daemon=True, name="sharded-checkpoint-uploader")
         self.thread.start()
+
+    def _make_stager(self, async_staging: bool | None) -> None:
+        """The stager, or on torch < 2.12 the writer that stages: DCP's stager before 2.12 cannot copy a
+        DTensor's spec (KeyError: <class 'type'>, then unbounded recursion), so the writer stages instead, a
+        blocking copy into pinned buffers it keeps (cache_staged_state_dict) between saves. From 2.12: DCP's
+        stager (reused pinned buffers, optionally on a side stream)."""
+        cuda = torch.cuda.is_available()
+        self.async_staging = cuda if async_staging is None else async_staging and cuda
+        self.stager, self.writer = None, None
+        if _torch_at_least(2, 12):
+            options = StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=False,
+                use_async_staging=self.async_staging,
+                use_non_blocking_copy=cuda,
+            )
+            self.stager = _stager_copying_classes(DefaultStager(options))
+        else:
+            self.async_staging = False
+            self.writer = dcp.FileSystemWriter(
+                self.staging, thread_count=self.write_threads, cache_staged_state_dict=cuda
+            )
 
     # -- the training loop's side
     def save(

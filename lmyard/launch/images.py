@@ -249,33 +249,33 @@ def build_image(
         build_wheelhouse(Path(ctx, "wheels"), include_torch, log)
         build_own_wheel(Path(ctx, "lmyard-wheel"))
         log(f"docker build {tag} FROM {base}")
-        tail: collections.deque[str] = collections.deque(maxlen=5)
-        try:
-            for chunk in client.api.build(
-                path=ctx,
-                tag=tag,
-                rm=True,
-                forcerm=True,
-                decode=True,
-                pull=False,
-                buildargs={"BASE_IMAGE": base, "CODE_VERSION": code_version(), "SOURCE_DIGEST": digest},
-            ):
-                if "error" in chunk:  # with the build's last lines (a RUN's own message, e.g. no torch in the base)
-                    raise RuntimeError(
-                        f"docker build failed: {chunk['error'].strip()}; last output: {' | '.join(tail)}"
-                    )
-                text = chunk.get("stream", "").rstrip()
-                if text:
-                    tail.append(text)
-                if text.startswith("Step "):
-                    log(text)
-        finally:
-            _drop_old_build_stages(client)
+        _docker_build(
+            client, ctx, tag, {"BASE_IMAGE": base, "CODE_VERSION": code_version(), "SOURCE_DIGEST": digest}, log
+        )
     if ".src" in tag:  # a build of uncommitted sources replaces the earlier ones (~1.1 GB each)
         for img in client.images.list(name=STAGE_REPO):
             if img.tags and all(".src" in t and t != tag for t in img.tags):
                 client.images.remove(img.id, force=True)
     return tag
+
+
+def _docker_build(client, ctx: str, tag: str, buildargs: dict[str, str], log: Callable[[str], None]) -> None:
+    """`docker build` of the context folder `ctx` as `tag`, its steps logged; the engine's old build stages dropped
+    after it, whatever happens."""
+    tail: collections.deque[str] = collections.deque(maxlen=5)
+    try:
+        for chunk in client.api.build(
+            path=ctx, tag=tag, rm=True, forcerm=True, decode=True, pull=False, buildargs=buildargs
+        ):
+            if "error" in chunk:  # with the build's last lines (a RUN's own message, e.g. no torch in the base)
+                raise RuntimeError(f"docker build failed: {chunk['error'].strip()}; last output: {' | '.join(tail)}")
+            text = chunk.get("stream", "").rstrip()
+            if text:
+                tail.append(text)
+            if text.startswith("Step "):
+                log(text)
+    finally:
+        _drop_old_build_stages(client)
 
 
 def push_image(tag: str, registry: str, log: Callable[[str], None] = print) -> str:
