@@ -4,7 +4,8 @@
   no private (`_`-prefixed) name of mlflow or prefect; the private names of torch kept for speed
   are listed here, and each is looked up, so a torch that moves one fails here rather than in a run;
 - functions of at most MAX_FUNCTION_LINES lines and MAX_PARAMETERS parameters, modules of at most
-  MAX_MODULE_LINES lines but those listed (with their line counts as ceilings: they shrink, never grow);
+  MAX_MODULE_LINES lines but those listed (with their line counts as ceilings: they shrink, never grow),
+  module docstrings of at most MAX_DOCSTRING_LINES lines (what the module is for; the design is in docs/);
 - one way into training: `python -m lmyard.stages train`;
 - one way to a run's store: the run handle (`lmyard.run.Run.of(config)`), opened once and passed on.
 """
@@ -231,18 +232,43 @@ def test_the_fsdp2_internals_that_side_copies_rebind_are_all_there():
 
 # ---------------------------------------------------------------- sizes
 
-MAX_FUNCTION_LINES = 60
-MAX_PARAMETERS = 13  # self and cls not counted; keyword-only counted
+MAX_FUNCTION_LINES = 50
+MAX_PARAMETERS = 10  # self and cls not counted; keyword-only counted
 MAX_MODULE_LINES = 500
 # modules over MAX_MODULE_LINES and their line counts: a ceiling each; split one and remove it from here
 LONG_MODULES: dict[str, int] = {}
+# functions over MAX_FUNCTION_LINES or MAX_PARAMETERS ("path:qualified name": its lines, its parameters): a
+# ceiling each, they shrink, never grow; split one (or group its parameters) and remove it from here. The two
+# Triton kernels take one parameter per pointer, stride and block size, as Triton's kernels do.
+OVER_BOUND: dict[str, tuple[int, int]] = {
+    "lmyard/checkpoint/dcp.py:ShardedCheckpointer.__init__": (39, 12),
+    "lmyard/data/sharding.py:_build": (46, 11),
+    "lmyard/data/sharding.py:_finish": (52, 13),
+    "lmyard/launch/containers.py:plan": (59, 6),
+    "lmyard/models/ops/rope.py:_rope_kernel": (41, 12),
+    "lmyard/train/optim.py:_adamw_kernel": (53, 11),
+    "lmyard/train/trainer.py:train_step": (32, 11),
+    "tasks/register.py:register_model": (53, 4),
+}
+
+
+def _qualified(node: ast.AST, prefix: str = ""):
+    """("Class.method", node) of every function under `node`, nested ones as "outer.inner"."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = f"{prefix}{child.name}"
+            if not isinstance(child, ast.ClassDef):
+                yield name, child
+            yield from _qualified(child, f"{name}.")
+        else:
+            yield from _qualified(child, prefix)
 
 
 def _functions():
+    """(path, "qualified name", node) of every function of lmyard/, flows/ and tasks/."""
     for path, tree in _sources():
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                yield path, node
+        for name, node in _qualified(tree):
+            yield path, name, node
 
 
 def _lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
@@ -256,22 +282,64 @@ def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     return len(positional) + len(a.kwonlyargs) - (1 if positional[:1] in (["self"], ["cls"]) else 0)
 
 
-def test_no_function_is_over_60_lines():
+def _bound(path: str, name: str) -> tuple[int, int]:
+    lines, parameters = OVER_BOUND.get(f"{path}:{name}", (0, 0))
+    return max(lines, MAX_FUNCTION_LINES), max(parameters, MAX_PARAMETERS)
+
+
+def test_no_function_is_over_the_line_bound():
     long = [
-        f"{path}:{fn.lineno} {fn.name} ({_lines(fn)} lines)"
-        for path, fn in _functions()
-        if _lines(fn) > MAX_FUNCTION_LINES
+        f"{path}:{fn.lineno} {name} ({_lines(fn)} lines)"
+        for path, name, fn in _functions()
+        if _lines(fn) > _bound(path, name)[0]
     ]
-    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them): {long}"
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines or OVER_BOUND's ceiling (split them): {long}"
 
 
 def test_no_function_takes_more_than_the_parameter_bound():
     many = [
-        f"{path}:{fn.lineno} {fn.name} ({_parameters(fn)})"
-        for path, fn in _functions()
-        if _parameters(fn) > MAX_PARAMETERS
+        f"{path}:{fn.lineno} {name} ({_parameters(fn)})"
+        for path, name, fn in _functions()
+        if _parameters(fn) > _bound(path, name)[1]
     ]
-    assert not many, f"functions with more than {MAX_PARAMETERS} parameters (group them in a dataclass): {many}"
+    assert not many, (
+        f"functions with more than {MAX_PARAMETERS} parameters or OVER_BOUND's ceiling (group them in a "
+        f"dataclass): {many}"
+    )
+
+
+def test_the_functions_over_the_bounds_are_still_there_and_still_over():
+    found = {f"{path}:{name}": (_lines(fn), _parameters(fn)) for path, name, fn in _functions()}
+    stale = [
+        key
+        for key in OVER_BOUND
+        if key not in found or (found[key][0] <= MAX_FUNCTION_LINES and found[key][1] <= MAX_PARAMETERS)
+    ]
+    assert not stale, f"within the bounds now, or gone: remove them from OVER_BOUND: {stale}"
+
+
+MAX_DOCSTRING_LINES = 12  # quotes included: what the module is for and its API; the design notes live in docs/
+
+
+def _docstring_lines(tree: ast.Module) -> int:
+    first = tree.body[0] if tree.body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        return (first.end_lineno or first.lineno) - first.lineno + 1
+    return 0
+
+
+def test_no_module_docstring_is_over_the_bound():
+    long = [f"{path} ({n} lines)" for path, tree in _sources() if (n := _docstring_lines(tree)) > MAX_DOCSTRING_LINES]
+    assert not long, (
+        f"module docstrings over {MAX_DOCSTRING_LINES} lines (keep what the module is for and its API; move the "
+        f"design to its page in docs/): {long}"
+    )
+
+
+def test_the_docstring_count_spans_the_quotes_and_ignores_a_first_string_that_is_no_docstring():
+    assert _docstring_lines(ast.parse('"""One.\n\nTwo.\n"""\nx = 1\n')) == 4
+    assert _docstring_lines(ast.parse('x = 1\n"""not a docstring"""\n')) == 0
+    assert _docstring_lines(ast.parse("")) == 0
 
 
 def test_no_module_grows_past_its_line_bound():
@@ -360,6 +428,10 @@ def test_the_size_checks_count_lines_and_parameters_as_they_say():
     ).body
     [fn] = cls.body
     assert _parameters(fn) == 4 and _lines(fn) == 2
+    tree = ast.parse(
+        "class A:\n    def f(self):\n        def g():\n            pass\nif x:\n    def h():\n        pass\n"
+    )
+    assert [name for name, _ in _qualified(tree)] == ["A.f", "A.f.g", "h"]
 
 
 # ---------------------------------------------------------------- one way into training
