@@ -89,9 +89,9 @@ def test_installed_libraries_warnings_are_filtered_and_lmyards_are_not():
         "from lmyard import console\n"
         "console.install('/s')\n"
         "theirs = os.path.join(os.path.dirname(mlflow.__file__), 'pyfunc', '__init__.py')\n"
-        "ours = os.path.join(os.path.dirname(lmyard.__file__), 'models', 'parallel.py')\n"
+        "ours = os.path.join(os.path.dirname(lmyard.__file__), 'train', 'distributed', 'parallel.py')\n"
         "warnings.warn_explicit('from mlflow', UserWarning, theirs, 1, module='mlflow.pyfunc')\n"
-        "warnings.warn_explicit('from lmyard', UserWarning, ours, 1, module='lmyard.models.parallel')\n"
+        "warnings.warn_explicit('from lmyard', UserWarning, ours, 1, module='lmyard.train.distributed.parallel')\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -354,7 +354,7 @@ def test_bf16_shards_keep_each_ranks_float32_part_of_the_initial_weights_as_mast
 
 
 def _load_sharded(model, opt, folder: str) -> None:
-    """As the trainer resumes a sharded checkpoint (lmyard.checkpoint.dcp.load_sharded)."""
+    """As the trainer resumes a sharded checkpoint (lmyard.checkpoint.dcp_load.load_sharded)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 

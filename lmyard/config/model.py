@@ -60,7 +60,7 @@ class ModelConfig(_Section):
         description="A Hugging Face model folder (local or s3://; GPT2LMHeadModel or LlamaForCausalLM, one "
         "model.safetensors), or a model lmyard registered (models:/NAME/VERSION, models:/NAME@ALIAS, "
         "models:/NAME/latest, looked up through tracking.uri), to continue pretraining from: its weights and "
-        "sizes replace the preset's (lmyard.export.init_from_hf).",
+        "sizes replace the preset's (lmyard.export.hf.init_from_hf).",
     )
 
     @field_validator("preset")

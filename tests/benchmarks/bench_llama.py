@@ -10,7 +10,7 @@
     python tests/benchmarks/bench_llama.py --gpus 1 --parallel ddp --preset llama-1b --compile --titan --float8 none rowwise
 
 For each GPU count it runs `torchrun --nproc_per_node=N bench_llama.py --worker`: the model from
-lmyard.models.build_model (made on the GPU, seeded), lmyard.parallel.parallelize (float8 -> activation
+lmyard.models.registry.build_model (made on the GPU, seeded), lmyard.train.distributed.parallel.parallelize (float8 -> activation
 checkpointing -> torch.compile per block -> FSDP2 with bf16 parameters and fp32 reduction), or with
 `--parallel ddp` the trainer's ddp path (lmyard.train.distributed.parallelism.prepare_model: float8, checkpointing, DDP
 on several ranks, whole-model compile, bf16 autocast; on one GPU torchtitan's own path), fused AdamW,
@@ -35,9 +35,9 @@ and so does `--trainer` (with `--doc-mask on`: the mask's cost with nearly one d
 
 Prints one JSON line per run and a summary: tokens/s, tokens/s per GPU, MFU = tokens/s * F / (peak * GPUs)
 with F = lmyard.models.registry.flops_per_token = 6 * (parameters - input embedding) + 12 * layers * width * seq
-(torchtitan's formula; peak dense bf16 989 TFLOP/s on H100/H200, lmyard.components.PEAK_FLOPS; a float8 row's
+(torchtitan's formula; peak dense bf16 989 TFLOP/s on H100/H200, lmyard.train.components.PEAK_FLOPS; a float8 row's
 MFU is against the same bf16 peak), peak memory per GPU (max allocated and max reserved, GiB) beside
-lmyard.memory's estimate, and lmyard / torchtitan per precision. `--json PATH` writes the rows to a file,
+lmyard.train.distributed.memory's estimate, and lmyard / torchtitan per precision. `--json PATH` writes the rows to a file,
 `--titan-log PATH` keeps torchtitan's whole output.
 """
 
@@ -250,7 +250,8 @@ def worker(a: argparse.Namespace) -> None:
             world,
             total,
         )
-        out["planned_gib"] = round(plan.total / 2**30, 2)  # lmyard.memory's estimate, beside the measured peak
+        # lmyard.train.distributed.memory's estimate, beside the measured peak
+        out["planned_gib"] = round(plan.total / 2**30, 2)
         out["device"] = torch.cuda.get_device_name(device)
         out["memory_gib"] = a.memory_gib  # planned and capped at this, not the card's
         out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)

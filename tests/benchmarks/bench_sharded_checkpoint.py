@@ -3,8 +3,8 @@
     torchrun --standalone --nproc_per_node 4 tests/benchmarks/bench_sharded_checkpoint.py --preset llama-8b \\
         --dir /tmp/lmyard-bench-dcp
 
-Model: lmyard.llama's preset where that module exists (made on the meta device, FSDP2 per block and at the
-root with bf16 compute and fp32 gradient reduction, lmyard.parallel.apply_fsdp), else a stack of bias-free
+Model: a preset of lmyard.models.llama where that module exists (made on the meta device, FSDP2 per block and at the
+root with bf16 compute and fp32 gradient reduction, lmyard.train.distributed.parallel.apply_fsdp), else a stack of bias-free
 Linear pairs of the same parameter count (`--params`, default the Llama-3 8B count), FSDP2 the same way.
 Fused AdamW; two steps on random tokens make its state. Then, on every rank:
 - sync: `dcp.save` of the same state to the node-local staging folder: the loop stops for all of it;
@@ -79,7 +79,7 @@ def build_llama(preset: str, device: torch.device, seq: int):
     model.to_empty(device=device)
     model.init_weights()
     idx = torch.randint(0, cfg.vocab_size, (1, seq + 1), device=device)
-    return model, lambda: model(idx[:, :-1], idx[:, 1:]), f"lmyard.llama {preset}"
+    return model, lambda: model(idx[:, :-1], idx[:, 1:]), f"lmyard.models.llama {preset}"
 
 
 def build_stack(params: float, device: torch.device, seq: int, d: int = 4096, layers: int = 32):
@@ -257,9 +257,9 @@ def check_disk(root: Path, need: int) -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="llama-8b", help="an lmyard.llama preset (when lmyard.llama exists)")
+    p.add_argument("--preset", default="llama-8b", help="a preset of lmyard.models.llama")
     p.add_argument("--params", type=float, default=8.03e9, help="parameters of the Linear stack fallback")
-    p.add_argument("--stack", action="store_true", help="use the Linear stack even where lmyard.llama exists")
+    p.add_argument("--stack", action="store_true", help="use the Linear stack instead of the Llama preset")
     p.add_argument("--seq", type=int, default=2048, help="tokens per rank per step")
     p.add_argument("--saves", type=int, default=2, help="saves per async mode")
     p.add_argument("--after", type=int, default=9, help="steps timed after each save's step (background work)")
@@ -301,8 +301,8 @@ def main() -> None:
         if a.stack:
             raise ImportError("--stack")
         model, loss_fn, what = build_llama(a.preset, device, a.seq)
-    except (ImportError, AttributeError, TypeError) as e:  # no lmyard.llama here, or another interface
-        say(rank, {"note": f"lmyard.llama not used ({e}): a Linear stack of {a.params:.3g} parameters"})
+    except (ImportError, AttributeError, TypeError) as e:  # no lmyard.models.llama here, or another interface
+        say(rank, {"note": f"lmyard.models.llama not used ({e}): a Linear stack of {a.params:.3g} parameters"})
         model, loss_fn, what = build_stack(a.params, device, a.seq, a.width)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     for _ in range(2):
