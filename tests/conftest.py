@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # a test is `integration` when it is `slow` or uses one of these servers (directly or through another fixture), or
 # is marked so by hand (it trains, compiles or runs Triton's interpreter for seconds; a server through
-# request.getfixturevalue): `pytest -m "not integration"` runs the unit tests alone (README.md)
+# request.getfixturevalue): `pytest -m "not integration"` runs the unit tests alone (docs/tests.md)
 SERVER_FIXTURES = {"prefect_api_url", "cli_env", "s3_server", "s3_bucket", "mlflow_server"}
 
 
