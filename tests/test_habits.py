@@ -5,7 +5,8 @@
   are listed here, and each is looked up, so a torch that moves one fails here rather than in a run;
 - functions of at most MAX_FUNCTION_LINES lines and MAX_PARAMETERS parameters, modules of at most
   MAX_MODULE_LINES lines but those listed (with their line counts as ceilings: they shrink, never grow),
-  module docstrings of at most MAX_DOCSTRING_LINES lines (what the module is for; the design is in docs/);
+  module docstrings of at most MAX_DOCSTRING_LINES lines (what the module is for; the design is in docs/),
+  the README and docs/architecture.md of at most MAX_DOC_LINES lines;
 - one way into training: `python -m lmyard.stages train`;
 - one way to a run's store: the run handle (`lmyard.run.Run.of(config)`), opened once and passed on.
 """
@@ -340,6 +341,16 @@ def test_the_docstring_count_spans_the_quotes_and_ignores_a_first_string_that_is
     assert _docstring_lines(ast.parse('"""One.\n\nTwo.\n"""\nx = 1\n')) == 4
     assert _docstring_lines(ast.parse('x = 1\n"""not a docstring"""\n')) == 0
     assert _docstring_lines(ast.parse("")) == 0
+
+
+# the README is a door and docs/architecture.md a map: the detail lives in the topic pages of docs/
+MAX_DOC_LINES = {"README.md": 250, "docs/architecture.md": 350}
+
+
+def test_the_readme_and_the_architecture_page_stay_within_their_line_bounds():
+    lines = {doc: len((REPO / doc).read_text().splitlines()) for doc in MAX_DOC_LINES}
+    over = {doc: n for doc, n in lines.items() if n > MAX_DOC_LINES[doc]}
+    assert not over, f"over their bounds {MAX_DOC_LINES} (move the detail to a topic page of docs/): {over}"
 
 
 def test_no_module_grows_past_its_line_bound():
