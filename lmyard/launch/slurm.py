@@ -7,12 +7,7 @@ job folder (launch.slurm.job_dir, a filesystem the nodes share with this machine
 through that folder: each node's output, its exit code, and the files the Follower reads (progress,
 heartbeats, the result), and through `squeue` for the job's state.
 
-A job Slurm refuses at submission (a partition that does not exist, more nodes than the cluster has), or one
-pending for a reason that never clears, is one line before training, exit 2, and no job left; one pending longer
-than launch.slurm.pending_timeout_s is cancelled in one line naming the partition and squeue's reason.
-`terminate` is `scancel --signal=TERM` (each node's torchrun, then its ranks, checkpoint and exit as preempted),
-as Slurm's own preemption and time limit are (`sbatch --signal=TERM@grace`); Slurm does not requeue the job
-(`--no-requeue`): the train task's retry resumes it, in the same lineage.
+Design notes: docs/launch.md, `lmyard/launch/slurm.py`.
 """
 
 from __future__ import annotations
