@@ -5,9 +5,12 @@ Design notes: docs/export.md, `lmyard/evaluate/spec.py`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from lmyard.stages import Sample, Score
 
 if TYPE_CHECKING:
     from lmyard.checkpoint.state import Checkpoint
@@ -33,8 +36,13 @@ def _always(_: EvalConfig) -> bool:
     return True
 
 
-def _no_fields(_: Any) -> dict[str, Any]:
-    return {}
+def _no_samples(_: Any) -> list[tuple[str, str]]:
+    return []
+
+
+def as_text(value: float) -> str:
+    """A metric as a table shows it: an integer as one, else four decimals."""
+    return str(int(value)) if float(value).is_integer() else f"{value:.4f}"
 
 
 @dataclass(frozen=True)
@@ -43,5 +51,15 @@ class EvaluationSpec:
     run: Callable[[Context], Any]
     metrics: Callable[[Any], dict[str, float]]
     enabled: Callable[[EvalConfig], bool] = _always
-    fields: Callable[[Any], dict[str, Any]] = _no_fields
+    rows: Callable[[Any], dict[str, str]] | None = None
+    samples: Callable[[Any], list[tuple[str, str]]] = _no_samples
     gates: Mapping[str, str] = field(default_factory=dict)
+
+    def score(self, result: Any) -> Score:
+        """The evaluation's part of the stage's EvalResult: its metrics, rows, samples and its whole result."""
+        metrics = self.metrics(result)
+        rows = self.rows(result) if self.rows else {k: as_text(v) for k, v in metrics.items()}
+        samples = [Sample(prompt=p, completion=c) for p, c in self.samples(result)]
+        plain = dataclasses.is_dataclass(result) and not isinstance(result, type)
+        data = dataclasses.asdict(result) if plain else result
+        return Score(metrics=metrics, rows=rows, samples=samples, result=data)
