@@ -143,12 +143,8 @@ def status(args: argparse.Namespace) -> int:
         f"  lease: {s.lease.holder + (' (expired)' if s.lease.expired else '') if s.lease else 'not held'}",
         f"  MLflow run: {s.mlflow_run_id or '-'} {s.mlflow_status or ''} {s.mlflow_run_url or ''}".rstrip(),
     ]
-    lines += [
-        f"  attempt {a.number}: from step {a.start_step}"
-        + (f" ({a.resumed_from})" if a.resumed_from else "")
-        + f", {a.outcome or 'no outcome recorded'}"
-        for a in s.attempts
-    ]
+    sized = any(a.resized for a in s.attempts)  # a lineage that changed size: each attempt's nodes and steps
+    lines += [_attempt_line(a, sized) for a in s.attempts]
     if s.damaged_steps:
         lines.append(f"  moved aside as damaged: steps {s.damaged_steps}")
     if last := s.last_evaluation:
@@ -159,6 +155,17 @@ def status(args: argparse.Namespace) -> int:
     ]
     print("\n".join(lines))
     return 0
+
+
+def _attempt_line(a, sized: bool) -> str:
+    return (
+        f"  attempt {a.number}: from step {a.start_step}"
+        + (f" ({a.resumed_from})" if a.resumed_from else "")
+        + (f", {a.nodes} nodes ({a.hosts})" if sized and a.nodes else "")
+        + (f", {a.steps} steps" if sized and a.steps is not None else "")
+        + (f", resized: {a.resized}" if a.resized else "")
+        + f", {a.outcome or 'no outcome recorded'}"
+    )
 
 
 def _model(args: argparse.Namespace, tasks: list[str] | None = None, hellaswag: str | None = None):

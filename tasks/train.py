@@ -15,10 +15,11 @@ from lmyard import console
 from lmyard.config import RunConfig
 from lmyard.data.shardset import ShardSet
 from lmyard.errors import retryable
+from lmyard.launch.elastic import Resize, attempt_hosts, record_resize
 from lmyard.launch.follower import stop_all
 from lmyard.stages import Progress, Started, TrainResult, TrainSpec
 from lmyard.tracking.lease import LeaseRef
-from lmyard.tracking.lineage import Lineage
+from lmyard.tracking.lineage import Lineage, LineageRef
 from tasks._common import artifact_key, launch_stage
 
 STOP_SLACK_S = 30.0  # beyond launch.grace_s: the follower kills what is left, reads the result, removes the job
@@ -51,6 +52,7 @@ def train(config: RunConfig, shards: ShardSet, lineage: Lineage, lease: LeaseRef
             "flow_run_count": flow_run.get_run_count(),
             "task_run_count": task_run.get_run_count(),
             "nodes": config.launch.nnodes,
+            "hosts": ", ".join(attempt_hosts(config)),
             "world_size": config.world_size(),
             "host": socket.gethostname(),
         },
@@ -67,8 +69,17 @@ def train(config: RunConfig, shards: ShardSet, lineage: Lineage, lease: LeaseRef
             + (f"; skipped damaged {s.skipped_damaged}" if s.skipped_damaged else "")
         )
 
+    def resized(r: Resize) -> LineageRef:
+        """A lost node or one back (lmyard.launch.elastic): the attempt ends, the next one on the new size begins."""
+        nonlocal lineage
+        logger.info(f"lineage {config.run_name}: resized to {r.nodes} nodes ({r.reason}); {', '.join(r.hosts)}")
+        lineage = record_resize(lineage, r)
+        return lineage.ref
+
     try:
-        result = launch_stage(spec, logger.info, on_progress=_progress_artifact(config), on_started=started)
+        result = launch_stage(
+            spec, logger.info, on_progress=_progress_artifact(config), on_started=started, on_resize=resized
+        )
     except BaseException as e:
         lineage.end_attempt("failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         raise

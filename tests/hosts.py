@@ -200,6 +200,11 @@ class Host:
         self.dockerd.send_signal(signal.SIGTERM)
         self.dockerd.wait(timeout=timeout_s)
 
+    def restart_dockerd(self) -> None:
+        """Start this host's engine again after stop_dockerd: the same data-root (its images are still there)."""
+        self.start_dockerd(self.harness.registry or f"{self.harness.services.addr}:{REGISTRY_PORT}")
+        self.wait_for_dockerd()
+
     # ------------------------------------------------------------ a Ray node
 
     def start_ray(self, head: Host | None = None, num_cpus: int = 1, timeout_s: float = 180) -> None:

@@ -1,12 +1,13 @@
 """Launch a training run from the host this runs in (tests/test_hosts.py runs it in the services host, the
 launching machine of a multi-host run; tests/test_hosts_ray.py beside host a's Ray node): shard, open the
-lineage, follow the containers (launch.backend=docker) or the Ray actors (ray, through lmyard's launcher).
+lineage, follow the containers (launch.backend=docker) or the Ray actors (ray) through lmyard's launcher, recording
+its attempts as the train task does.
 
     python tests/launch_on_host.py OUT.json --set KEY=VALUE ...
 
-Writes {"result": TrainResult, "lines": [...], "mlflow_run_id": ...}, or {"error", "error_type", "exit_code",
-"lines"} when the launch fails. `--evaluate`: then the evaluate stage on the same backend, its EvalResult as
-"evaluation" and its lines as "eval_lines".
+Writes {"result": TrainResult, "lines": [...], "times": [...], "mlflow_run_id": ...}, or {"error", "error_type",
+"exit_code", "lines"} when the launch fails. `--evaluate`: then the evaluate stage on the same backend, its
+EvalResult as "evaluation" and its lines as "eval_lines".
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import UserError
-from lmyard.launch.containers import run_docker
+from lmyard.launch.elastic import attempt_hosts, record_resize
 from lmyard.launch.launcher import launch
 from lmyard.recipes import load_recipe
 from lmyard.stages import EvalSpec, TrainSpec
@@ -34,17 +36,38 @@ def main() -> int:
     args = p.parse_args()
     cfg = load_recipe("smoke", args.sets)
     lines: list[str] = []
-    out: dict = {"lines": lines}
+    times: list[float] = []  # when each line was said (time.time())
+    out: dict = {"lines": lines, "times": times}
+
+    def say(line: str) -> None:
+        times.append(time.time())
+        lines.append(line)
+
     try:
-        shards, _ = tokenize_and_shard(cfg, log=lines.append)
+        shards, _ = tokenize_and_shard(cfg, log=say)
         lineage = Lineage.open(cfg, open_store(cfg.store), shard_address=shards.address, code_version="test")
-        lineage = lineage.record_attempt(resumed_from=None, start_step=0, info={})
+        lineage = lineage.record_attempt(
+            resumed_from=None, start_step=0, info={"nodes": cfg.launch.nnodes, "hosts": ", ".join(attempt_hosts(cfg))}
+        )
         out["mlflow_run_id"] = lineage.ref.mlflow_run_id
         spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": lineage.to_dict()}
-        if cfg.launch.backend == "docker":
-            result = run_docker(cfg, spec, on_line=lines.append, flow_run_id=args.flow_run_id)
-        else:
-            result = launch(TrainSpec.model_validate(spec), on_line=lines.append, flow_run_id=args.flow_run_id)
+
+        def resized(r):  # as the train task records it (tasks/train.py)
+            nonlocal lineage
+            lineage = record_resize(lineage, r)
+            return lineage.ref
+
+        def started(s):
+            lineage.record_resume(resumed_from=s.resumed_from, start_step=s.start_step)
+
+        result = launch(
+            TrainSpec.model_validate(spec),
+            on_line=say,
+            flow_run_id=args.flow_run_id,
+            on_resize=resized,
+            on_started=started,
+        )
+        lineage.end_attempt("finished", f"step {result.step}")
         out["result"] = result.model_dump(mode="json")
         if args.evaluate:
             out["eval_lines"] = eval_lines = []
@@ -55,7 +78,7 @@ def main() -> int:
         if not isinstance(e, UserError):
             import traceback
 
-            lines.append(traceback.format_exc())
+            say(traceback.format_exc())
     with open(args.out, "w") as f:
         json.dump(out, f)
     return 0 if "result" in out else 1

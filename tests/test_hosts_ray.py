@@ -74,6 +74,14 @@ def ray_hosts(tmp_path_factory):
 
 def _launch(hosts: Hosts, tmp: Path, **sets) -> dict:
     """The tiny run on both Ray nodes, launched beside host a's node (tests/launch_on_host.py); its output."""
+    out = tmp / "launch.json"
+    ran = subprocess.run(_command(hosts, tmp, out, **sets), env=hosts["a"].env(), capture_output=True, text=True,
+                         timeout=900)  # fmt: skip
+    return json.loads(out.read_text()) if out.exists() else {"lines": [ran.stdout, ran.stderr], "error": "no output"}
+
+
+def _command(hosts: Hosts, tmp: Path, out: Path, **sets) -> list[str]:
+    """tests/launch_on_host.py beside host a's Ray node, writing `out`."""
     a = hosts["a"]
     overrides = tiny_overrides(
         tmp,
@@ -86,11 +94,8 @@ def _launch(hosts: Hosts, tmp: Path, **sets) -> dict:
             **sets,
         },
     )
-    out = tmp / "launch.json"
     launcher = str(Path(__file__).with_name("launch_on_host.py"))
-    cmd = a.in_ray([sys.executable, launcher, str(out), *(f"--set={s}" for s in overrides)])
-    ran = subprocess.run(cmd, env=a.env(), capture_output=True, text=True, timeout=900)
-    return json.loads(out.read_text()) if out.exists() else {"lines": [ran.stdout, ran.stderr], "error": "no output"}
+    return a.in_ray([sys.executable, launcher, str(out), *(f"--set={s}" for s in overrides)])
 
 
 def _ray_processes(hosts: Hosts) -> list[str]:
@@ -195,3 +200,64 @@ def test_a_ray_sweep_its_trials_cannot_run_is_refused_in_one_line_before_anythin
     assert len(lines) == 1 and lines[0].startswith(f"lmyard: error: {says}"), lines
     assert (b.addr in lines[0]) == says.startswith("PREFECT_API_URL") and proc.stdout == ""
     assert not (tmp_path / "store").exists() and not (tmp_path / "mlflow.db").exists()  # no shard, no MLflow run
+
+
+def test_a_killed_raylet_on_host_b_goes_on_on_host_a_and_grows_back_when_a_node_joins(ray_hosts, tmp_path):
+    """launch.min_nnodes=1 on two Ray nodes. Host b's raylet is killed once step 3 is committed (every rank pauses
+    after step 4): the attempt ends naming host b's address, and training goes on at once on host a's node alone
+    from step 3. Once step 6 is committed there, a Ray node starts again in host b and joins: the run commits the
+    step it is at, stops and relaunches on both nodes from it (every rank pauses after step 8, a window for the
+    join), and finishes, with no committed step lost or trained twice."""
+    import signal
+
+    from mlflow.tracking import MlflowClient
+
+    from lmyard.checkpoint.catalog import complete_steps
+    from lmyard.store import open_store
+    from lmyard.tracking.runs import _attempts
+
+    a, b = ray_hosts["a"], ray_hosts["b"]
+    out = tmp_path / "launch.json"
+    cmd = _command(ray_hosts, tmp_path, out, run_name="ray-elastic", **{"train.max_steps": 12, "eval.interval": 6},
+                   **{"launch.min_nnodes": 1, "launch.grace_s": 10})  # fmt: skip
+    faults = {"LMYARD_FAULTS": "pause@4,pause@8", "LMYARD_FAULT_PAUSE_S": "30"}
+    launcher = subprocess.Popen(cmd, env=a.env(faults), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    store = open_store(str(tmp_path / "store"))
+
+    def wait_for_step(step: int) -> None:
+        deadline = time.monotonic() + 600
+        while step not in complete_steps(store, "ray-elastic"):
+            assert launcher.poll() is None and time.monotonic() < deadline, f"step {step} was never committed"
+            time.sleep(0.5)
+
+    try:
+        wait_for_step(3)
+        (raylet,) = [pid for pid, comm, ns in ray_hosts._processes_in_namespaces() if (comm, ns) == ("raylet", b.netns)]
+        os.kill(raylet, signal.SIGKILL)  # its node is dead for good: Ray does not take a raylet back
+        wait_for_step(6)  # committed on host a's node alone
+        b.stop_ray()
+        b.start_ray(head=a)  # a new node joins, at host b's address
+        launcher.wait(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    launched = json.loads(out.read_text())
+    text = "\n".join(launched["lines"])
+    assert "result" in launched, f"{launched.get('error')}\n{text[-4000:]}"
+    assert launched["result"]["status"] == "done" and launched["result"]["step"] == 12, text[-3000:]
+
+    one, two, three = _attempts(
+        MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(launched["mlflow_run_id"]).data.tags
+    )
+    assert (one.nodes, one.start_step, one.steps) == (2, 0, 3), one
+    assert one.outcome and one.outcome.startswith("resized: lost") and f"({b.hostname}, {b.addr})" in one.outcome
+    assert (two.nodes, two.start_step) == (1, 3) and two.outcome and two.outcome.startswith("resized: grew back")
+    grew_at = two.start_step + two.steps
+    assert (three.nodes, three.start_step, three.outcome) == (2, grew_at, "finished: step 12"), three
+    committed = complete_steps(store, "ray-elastic")
+    assert grew_at >= 6 and grew_at in committed and committed[-1] == 12, committed
+    assert sorted(_ray_processes(ray_hosts)) == [
+        f"gcs_server in {a.netns}",
+        f"raylet in {a.netns}",
+        f"raylet in {b.netns}",
+    ]

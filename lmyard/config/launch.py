@@ -21,6 +21,18 @@ class _Launch(_Section):
         "local", description="Where the stages run: a name of the backend table (lmyard.backends)."
     )
     nnodes: int = Field(1, gt=0)
+    min_nnodes: int | None = Field(
+        None,
+        gt=0,
+        description="Fewest nodes a training run goes on with: when a node is lost and at least this many stay "
+        "healthy, training resumes at once on those from the last committed checkpoint (same global batch, same "
+        "token stream; docs/multi-host.md). Default: launch.nnodes (a lost node ends the attempt).",
+    )
+    grow_back: bool = Field(
+        True,
+        description="After a resize below launch.nnodes: once a lost node is healthy again, commit the step, stop "
+        "and relaunch at full size from it. false: finish at the reduced size.",
+    )
     nproc_per_node: int = Field(2, gt=0, description="Ranks per node (GPUs per node on CUDA).")
     rdzv_endpoint: str | None = Field(
         None, description="host:port of node 0 for multi-node rendezvous (docker: default from node 0's URL)."
@@ -51,8 +63,16 @@ class _Launch(_Section):
 
         def __getattr__(self, name: str) -> Any: ...
 
+    def fewest_nodes(self) -> int:
+        """launch.min_nnodes, else launch.nnodes."""
+        return self.min_nnodes or self.nnodes
+
     @model_validator(mode="after")
     def _backend_checks(self) -> _Launch:
+        if self.min_nnodes is not None and self.min_nnodes > self.nnodes:
+            raise ValueError(
+                f"launch.min_nnodes={self.min_nnodes} is above launch.nnodes={self.nnodes}: set it at most that"
+            )
         BACKENDS[self.backend].check(self)
         return self
 

@@ -176,7 +176,7 @@ def plan(
             rdzv_endpoint=rdzv,
             rdzv_id=launch_id,
             node=i,
-            local_addr=None if network else addrs[i],
+            local_addr=None if network or (nnodes == 1 and not dc.node_addrs) else addrs[i],
         )
         kwargs = dict(
             image=image,
@@ -429,7 +429,7 @@ class DockerJob:
     def kill(self) -> None:
         self._each(lambda c: c.kill())
 
-    def stalled_peers(self) -> str | None:  # the watchdog's line: a node that cannot reach node 0 (its host)
+    def stalled_peers(self) -> tuple[str, list[int]] | None:  # the watchdog's line: a node that cannot reach node 0
         return docker_unreachable(self.plan.nodes, self.containers, self.clients)
 
     def why(self, node: int, code: int) -> str:

@@ -110,8 +110,8 @@ def torchrun_command(
         "--max_restarts",
         "0",
     ]
-    if n == 1:
-        cmd.append("--standalone")
+    if n == 1:  # its own rendezvous; at `local_addr` where the host's name does not resolve (an elastic run's one)
+        cmd += ["--standalone", *(["--local_addr", local_addr] if local_addr else [])]
     else:
         endpoint = rdzv_endpoint or cfg.launch.rdzv_endpoint
         if not endpoint:
@@ -169,7 +169,9 @@ class Follower:
         self.stop_requested = threading.Event()
         self.ended = threading.Event()  # set once run() has returned or raised, the job closed
         self.exits: dict[int, int] = {}
-        self.started_seen, self.progress_seen = False, b""
+        self.lost: set[int] = set()  # nodes found lost: their engine or actor gone, or cut off from node 0
+        self.cut_off: set[int] = set()  # of those, the ones that could not reach node 0's rendezvous
+        self.started_seen, self.progress_seen, self.stepped = False, b"", False
 
     def run(self):
         """The stage's result (of the spec's result type), or the exception its exit code names."""
@@ -212,6 +214,7 @@ class Follower:
         elif kind == "exit":
             self.exits[node] = value
         else:
+            self.lost.add(node)
             raise TrainingFailed(f"lost node {node}: {value}")
 
     def _follow(self, events: queue.Queue) -> str | None:
@@ -246,7 +249,11 @@ class Follower:
         (a Docker job: lmyard.launch.peers)."""
         ask = getattr(self.job, "stalled_peers", None)
         found = ask() if ask is not None else None
-        return f"{stall}; {found}" if found else stall
+        if not found:
+            return stall
+        self.lost.update(found[1])
+        self.cut_off.update(found[1])
+        return f"{stall}; {found[0]}"
 
     def _poll(self) -> str | None:
         """Read started/progress/heartbeats; a watchdog message when the job stalled."""
@@ -260,6 +267,7 @@ class Follower:
             if self.on_progress:
                 self.on_progress(type(self.job.spec).progress.model_validate_json(raw))
         beats = {name: data.decode().strip() for name, data in self.job.read_all("heartbeat").items()}
+        self.stepped = self.stepped or len(beats) >= self.dog.ranks > 0  # every rank has completed a step
         return self.dog.check(beats)
 
     def _stop(self, events: queue.Queue) -> None:

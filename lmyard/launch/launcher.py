@@ -6,8 +6,9 @@
 lmyard.launch.follower.LocalJob, a process group here; `docker`: lmyard.launch.containers.DockerJob, the stage
 image; `ray`: lmyard.launch.ray.RayJob, one actor per node of a placement group for training, one actor on a
 cluster node for the other stages); the same `Follower` follows every stage on every backend, so output, the
-watchdog, cancellation, cleanup and result reading exist once. Nothing in flows/ or tasks/ starts a process any
-other way.
+watchdog, cancellation, cleanup and result reading exist once. A training with launch.min_nnodes below
+launch.nnodes goes through lmyard.launch.elastic, which relaunches it on the healthy nodes when one is lost.
+Nothing in flows/ or tasks/ starts a process any other way.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import pkgutil
 from collections.abc import Callable
 
 from lmyard import backends
-from lmyard.launch.follower import Follower, JobFactory
+from lmyard.config import RunConfig
+from lmyard.launch.elastic import run_elastic
+from lmyard.launch.follower import Follower, Job, JobFactory
 from lmyard.paths import no_space
-from lmyard.stages import StageSpec
+from lmyard.stages import StageSpec, TrainSpec
 
 
 def launch(
@@ -29,7 +32,8 @@ def launch(
     **callbacks,
 ):
     """Run `spec`'s stage on its config's launch.backend; its result (`type(spec).result`), or the error of
-    lmyard.errors that its exit code names. `callbacks`: on_progress, on_started (training)."""
+    lmyard.errors that its exit code names. `callbacks`: on_progress, on_started, on_resize (training; a run below
+    launch.nnodes after a lost node, lmyard.launch.elastic)."""
     try:
         return _launch(spec, on_line, flow_run_id=flow_run_id, **callbacks)
     except OSError as e:  # the launch folder under LMYARD_CACHE on a full disk: one line, exit 4, not retried
@@ -40,7 +44,12 @@ def launch(
 
 
 def _launch(spec: StageSpec, on_line: Callable[[str], None], *, flow_run_id: str | None, **callbacks):
-    config = spec.config
-    make: JobFactory = pkgutil.resolve_name(backends.of(config).job)
-    job = make(config, spec, on_line, flow_run_id=flow_run_id)
-    return Follower(job, config, on_line, **callbacks).run()
+    make: JobFactory = pkgutil.resolve_name(backends.of(spec.config).job)
+
+    def make_job(config: RunConfig, spec: StageSpec) -> Job:
+        return make(config, spec, on_line, flow_run_id=flow_run_id)
+
+    on_resize = callbacks.pop("on_resize", None)
+    if isinstance(spec, TrainSpec) and spec.config.launch.fewest_nodes() < spec.config.launch.nnodes:
+        return run_elastic(spec, on_line, make_job, on_resize=on_resize, **callbacks)  # lmyard.launch.elastic
+    return Follower(make_job(spec.config, spec), spec.config, on_line, **callbacks).run()

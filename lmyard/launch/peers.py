@@ -6,7 +6,9 @@ that does not cross the training network), to open a TCP connection to node 0's 
 that node 0's torchrun keeps listening for the whole job: a node that cannot is named with its host and address.
 
     unreachable([Peer(0, "host-a", "10.0.0.2", probe_a), Peer(1, "host-b", "10.0.0.3", probe_b)], "10.0.0.2:29400")
-    -> "node 1 (host-b, 10.0.0.3) cannot reach node 0's rendezvous at 10.0.0.2:29400 (timed out)"
+    -> ("node 1 (host-b, 10.0.0.3) cannot reach node 0's rendezvous at 10.0.0.2:29400 (timed out)", [1])
+
+The nodes named are the lost ones of an elastic run (lmyard.launch.elastic): it goes on without them.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ class Peer:
     probe: Callable[[str, int], str | None]  # (host, port) -> why it cannot connect, None when it can
 
 
-def unreachable(peers: list[Peer], endpoint: str) -> str | None:
-    """The nodes other than node 0 that cannot connect to `endpoint` (node 0's rendezvous), in words; None when
-    every node can (or there is nothing to ask)."""
+def unreachable(peers: list[Peer], endpoint: str) -> tuple[str, list[int]] | None:
+    """The nodes other than node 0 that cannot connect to `endpoint` (node 0's rendezvous), in words and by index;
+    None when every node can (or there is nothing to ask)."""
     host, _, port = endpoint.rpartition(":")
     others = [p for p in peers if p.node != 0]
     if not others or not port.isdigit():
@@ -48,9 +50,11 @@ def unreachable(peers: list[Peer], endpoint: str) -> str | None:
         return None
     reasons = sorted({w for w in why if w})
     node0 = next((f" ({p.host}, {p.addr})" for p in peers if p.node == 0), "")
+    lost = [p.node for p, w in zip(others, why, strict=True) if w]
     return (
         f"{', '.join(failed)} cannot reach node 0{node0}'s rendezvous at {endpoint} ({'; '.join(reasons)}): "
-        "check that host's network link"
+        "check that host's network link",
+        lost,
     )
 
 
@@ -74,7 +78,7 @@ def docker_probe(container) -> Callable[[str, int], str | None]:
     return probe
 
 
-def docker_unreachable(nodes: list, containers: list, clients: dict) -> str | None:
+def docker_unreachable(nodes: list, containers: list, clients: dict) -> tuple[str, list[int]] | None:
     """`unreachable` for a Docker job's nodes (lmyard.launch.containers.NodePlan), each asked through its engine;
     a host is named as its engine names itself."""
     peers, endpoint = [], None

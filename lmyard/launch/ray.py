@@ -271,6 +271,7 @@ class RayJob:
         self.pg: PlacementGroup | None = None
         self.actors: list = []
         self.rank0: int | None = None  # the node that runs rank 0, once a file of it was seen
+        self.where: list[dict] = []  # each node's address, Ray node id and host name, once its actor answered
         self.connected = False
         self.stopping = threading.Event()
 
@@ -290,8 +291,11 @@ class RayJob:
         timeout = self.cfg.launch.ray.placement_timeout_s  # actors may wait for a runtime_env (pip, image)
         where = self._get([a.where.remote(i == 0) for i, a in enumerate(self.actors)], timeout, "start its actors")
         endpoint = f"{where[0]['ip']}:{where[0]['port']}"
+        self.where = where
         torchrun = [
-            dict(rdzv_endpoint=endpoint, rdzv_id=self.launch_id, node=i, local_addr=w["ip"]) if self.nodes > 1 else {}
+            dict(rdzv_endpoint=endpoint, rdzv_id=self.launch_id, node=i, local_addr=w["ip"])
+            if self.nodes > 1
+            else dict(local_addr=w["ip"])  # a standalone rendezvous at the node's address, not its host's name
             for i, w in enumerate(where)
         ]
         stage = self.spec.stage
@@ -337,10 +341,19 @@ class RayJob:
         deadline = time.monotonic() + timeout
         while not ray.wait([ready], timeout=5)[0]:
             if time.monotonic() > deadline:
-                alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+                nodes = ray.nodes()
+                alive = sum(1 for n in nodes if n.get("Alive"))
+                live = {n.get("NodeManagerAddress") for n in nodes if n.get("Alive")}
+                dead = sorted({n.get("NodeManagerAddress", "?") for n in nodes if not n.get("Alive")} - live)
                 raise TrainingFailed(
                     f"Ray: no room for {self.nodes} x {self.bundle} ({strategy}) within launch.ray."
                     f"placement_timeout_s={timeout:g}: of the cluster's {alive} live nodes, too few are free"
+                    + (
+                        f"; lost nodes at {', '.join(dead)}: start Ray there again (`ray start --address=...`, "
+                        "docs/multi-host.md), or lower launch.min_nnodes"
+                        if dead
+                        else ""
+                    )
                 )
             self.on_line(f"waiting for the Ray cluster to place {self.nodes} x {self.bundle} ({strategy})")
 
@@ -382,7 +395,8 @@ class RayJob:
         except Exception as e:
             if not self.stopping.is_set():
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                events.put(("error", i, f"its Ray actor is gone ({type(e).__name__}: {first})"))
+                at = f" ({self.where[i]['host']}, {self.where[i]['ip']})" if i < len(self.where) else ""
+                events.put(("error", i, f"its Ray actor{at} is gone ({type(e).__name__}: {first})"))
                 events.put(("exit", i, -1))  # its torchrun went with it: nothing left to wait for
 
     def _answers(self, refs: list) -> list:

@@ -49,19 +49,29 @@ def request(cfg: RunConfig, spec: StageSpec) -> dict[str, float]:
 
 
 def unfit(need: dict[str, float], nnodes: int, nodes: list[dict], needs: str | None = None) -> str | None:
-    """Why `nnodes` bundles `need` can never sit on distinct nodes, from the totals of every node the cluster has
-    had (`ray.nodes()`: a lost node may come back, and the job then waits for it); None if they can."""
-    totals = [n.get("Resources") or {} for n in nodes]
+    """Why `nnodes` bundles `need` can never sit on distinct nodes, from every node the cluster has had
+    (`ray.nodes()`); None if they can. A dead node may come back, but Ray lists it without its resources: where a
+    live node can hold the bundle, each dead one is counted as one more that could (the job then waits for it, up
+    to launch.ray.placement_timeout_s); where none can, the request is refused."""
+    totals = [n.get("Resources") or {} for n in nodes if n.get("Alive", True)]
     needs = needs or f"launch.nnodes={nnodes} needs {nnodes}"
     need = {k: v for k, v in need.items() if v > 0}
     for key, amount in need.items():
         having = sum(1 for t in totals if t.get(key, 0) >= amount)
-        if having < nnodes:
+        if having < nnodes and not (having and having + len(nodes) - len(totals) >= nnodes):
             return f"{having} of its {len(totals)} nodes have {key} >= {amount:g} and {needs}"
     having = sum(1 for t in totals if all(t.get(k, 0) >= v for k, v in need.items()))
-    if having < nnodes:
+    if having < nnodes and not (having and having + len(nodes) - len(totals) >= nnodes):
         return f"{having} of its {len(totals)} nodes have all of {need} together and {needs}"
     return None
+
+
+def fitting(need: dict[str, float], nodes: list[dict]) -> list[dict]:
+    """The live nodes of `ray.nodes()` that can each hold one bundle `need`."""
+    need = {k: v for k, v in need.items() if v > 0}
+    return [
+        n for n in nodes if n.get("Alive") and all((n.get("Resources") or {}).get(k, 0) >= v for k, v in need.items())
+    ]
 
 
 def unfit_error(spec: StageSpec, nodes: list[dict], need: dict[str, float]) -> UserError | None:

@@ -45,6 +45,10 @@ class Attempt(BaseModel):
     start_step: int | None
     resumed_from: str | None
     outcome: str | None  # None while it runs (or when it died without a word)
+    nodes: int | None = None  # the nodes it trained on
+    hosts: str | None = None  # their hosts
+    resized: str | None = None  # why it has another size than the attempt before (lmyard.launch.elastic)
+    steps: int | None = None  # committed steps it trained: the next attempt's start step less its own
 
 
 class LastEvaluation(BaseModel):
@@ -137,15 +141,22 @@ def _attempts(tags: dict[str, str]) -> list[Attempt]:
     def tag(n: int, key: str) -> str | None:
         return tags.get(f"lmyard.attempt.{n}.{key}") or None
 
-    return [
+    attempts = [
         Attempt(
             number=n,
             start_step=int(s) if (s := tag(n, "start_step")) is not None else None,
             resumed_from=tag(n, "resumed_from"),
             outcome=tag(n, "outcome"),
+            nodes=int(k) if (k := tag(n, "nodes")) and k.isdigit() else None,
+            hosts=tag(n, "hosts"),
+            resized=tag(n, "resized"),
         )
         for n in range(1, int(tags.get("lmyard.attempts", "0")) + 1)
     ]
+    for a, after in zip(attempts, attempts[1:]):
+        if a.start_step is not None and after.start_step is not None:
+            a.steps = after.start_step - a.start_step
+    return attempts
 
 
 def _run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:

@@ -1,0 +1,70 @@
+"""Elastic training's planning (lmyard.launch.elastic): which nodes a resized launch runs on and with what config,
+which engines count as healthy, and a dead Ray node counted as one that may come back. The runs that lose and
+regain a host are tests/test_hosts.py (Docker) and tests/test_hosts_ray.py (Ray)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_overrides
+
+from lmyard.errors import UserError
+from lmyard.launch.containers import plan
+from lmyard.launch.elastic import DockerMembers, attempt_hosts
+from lmyard.launch.ray_requests import fitting, unfit
+from lmyard.recipes import load_recipe
+
+A, B, C = "unix:///run/a.sock", "unix:///run/b.sock", "unix:///run/c.sock"
+
+
+def _three(tmp_path, *sets: str):
+    return load_recipe(
+        "smoke",
+        [
+            *tiny_overrides(tmp_path),
+            "launch.backend=docker",
+            "launch.nnodes=3",
+            "launch.nproc_per_node=1",
+            f"launch.docker.nodes=[{A}, {B}, {C}]",
+            "launch.docker.node_addrs=[10.0.0.1, 10.0.0.2, 10.0.0.3]",
+            *sets,
+        ],
+    )
+
+
+def test_min_nnodes_defaults_to_nnodes_and_may_not_exceed_it(tmp_path):
+    assert _three(tmp_path).launch.fewest_nodes() == 3
+    assert _three(tmp_path, "launch.min_nnodes=1").launch.fewest_nodes() == 1
+    with pytest.raises(UserError, match=r"launch.min_nnodes=4 is above launch.nnodes=3"):
+        _three(tmp_path, "launch.min_nnodes=4")
+
+
+def test_a_launch_without_a_lost_node_runs_on_the_others_engines_and_addresses_with_node_0_hosting(tmp_path):
+    cfg = _three(tmp_path, "launch.min_nnodes=1")
+    smaller = DockerMembers(cfg).config([0, 2])
+    assert smaller.launch.nnodes == 2 and smaller.launch.min_nnodes is None
+    assert smaller.launch.docker.nodes == [A, C] and smaller.launch.docker.node_addrs == ["10.0.0.1", "10.0.0.3"]
+    spec = {"config": smaller.model_dump(mode="json"), "shards": {"address": "x", "uri": "x", "manifest": {}}}
+    nodes = plan(smaller, spec, image="img").nodes
+    assert [n.url for n in nodes] == [A, C]
+    assert all("--rdzv_endpoint 10.0.0.1:29400" in " ".join(n.kwargs["command"]) for n in nodes)
+    # host a lost: host c's node is node 0 and hosts the rendezvous at its own address
+    alone = DockerMembers(cfg).config([2])
+    (node,) = plan(alone, {**spec, "config": alone.model_dump(mode="json")}, image="img").nodes
+    command = " ".join(node.kwargs["command"])
+    assert node.url == C and "--standalone --local_addr 10.0.0.3" in command, command
+
+
+def test_an_engine_that_does_not_answer_is_not_healthy(tmp_path):
+    cfg = _three(tmp_path, "launch.min_nnodes=1", f"launch.docker.nodes=[unix://{tmp_path}/none.sock, {B}, {C}]")
+    assert DockerMembers(cfg).healthy([0, 1, 2]) == []  # no engine listens at any of these sockets
+    assert attempt_hosts(cfg) == ["node 0 (10.0.0.1)", "node 1 (10.0.0.2)", "node 2 (10.0.0.3)"]
+
+
+def test_a_dead_ray_node_counts_as_one_that_may_come_back_not_as_one_too_small():
+    alive = {"Alive": True, "Resources": {"CPU": 1.0}}
+    dead = {"Alive": False, "Resources": {}}  # how ray.nodes() lists a lost node
+    assert unfit({"CPU": 1.0}, 2, [alive, dead]) is None  # the job waits for it (placement_timeout_s)
+    assert unfit({"CPU": 1.0}, 3, [alive, dead]) is not None  # never three, even if it comes back
+    # none alive can hold it: the dead one is not taken to either (a GPU the cluster never had)
+    assert unfit({"CPU": 2.0}, 2, [alive, dead]) == "0 of its 1 nodes have CPU >= 2 and launch.nnodes=2 needs 2"
+    assert fitting({"CPU": 1.0}, [alive, dead, {"Alive": True, "Resources": {"CPU": 0.5}}]) == [alive]
