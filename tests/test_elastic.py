@@ -68,3 +68,28 @@ def test_a_dead_ray_node_counts_as_one_that_may_come_back_not_as_one_too_small()
     # none alive can hold it: the dead one is not taken to either (a GPU the cluster never had)
     assert unfit({"CPU": 2.0}, 2, [alive, dead]) == "0 of its 1 nodes have CPU >= 2 and launch.nnodes=2 needs 2"
     assert fitting({"CPU": 1.0}, [alive, dead, {"Alive": True, "Resources": {"CPU": 0.5}}]) == [alive]
+
+
+def test_the_lineage_status_gives_each_attempt_its_nodes_hosts_why_it_resized_and_the_steps_it_trained():
+    from flows.ops import _attempt_line
+    from lmyard.tracking.runs import _attempts
+
+    tags = {
+        "lmyard.attempts": "3",
+        **{f"lmyard.attempt.1.{k}": v for k, v in {"start_step": "0", "nodes": "2", "hosts": "a, b"}.items()},
+        "lmyard.attempt.1.outcome": "resized: lost node 1 (b): its engine stopped answering",
+        **{f"lmyard.attempt.2.{k}": v for k, v in {"start_step": "3", "nodes": "1", "hosts": "a"}.items()},
+        "lmyard.attempt.2.resized": "lost node 1 (b): its engine stopped answering",
+        "lmyard.attempt.2.outcome": "resized: grew back: node 1 (b) healthy again",
+        **{f"lmyard.attempt.3.{k}": v for k, v in {"start_step": "7", "nodes": "2", "hosts": "a, b"}.items()},
+        "lmyard.attempt.3.resized": "grew back: node 1 (b) healthy again",
+    }
+    one, two, three = _attempts(tags)
+    assert [(a.nodes, a.steps) for a in (one, two, three)] == [(2, 3), (1, 4), (2, None)]  # the last one runs
+    assert _attempt_line(two, True) == (
+        "  attempt 2: from step 3, 1 nodes (a), 4 steps, resized: lost node 1 (b): its engine stopped answering, "
+        "resized: grew back: node 1 (b) healthy again"
+    )
+    assert (
+        _attempt_line(one, False) == "  attempt 1: from step 0, resized: lost node 1 (b): its engine stopped answering"
+    )
