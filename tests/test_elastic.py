@@ -93,3 +93,16 @@ def test_the_lineage_status_gives_each_attempt_its_nodes_hosts_why_it_resized_an
     assert (
         _attempt_line(one, False) == "  attempt 1: from step 0, resized: lost node 1 (b): its engine stopped answering"
     )
+
+
+def test_a_placement_that_timed_out_names_the_lost_nodes_addresses_and_what_to_do():
+    from lmyard.launch.ray_requests import lost_nodes
+
+    nodes = [
+        {"Alive": True, "NodeManagerAddress": "10.0.0.2"},
+        {"Alive": False, "NodeManagerAddress": "10.0.0.3"},
+        {"Alive": False, "NodeManagerAddress": "10.0.0.2"},  # an old node of a host that is back
+    ]
+    said = lost_nodes(nodes)
+    assert said.startswith("; lost nodes at 10.0.0.3: start Ray there again (`ray start --address=...`"), said
+    assert lost_nodes(nodes[:1]) == ""

@@ -26,7 +26,7 @@ from lmyard.config import RunConfig
 from lmyard.errors import NoSpace, TrainingFailed, UserError
 from lmyard.launch.containers import _Masker, secret_names
 from lmyard.launch.follower import Follower, LocalJob
-from lmyard.launch.ray_requests import SPECS, on_cluster, request, runtime_env_refusal, unfit_error
+from lmyard.launch.ray_requests import SPECS, lost_nodes, on_cluster, request, runtime_env_refusal, unfit_error
 from lmyard.stages import StageSpec, TrainResult, TrainSpec
 
 if TYPE_CHECKING:
@@ -343,17 +343,10 @@ class RayJob:
             if time.monotonic() > deadline:
                 nodes = ray.nodes()
                 alive = sum(1 for n in nodes if n.get("Alive"))
-                live = {n.get("NodeManagerAddress") for n in nodes if n.get("Alive")}
-                dead = sorted({n.get("NodeManagerAddress", "?") for n in nodes if not n.get("Alive")} - live)
                 raise TrainingFailed(
                     f"Ray: no room for {self.nodes} x {self.bundle} ({strategy}) within launch.ray."
                     f"placement_timeout_s={timeout:g}: of the cluster's {alive} live nodes, too few are free"
-                    + (
-                        f"; lost nodes at {', '.join(dead)}: start Ray there again (`ray start --address=...`, "
-                        "docs/multi-host.md), or lower launch.min_nnodes"
-                        if dead
-                        else ""
-                    )
+                    + lost_nodes(nodes)
                 )
             self.on_line(f"waiting for the Ray cluster to place {self.nodes} x {self.bundle} ({strategy})")
 

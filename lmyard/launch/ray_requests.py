@@ -66,6 +66,19 @@ def unfit(need: dict[str, float], nnodes: int, nodes: list[dict], needs: str | N
     return None
 
 
+def lost_nodes(nodes: list[dict]) -> str:
+    """What a placement that timed out says of the nodes the cluster lost (none at a live node's address): where
+    they were and what to do; '' when none."""
+    live = {n.get("NodeManagerAddress") for n in nodes if n.get("Alive")}
+    dead = sorted({n.get("NodeManagerAddress", "?") for n in nodes if not n.get("Alive")} - live)
+    if not dead:
+        return ""
+    return (
+        f"; lost nodes at {', '.join(dead)}: start Ray there again (`ray start --address=...`, docs/multi-host.md), "
+        "or lower launch.min_nnodes"
+    )
+
+
 def fitting(need: dict[str, float], nodes: list[dict]) -> list[dict]:
     """The live nodes of `ray.nodes()` that can each hold one bundle `need`."""
     need = {k: v for k, v in need.items() if v > 0}
