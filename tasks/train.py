@@ -70,9 +70,9 @@ def train(config: RunConfig, shards: ShardSet, lineage: Lineage, lease: LeaseRef
         )
 
     def resized(r: Resize) -> LineageRef:
-        """A lost node or one back (lmyard.launch.elastic): the attempt ends, the next one on the new size begins."""
+        """A lost node or one back (lmyard.launch.elastic, whose one line the log has): the attempt ends, the next
+        one on the new size begins."""
         nonlocal lineage
-        logger.info(f"lineage {config.run_name}: resized to {r.nodes} nodes ({r.reason}); {', '.join(r.hosts)}")
         lineage = record_resize(lineage, r)
         return lineage.ref
 
