@@ -23,7 +23,8 @@ class Backend:
     section (a ValueError's one line names the field and the fix), run when `launch.backend` names it.
     `on_ray`: its stages run on a Ray cluster (tokenize-and-shard reads its pieces as Ray tasks, a sweep's
     trials run under Ray Tune). `other_user`: its stages write a local folder of the flow's as another user (a
-    container's), so the flow opens the folder to them."""
+    container's), so the flow opens the folder to them. `members`: `module:name` of its nodes' health and a
+    launch's config on some of them, for a training that goes on without a lost node (lmyard.launch.elastic)."""
 
     name: str
     job: str
@@ -31,3 +32,4 @@ class Backend:
     check: Callable[[Any], None] = _no_checks
     on_ray: bool = False
     other_user: bool = False
+    members: str = "lmyard.launch.elastic:Members"  # `module:name`: which of its nodes are healthy (elasticity)

@@ -142,5 +142,10 @@ def check(launch: Any) -> None:
 
 
 BACKEND = Backend(
-    name="docker", job="lmyard.launch.containers:DockerJob", section=DockerConfig, check=check, other_user=True
+    name="docker",
+    job="lmyard.launch.containers:DockerJob",
+    section=DockerConfig,
+    check=check,
+    other_user=True,
+    members="lmyard.launch.elastic:DockerMembers",
 )

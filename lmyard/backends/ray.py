@@ -68,4 +68,10 @@ class RayConfig(_Section):
         return env
 
 
-BACKEND = Backend(name="ray", job="lmyard.launch.ray:RayJob.for_stage", section=RayConfig, on_ray=True)
+BACKEND = Backend(
+    name="ray",
+    job="lmyard.launch.ray:RayJob.for_stage",
+    section=RayConfig,
+    on_ray=True,
+    members="lmyard.launch.elastic:RayMembers",
+)

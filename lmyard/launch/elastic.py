@@ -28,6 +28,7 @@ told of each change before the next launch, and may hand back the lineage refere
 
 from __future__ import annotations
 
+import pkgutil
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -57,8 +58,8 @@ class Members:
     """The nodes of a training on one backend: which are healthy, which of those it lacks have come back, the
     config of a launch on some of them. A node is a slot, 0 .. launch.nnodes - 1."""
 
-    def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: RunConfig, spec: TrainSpec | None = None):
+        self.cfg, self.spec = cfg, spec
 
     def healthy(self, slots: list[int]) -> list[int]:
         """Those of `slots` that are healthy."""
@@ -110,10 +111,6 @@ class DockerMembers(Members):
 class RayMembers(Members):
     """Ray: the cluster places the nodes; the slots in use are filled by any live nodes that can hold a bundle."""
 
-    def __init__(self, cfg: RunConfig, spec: TrainSpec | None):
-        super().__init__(cfg)
-        self.spec = spec
-
     def live(self) -> int:
         """The cluster's live nodes that can each hold one bundle."""
         import ray
@@ -152,11 +149,10 @@ def _engine_answers(url: str) -> bool:
 
 
 def members(cfg: RunConfig, spec: TrainSpec | None = None) -> Members:
-    if cfg.launch.backend == "docker":
-        return DockerMembers(cfg)
-    if cfg.launch.backend == "ray":
-        return RayMembers(cfg, spec)
-    return Members(cfg)
+    """The backend's Members (its row of lmyard.backends names them)."""
+    from lmyard import backends
+
+    return pkgutil.resolve_name(backends.of(cfg).members)(cfg, spec)
 
 
 class _GrowBack:
