@@ -290,14 +290,9 @@ class RayJob:
         self._create_actors()
         timeout = self.cfg.launch.ray.placement_timeout_s  # actors may wait for a runtime_env (pip, image)
         where = self._get([a.where.remote(i == 0) for i, a in enumerate(self.actors)], timeout, "start its actors")
-        endpoint = f"{where[0]['ip']}:{where[0]['port']}"
-        self.where = where
-        torchrun = [
-            dict(rdzv_endpoint=endpoint, rdzv_id=self.launch_id, node=i, local_addr=w["ip"])
-            if self.nodes > 1
-            else dict(local_addr=w["ip"])  # a standalone rendezvous at the node's address, not its host's name
-            for i, w in enumerate(where)
-        ]
+        endpoint, self.where = f"{where[0]['ip']}:{where[0]['port']}", where
+        rdzv = dict(rdzv_endpoint=endpoint, rdzv_id=self.launch_id) if self.nodes > 1 else {}  # one node: standalone
+        torchrun = [{**rdzv, **({"node": i} if rdzv else {}), "local_addr": w["ip"]} for i, w in enumerate(where)]
         stage = self.spec.stage
         starts = [a.start.remote(stage, self.spec_json, self.env, t) for a, t in zip(self.actors, torchrun)]
         pids = []
