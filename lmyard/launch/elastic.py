@@ -2,28 +2,13 @@
 
     result = run_elastic(spec, on_line, make_job, on_resize=record)
 
-`launch.min_nnodes` (default launch.nnodes: a lost node ends the launch, as without this module) is the fewest
-nodes training goes on with. One launch on the nodes in use is followed by the shared Follower. When it ends
-with an error a rerun can help (lmyard.errors.retryable) and nodes were lost, the nodes left healthy are
-counted; with at least `min_nnodes` of them, training relaunches at once on them, resuming from the last
-committed checkpoint; with fewer, the error goes up as before (the train task's retry, at full size).
-
-Lost: the node's engine or actor stopped answering, or it cannot reach node 0's rendezvous (lmyard.launch.peers),
-or it is not healthy once the launch has ended. Healthy:
-- Docker: its engine answers a ping at its URL (launch.docker.nodes) within HEALTH_S; a node lost in this launch
-  is not used again in the next one, even if its engine answers by then;
-- Ray: the cluster's live nodes that can each hold one bundle (ray.nodes()); a lost node is dead there.
-
-Grow back (launch.grow_back, on by default): while a run is below launch.nnodes, every GROW_POLL_S the nodes it
-lacks are asked again: a Docker engine that answers again at its URL, a Ray node that joined (a restarted
-raylet is a new node). A Docker host that was lost to its network (it could not reach node 0) is not taken back:
-its engine may answer while its training link is still down. Once more nodes are healthy than the run has, the
-launch is stopped as a preemption (SIGTERM: every rank commits the step it is at, never mid-step) and relaunched
-on all the healthy nodes from that step: no committed step is lost, none is trained twice.
-
-Every size keeps the global batch (train.batch_tokens: fewer ranks accumulate more micro-steps,
-lmyard.train.build.grad_accum_steps) and the token stream (the data cursor counts global steps). `on_resize` is
-told of each change before the next launch, and may hand back the lineage reference of the attempt it records.
+With launch.min_nnodes below launch.nnodes, a launch that fails with lost nodes (their engine or actor gone, cut
+off from node 0, or not healthy once it ended: each backend's `Members`) relaunches at once on the healthy nodes,
+from the last committed checkpoint, with the same global batch and token stream; fewer than min_nnodes: the error
+goes up as before. While below full size, the lacking nodes are asked again every GROW_POLL_S (launch.grow_back);
+once some are back, the launch is stopped as a preemption (every rank commits the step it is at) and relaunched on
+all of them. `on_resize` is told of each change and may hand back the lineage of the attempt it records. What
+counts as healthy on each backend, and the limits: docs/multi-host.md.
 """
 
 from __future__ import annotations
