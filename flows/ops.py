@@ -47,7 +47,8 @@ def add_parsers(sub) -> None:
         p.add_argument("--store", help="the store (default: LMYARD_STORE, else the default store)")
         p.add_argument("--device", default="cpu", type=_device, help="cpu (default) or cuda[:N]")
         p.add_argument("--json", action="store_true", help="one JSON document, for scripts")
-    for p in (s, e, m):
+    r.add_argument("--cost", action="store_true", help="total the lineages' GPU-hours and node-hours by experiment")
+    for p in (r, s, e, m):
         p.add_argument(
             "--tracking-uri", help="the MLflow tracking URI (default: LMYARD_TRACKING__URI, else the default)"
         )
@@ -113,8 +114,11 @@ def _store(cfg):
 def runs(args: argparse.Namespace) -> int:
     from lmyard.tracking.runs import list_runs
 
-    store = _store(_config(args))
+    cfg = _config(args)
+    store = _store(cfg)
     rows = list_runs(store)
+    if args.cost:
+        return _cost(store, rows, cfg.tracking.uri, args.json)
     if args.json:
         print(json.dumps([r.model_dump(mode="json") for r in rows], indent=1))
         return 0
@@ -124,6 +128,21 @@ def runs(args: argparse.Namespace) -> int:
         held = f"held by {r.lease.holder}" if r.lease and not r.lease.expired else "not held"
         newest = f"step {r.newest_step}" if r.newest_step is not None else "no checkpoint"
         print(f"{r.run_name}: {newest} ({r.checkpoints} checkpoints), {held}, MLflow run {r.mlflow_run_id or '-'}")
+    return 0
+
+
+def _cost(store, rows, tracking_uri: str, as_json: bool) -> int:
+    """`lmyard runs --cost`: each experiment's lineages of the store, their usage summed (lmyard.tracking.cost)."""
+    from lmyard.tracking.runs import usage_by_experiment
+
+    totals = usage_by_experiment(store, rows, tracking_uri)
+    if as_json:
+        print(json.dumps({k: {"lineages": n, **u.model_dump()} for k, (n, u) in totals.items()}, indent=1))
+        return 0
+    for experiment, (n, usage) in sorted(totals.items()):
+        print(f"{experiment}: {n} lineage{'s' if n != 1 else ''}, {usage.words()}")
+    if not totals:
+        print(f"no lineage of {store.uri('runs')} has an MLflow run")
     return 0
 
 
@@ -143,10 +162,14 @@ def status(args: argparse.Namespace) -> int:
         f"  lease: {s.lease.holder + (' (expired)' if s.lease.expired else '') if s.lease else 'not held'}",
         f"  MLflow run: {s.mlflow_run_id or '-'} {s.mlflow_status or ''} {s.mlflow_run_url or ''}".rstrip(),
     ]
+    if s.flow_run_url:
+        lines.append(f"  flow run: {s.flow_run_url}")
     sized = any(a.resized for a in s.attempts)  # a lineage that changed size: each attempt's nodes and steps
     lines += [_attempt_line(a, sized) for a in s.attempts]
     if s.damaged_steps:
         lines.append(f"  moved aside as damaged: steps {s.damaged_steps}")
+    if s.usage is not None and s.attempts:
+        lines.append(f"  usage: {s.usage.words()}")
     if last := s.last_evaluation:
         rows = last.rows or {"val loss": f"{last.val_loss:.4f}"}
         lines.append(f"  last evaluation: step {last.step}, " + ", ".join(f"{k} {v}" for k, v in rows.items()))
@@ -165,6 +188,7 @@ def _attempt_line(a, sized: bool) -> str:
         + (f", {a.steps} steps" if sized and a.steps is not None else "")
         + (f", resized: {a.resized}" if a.resized else "")
         + f", {a.outcome or 'no outcome recorded'}"
+        + (f" ({a.wall_s:,.0f} s on {a.nodes} node(s) x {a.gpus_per_node} GPUs)" if a.wall_s is not None else "")
     )
 
 

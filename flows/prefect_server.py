@@ -98,5 +98,8 @@ def start_temporary_server() -> str | None:
     atexit.register(_stop, proc, log)
     _wait_healthy(url, proc, log, STARTUP_TIMEOUT_S)
     os.environ["PREFECT_API_URL"] = url
+    # no UI, and gone when the command ends: no "View at" link to a page that cannot open (an operator's own
+    # PREFECT_UI_URL, or a persistent server through PREFECT_API_URL, keeps Prefect's link)
+    os.environ.setdefault("PREFECT_UI_URL", "")
     refresh_global_settings_context()  # Prefect reads its settings from the environment once, at import
     return url

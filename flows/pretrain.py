@@ -9,6 +9,7 @@ from lmyard.config import RunConfig
 from lmyard.evaluate.harness import check_tasks
 from lmyard.recipes import with_recipe
 from lmyard.tracking.credentials import credentials_to_env
+from lmyard.tracking.quiet import quiet_mlflow
 from lmyard.tracking.registered import check as check_registered
 from lmyard.tracking.registered import is_registered
 from tasks.checkpoint import record_checkpoint
@@ -28,6 +29,7 @@ def pretrain(config: RunConfig = RunConfig(), recipe: str | None = None) -> RunS
 
     `recipe` (a recipe's name, lmyard.recipes): its config, with `config`'s explicitly set fields on top."""
     config = credentials_to_env(with_recipe(config, recipe))  # the tracking password: environment only
+    quiet_mlflow()  # MLflow's INFO lines and download bars, under a worker as under `lmyard run`
     check_tasks(config.eval)  # an lm-eval task that cannot load would fail every evaluation, after all the training
     if is_registered(config.model.init_from):  # a registered model that is not there: one line, before anything
         check_registered(str(config.model.init_from), config.tracking.uri)

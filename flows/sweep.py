@@ -18,6 +18,7 @@ from lmyard.recipes import with_recipe
 from lmyard.sweep.driver import SweepResult, check_cluster, plan
 from lmyard.sweep.space import Trial, assignments, trial_config
 from lmyard.tracking.credentials import credentials_to_env
+from lmyard.tracking.quiet import quiet_mlflow
 from tasks.lineage import ended_status
 from tasks.shard import tokenize_and_shard
 from tasks.sweep import close_sweep, log_sweep, open_sweep, pending_trials, train_trial, train_trials_on_ray
@@ -39,6 +40,7 @@ def sweep(
     """Train `recipe` (with `config`'s fields on top) at scaling indices `sizes`, or over the search space
     `search` (docs/sweeps.md); a rerun trains only the trials that are not done."""
     config = credentials_to_env(with_recipe(config, recipe))
+    quiet_mlflow()  # MLflow's INFO lines and download bars, under a worker as under `lmyard run`
     trials = plan(config, sizes, search)  # a bad space or trial: one line, before anything
     check_cluster(config, trials, PREFECT_API_URL.value())  # Ray: each trial placed, the Prefect API reached
     shards = tokenize_and_shard(config)  # once: every trial of the same data reuses this shard set

@@ -40,7 +40,12 @@ class StageFailed(RuntimeError):
 
 
 class TrainingFailed(StageFailed):
-    """The training job crashed, lost a node or stalled; the message holds what its output said last."""
+    """The training job crashed, lost a node or stalled: the message is one line (which rank failed first, and
+    why); `output` holds at most 10 lines of that rank's own output (lmyard.launch.cause)."""
+
+    def __init__(self, message: str = "", output: list[str] | None = None):
+        super().__init__(message)
+        self.output = list(output or [])
 
 
 class Diverged(StageFailed):

@@ -26,3 +26,12 @@ def launch_stage(spec: StageSpec, on_line: Callable[[str], None], **callbacks):
     from prefect.runtime import flow_run
 
     return launch(spec, on_line, flow_run_id=flow_run.get_id(), **callbacks)
+
+
+def flow_run_url() -> str | None:
+    """This flow run's page in the Prefect UI; None where the API has no UI (lmyard's temporary server)."""
+    from prefect.runtime import flow_run
+    from prefect.utilities.urls import url_for
+
+    run_id = flow_run.get_id()
+    return url_for("flow-run", obj_id=run_id) if run_id else None

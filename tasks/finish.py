@@ -11,6 +11,7 @@ from lmyard.config import RunConfig
 from lmyard.data.shardset import ShardSet
 from lmyard.stages import TrainResult
 from lmyard.tracking.lineage import Lineage
+from lmyard.tracking.runs import run_url, version_url
 from tasks._common import artifact_key
 from tasks.results import Evaluation, RegisteredModel, RunSummary
 
@@ -52,10 +53,20 @@ def finish(
     lineage.close("FINISHED")
     create_markdown_artifact(
         key=artifact_key(config.run_name, "summary"),
-        markdown=_markdown(summary, attempts, model, final),
+        markdown=_links(config, lineage, model) + "\n\n" + _markdown(summary, attempts, model, final),
         description=f"Summary of {config.run_name}",
     )
     return summary
+
+
+def _links(config: RunConfig, lineage: Lineage, model: RegisteredModel | None) -> str:
+    """Markdown links to the lineage's MLflow run and the registered version (a local store's pages open once
+    `mlflow ui --backend-store-uri ...` serves them)."""
+    uri = config.tracking.uri
+    run = f"[MLflow run {lineage.ref.mlflow_run_id}]({run_url(uri, lineage.ref.experiment_id, lineage.ref.mlflow_run_id)})"
+    if model is None:
+        return run
+    return run + f" · [models:/{model.name}/{model.version}]({version_url(uri, model.name, model.version)})"
 
 
 def _markdown(summary: RunSummary, attempts: list[dict], model: RegisteredModel | None, final: Evaluation) -> str:
@@ -63,7 +74,7 @@ def _markdown(summary: RunSummary, attempts: list[dict], model: RegisteredModel 
     scores = "\n".join(f"| {k} | {v} |" for k, v in (final.result.rows if final.result else {}).items())
     tries = "\n".join(
         f"| {a['attempt']} | {a.get('start_step', '')} | {a.get('resumed_from') or '-'} | "
-        f"{a.get('flow_run_id', '')} | {a.get('nodes', '')} | {a.get('outcome', '')} |"
+        f"{_flow_run(a)} | {a.get('nodes', '')} | {a.get('gpu_hours', '')} | {a.get('outcome', '')} |"
         for a in attempts
     )
     gates = (
@@ -77,6 +88,12 @@ def _markdown(summary: RunSummary, attempts: list[dict], model: RegisteredModel 
     return (
         f"# {summary.run_name}\n\n| | |\n|---|---|\n{rows}\n\n"
         f"## Final evaluation\n\n| | |\n|---|---|\n{scores or '| (failed) | |'}\n\n"
-        f"## Attempts\n\n| # | start step | resumed from | flow run | nodes | outcome |\n|---|---|---|---|---|---|\n{tries}\n\n"
+        "## Attempts\n\n| # | start step | resumed from | flow run | nodes | GPU-hours | outcome |\n"
+        f"|---|---|---|---|---|---|---|\n{tries}\n\n"
         f"## Gates\n\n| gate | value | limit | |\n|---|---|---|---|\n{gates}\n\n## Samples\n\n{samples}\n"
     )
+
+
+def _flow_run(attempt: dict) -> str:
+    run_id, url = attempt.get("flow_run_id", ""), attempt.get("flow_run_url")
+    return f"[{run_id}]({url})" if url else run_id

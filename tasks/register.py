@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 from prefect import get_run_logger, pause_flow_run, task
 from prefect.cache_policies import NO_CACHE
@@ -25,7 +26,8 @@ from lmyard.run import Run
 from lmyard.stages import ExportResult, ExportSpec
 from lmyard.tracking import registry
 from lmyard.tracking.lineage import Lineage
-from tasks._common import launch_stage
+from lmyard.tracking.runs import run_url, version_url
+from tasks._common import flow_run_url, launch_stage
 from tasks.results import Evaluation, Gate, RegisteredModel
 
 
@@ -95,12 +97,20 @@ def judge(config: RunConfig, lineage: Lineage, final: Evaluation, name: str, ver
         logged, result = lineage.client.get_run(lineage.ref.mlflow_run_id).data.metrics, final.result.metrics
     gates = {k: Gate(**g) for k, g in gate_results(config.eval.gates, result, logged).items()}
     if gates and all(g.passed for g in gates.values()):
-        _gates_passed(name, version, gates)
+        ref = lineage.ref
+        links = {
+            "model_uri": f"models:/{name}/{version}",
+            "version_url": version_url(config.tracking.uri, name, version),
+            "run_url": run_url(config.tracking.uri, ref.experiment_id, ref.mlflow_run_id),
+            "flow_run_url": flow_run_url() or "",
+        }
+        _gates_passed(name, version, gates, links)
     return gates
 
 
-def _gates_passed(name: str, version: str, gates: dict[str, Gate]) -> None:
-    """The event `lmyard.gates.passed`, related to this flow run and the tag `lmyard` (what automations match)."""
+def _gates_passed(name: str, version: str, gates: dict[str, Gate], links: dict[str, str]) -> None:
+    """The event `lmyard.gates.passed`, related to this flow run and the tag `lmyard` (what automations match); its
+    payload: the gates, the model's URI and the links a notification carries (`links`)."""
     related = [{"prefect.resource.id": "prefect.tag.lmyard", "prefect.resource.role": "tag"}]
     ctx = FlowRunContext.get()
     if ctx is not None and ctx.flow_run is not None:
@@ -119,7 +129,13 @@ def _gates_passed(name: str, version: str, gates: dict[str, Gate]) -> None:
             "prefect.resource.name": f"{name} version {version}",
         },
         related=related,
-        payload={"gates": {k: g.model_dump() for k, g in gates.items()}},
+        payload={
+            "gates": {k: g.model_dump() for k, g in gates.items()},
+            "values": ", ".join(
+                f"{k} {g.value:.4g} (limit {g.limit:g})" for k, g in gates.items() if g.value is not None
+            ),
+            **links,
+        },
     )
 
 
@@ -141,8 +157,9 @@ def approve_promotion(config: RunConfig, lineage: Lineage, model: RegisteredMode
         f"{model.name} version {model.version} passed its gates; waiting up to {config.eval.approval_timeout_s} s "
         f"for approval of {config.eval.alias!r} (resume the flow run with approve: true)"
     )
+    form = Approval.with_initial_data(description=review(config, lineage, model))  # what Prefect's form shows
     try:
-        answer = pause_flow_run(wait_for_input=Approval, timeout=config.eval.approval_timeout_s, poll_interval=2)
+        answer = pause_flow_run(wait_for_input=form, timeout=config.eval.approval_timeout_s, poll_interval=2)
     except FlowPauseTimeout:
         logger.warning(
             f"no approval within {config.eval.approval_timeout_s} s: {model.name} version {model.version} keeps no alias"
@@ -154,10 +171,34 @@ def approve_promotion(config: RunConfig, lineage: Lineage, model: RegisteredMode
     return promote(lineage, model, config.eval.alias, answer.note)
 
 
+def review(config: RunConfig, lineage: Lineage, model: RegisteredModel) -> str:
+    """The approval form's description (markdown): the version and its source run (linked), its gates' values
+    against their thresholds, and what approving does."""
+    uri, alias, ref = config.tracking.uri, config.eval.alias, lineage.ref
+    gates = "\n".join(
+        f"| {k} | {'-' if g.value is None else f'{g.value:.4g}'} | {g.limit:g} | {'pass' if g.passed else 'FAIL'} |"
+        for k, g in model.gates.items()
+    )
+    return (
+        f"### Promote {model.name} version {model.version} to @{alias}?\n\n"
+        f"- version: [models:/{model.name}/{model.version}]({version_url(uri, model.name, model.version)})\n"
+        f"- source run: [{ref.mlflow_run_id}]({run_url(uri, ref.experiment_id, ref.mlflow_run_id)}) "
+        f"(lineage {ref.run_name}), checkpoint `{model.source}`\n\n"
+        f"| gate | value | threshold | |\n|---|---|---|---|\n{gates}\n\n"
+        f"**Approve** sets the alias `{alias}` on version {model.version}: `models:/{model.name}@{alias}` then loads "
+        f"it. Refused, or no answer within {config.eval.approval_timeout_s:g} s: the version stays registered "
+        "without the alias. The note and the time of the answer become tags of the version."
+    )
+
+
 @task(name="promote-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
 def promote(lineage: Lineage, model: RegisteredModel, alias: str, note: str = "") -> RegisteredModel:
-    """The approved version gets `alias`; the note is a tag of the lineage's run."""
+    """The approved version gets `alias`; the note and the time are tags of the version (and of the lineage's run)."""
     registry.set_alias(lineage, model.name, alias, model.version)
+    approved_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    registry.tag_version(
+        lineage, model.name, model.version, {"lmyard.approval.note": note, "lmyard.approval.approved_at": approved_at}
+    )
     lineage.set_tags({"lmyard.promotion_approved": note or "approved"})
     get_run_logger().info(f"{model.name} version {model.version} is {alias!r}: approved")
     return model.model_copy(update={"alias": alias})

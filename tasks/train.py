@@ -20,7 +20,7 @@ from lmyard.launch.follower import stop_all
 from lmyard.stages import Progress, Started, TrainResult, TrainSpec
 from lmyard.tracking.lease import LeaseRef
 from lmyard.tracking.lineage import Lineage, LineageRef
-from tasks._common import artifact_key, launch_stage
+from tasks._common import artifact_key, flow_run_url, launch_stage
 
 STOP_SLACK_S = 30.0  # beyond launch.grace_s: the follower kills what is left, reads the result, removes the job
 
@@ -53,16 +53,20 @@ def train(config: RunConfig, shards: ShardSet, lineage: Lineage, lease: LeaseRef
             "task_run_count": task_run.get_run_count(),
             "nodes": config.launch.nnodes,
             "hosts": ", ".join(attempt_hosts(config)),
+            "gpus_per_node": config.launch.nproc_per_node if config.train.device == "cuda" else 0,  # until started
             "world_size": config.world_size(),
             "host": socket.gethostname(),
-        },
+        }
+        | ({"gpu_hour_price": config.tracking.gpu_hour_price} if config.tracking.gpu_hour_price is not None else {})
+        | ({"flow_run_url": url} if (url := flow_run_url()) else {}),  # the MLflow run links its flow runs
     )
     # the flow evaluates every checkpoint: retention keeps each one until its evaluation has ended
     spec = TrainSpec(config=config, shards=shards, lineage=lineage.ref, lease=lease, hold_for_eval=True)
 
     def started(s: Started) -> None:
         """What the trainer actually loaded (after any fallback) becomes the attempt's record."""
-        lineage.record_resume(resumed_from=s.resumed_from, start_step=s.start_step)
+        gpus = config.launch.nproc_per_node if s.device == "cuda" else 0  # one rank per GPU
+        lineage.record_resume(resumed_from=s.resumed_from, start_step=s.start_step, gpus_per_node=gpus)
         logger.info(
             f"attempt {lineage.ref.attempt} of lineage {config.run_name}: "
             + (f"resumed from {s.resumed_from} at step {s.start_step}" if s.resumed_from else "started fresh")

@@ -121,7 +121,7 @@ def test_a_rank_still_committing_30_s_after_another_ended_preempted_is_not_kille
     assert "torchrun: rank 1 exited with code 5" in proc.stderr  # the first to end, in one line
     (record,) = (exchange / "exits").iterdir()
     assert json.loads(record.read_text()) == {"0": 5, "1": 5}  # for the launcher, as any failed rank's
-    assert sorted(p.name for p in exchange.iterdir()) == ["exits"]  # the ranks' own records are gone
+    assert sorted(p.name for p in exchange.iterdir()) == ["exit-times", "exits"]  # the ranks' own records are gone
 
 
 NODE_RANK_SCRIPT = """
@@ -202,4 +202,25 @@ def test_a_rank_killed_by_sigkill_is_named_first_not_through_the_survivors_broke
         run_local(cfg, spec, on_line=lambda line: None)
     first = str(info.value).splitlines()[0]
     assert "rank 1 was killed by signal 9 (SIGKILL: the kernel's out-of-memory killer, or a kill -9)" in first, first
-    assert first.index("rank 1 was killed") < first.index("the other ranks failed after it")
+    assert first.index("rank 1 was killed") < first.index("rank 0 failed after it")
+
+
+def test_a_rank_that_crashes_is_named_as_the_cause_and_the_survivors_traceback_stays_off_the_log(tmp_path, monkeypatch):
+    """Rank 1 exits with status 1 after step 3 (no error record of its own); rank 0 then fails on the broken gloo
+    collective. The failure is one line naming rank 1's crash, rank 0 following it; no traceback on the log."""
+    from lmyard.errors import TrainingFailed
+
+    monkeypatch.setenv("LMYARD_FAULTS", "crash_last@3")
+    monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
+    cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=20))
+    shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
+    spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
+    lines: list[str] = []
+    with pytest.raises(TrainingFailed) as info:
+        run_local(cfg, spec, on_line=lines.append)
+    said = str(info.value)
+    assert said.startswith("train: rank 1 exited with code 1 first: injected crash of rank 1 after step 3"), said
+    assert said.endswith("rank 0 failed after it") and "\n" not in said
+    assert info.value.output[-1] == "injected crash of rank 1 after step 3"
+    assert "[rank 1] injected crash of rank 1 after step 3" in lines  # its own line, said as it came
+    assert not [ln for ln in lines if "Traceback" in ln or "Connection reset" in ln], lines

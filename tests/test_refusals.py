@@ -8,6 +8,7 @@ run that fails says its error once, and its last line is lmyard's one line.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -107,7 +108,10 @@ def test_a_crash_with_its_retries_spent_ends_in_its_one_line_and_says_each_attem
     out = done.stdout + done.stderr
     assert done.returncode == 1, out[-3000:]
     error = _ends_with_its_one_line(done.stderr)
-    assert error == "train exited with code 1 (its last lines are above)"
+    # every rank crashes: the first named with its own last line, the other after it
+    assert re.fullmatch(
+        r"train: rank (\d) exited with code 1 first: injected crash after step 2; rank \d failed after it", error
+    ), error
     assert out.count("injected crash after step 2") >= 2  # the failed ranks' last lines, as they printed them
-    assert out.count("train exited with code 1") == 2  # the first attempt's, with its retry, and the last line
+    assert out.count("exited with code 1 first") == 2, out[-3000:]  # the first attempt's, with its retry; the last line
     assert out.count("retry 1/1 starts") == 1

@@ -29,7 +29,6 @@ def _sets(tmp_path, tracking_uri: str, run_name: str, steps: int, **extra) -> li
         "eval.interval": 1,
         "eval.val_tokens": 512,
         "checkpoint.interval": steps,
-        "tracking.registry": False,  # trials compare losses: no export, no registered model
         **extra,
     }
     return [a for s in tiny_overrides(tmp_path, steps=steps, **values) for a in ("--set", s)]
@@ -79,7 +78,7 @@ def test_a_size_sweep_trains_each_size_as_a_child_run_and_fits_loss_against_comp
     assert all(r["status"] == "finished" and r["step"] == 2 for r in rows)
     assert rows[0]["flops"] < rows[1]["flops"] < rows[2]["flops"]  # 6ND: N grows with the width
     assert "loss_vs_compute.png" in [a.path for a in client.list_artifacts(parent.info.run_id)]
-    assert not client.search_registered_models(f"name LIKE '{name}%'")  # tracking.registry=false: none registered
+    assert not client.search_registered_models(f"name LIKE '{name}%'")  # trials register no model by default
 
 
 @pytest.mark.integration
@@ -198,3 +197,36 @@ def test_a_loopback_prefect_api_is_refused_only_when_trials_may_run_on_other_hos
     why = prefect_unreachable(api_url, {"127.0.0.1", "10.0.0.1"}, nodes)
     assert (why is not None) == refused, why
     assert why is None or (why.startswith("PREFECT_API_URL ") and "(10.0.0.2)" in why and "10.0.0.9" not in why)
+
+
+def test_trials_register_no_model_unless_the_sweep_sets_tracking_registry(tmp_path):
+    from lmyard.recipes import load_recipe
+    from lmyard.sweep.space import Trial, trial_config
+
+    trial = Trial("t-x2", {"model.n_embd": 64}, 2)
+    default = trial_config(load_recipe("smoke", tiny_overrides(tmp_path)), trial)
+    assert default["tracking"]["registry"] is False
+    asked = trial_config(load_recipe("smoke", [*tiny_overrides(tmp_path), "tracking.registry=true"]), trial)
+    assert asked["tracking"]["registry"] is True
+
+
+def test_the_loss_against_compute_plot_holds_every_point_inside_its_axes():
+    """Three trials whose losses span less than a decade (matplotlib's own log limits put them on the frame)."""
+    from lmyard.sweep.record import _plot
+
+    class Figures:  # the figure is the subject here, not where MLflow stores it
+        def log_figure(self, run_id, fig, name):
+            self.fig = fig
+
+    rows = [{"flops": 1e9 * i, "val_loss": 5.6 - 0.3 * i} for i in (1, 2, 3)]
+    figures = Figures()
+    _plot(figures, "run", rows, a=9.0, b=-0.03)
+    (ax,) = figures.fig.axes
+    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+    for line in ax.get_lines():
+        for x, y in zip(line.get_xdata(), line.get_ydata()):
+            assert x0 < x < x1 and y0 < y < y1, (x, y, ax.get_xlim(), ax.get_ylim())
+    figures.fig.canvas.draw()  # and every tick label inside the figure, none cut at its edge
+    width = figures.fig.bbox.width
+    labels = [t for t in [*ax.get_yticklabels(minor=True), *ax.get_yticklabels()] if t.get_text()]
+    assert labels and all(0 <= t.get_window_extent().x0 and t.get_window_extent().x1 <= width for t in labels)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
-import json
 import os
 import queue
 import shutil
@@ -30,6 +29,7 @@ from pydantic import BaseModel
 from lmyard.config import RunConfig
 from lmyard.errors import ExitCode, TrainingFailed, UserError, error_for
 from lmyard.launch import jobdirs, watchdog
+from lmyard.launch.cause import AGENT, first_cause, rank_ends
 from lmyard.stages import (
     EXCHANGE_ENV,
     Exchange,
@@ -41,6 +41,7 @@ from lmyard.stages import (
     read_result,
     write_json,
 )
+from lmyard.stages.runtime import OUTPUT_LINES, RANK_LINE
 from lmyard.stages.startup import LAUNCHED_AT_ENV
 
 RDZV_TIMEOUT_S = 600  # how long node 0 waits for the others to join
@@ -163,6 +164,9 @@ class Follower:
         self.job, self.cfg, self.on_line = job, cfg, on_line
         self.on_progress, self.on_started = on_progress, on_started
         self.tails: list[collections.deque[str]] = [collections.deque(maxlen=tail_lines) for _ in range(job.nodes)]
+        self.rank_tails: dict[int, collections.deque[str]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=OUTPUT_LINES)
+        )  # a training's lines by rank: `[rank R] ` starts those of every rank but 0 (lmyard.launch.cause)
         # every rank of a training writes heartbeats; the other stages write none and are not watched
         ranks = cfg.launch.nnodes * cfg.launch.nproc_per_node if isinstance(job.spec, TrainSpec) else 0
         self.dog = watchdog.Watchdog(cfg.launch.watchdog_s, startup_s=cfg.launch.startup_timeout_s, ranks=ranks)
@@ -202,6 +206,9 @@ class Follower:
     def _line(self, node: int, text: str) -> None:
         line = f"[node {node}] {text}" if self.job.nodes > 1 else text
         self.tails[node].append(line)
+        rank = RANK_LINE.match(text)
+        if rank is not None or node == 0 and not text.startswith(AGENT):
+            self.rank_tails[int(rank[1]) if rank else 0].append(text[rank.end() :] if rank else text)
         self.on_line(line)
 
     def _drain(self, events: queue.Queue, timeout: float) -> None:
@@ -294,57 +301,39 @@ class Follower:
             result = failures[0] if failures else result
         if result is not None and not isinstance(result, StageError):
             return result
-        if result is not None and result.exit_code != ExitCode.CRASHED:
+        # preempted while a node failed otherwise: a rank's crash made torchrun stop the others (SIGTERM)
+        stopped = result is not None and result.exit_code == ExitCode.PREEMPTED and 1 in self.exits.values()
+        if result is not None and result.exit_code != ExitCode.CRASHED and not stopped:
             raise error_for(result.exit_code, result.message, result.status)
         self._crashed(result)
 
-    def _killed_ranks(self) -> str | None:
-        """The ranks torchrun saw killed by a signal, on any node (its `exits/` files), in words."""
-        exits: dict[int, int] = {}
-        for raw in self.job.read_all("exits").values():
-            with contextlib.suppress(ValueError, AttributeError):
-                exits.update({int(r): int(c) for r, c in json.loads(raw).items()})
-        return killed_by_signal(exits)
-
     def _crashed(self, failure: StageError | None) -> None:
+        """A training: the rank that failed first, said once (lmyard.launch.cause). Another stage (one process per
+        node): the node that failed and its record's message; its output printed as it came."""
         stage = self.job.spec.stage
         failed = {i: c for i, c in self.exits.items() if c != 0}
-        if not failed and failure is None:
-            raise TrainingFailed(f"{stage} exited without a result; last lines:\n" + "\n".join(self.tails[0]))
-        i, code = next(iter(failed.items())) if failed else (0, 1)
-        others = [ln for j, t in enumerate(self.tails) if j != i for ln in list(t)[-5:]]
-        what = (
-            f"node {i} exited with code {code}{self.job.why(i, code)}"
-            if self.job.nodes > 1
-            else f"{stage} exited with code {code}{self.job.why(i, code)}"
-        )
-        if killed := self._killed_ranks():  # they died first; the others' errors are about their absence
-            what += f": {killed}; the other ranks failed after it"
-            if failure is not None and failure.message and failure.message != failure.status:
-                what += f" ({failure.message})"
-        elif failure is not None and failure.message and failure.message != failure.status:
+        killed = [i for i, c in failed.items() if self.job.why(i, c)]  # a node killed whole: its ranks said nothing
+        # a node lost whole (killed, its engine gone: no torchrun file of it) is the cause: said by node below
+        exits = self.job.read_all("exits") if isinstance(self.job.spec, TrainSpec) else {}
+        if exits and len(exits) >= len(failed) and not killed:  # every failed node's torchrun told its ranks' ends
+            records = [read_result(b, StageError) for b in self.job.read_all("failures").values()]
+            records += [failure] if failure is not None and failure.rank is not None else []
+            ends = rank_ends(exits, self.job.read_all("exit-times"), records)
+            if ends:
+                cause = first_cause(ends, {r: list(t) for r, t in self.rank_tails.items()})
+                if not cause.printed:  # a traceback the rank kept to its record: its last lines, once
+                    for line in [f"rank {cause.first.rank}'s last lines:", *cause.output]:
+                        self.on_line(line)
+                raise cause.error(stage)
+        i, code = (killed[0], failed[killed[0]]) if killed else next(iter(failed.items())) if failed else (0, 1)
+        what = f"node {i} exited" if self.job.nodes > 1 else f"{stage} exited"
+        what += f" with code {code}{self.job.why(i, code)}" if failed else " without a result"
+        if failure is not None and failure.message and failure.message != failure.status and not killed:
             what += f": {failure.message}"
         raise TrainingFailed(
-            what
-            + (" ; stopped the others" if self.job.nodes > 1 else "")
-            + ". Last lines:\n"
-            + "\n".join([*self.tails[i], *others])
+            what + ("; stopped the others" if self.job.nodes > 1 and failed else ""),
+            output=list(self.tails[i])[-OUTPUT_LINES:],
         )
-
-
-def killed_by_signal(exits: dict[int, int]) -> str | None:
-    """Words on the ranks a signal ended (torchrun reports them with a negative code), or None."""
-    killed = sorted((r, -c) for r, c in exits.items() if c < 0)
-    if not killed:
-        return None
-    names = {signal.SIGKILL: "SIGKILL: the kernel's out-of-memory killer, or a kill -9", signal.SIGTERM: "SIGTERM"}
-    words = [
-        f"rank {r} was killed by signal {sig} ({names.get(signal.Signals(sig), signal.Signals(sig).name)})"
-        if sig in signal.Signals._value2member_map_
-        else f"rank {r} was killed by signal {sig}"
-        for r, sig in killed
-    ]
-    return "; ".join(words)
 
 
 def stop_all(wait_s: float = 0.0) -> int:

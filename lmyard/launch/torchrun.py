@@ -6,12 +6,14 @@ Design notes: docs/launch.md, `lmyard/launch/torchrun.py`.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
 import tempfile
 
 from lmyard.errors import ExitCode
+from lmyard.launch.cause import AGENT
 from lmyard.stages import EXCHANGE_ENV, RANK_EXITS_ENV, RankExit, rank_exits
 
 
@@ -20,6 +22,8 @@ def main() -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    # torch's own lines on the ranks it started, stopped and saw fail: node_code says the failure in one line
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     folder = _rank_exits_folder()
     if folder:
         os.environ[RANK_EXITS_ENV] = folder  # before torchrun's agent starts the ranks with its environment
@@ -45,8 +49,8 @@ def node_code(exits: dict[int, RankExit]) -> int:
     if not exits:
         return 0
     first = exits[first_to_fail({r: x.code for r, x in exits.items()}, {r: x.at for r, x in exits.items()})]
-    print(f"torchrun: rank {first.rank} exited with code {first.code} (pid {first.pid})", file=sys.stderr)
-    _record_exits({r: x.code for r, x in exits.items()})
+    print(f"{AGENT}rank {first.rank} exited with code {first.code} (pid {first.pid})", file=sys.stderr)
+    _record_exits({r: x.code for r, x in exits.items()}, {r: x.at for r, x in exits.items()})
     return ExitCode.PREEMPTED if {x.code for x in exits.values()} == {ExitCode.PREEMPTED} else 1
 
 
@@ -69,18 +73,19 @@ def first_to_fail(exits: dict[int, int], timestamps: dict[int, float]) -> int:
     return min(exits, key=lambda r: (exits[r] >= 0, timestamps.get(r, 0), r))
 
 
-def _record_exits(exits: dict[int, int]) -> None:
-    """Every failed rank's exit code, for the launcher (its exchange folder's exits/, one file per node)."""
+def _record_exits(exits: dict[int, int], times: dict[int, float]) -> None:
+    """Every failed rank's exit code and time, for the launcher (its exchange folder's exits/ and exit-times/, one
+    file per node; a time is torchrun's, in whole seconds, or the rank's own record's)."""
     import json
     import socket
 
     folder = os.environ.get(EXCHANGE_ENV)
     if not folder:
         return
-    os.makedirs(os.path.join(folder, "exits"), exist_ok=True)
-    path = os.path.join(folder, "exits", f"{socket.gethostname()}-{os.getpid()}")
-    with open(path, "w") as f:
-        json.dump({str(rank): code for rank, code in exits.items()}, f)
+    for sub, values in (("exits", exits), ("exit-times", times)):
+        os.makedirs(os.path.join(folder, sub), exist_ok=True)
+        with open(os.path.join(folder, sub, f"{socket.gethostname()}-{os.getpid()}"), "w") as f:
+            json.dump({str(rank): value for rank, value in values.items()}, f)
 
 
 if __name__ == "__main__":

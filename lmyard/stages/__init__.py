@@ -22,12 +22,23 @@ from lmyard.stages.results import (
     Started,
     TrainResult,
 )
-from lmyard.stages.runtime import RANK_EXITS_ENV, RankExit, rank_exit, rank_exits, read_result, read_spec, run_stage
+from lmyard.stages.runtime import (
+    RANK_EXITS_ENV,
+    RANK_LINE,
+    RankExit,
+    prefix_rank_lines,
+    rank_exit,
+    rank_exits,
+    read_result,
+    read_spec,
+    run_stage,
+)
 from lmyard.stages.specs import EvalSpec, ExportSpec, ShardSpec, StageSpec, TrainSpec
 
 __all__ = [
     "EXCHANGE_ENV",
     "RANK_EXITS_ENV",
+    "RANK_LINE",
     "SPEC_ENV",
     "Contract",
     "EvalResult",
@@ -48,6 +59,7 @@ __all__ = [
     "Started",
     "TrainResult",
     "TrainSpec",
+    "prefix_rank_lines",
     "rank_exit",
     "rank_exits",
     "read_beats",

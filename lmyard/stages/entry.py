@@ -30,6 +30,7 @@ from lmyard.stages import (
     read_spec,
     run_stage,
 )
+from lmyard.tracking.quiet import quiet_mlflow
 
 # the stages' output is a log a person reads line by line: third-party progress bars (tqdm: lm-eval, datasets,
 # transformers, the Hugging Face hub) would each draw a line per update there; an operator's own setting wins
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec", default=None, help="the stage's spec, a JSON file (default: $LMYARD_SPEC)")
     p.add_argument("--out", default=None, help="where the result goes (default: result.json in the exchange folder)")
     args = p.parse_args(argv)
+    quiet_mlflow()  # MLflow's INFO lines and download bars: the stage's log is its own
     if args.stage == "train":  # every rank, under torchrun: rank 0 writes the result, failing ranks their own
         from lmyard.train.stage import train_stage
 

@@ -27,6 +27,7 @@ class Started(Contract):
     resumed_from: str | None = None
     skipped_damaged: list[str] = Field(default_factory=list)
     world_size: int
+    device: str = "cpu"  # the ranks' device type: `cuda` counts GPU-hours (lmyard.tracking.cost)
 
 
 class Progress(Contract):
@@ -65,6 +66,9 @@ class TrainResult(Contract):
     start_step: int = 0
     resumed_from: str | None = None
     last_checkpoint: str | None = None
+    rank: int | None = None  # a failed rank's: see StageError
+    at: float | None = None
+    output: list[str] = Field(default_factory=list)
 
     @classmethod
     def ended(cls, code: ExitCode, message: str | None = None, **fields) -> TrainResult:
@@ -142,11 +146,16 @@ class ExportResult(Contract):
 
 
 class StageError(Contract):
-    """What a stage writes when it fails: its exit code and one-line message."""
+    """What a stage writes when it fails: its exit code and one-line message; a training rank adds which rank it
+    is, when it failed and its traceback's last lines (lmyard.stages.run_stage: the launcher names the rank that
+    failed first, lmyard.launch.follower)."""
 
     status: Status
     exit_code: int
     message: str
+    rank: int | None = None
+    at: float | None = None  # time.time() as it failed
+    output: list[str] = Field(default_factory=list)
 
     @classmethod
     def ended(cls, code: ExitCode, message: str) -> StageError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 
@@ -20,6 +21,8 @@ from lmyard.errors import ExitCode, NoSpace, UserError, exit_code_of, one_line, 
 from lmyard.paths import no_space
 from lmyard.stages.exchange import SPEC_ENV, Contract, M, write_json
 from lmyard.stages.results import StageError
+
+OUTPUT_LINES = 10  # of a failed rank's traceback, in its failure record: what the launcher shows of it
 
 # set by lmyard's torchrun (lmyard.launch.torchrun) to a folder of its own, which its ranks inherit
 RANK_EXITS_ENV = "LMYARD_RANK_EXITS"
@@ -42,28 +45,37 @@ def run_stage(
     failure_out: str | None = None,
     failed: Callable[[ExitCode, str], BaseModel] = StageError.ended,
     quiet: bool = False,
+    rank: int | None = None,
 ) -> int:
     """The one way a stage process ends: `produce()`'s result goes to `out`, or its failure (`failed(code,
     message)`, a StageError unless the stage says otherwise) to `failure_out` (default: `out`); returns the exit
     code (lmyard.errors.ExitCode). An unexpected error prints its traceback, a known one a single line (`quiet`:
-    none, e.g. on every rank but 0, which all fail alike)."""
+    none, e.g. on every rank but 0, which all fail alike).
+
+    A training rank (`rank`) prints no traceback: its failure record carries the rank, the time and the
+    traceback's last lines, and the launcher says the failure once, from the rank that failed first (the others'
+    errors are about their peer's absence: a traceback of each would bury the cause)."""
     import sys
     import traceback
 
     try:
         result = produce()
     except BaseException as e:  # KeyboardInterrupt included: SIGINT ends a stage as preempted
+        at = time.time()
         error = no_space(e) or e  # a full cache disk, wherever it was hit: one line, exit 4
         code = exit_code_of(error)
-        if code == ExitCode.CRASHED:
+        output = traceback.format_exc().splitlines()[-OUTPUT_LINES:] if code == ExitCode.CRASHED else []
+        if code == ExitCode.CRASHED and rank is None:
             traceback.print_exc()
-        elif not quiet:
+        elif code != ExitCode.CRASHED and not quiet:
             print(f"lmyard: error: {one_line(error)}", file=sys.stderr, flush=True)
         where = failure_out or out
         if where:
             report = failed(code, one_line(error))
             if "status" in type(report).model_fields:  # NoSpace shares exit code 4 with StoreOutage
                 report = report.model_copy(update={"status": status_of(error)})
+            if rank is not None and "rank" in type(report).model_fields:
+                report = report.model_copy(update={"rank": rank, "at": at, "output": output})
             try:
                 write_json(where, report)
             except OSError:
@@ -81,6 +93,8 @@ def read_result(raw: bytes | str, cls: type[M]) -> M | StageError:
     data = json.loads(raw)
     if data.get("exit_code", 0) != 0:
         error = StageError.ended(ExitCode(data["exit_code"]), data.get("message") or data.get("status") or "failed")
+        rank = {k: data[k] for k in ("rank", "at", "output") if data.get(k) is not None}
+        error = error.model_copy(update=rank)
         return error.model_copy(update={"status": data["status"]}) if data.get("status") == "no_space" else error
     return cls.model_validate(data)
 
@@ -131,3 +145,34 @@ def rank_exits(folder: str) -> list[RankExit]:
             except (OSError, ValueError):  # written atomically: only a file that is not a rank's
                 continue
     return sorted(found, key=lambda e: (e.at, e.rank))
+
+
+RANK_LINE = re.compile(r"^\[rank (\d+)\] ")  # how a training rank but 0 starts its lines (prefix_rank_lines)
+
+
+class _RankLines:
+    """A text stream that starts every line with `[rank R] ` (see prefix_rank_lines)."""
+
+    def __init__(self, stream, rank: int):
+        self.stream, self.prefix, self.at_start = stream, f"[rank {rank}] ", True
+
+    def write(self, text: str) -> int:
+        out = []
+        for piece in text.splitlines(keepends=True):
+            out.append((self.prefix if self.at_start else "") + piece)
+            self.at_start = piece.endswith("\n")
+        self.stream.write("".join(out))
+        return len(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def prefix_rank_lines(rank: int) -> None:
+    """Every line this training rank prints (but rank 0's: the job's voice) starts with `[rank R] `: the launcher
+    tells a rank's own output from the others' (the rank that failed first, its last lines), a person too."""
+    import sys
+
+    if rank != 0:
+        sys.stdout = _RankLines(sys.stdout, rank)
+        sys.stderr = _RankLines(sys.stderr, rank)

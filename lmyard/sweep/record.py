@@ -148,7 +148,21 @@ def _plot(client, parent: str, rows: list[dict[str, Any]], a: float, b: float) -
     ax.loglog([c for c, _ in points], [a * c**b for c, _ in points], "-", label=f"{a:.3g} C^{b:.3f}")
     ax.set_xlabel("training FLOPs (6ND)")
     ax.set_ylabel("val loss")
+    _inside(ax, [c for c, _ in points], [y for c, v in points for y in (v, a * c**b)])
     ax.legend()
+    fig.tight_layout()  # the loss's tick labels inside the figure, not cut at its left edge
     client.log_figure(parent, fig, "loss_vs_compute.png")
     plt.close(fig)
     return ", plotted"
+
+
+def _inside(ax, xs: list[float], ys: list[float]) -> None:
+    """Log axes that hold every point and the fit with a margin, the loss's ticks labelled as plain numbers (a few
+    trials span less than a decade of loss: matplotlib labels it `5.3 x 10^0`, wider than the figure's margin)."""
+    from matplotlib.ticker import LogLocator, ScalarFormatter
+
+    ax.set_xlim(min(xs) / 1.3, max(xs) * 1.3)
+    ax.set_ylim(min(ys) / 1.15, max(ys) * 1.15)
+    ax.yaxis.set_major_locator(LogLocator(subs="all"))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ScalarFormatter())

@@ -164,6 +164,9 @@ def trial_config(config: RunConfig, trial: Trial, parent_run_id: str | None = No
     """The fields a trial sets explicitly (the sweep's, its overrides, its run name and parent run), validated as a
     whole config: a value that cannot work is one UserError naming the trial, before anything trains."""
     data = config.model_dump(mode="json", exclude_unset=True)
+    # trials compare losses: no export, no registered version each, unless the sweep sets tracking.registry itself
+    # (the best trial is registered on request: docs/sweeps.md)
+    data.setdefault("tracking", {}).setdefault("registry", False)
     # a relative store or sqlite file is this folder's: the trial's process may start in another
     data["store"], data.setdefault("tracking", {})["uri"] = (
         absolute_uri(config.store),

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from lmyard.config import RunConfig, redact_uri
 from lmyard.errors import UserError
 from lmyard.layout import RunLayout
-from lmyard.tracking import schema
+from lmyard.tracking import cost, schema
 from lmyard.tracking.client import check_reachable, mlflow_client
 
 CHECKPOINT_MODEL = "lmyard-checkpoint"  # model_type of a checkpoint's logged model
@@ -175,25 +175,34 @@ class Lineage:
             f"lmyard.attempt.{attempt}.start_step": str(start_step),
             f"lmyard.attempt.{attempt}.resumed_from": resumed_from or "",
             f"lmyard.attempt.{attempt}.started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            f"lmyard.attempt.{attempt}.started_at": f"{time.time():.3f}",  # its wall-clock: lmyard.tracking.cost
         }
         tags.update({f"lmyard.attempt.{attempt}.{k}": str(v) for k, v in info.items()})
         self.set_tags(tags)
         return self._with(self.client, attempt=attempt, resumed_from=resumed_from, start_step=start_step)
 
-    def record_resume(self, *, resumed_from: str | None, start_step: int) -> None:
-        """Record on the current attempt the checkpoint the trainer actually loaded (reported by the trainer)."""
-        self.set_tags(
-            {
-                f"lmyard.attempt.{self.ref.attempt}.start_step": str(start_step),
-                f"lmyard.attempt.{self.ref.attempt}.resumed_from": resumed_from or "",
-            }
-        )
+    def record_resume(self, *, resumed_from: str | None, start_step: int, gpus_per_node: int | None = None) -> None:
+        """Record on the current attempt the checkpoint the trainer actually loaded (reported by the trainer), and
+        the GPUs per node it found (lmyard.tracking.cost)."""
+        tags = {
+            f"lmyard.attempt.{self.ref.attempt}.start_step": str(start_step),
+            f"lmyard.attempt.{self.ref.attempt}.resumed_from": resumed_from or "",
+        }
+        if gpus_per_node is not None:
+            tags[f"lmyard.attempt.{self.ref.attempt}.gpus_per_node"] = str(gpus_per_node)
+        self.set_tags(tags)
 
     def end_attempt(self, outcome: str, detail: str = "") -> None:
-        """Record how the lineage's current attempt ended (`finished`, `failed: ...`)."""
-        self.set_tags(
-            {f"lmyard.attempt.{self.ref.attempt}.outcome": (outcome + (f": {detail}" if detail else ""))[:5000]}
-        )
+        """Record how the lineage's current attempt ended (`finished`, `failed: ...`), its wall-clock and hours, and
+        the lineage's GPU-hours and node-hours so far as metrics (lmyard.tracking.cost)."""
+        n, attempts = self.ref.attempt, self.attempts()
+        usage = cost.ended(attempts[n - 1]) if 0 < n <= len(attempts) else {}
+        tags = {f"lmyard.attempt.{n}.{k}": v for k, v in usage.items()}
+        tags[f"lmyard.attempt.{n}.outcome"] = (outcome + (f": {detail}" if detail else ""))[:5000]
+        self.set_tags(tags)
+        if usage:
+            attempts[n - 1].update(usage)
+            self.log_metrics(cost.of_lineage(attempts).metrics(), step=n)
 
     def attempts(self) -> list[dict]:
         """The recorded attempts of the lineage's run, oldest first."""

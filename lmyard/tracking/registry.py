@@ -163,3 +163,9 @@ def list_version_on_model(lineage: Lineage, model_id: str, name: str, version: s
 def set_alias(lineage: Lineage, name: str, alias: str, version: str) -> None:
     """Point `models:/<name>@<alias>` at `version`."""
     lineage.client.set_registered_model_alias(name, alias, version)
+
+
+def tag_version(lineage: Lineage, name: str, version: str, tags: dict[str, str]) -> None:
+    """Tags on a model version (e.g. who approved its promotion and when): the registry's page of the version."""
+    for key, value in tags.items():
+        lineage.client.set_model_version_tag(name, version, key, value)

@@ -19,7 +19,7 @@ from lmyard.config import redact_uri
 from lmyard.errors import UserError
 from lmyard.layout import RUNS, RunLayout
 from lmyard.store import Store
-from lmyard.tracking import lease, schema
+from lmyard.tracking import cost, lease, schema
 from lmyard.tracking.client import mlflow_client, tracking_errors
 
 
@@ -49,6 +49,11 @@ class Attempt(BaseModel):
     hosts: str | None = None  # their hosts
     resized: str | None = None  # why it has another size than the attempt before (lmyard.launch.elastic)
     steps: int | None = None  # committed steps it trained: the next attempt's start step less its own
+    gpus_per_node: int | None = None
+    wall_s: float | None = None  # None until it ends (lmyard.tracking.cost)
+    node_hours: float | None = None
+    gpu_hours: float | None = None
+    flow_run_url: str | None = None  # its flow run's page in the Prefect UI, where the API has one
 
 
 class LastEvaluation(BaseModel):
@@ -71,8 +76,10 @@ class RunStatus(RunRow):
     newest_damaged: str | None  # what is wrong with the newest complete checkpoint's files (None: nothing found)
     damaged_steps: list[int]  # steps whose checkpoint was moved aside as damaged (runs/RUN/damaged/)
     mlflow_status: str | None  # RUNNING, FINISHED, FAILED, KILLED
-    mlflow_run_url: str | None  # the run's page, for a tracking server over HTTP
+    mlflow_run_url: str | None  # the run's page in the MLflow UI (a local store's: once `mlflow ui` serves it)
+    flow_run_url: str | None = None  # the newest attempt's flow run in the Prefect UI, where the API has one
     attempts: list[Attempt]
+    usage: cost.Usage | None = None  # the attempts' GPU-hours and node-hours, summed
     last_evaluation: LastEvaluation | None
     registered_versions: list[ModelVersion]
 
@@ -141,6 +148,12 @@ def _attempts(tags: dict[str, str]) -> list[Attempt]:
     def tag(n: int, key: str) -> str | None:
         return tags.get(f"lmyard.attempt.{n}.{key}") or None
 
+    def number(n: int, key: str, kind=float):
+        try:
+            return kind(float(v)) if (v := tag(n, key)) is not None else None
+        except ValueError:
+            return None
+
     attempts = [
         Attempt(
             number=n,
@@ -150,6 +163,11 @@ def _attempts(tags: dict[str, str]) -> list[Attempt]:
             nodes=int(k) if (k := tag(n, "nodes")) and k.isdigit() else None,
             hosts=tag(n, "hosts"),
             resized=tag(n, "resized"),
+            gpus_per_node=number(n, "gpus_per_node", int),
+            wall_s=number(n, "wall_s"),
+            node_hours=number(n, "node_hours"),
+            gpu_hours=number(n, "gpu_hours"),
+            flow_run_url=tag(n, "flow_run_url"),
         )
         for n in range(1, int(tags.get("lmyard.attempts", "0")) + 1)
     ]
@@ -159,11 +177,33 @@ def _attempts(tags: dict[str, str]) -> list[Attempt]:
     return attempts
 
 
-def _run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
+def _usage(tags: dict[str, str]) -> cost.Usage:
+    """The lineage's usage from its attempts' tags (lmyard.tracking.cost)."""
+    attempts = [
+        {k.removeprefix(f"lmyard.attempt.{n}."): v for k, v in tags.items() if k.startswith(f"lmyard.attempt.{n}.")}
+        for n in range(1, int(tags.get("lmyard.attempts", "0")) + 1)
+    ]
+    return cost.of_lineage(attempts)
+
+
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui --backend-store-uri <a local store>` serves its pages
+
+
+def ui_base(tracking_uri: str) -> str:
+    """The MLflow UI of a tracking URI: the server's own for http(s); for a local store (sqlite, a folder), the
+    address at which `mlflow ui --backend-store-uri URI` serves it (lmyard.console.where_next prints that command)."""
     uri = tracking_uri.rstrip("/")
-    if not uri.startswith(("http://", "https://")):
-        return None
-    return redact_uri(f"{uri}/#/experiments/{experiment_id}/runs/{run_id}")  # not a store key: the UI page
+    return redact_uri(uri) if uri.startswith(("http://", "https://")) else LOCAL_UI
+
+
+def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """The run's page in the MLflow UI (see ui_base)."""
+    return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}"  # not a store key: the UI page
+
+
+def version_url(tracking_uri: str, name: str, version: str) -> str:
+    """A registered model version's page in the MLflow UI (see ui_base)."""
+    return f"{ui_base(tracking_uri)}/#/models/{name}/versions/{version}"
 
 
 def _evaluation_rows(client, run_id: str, step: int) -> dict[str, str]:
@@ -226,8 +266,10 @@ def run_status(store: Store, run_name: str, tracking_uri: str, checksums: bool =
         last = max(history, key=lambda m: m.step) if history else None
         rows = _evaluation_rows(client, row.mlflow_run_id, last.step) if last else {}
     status.mlflow_status = run.info.status
-    status.mlflow_run_url = _run_url(tracking_uri, run.info.experiment_id, row.mlflow_run_id)
+    status.mlflow_run_url = run_url(tracking_uri, run.info.experiment_id, row.mlflow_run_id)
     status.attempts = _attempts(run.data.tags)
+    status.flow_run_url = next((a.flow_run_url for a in reversed(status.attempts) if a.flow_run_url), None)
+    status.usage = _usage(run.data.tags)
     status.last_evaluation = LastEvaluation(step=last.step, val_loss=last.value, rows=rows) if last else None
     status.registered_versions = [
         ModelVersion(
@@ -236,3 +278,19 @@ def run_status(store: Store, run_name: str, tracking_uri: str, checksums: bool =
         for v in sorted(versions, key=lambda v: int(v.version))
     ]
     return status
+
+
+def usage_by_experiment(store: Store, rows: list[RunRow], tracking_uri: str) -> dict[str, tuple[int, cost.Usage]]:
+    """Experiment name -> (lineages, their usage summed), over the lineages of `rows` that have an MLflow run."""
+    client = mlflow_client(tracking_uri)
+    names: dict[str, str] = {}
+    out: dict[str, tuple[int, cost.Usage]] = {}
+    for row in rows:
+        if row.mlflow_run_id is None:
+            continue
+        run = client.get_run(row.mlflow_run_id)
+        exp = run.info.experiment_id
+        names[exp] = names.get(exp) or client.get_experiment(exp).name
+        n, usage = out.get(names[exp], (0, cost.Usage()))
+        out[names[exp]] = (n + 1, usage + _usage(run.data.tags))
+    return out

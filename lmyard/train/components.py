@@ -202,8 +202,8 @@ class Preemption:
 
 
 class FaultHook:
-    """LMYARD_FAULTS drills around a step: `hang_before` and `hang` stop the last rank, `crash` exits once
-    checkpoints are in."""
+    """LMYARD_FAULTS drills around a step: `hang_before` and `hang` stop the last rank, `kill` and `crash_last`
+    end it, `crash` exits once checkpoints are in."""
 
     def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world
@@ -224,6 +224,9 @@ class FaultHook:
         if self.rank == self.world - 1 and faults.fires("kill", step):
             print(f"injected SIGKILL of rank {self.rank} after step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.rank == self.world - 1 and faults.fires("crash_last", step):
+            print(f"injected crash of rank {self.rank} after step {step}", flush=True)
+            os._exit(1)  # the others fail on the broken collective: the first cause is this rank's
         if faults.fires("crash", step):
             flush()  # crash at a reproducible point: earlier checkpoints committed
             print(f"injected crash after step {step}", flush=True)

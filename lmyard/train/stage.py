@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lmyard.config import RunConfig
 from lmyard.errors import ExitCode, UserError
 from lmyard.run import Run
-from lmyard.stages import Exchange, TrainResult, TrainSpec, rank_exit, read_spec, run_stage
+from lmyard.stages import Exchange, TrainResult, TrainSpec, prefix_rank_lines, rank_exit, read_spec, run_stage
 from lmyard.tracking.lease import Fence
 from lmyard.tracking.lineage import LineageRef
 from lmyard.tracking.sink import MetricsSink, NullSink, metrics_sink, system_metrics
@@ -121,6 +121,7 @@ def train_stage(spec_path: str | None = None) -> int:
     _KEPT.append(run)
     exchange = Exchange.from_env()
     rank = int(os.environ.get("RANK", 0))  # torchrun's; the same as the process group's once it is set up
+    prefix_rank_lines(rank)
     try:
         code = run_stage(
             lambda: _train(spec_path, run),
@@ -130,6 +131,7 @@ def train_stage(spec_path: str | None = None) -> int:
             else None,
             failed=run.failed,
             quiet=rank != 0,  # a bad config fails every rank alike: rank 0 says it once
+            rank=rank,  # a crash: no traceback on the log, its last lines in the record (the launcher says it)
         )
     finally:
         run.close()

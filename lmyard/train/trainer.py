@@ -249,6 +249,7 @@ class Trainer:
             resumed_from=ckpt.uri if ckpt else None,
             skipped_damaged=resumed.damaged,
             world_size=self.d.world,
+            device=self.d.device.type,
         )
         if self.exchange:
             self.exchange.write("started.json", self.started)
