@@ -1,22 +1,11 @@
 """Which rank of a failed training failed first, and the failure said once: one line and that rank's last lines.
 
-When one rank of a job dies, every other rank fails too, on the collective that waits for it (gloo's
-`Connection reset by peer`, NCCL's timeouts), and torchrun stops the rest. Those errors are symptoms; the
-cause is the rank that ended first. The launcher knows two things about every rank that ended:
-
-- torchrun's view (lmyard.launch.torchrun: the `exits/` and `exit-times/` files of each node): its exit code (a
-  signal's is negative) and when torchrun saw it end, in whole seconds;
-- the rank's own failure record (lmyard.stages.run_stage: result.json for rank 0, failures/rank-R.json for the
-  others): its message, the time it failed (to the millisecond) and its traceback's last lines.
-
-The first is the rank a signal killed (the out-of-memory killer, a kill -9), else the one that ended earliest:
-its record's time, else torchrun's, which is whole seconds and so counts a second early (a rank that died
-without a word, within a second of ranks that raised, went first: they raised because it was gone). Where
-torchrun saw some ranks end, those are the candidates: the ranks it stopped afterwards failed after them.
-
-The failure is then one line: `rank 1 exited with code 1 first: <its message or its last line>; rank 0 failed
-after it`, and at most OUTPUT_LINES lines of that rank's own output (its record's traceback, else the lines it
-printed: a rank but 0 starts its lines with `[rank R] `, lmyard.stages.prefix_rank_lines).
+When one rank dies the others fail on the collective that waits for it (symptoms). The first is the rank a
+signal killed, else the earliest to end: by its own failure record's time (lmyard.stages.run_stage), else
+torchrun's (whole seconds, counted a second early: a rank that died without a word went before ranks that
+raised on its absence). Ranks torchrun saw end are the candidates; those it stopped follow them. The error:
+`rank 1 exited with code 1 first: <its message or last line>; rank 0 failed after it`, with at most
+OUTPUT_LINES lines of that rank's own output (`[rank R] ` starts every rank's lines but rank 0's).
 """
 
 from __future__ import annotations
