@@ -28,9 +28,35 @@ class TrainConfig(_Section):
     max_steps: int = Field(800, gt=0, description="Optimizer steps in the whole run.")
     batch_tokens: int = Field(4096, gt=0, description="Tokens per optimizer step, all ranks and micro-steps together.")
     micro_batch: int = Field(16, gt=0, description="Sequences per rank per forward/backward.")
-    lr: float = Field(2e-3, gt=0, description="Peak learning rate.")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of the peak (cosine decay).")
+    lr: float = Field(2e-3, gt=0, description="Peak learning rate (AdamW's).")
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="Final lr as a fraction of the peak (the end of the cosine or wsd decay)."
+    )
     warmup_steps: int = Field(40, ge=0)
+    schedule: Literal["cosine", "wsd"] = Field(
+        "cosine",
+        description="The lr after warmup. `cosine`: decays from the peak to lr * min_lr_ratio at max_steps. `wsd` "
+        "(warmup-stable-decay): holds the peak, then decays linearly to lr * min_lr_ratio over the last "
+        "train.decay_fraction of max_steps, so a lineage can be extended or stopped early by moving max_steps "
+        "before its decay starts.",
+    )
+    decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="wsd: the fraction of max_steps (after warmup) the final decay takes."
+    )
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw",
+        description="`adamw`: AdamW for every parameter. `muon`: torch.optim.Muon (Newton-Schulz orthogonalised "
+        "momentum) for the blocks' matrices, AdamW (train.lr, betas, weight_decay) for the embeddings, the output "
+        "head, norms and biases (lmyard.train.muon). Needs train.parallel=ddp.",
+    )
+    muon_lr: float = Field(
+        0.02,
+        gt=0,
+        description="muon: peak lr of the hidden matrices (scaled by sqrt(max(1, rows/cols)), Keller Jordan's rule; "
+        "follows train.schedule). Provisional: Muon's reference value for GPT-2, not yet measured here.",
+    )
+    muon_momentum: float = Field(0.95, gt=0, lt=1, description="muon: Nesterov momentum of the hidden matrices.")
+    muon_weight_decay: float = Field(0.0, ge=0, description="muon: decoupled decay of the hidden matrices.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW decay, applied to matrices only.")
     beta1: float = Field(0.9, gt=0, lt=1)
     beta2: float = Field(0.95, gt=0, lt=1)
@@ -149,6 +175,16 @@ class TrainConfig(_Section):
             raise ValueError(
                 "train.residual_dtype=float32 needs train.parallel=ddp: FSDP2's bf16 weights carry the residual "
                 "stream in bfloat16; set train.residual_dtype=auto or bfloat16, or train.parallel=ddp"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _muon_under_ddp(self) -> TrainConfig:
+        if self.optimizer == "muon" and self.parallel == "fsdp":
+            raise ValueError(
+                "train.optimizer=muon needs train.parallel=ddp: Muon orthogonalises each whole matrix and FSDP2 "
+                "holds row shards (gathering them every step is not built); set train.parallel=ddp or "
+                "train.optimizer=adamw"
             )
         return self
 

@@ -1,6 +1,6 @@
 """What the trainer is made of before its first step: the seeded generators, the model (from `model.*` or a
 Hugging Face folder, model.init_from) and the data (the train stream in this rank's batches, the val
-sequences), with gradient accumulation settled from train.batch_tokens, and where a resumed lineage's data
+sequences), with gradient accumulation settled from train.batch_tokens, the optimizer (train.optimizer), and where a resumed lineage's data
 continues when its shard set changed."""
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import numpy as np
 import torch
 
 from lmyard.checkpoint.schema import CheckpointState
-from lmyard.config import RunConfig
+from lmyard.config import RunConfig, TrainConfig
 from lmyard.data.loader import TrainBatches, split_stream, val_sequences
 from lmyard.data.shards import ShardSet
 from lmyard.errors import UserError
 from lmyard.models.base import LanguageModel
 from lmyard.models.registry import build_model, doc_fields, model_from_spec
 from lmyard.tracking.lineage import LineageRef
+from lmyard.train.optim import AdamW
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -119,3 +120,30 @@ def new_data_cursor(state: CheckpointState, data: TrainBatches, is_main: bool) -
     if is_main:
         print(f"the shard set changed from {state.shard_address} to this run's: continuing {where}", flush=True)
     return cursor
+
+
+def optimizer(model: LanguageModel, t: TrainConfig, fused: bool) -> torch.optim.Optimizer:
+    """train.optimizer's: AdamW over every parameter (decay on matrices), or Muon for the blocks' matrices beside
+    AdamW for the rest (lmyard.train.muon)."""
+    if t.optimizer == "muon":
+        from lmyard.train import muon
+
+        return muon.build(model, t, fused)
+    return AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), fused=fused)
+
+
+SCHEDULE_KEYS = ("schedule", "max_steps", "decay_fraction", "warmup_steps", "lr", "min_lr_ratio")
+
+
+def schedule_change(saved: dict, t: TrainConfig, step: int) -> str | None:
+    """The line a resume prints when the lr schedule differs from the checkpoint's (its config, `saved`): the lr
+    is a function of the step and this config (lmyard.train.trainer.lr_at), so the run follows the new schedule
+    from `step` on; weights, optimizer state and data continue exactly. None when it is the same."""
+    old = saved.get("train", {})
+    diff = [f"{k} {old[k]} -> {getattr(t, k)}" for k in SCHEDULE_KEYS if k in old and old[k] != getattr(t, k)]
+    if not diff:
+        return None
+    return (
+        f"the lr schedule changed since the checkpoint ({', '.join(diff)}): from step {step} the lr follows "
+        f"train.schedule={t.schedule} as configured now; weights, optimizer state and data continue exactly"
+    )

@@ -118,6 +118,8 @@ class AdamW(torch.optim.AdamW):
     and float32 moments: the kernel updates the master from the bf16 gradient and writes the parameter as the
     master rounded to bf16; where the kernel cannot run, torch's step updates the masters."""
 
+    takes_grad_scale = True  # clipped_update hands the clip's scale to step()
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._betas: dict[tuple, torch.Tensor] = {}  # (device, beta1, beta2) -> the kernel's float64 betas
@@ -349,8 +351,8 @@ def clipped_update(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
     scale = clip_scale(norm, max_norm)
     if before_update is not None:
         before_update()
-    if isinstance(optimizer, AdamW):
-        optimizer.step(grad_scale=scale)
+    if getattr(optimizer, "takes_grad_scale", False):  # AdamW, and Muon beside it (lmyard.train.muon)
+        optimizer.step(grad_scale=scale)  # type: ignore[call-overload]
     else:
         _scale_grads(params, scale)
         optimizer.step()

@@ -39,18 +39,24 @@ from lmyard.train.components import (
     all_mean,
 )
 from lmyard.train.distributed import Dist, Parallelism, no_sync, plan_memory
-from lmyard.train.optim import AdamW, clipped_update
+from lmyard.train.optim import clipped_update
 
 # How long a checkpoint waits for the metrics logged so far to reach MLflow (lmyard.tracking.sink.MLflowSink.flush).
 CHECKPOINT_FLUSH_S = 5.0
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
-    """Linear warmup to t.lr over warmup_steps, then cosine decay to lr * min_lr_ratio at max_steps."""
+    """Linear warmup to t.lr over warmup_steps, then (train.schedule) cosine decay to lr * min_lr_ratio at
+    max_steps, or wsd: the peak held, then a linear decay to lr * min_lr_ratio over the last decay_fraction of
+    the steps after warmup. A function of the step and the config alone: a resume under another schedule (or
+    max_steps) follows the new one from the checkpoint's step on."""
     if step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
     progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
-    coeff = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    if t.schedule == "wsd":
+        coeff = min(1.0, (1.0 - min(1.0, progress)) / t.decay_fraction)
+    else:
+        coeff = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * coeff)
 
 
@@ -107,12 +113,7 @@ class Trainer:
         self.raw_model = build.model(self.cfg, self.shards, self.d.device, self.cache, self.d.is_main)
         self.gcfg = self.raw_model.config
         self.parallel.shard(self.raw_model, self.planned, self.d)  # before the optimizer is made
-        self.optimizer = AdamW(
-            self.raw_model.param_groups(self.t.weight_decay),
-            lr=self.t.lr,
-            betas=(self.t.beta1, self.t.beta2),
-            fused=self.d.device.type == "cuda",
-        )
+        self.optimizer = build.optimizer(self.raw_model, self.t, fused=self.d.device.type == "cuda")
 
     def _check_disks(self, fields: dict) -> None:
         d = self.d
@@ -241,6 +242,8 @@ class Trainer:
                 print(
                     f"resuming from {ckpt.uri} at step {ckpt.step} ({self.state.tokens_seen:,} tokens seen)", flush=True
                 )
+            if self.d.is_main and (changed := build.schedule_change(ckpt.state.config, self.t, ckpt.step)):
+                print(changed, flush=True)
             if ckpt.state.shard_address != self.shards.address:
                 self.state.cursor = build.new_data_cursor(ckpt.state, self.data, self.d.is_main)
             self.state.shard_address = self.shards.address
@@ -361,8 +364,8 @@ def train_step(
     before_update=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over `accum` micro-batches; returns (mean loss, grad norm) as device tensors."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    for group in optimizer.param_groups:  # Muon's groups at their multiple of the schedule's lr (lmyard.train.muon)
+        group["lr"] = lr * group.get("lr_ratio", 1.0)
     loss_sum: torch.Tensor | None = None
     for micro in range(accum):
         x, y = next_batch()
