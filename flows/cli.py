@@ -75,6 +75,13 @@ def _parser() -> argparse.ArgumentParser:
         if name == "sweep":
             s.add_argument("--sizes", type=_indices, default=None, help="scaling indices of the model, e.g. 1,2,3")
             s.add_argument("--search", default=None, metavar="FILE", help="a YAML search space (docs/sweeps.md)")
+            s.add_argument(
+                "--budgets",
+                type=_budgets,
+                default=None,
+                help="with --sizes: compute budgets in FLOPs (6ND), each size trained at each (an isoFLOP sweep, "
+                "which recommends a size per budget), e.g. 1e15,3e15,1e16",
+            )
     from flows import ops
 
     ops.add_parsers(sub)  # runs, status: what a store holds; eval, sample: what its models do
@@ -102,6 +109,13 @@ def _indices(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers separated by commas, e.g. 1,2,3") from None
 
 
+def _budgets(text: str) -> list[float]:
+    try:
+        return [float(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give FLOPs separated by commas, e.g. 1e15,3e15,1e16") from None
+
+
 def _sweep_parameters(args: argparse.Namespace, config) -> dict:
     """The sweep flow's sizes or search space, checked here (one line, exit 2) before Prefect starts."""
     from prefect.settings import PREFECT_API_URL
@@ -116,9 +130,9 @@ def _sweep_parameters(args: argparse.Namespace, config) -> dict:
 
         with open(args.search) as f:
             search = yaml.safe_load(f)
-    trials = plan(config, args.sizes, search, f"--search {args.search}")
+    trials = plan(config, args.sizes, search, f"--search {args.search}", args.budgets)
     check_cluster(config, trials, PREFECT_API_URL.value())  # unset: lmyard's temporary server, on 127.0.0.1
-    return {"sizes": args.sizes, "search": search}
+    return {"sizes": args.sizes, "search": search} | ({"budgets": args.budgets} if args.budgets else {})
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -223,6 +237,8 @@ def _said(command: str, config, result) -> int:
         return 0
     if command == "sweep":
         print(f"lmyard: sweep {result.run_name} finished (MLflow run {result.mlflow_run_id})")  # its summary: above
+        for line in result.recommended:  # an isoFLOP sweep's compute-optimal sizes
+            print(f"lmyard: {line}")
         print(f"lmyard: {console.where_next(config.tracking.uri, result.mlflow_run_id, None)}")
         return 0
     val = f"val loss {result.val_loss:.4f}" if result.val_loss is not None else "no val loss"

@@ -93,6 +93,29 @@ def test_a_rerun_sweep_skips_its_finished_trials(size_sweep, mlflow_server):
 
 
 @pytest.mark.integration
+def test_an_isoflop_sweep_prints_the_recommended_size_of_its_budget_and_fits_no_exponent_through_one(
+    tmp_path, mlflow_server, cli_env
+):
+    # 3e9 FLOPs = 6 N D: 13 steps of 1,024 tokens at x1 (~37k parameters), 5 at x2, 2 at x3
+    name, extra = f"iso-{uuid.uuid4().hex[:6]}", {"eval.interval": 1000, "checkpoint.interval": 1000}
+    sets = _sets(tmp_path, mlflow_server.uri, name, steps=2, **extra)
+    args = lmyard_cmd("sweep", "smoke", "--sizes", "1,2,3", "--budgets", "3e9", *sets)
+    proc = subprocess.run(args, cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = [ln for ln in proc.stdout.splitlines() if ln.startswith("lmyard: C=3e+09 FLOPs: recommended size")]
+    assert len(said) == 1 and "nearest trained size x" in said[0], proc.stdout[-3000:]
+    assert "lmyard: no power law: " in proc.stdout and "a power law needs 3, no exponent fitted" in proc.stdout
+    parent, children = _runs(mlflow_server.uri, name)
+    steps = [int(c.data.params["train.max_steps"]) for c in children]
+    assert [c.info.run_name for c in children] == [f"{name}-x{i}-c3e09" for i in (1, 2, 3)]
+    assert steps[0] > steps[1] > steps[2] >= 1, steps  # one budget: the smaller model, the more steps
+    assert "sweep/optimal_params_exponent" not in parent.data.metrics  # one budget: no exponent logged
+    assert "Compute-optimal size:" in parent.data.tags["mlflow.note.content"]
+    client = MlflowClient(mlflow_server.uri)
+    assert "loss_vs_compute.png" in [a.path for a in client.list_artifacts(parent.info.run_id)]
+
+
+@pytest.mark.integration
 def test_a_tune_search_on_ray_stops_a_bad_trial_before_its_last_step(ray_cluster, mlflow_server, cli_env, tmp_path):
     from lmyard.sweep.record import STOPPED_TAG
 

@@ -21,6 +21,7 @@ from lmyard.sweep.space import (
     Schedule,
     Trial,
     absolute_uri,
+    isoflop_trials,
     parse_space,
     said,
     search_trials,
@@ -34,7 +35,7 @@ log = logging.getLogger("lmyard.sweep")
 class Plan(BaseModel):
     """The trials of a sweep: each one's name, overrides, scaling index and whole (explicit) config."""
 
-    kind: str  # sizes or search
+    kind: str  # sizes, isoflop (sizes at compute budgets) or search
     trials: list[dict[str, Any]]
     schedule: dict[str, Any] | None = None
 
@@ -49,14 +50,28 @@ class SweepResult(BaseModel):
     mlflow_run_id: str
     rows: list[dict[str, Any]]
     summary: str
+    recommended: list[str] = []  # an isoFLOP sweep's lines: each budget's compute-optimal size, the power law
 
 
-def plan(config: RunConfig, sizes: list[int] | None, search: dict[str, Any] | None, source: str = "") -> Plan:
-    """The trials, each config validated; UserError for a bad space or a trial config that cannot work."""
+def plan(
+    config: RunConfig,
+    sizes: list[int] | None,
+    search: dict[str, Any] | None,
+    source: str = "",
+    budgets: list[float] | None = None,
+) -> Plan:
+    """The trials, each config validated; UserError for a bad space or a trial config that cannot work. With
+    `budgets`, every size at every budget (an isoFLOP sweep, lmyard.sweep.isoflop)."""
     if (sizes is None) == (search is None):
         raise UserError("a sweep takes either --sizes 1,2,3 (model sizes) or --search FILE (a search space)")
+    if budgets is not None and sizes is None:
+        raise UserError("--budgets go with --sizes: an isoFLOP sweep trains every size at every budget")
     schedule = None
-    if sizes is not None:
+    if sizes is not None and budgets is not None:
+        from lmyard.data.tokenizer import get_tokenizer
+
+        trials = isoflop_trials(config, sizes, budgets, get_tokenizer(config.tokenizer).n_vocab)
+    elif sizes is not None:
         trials = size_trials(config, sizes)
     else:
         space = parse_space(search, source or "search space")
@@ -64,8 +79,9 @@ def plan(config: RunConfig, sizes: list[int] | None, search: dict[str, Any] | No
     vocab: dict[str, int] = {}
     for t in trials:  # every trial's config valid, its checkpoints fitting the disks, before the shards are made
         _check_disks(RunConfig.model_validate(trial_config(config, t)), t, vocab)
-    rows = [{"name": t.name, "overrides": t.overrides, "size": t.size} for t in trials]
-    return Plan(kind="sizes" if sizes is not None else "search", trials=rows, schedule=schedule and vars(schedule))
+    rows = [{"name": t.name, "overrides": t.overrides, "size": t.size, "budget": t.budget} for t in trials]
+    kind = "search" if sizes is None else "isoflop" if budgets is not None else "sizes"
+    return Plan(kind=kind, trials=rows, schedule=schedule and vars(schedule))
 
 
 def _check_disks(cfg: RunConfig, trial: Trial, vocab: dict[str, int]) -> None:
@@ -99,7 +115,7 @@ def check_cluster(config: RunConfig, p: Plan, api_url: str | None) -> None:
 
 
 def _trial(row: dict[str, Any]) -> Trial:
-    return Trial(row["name"], row["overrides"], row["size"])
+    return Trial(row["name"], row["overrides"], row["size"], row.get("budget"))
 
 
 def pending(config: RunConfig, p: Plan) -> list[dict[str, Any]]:
@@ -164,6 +180,7 @@ def summarize(config: RunConfig, p: Plan, parent: str, n_vocab: int) -> SweepRes
                 "trial": o.name,
                 "status": o.status,
                 "size": row["size"],
+                **({"budget": row["budget"]} if row.get("budget") else {}),
                 **{f"set.{k}": v for k, v in row["overrides"].items()},
             }
             | {
@@ -175,5 +192,6 @@ def summarize(config: RunConfig, p: Plan, parent: str, n_vocab: int) -> SweepRes
                 "mlflow_run_id": o.run_id,
             }
         )
-    said = record.log_summary(config, parent, rows, p.kind == "sizes")
-    return SweepResult(run_name=config.run_name, mlflow_run_id=parent, rows=rows, summary=said)
+    said = record.log_summary(config, parent, rows, p.kind)
+    recommended = said.splitlines()[1:] if p.kind == "isoflop" else []
+    return SweepResult(run_name=config.run_name, mlflow_run_id=parent, rows=rows, summary=said, recommended=recommended)

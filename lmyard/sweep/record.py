@@ -102,13 +102,17 @@ def power_law(flops: list[float], losses: list[float]) -> tuple[float, float] | 
     return math.exp(float(intercept)), float(slope)
 
 
-def log_summary(cfg: RunConfig, parent: str, rows: list[dict[str, Any]], sizes: bool) -> str:
+def log_summary(cfg: RunConfig, parent: str, rows: list[dict[str, Any]], kind: str) -> str:
     """The table of trials (trials.json) on the parent run; for a size sweep the power law's metrics and a plot
-    (loss_vs_compute.png, when matplotlib is installed). A line saying what was logged."""
+    (loss_vs_compute.png, when matplotlib is installed); for an isoFLOP sweep its fit (`log_isoflop`). A line
+    saying what was logged (an isoFLOP sweep's: the recommended size of each budget too)."""
     client = mlflow_client(cfg.tracking.uri)
     columns = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)}
     client.log_table(parent, data=columns, artifact_file="trials.json")
     said = f"{len(rows)} trials logged to MLflow run {parent} ({redact_uri(cfg.tracking.uri)})"
+    if kind == "isoflop":
+        return said + log_isoflop(client, parent, rows, columns)
+    sizes = kind == "sizes"
     fit = power_law([r["flops"] for r in rows], [r["val_loss"] for r in rows]) if sizes else None
     client.set_tag(parent, "mlflow.note.content", _description(columns, fit))  # the run page's Description
     if not sizes:
@@ -166,3 +170,42 @@ def _inside(ax, xs: list[float], ys: list[float]) -> None:
     ax.yaxis.set_major_locator(LogLocator(subs="all"))
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(ScalarFormatter())
+
+
+def _budget_key(budget: float) -> str:
+    """A budget as an MLflow key part: 1.6e9 -> 1.6e09 (MLflow keys take no '+')."""
+    return f"{budget:.3g}".replace("+", "")
+
+
+def log_isoflop(client, parent: str, rows: list[dict[str, Any]], columns: dict[str, list]) -> str:
+    """An isoFLOP sweep's fit (lmyard.sweep.isoflop) on the parent run: each budget's optimum
+    (`sweep/optimal_params/C_<budget>`, where its parabola has one), the exponent of N* = k C^a and its R²
+    (`sweep/optimal_params_exponent`, `sweep/optimal_params_r2`; none through fewer than 3 optima), the lines
+    that recommend a size (the run's description too), and loss_vs_compute.png. Returns the lines, joined."""
+    import tempfile
+
+    from lmyard.sweep import isoflop
+
+    points = [isoflop.Point(r["budget"], r["params"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    fit = isoflop.fit(points)
+    sizes = {r["size"]: r["params"] for r in rows}
+    lines = isoflop.describe(fit, sizes)
+    metrics: dict[str, float | None] = {
+        f"sweep/optimal_params/C_{_budget_key(o.budget)}": o.params for o in fit.optima if o.params
+    }
+    metrics |= {  # none through fewer than 3 optima (fit.note says so)
+        "sweep/optimal_params_exponent": fit.exponent,
+        "sweep/optimal_params_r2": fit.r2,
+        "sweep/optimal_params_coefficient": fit.coefficient,
+    }
+    for key, value in metrics.items():
+        if value is not None:
+            client.log_metric(parent, key, float(value))
+    table = _description(columns, None)
+    client.set_tag(parent, "mlflow.note.content", table + "\n\nCompute-optimal size:\n\n" + "\n".join(lines))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/loss_vs_compute.png"
+        plotted = isoflop.plot(fit, path)
+        if plotted:
+            client.log_artifact(parent, path)
+    return "".join(f"\n{line}" for line in lines) + ("" if plotted else "\nno plot (matplotlib is not installed)")

@@ -33,6 +33,8 @@ class Trial:
     overrides: dict[str, Any]
     size: int | None = None
     """The scaling index of a size sweep's trial."""
+    budget: float | None = None
+    """An isoFLOP sweep's compute budget for the trial (6ND FLOPs), which set its train.max_steps."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,28 @@ def size_trials(config: RunConfig, sizes: list[int]) -> list[Trial]:
         Trial(f"{config.run_name}-x{i}", {f"model.{k}": v for k, v in registry.scaled(config.model, i).items()}, i)
         for i in sizes
     ]
+
+
+def isoflop_trials(config: RunConfig, sizes: list[int], budgets: list[float], n_vocab: int) -> list[Trial]:
+    """Every size at every budget C, `<run_name>-x<index>-c<C>`: the size's trial with train.max_steps set so that
+    6 N x steps x train.batch_tokens is C (lmyard.sweep.isoflop.steps_for)."""
+    from lmyard.sweep.isoflop import steps_for
+
+    if not budgets or any(not (c > 0 and math.isfinite(c)) for c in budgets) or len(set(budgets)) != len(budgets):
+        raise UserError("--budgets: give distinct compute budgets in FLOPs (6ND), e.g. --budgets 1e15,3e15,1e16")
+    trials = []
+    for c in sorted(budgets):
+        for t in size_trials(config, sizes):
+            fields = registry.resolve(config.model.model_copy(update=_model_fields(t.overrides)), n_vocab)
+            n = registry.parameters({"arch": config.model.architecture(), **fields})
+            steps = steps_for(c, n, config.train.batch_tokens)
+            label = f"{c:.2g}".replace("+", "")
+            trials.append(Trial(f"{t.name}-c{label}", {**t.overrides, "train.max_steps": steps}, t.size, c))
+    return trials
+
+
+def _model_fields(overrides: dict[str, Any]) -> dict[str, Any]:
+    return {k.removeprefix("model."): v for k, v in overrides.items() if k.startswith("model.")}
 
 
 def _known_key(key: str) -> bool:
