@@ -1,0 +1,179 @@
+"""The compute-optimal size on one GPU: an isoFLOP sweep of GPT-2 sizes, fitted as `lmyard sweep --budgets` fits it.
+
+    python tests/benchmarks/bench_isoflop.py --out OUT                                  # one H200, ~3-4 minutes
+    python tests/benchmarks/bench_isoflop.py --out OUT --device cpu --sizes 1,2,3 --budgets 2e9,4e9,8e9 \\
+        --n-embd 16 --n-layer 2 --block-size 64 --batch-tokens 1024 --val-tokens 4096 --corpus-mb 1   # dry run
+    python tests/benchmarks/bench_isoflop.py --plot OUT/isoflop.json                    # the plot, where matplotlib is
+
+The trials are lmyard.sweep.space.isoflop_trials' (the sweep's own plan): every scaling index of `--sizes` (GPT-2,
+width and heads x index, `--n-layer` blocks fixed) at every budget C of `--budgets`, train.max_steps set so that
+6 N D = C. Each trains through lmyard's Trainer in this process (bench_parity.lmyard_run: no Prefect, no MLflow)
+on the installed packages' docstrings (bench_time_to_target.write_docs_corpus) in lmyard's byte-level tokens (the
+smoke recipe's: 257 symbols, so the token table is a negligible part of N), uncompiled (12 shapes: compiles would
+cost more than the runs), lr 2e-3 warmed up over a tenth of the steps (at most 40), cosine to 0.1. The last val
+loss of each is fitted by lmyard.sweep.isoflop (the sweep's fit): a parabola in ln N per budget, its vertex the
+optimum, then N* = k C^a over the budgets with its R². After every trial OUT/isoflop.json holds the points and
+the fit so far; at the end the fit's lines print and OUT/loss_vs_compute.png is drawn (where matplotlib is
+installed; else `--plot OUT/isoflop.json` draws it elsewhere).
+
+Default arithmetic: sizes 2,3,4,6,8 at 32 a head, 4 blocks, T=256: N = 0.20M, 0.44M, 0.79M, 1.8M, 3.1M;
+budgets 1e13, 3e13, 1e14, 3e14 (Chinchilla's N* = sqrt(C / 120): 0.29M-1.6M, inside the sizes). Tokens D =
+C/6N summed over the 20 trials: 690M, in steps of 65,536 tokens (10,500 steps; the most, 250M tokens, for the
+smallest size at the largest budget: a few passes over the corpus the machine holds, which the JSON's shard
+report counts). At ~10M tokens/s on an H200 (eager, launch-bound at these widths) ~70 s of steps, plus ~2 s a
+trial of set-up and validation and ~60 s of corpus and shards: ~3-4 minutes, inside 8. Budgets run in
+increasing order, so a timeout leaves the smaller ones fitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1]))
+
+from lmyard.sweep import isoflop  # noqa: E402
+
+
+def settings(a: argparse.Namespace, work: Path, corpus: Path) -> list[str]:
+    return [
+        f"store={work / 'store'}",
+        f"data.source={corpus}",
+        "data.val_every=50",
+        "model.arch=gpt2",
+        f"model.n_layer={a.n_layer}",
+        f"model.n_embd={a.n_embd}",
+        "model.n_head=1",
+        f"model.block_size={a.block_size}",
+        f"train.device={a.device}",
+        "train.compile=false",
+        f"train.batch_tokens={a.batch_tokens}",
+        f"train.micro_batch={a.batch_tokens // a.block_size}",
+        "train.lr=2e-3",
+        "train.log_interval=1000000",
+        "eval.interval=1000000",  # validated at the last step only
+        f"eval.val_tokens={a.val_tokens}",
+        "checkpoint.interval=1000000",
+        *a.overrides,
+    ]
+
+
+def fitted(points: list[isoflop.Point], sizes: dict[int, float]) -> dict:
+    f = isoflop.fit(points)
+    return {
+        "exponent": f.exponent,
+        "coefficient": f.coefficient,
+        "r2": f.r2,
+        "note": f.note,
+        "optima": [{"budget": o.budget, "params": o.params, "loss": o.loss, "note": o.note} for o in f.optima],
+        "lines": isoflop.describe(f, sizes),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="folder for isoflop.json and loss_vs_compute.png")
+    p.add_argument("--plot", default=None, metavar="ISOFLOP_JSON", help="only draw the plot of a finished run")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=[2, 3, 4, 6, 8])
+    p.add_argument("--budgets", type=lambda v: [float(x) for x in v.split(",")], default=[1e13, 3e13, 1e14, 3e14])
+    p.add_argument("--n-embd", type=int, default=32, help="the width of size 1 (one head of 32)")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--batch-tokens", type=int, default=65536)
+    p.add_argument("--val-tokens", type=int, default=262144)
+    p.add_argument("--corpus-mb", type=float, default=300.0, help="text to tokenize (bytes: 1 token a byte)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    a = p.parse_args()
+    if a.plot:
+        saved = json.loads(Path(a.plot).read_text())
+        fit = isoflop.fit([isoflop.Point(**pt) for pt in saved["points"]])
+        path = Path(a.plot).with_name("loss_vs_compute.png")
+        print(f"plot: {path}" if isoflop.plot(fit, str(path)) else "no plot: matplotlib is not installed")
+        return
+    if not a.out:
+        p.error("--out is required (or --plot)")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="isoflop-") as tmp:
+        run(a, Path(tmp), out)
+
+
+def run(a: argparse.Namespace, work: Path, out: Path) -> None:
+    from bench_pylib import corpus_shards
+    from bench_time_to_target import write_docs_corpus
+
+    from lmyard.data.shardset import ShardSet
+    from lmyard.recipes import load_recipe
+    from lmyard.sweep.record import compute
+    from lmyard.sweep.space import isoflop_trials, trial_config
+
+    started = time.perf_counter()
+    os.environ.setdefault("LMYARD_CACHE", str(work / "cache"))
+    corpus = work / "docs.jsonl"
+    said = write_docs_corpus(corpus, a.corpus_mb)
+    base = load_recipe("smoke", settings(a, work, corpus))
+    shard_dict, report = corpus_shards(base, work)
+    shards = ShardSet.from_dict(shard_dict)
+    print(json.dumps({"corpus": said, "shards": report}), flush=True)
+    trials = isoflop_trials(base, a.sizes, a.budgets, shards.n_vocab)
+    points: list[isoflop.Point] = []
+    rows: list[dict] = []
+    sizes: dict[int, float] = {}
+    for t in trials:
+        data = trial_config(base, t)
+        steps = data["train"]["max_steps"]
+        data["train"]["warmup_steps"] = max(1, min(40, steps // 10))
+        cfg = _config(data)
+        n, d, flops = compute(cfg.model_dump(mode="json"), shards.n_vocab, steps)
+        t0 = time.perf_counter()
+        loss = _train(cfg, shards)
+        shutil.rmtree(work / "store" / "runs" / cfg.run_name, ignore_errors=True)
+        sizes[t.size or 0] = n
+        points.append(isoflop.Point(t.budget or 0.0, n, loss))
+        rows.append({"trial": t.name, "size": t.size, "budget": t.budget, "params": n, "tokens": d, "flops": flops,
+                     "steps": steps, "val_loss": loss, "seconds": round(time.perf_counter() - t0, 1)})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+        result = {"elapsed_s": round(time.perf_counter() - started, 1), "rows": rows,
+                  "points": [vars(pt) for pt in points], "fit": fitted(points, sizes)}  # fmt: skip
+        (out / "isoflop.json").write_text(json.dumps(result, indent=1))
+    fit = isoflop.fit(points)
+    for line in isoflop.describe(fit, sizes):
+        print(line, flush=True)
+    path = out / "loss_vs_compute.png"
+    drawn = isoflop.plot(fit, str(path))
+    print(f"plot: {path}" if drawn else f"no plot (matplotlib is not installed): --plot {out / 'isoflop.json'}")
+
+
+def _train(cfg, shards) -> float:
+    """lmyard's Trainer in this process, no lineage (as bench_parity.lmyard_run); the last step's val loss."""
+    from bench_parity import Recorder
+
+    from lmyard.run import Run
+    from lmyard.stages import TrainSpec
+    from lmyard.train.distributed import setup_distributed
+    from lmyard.train.trainer import Trainer
+
+    sink = Recorder()
+    with contextlib.redirect_stdout(sys.stderr):
+        Trainer(TrainSpec(config=cfg, shards=shards), Run.of(cfg), setup_distributed(cfg), sink).train()
+    return sink.points["loss/val"][cfg.train.max_steps]
+
+
+def _config(data: dict):
+    from lmyard.config import RunConfig
+
+    return RunConfig.model_validate(data)
+
+
+if __name__ == "__main__":
+    main()
