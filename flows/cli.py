@@ -73,15 +73,8 @@ def _parser() -> argparse.ArgumentParser:
         if name == "config":
             s.add_argument("--reference", action="store_true", help="print the reference of every key (Markdown)")
         if name == "sweep":
-            s.add_argument("--sizes", type=_indices, default=None, help="scaling indices of the model, e.g. 1,2,3")
-            s.add_argument("--search", default=None, metavar="FILE", help="a YAML search space (docs/sweeps.md)")
-            s.add_argument(
-                "--budgets",
-                type=_budgets,
-                default=None,
-                help="with --sizes: compute budgets in FLOPs (6ND), each size trained at each (an isoFLOP sweep, "
-                "which recommends a size per budget), e.g. 1e15,3e15,1e16",
-            )
+            for flag, kw in SWEEP_FLAGS:  # --sizes, --search, --budgets
+                s.add_argument(flag, default=None, **kw)
     from flows import ops
 
     ops.add_parsers(sub)  # runs, status: what a store holds; eval, sample: what its models do
@@ -114,6 +107,13 @@ def _budgets(text: str) -> list[float]:
         return [float(c) for c in text.split(",") if c.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: give FLOPs separated by commas, e.g. 1e15,3e15,1e16") from None
+
+
+SWEEP_FLAGS: list[tuple[str, dict]] = [
+    ("--sizes", {"type": _indices, "help": "scaling indices of the model, e.g. 1,2,3"}),
+    ("--search", {"metavar": "FILE", "help": "a YAML search space (docs/sweeps.md)"}),
+    ("--budgets", {"type": _budgets, "help": "with --sizes: FLOPs (6ND) to train each size for, e.g. 1e15,3e15"}),
+]
 
 
 def _sweep_parameters(args: argparse.Namespace, config) -> dict:

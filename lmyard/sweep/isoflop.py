@@ -1,18 +1,10 @@
 """The compute-optimal model size from an isoFLOP sweep (Chinchilla's approach 2, Hoffmann et al. 2022).
 
-Each compute budget C trains every size N of the sweep for its own token count, D = C / 6N (steps = D /
-train.batch_tokens, `steps_for`). Per budget, the val loss against log N is fitted by a parabola (numpy's
-polyfit, degree 2); its vertex is that budget's optimum N*(C) (`fit_budget`). Over the budgets, log N* against
-log C is fitted by a line: N* = k C^a, with its R² over the budgets (`fit`). A budget's recommended size is
-N*(C) where it was fitted, k C^a otherwise, else the trained size of the lowest loss there (`recommend`), and the
-trained size nearest to it in log N.
-
-Fewer than 3 sizes at a budget: no parabola, that budget has no optimum. A parabola that opens downwards (the
-losses do not turn) or whose vertex lies outside the sizes trained: no optimum either (the sizes do not bracket
-it; the note says which way to move). Fewer than 3 optima: no exponent (two points always fit a line).
-
-numpy only (matplotlib for `plot`, where installed): the sweep's summary (lmyard.sweep.record) and the GPU
-benchmark (tests/benchmarks/bench_isoflop.py) fit with this same code.
+`steps_for` gives each size its tokens at a budget (6ND = C); `fit_budget` fits loss against ln N by a parabola
+(its vertex: the budget's optimum); `fit` fits N* = k C^a over the budgets with its R² (none through fewer than 3
+optima, and the note says so); `recommend` and `describe` give each budget's size; `plot` draws
+loss_vs_compute.png. numpy only (matplotlib for the plot): `lmyard sweep --budgets` and
+tests/benchmarks/bench_isoflop.py fit with this same code. Design: docs/sweeps.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """train.optimizer=muon: torch.optim.Muon for the blocks' matrices, lmyard's AdamW for the rest, as one optimizer.
 
-The split (`split`), as the GPT-2 speedrun (KellerJordan/modded-nanogpt) makes it: every 2-D parameter of the
-blocks (`model.layers`: attention's and the MLP's matrices) goes to Muon; the token and position tables, the
-output head (tied to the token table in GPT-2), norms and biases go to AdamW, with its usual groups (decay on
-matrices, none on vectors). Each parameter lands in exactly one group.
-
-`MuonAdamW` holds both optimizers and shows their groups as one list (AdamW's first) over one state dict, so
-torch's `state_dict()`/`load_state_dict()` and lmyard's checkpoints see one optimizer: a checkpoint holds
-AdamW's moments and Muon's momentum buffers by parameter index, and a resumed run continues bit for bit.
-
-torch.optim.Muon (torch 2.9+; the signature `Muon(params, lr, weight_decay, momentum, nesterov,
-ns_coefficients, eps, ns_steps, adjust_lr_fn)` is the same in torch 2.11 and 2.13) serves as it is: its step
-is momentum (`buf.lerp_(g, 1 - momentum)`), Nesterov's `g.lerp(buf, momentum)`, five Newton-Schulz
-iterations in bf16, decoupled decay and the update scaled by sqrt(max(1, rows/cols)) ("original", Keller
-Jordan's rule). A Muon group carries `lr_ratio` = train.muon_lr / train.lr: the schedule's lr times it is
-Muon's lr at each step (lmyard.train.trainer.train_step), so warmup and decay apply to both.
-
-The clip's scale (lmyard.train.optim.clipped_update) applies to both: AdamW reads it in its kernel, Muon's
-gradients are scaled in place before its step. Under FSDP2 it is refused before training (TrainConfig): a
-shard of rows is not the matrix Muon orthogonalises.
+`split(model, weight_decay)`: every 2-D parameter of `model.layers` to Muon; the tables, the head, norms and biases
+to AdamW's groups; each parameter in exactly one group. `MuonAdamW` shows both as one optimizer (AdamW's groups
+then Muon's, one state dict), so checkpoints and exact resume see one. torch's Muon serves as it is (the same
+signature in torch 2.11 and 2.13). A Muon group's `lr_ratio` (muon_lr / lr) makes it follow the schedule; the
+clip's scale applies to both. Refused under FSDP2 (TrainConfig). Design: docs/training.md.
 """
 
 from __future__ import annotations
