@@ -68,7 +68,18 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: Lineage, final:
         checkpoint_uri=info.checkpoint,
     )
     retention.protect_checkpoint(Run.of(config).store, config.run_name, info.step)
-    alias, gates = None, judge(config, lineage, final, name, version)
+    gates = judge(config, lineage, final, name, version)
+    alias = _apply_gates(config, lineage, name, version, gates)
+    lineage.set_tags({"lmyard.gates": str({k: g.passed for k, g in gates.items()})})
+    return RegisteredModel(
+        name=name, version=version, alias=alias, gates=gates, source=info.checkpoint, model_uri=f"models:/{model_id}"
+    )
+
+
+def _apply_gates(config: RunConfig, lineage: Lineage, name: str, version: str, gates: dict[str, Gate]) -> str | None:
+    """eval.alias on `version` when every gate passed and no approval is asked; the alias set, else None."""
+    logger = get_run_logger()
+    alias = None
     if not gates:
         logger.info(f"registered {name} version {version}; no eval.gates configured, so no {config.eval.alias!r} alias")
     elif all(g.passed for g in gates.values()):
@@ -82,10 +93,7 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: Lineage, final:
             logger.info(f"registered {name} version {version} as {alias!r}: gates passed {gates}")
     else:
         logger.warning(f"registered {name} version {version} without the {config.eval.alias!r} alias: gates {gates}")
-    lineage.set_tags({"lmyard.gates": str({k: g.passed for k, g in gates.items()})})
-    return RegisteredModel(
-        name=name, version=version, alias=alias, gates=gates, source=info.checkpoint, model_uri=f"models:/{model_id}"
-    )
+    return alias
 
 
 def judge(config: RunConfig, lineage: Lineage, final: Evaluation, name: str, version: str) -> dict[str, Gate]:
