@@ -161,6 +161,18 @@ def status(args: argparse.Namespace) -> int:
     ]
     if s.damaged_steps:
         lines.append(f"  moved aside as damaged: steps {s.damaged_steps}")
+    lines += [
+        f"    restart of attempt {a.number}: {a.restart_s['total']:.1f} s = "
+        + " + ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in a.restart_s.items() if k != "total" and v >= 0.05)
+        for a in s.attempts
+        if "total" in a.restart_s
+    ]
+    if s.goodput:
+        g = s.goodput
+        lines.append(
+            f"  goodput {g.goodput:.1%} ({g.productive_s:.0f} s of {g.wall_s:.0f} s); badput: "
+            + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in g.badput_s.items())
+        )
     if s.last_evaluation:
         lines.append(f"  last evaluation: step {s.last_evaluation.step}, val loss {s.last_evaluation.val_loss:.4f}")
     lines += [

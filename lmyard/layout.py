@@ -6,6 +6,7 @@
     runs/<run>/checkpoints/step_NNNNNNNN/<file>     one checkpoint; manifest.json written last
     runs/<run>/checkpoints/step_NNNNNNNN/ranks/rank_RRRRR.json   a sharded checkpoint's upload marker of rank R
     runs/<run>/damaged/step_NNNNNNNN-<time>/        a checkpoint that failed its checksums, moved aside
+    runs/<run>/compile/<key>.{bin,json}             torch.compile's cache artifacts of one job shape, its record last
     shards/<address>/manifest.json                  a shard set, written last
     shards/<address>/{train,val}_NNNNNN.{bin,json}  its shards and their resume sidecars
 
@@ -72,6 +73,14 @@ class RunLayout:
 
     def rank_marker(self, step: int, rank: int) -> str:
         return f"{self.rank_markers(step)}/rank_{rank:05d}.json"
+
+    @property
+    def compile_root(self) -> str:
+        return f"{self.root}/compile"
+
+    def compile_cache(self, key: str, ext: str) -> str:
+        """torch.compile's cache artifacts (`bin`) and their record (`json`) for one key (lmyard.train.compile_cache)."""
+        return f"{self.compile_root}/{key}.{ext}"
 
     @property
     def damaged_root(self) -> str:

@@ -44,6 +44,16 @@ class Attempt(BaseModel):
     start_step: int | None
     resumed_from: str | None
     outcome: str | None  # None while it runs (or when it died without a word)
+    restart_s: dict[str, float] = {}  # its launch to its first step, in parts (system/restart/*; total included)
+
+
+class Goodput(BaseModel):
+    """The lineage's goodput so far (system/goodput/*, lmyard.train.components.Goodput)."""
+
+    goodput: float  # productive / wall
+    wall_s: float  # the attempts' time, launch to last record, summed
+    productive_s: float  # in steps whose results survive
+    badput_s: dict[str, float]  # by cause: start, restart, steps_lost, checkpoint, evaluation
 
 
 class LastEvaluation(BaseModel):
@@ -67,6 +77,7 @@ class RunStatus(RunRow):
     mlflow_status: str | None  # RUNNING, FINISHED, FAILED, KILLED
     mlflow_run_url: str | None  # the run's page, for a tracking server over HTTP
     attempts: list[Attempt]
+    goodput: Goodput | None
     last_evaluation: LastEvaluation | None
     registered_versions: list[ModelVersion]
 
@@ -146,6 +157,41 @@ def _attempts(tags: dict[str, str]) -> list[Attempt]:
     ]
 
 
+def _with_restarts(attempts: list[Attempt], client, run_id: str, metrics: dict[str, float]) -> list[Attempt]:
+    """Each attempt's restart parts: the system/restart/* points at its first step (start_step + 1), oldest first
+    when several attempts started from the same step."""
+    keys = [k for k in metrics if k.startswith(schema.RESTART_METRICS)]
+    points: dict[int, list[dict[str, float]]] = {}  # first step -> one dict per attempt, in time order
+    for key in keys:
+        part = key.removeprefix(schema.RESTART_METRICS).removesuffix("_s")
+        by_step: dict[int, int] = {}
+        for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp):
+            i = by_step[m.step] = by_step.get(m.step, -1) + 1
+            rows = points.setdefault(m.step, [])
+            rows.extend({} for _ in range(i + 1 - len(rows)))
+            rows[i][part] = round(m.value, 3)
+    for a in attempts:
+        waiting = points.get((a.start_step or 0) + 1, [])
+        if waiting:
+            a.restart_s = waiting.pop(0)
+    return attempts
+
+
+def _goodput(metrics: dict[str, float]) -> Goodput | None:
+    g = {k.removeprefix(schema.GOODPUT_METRICS): v for k, v in metrics.items() if k.startswith(schema.GOODPUT_METRICS)}
+    if "goodput" not in g:
+        return None
+    badput = {
+        k.removeprefix("badput/").removesuffix("_s"): round(v, 3) for k, v in g.items() if k.startswith("badput/")
+    }
+    return Goodput(
+        goodput=round(g["goodput"], 4),
+        wall_s=round(g.get("wall_s", 0.0), 3),
+        productive_s=round(g.get("productive_s", 0.0), 3),
+        badput_s=badput,
+    )
+
+
 def _run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
     uri = tracking_uri.rstrip("/")
     if not uri.startswith(("http://", "https://")):
@@ -188,6 +234,7 @@ def run_status(store: Store, run_name: str, tracking_uri: str, checksums: bool =
         mlflow_status=None,
         mlflow_run_url=None,
         attempts=[],
+        goodput=None,
         last_evaluation=None,
         registered_versions=[],
     )
@@ -202,7 +249,8 @@ def run_status(store: Store, run_name: str, tracking_uri: str, checksums: bool =
     last = max(history, key=lambda m: m.step) if history else None
     status.mlflow_status = run.info.status
     status.mlflow_run_url = _run_url(tracking_uri, run.info.experiment_id, row.mlflow_run_id)
-    status.attempts = _attempts(run.data.tags)
+    status.attempts = _with_restarts(_attempts(run.data.tags), client, row.mlflow_run_id, run.data.metrics)
+    status.goodput = _goodput(run.data.metrics)
     status.last_evaluation = LastEvaluation(step=last.step, val_loss=last.value) if last else None
     status.registered_versions = [
         ModelVersion(
