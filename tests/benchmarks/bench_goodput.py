@@ -63,7 +63,7 @@ STARTUP_LINE = re.compile(r"^startup to the end of step (\d+): ([\d.]+) s = (.*)
 PART = re.compile(r"([a-z][a-z ]*?) ([\d.]+) s(?: \+ |$| \()")  # any part the trainer names (its names changed)
 STOPPED = re.compile(r"stopped by SIGTERM after step (\d+)")
 # a 64 GiB disk holds llama-1b's checkpoints (15 GB each) only with these (lmyard.checkpoint.budget says how many)
-LLAMA_1B_DISK = ["checkpoint.keep_last=2", "checkpoint.keep_best=false"]
+LLAMA_1B_DISK = ["checkpoint.keep_last=2", "checkpoint.keep_best=false", "checkpoint.max_pending=1"]
 
 
 def config(a: argparse.Namespace, work: Path):
