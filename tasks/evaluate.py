@@ -1,7 +1,7 @@
 """Evaluate checkpoints (the evaluate stage, launched on config.launch.backend) and log the results to the
 lineage's MLflow run. An evaluation that fails is recorded, never raised: it does not fail the training run.
 
-Each checkpoint is evaluated and logged once per lineage (what is logged: lmyard.tracking.evaluations). A
+Each checkpoint is evaluated and logged once per lineage (what is logged: lmyard.evaluate.history). A
 checkpoint is its step and its manifest's commit time: the run's bookkeeping (lmyard.tracking.bookkeeping)
 holds the commit time of the checkpoint evaluated at step N. After a fallback (a damaged checkpoint moved to
 runs/<run>/damaged/, its step trained again) the step holds another checkpoint: it is evaluated again, its
@@ -29,10 +29,10 @@ from lmyard.checkpoint.manifest import DamagedCheckpoint
 from lmyard.config import RunConfig
 from lmyard.data.shardset import ShardSet
 from lmyard.errors import one_line
+from lmyard.evaluate.history import evaluated_checkpoints, log_evaluation, mark_damaged_evaluation, record_failure
 from lmyard.run import Run
 from lmyard.stages import EvalResult, EvalSpec
 from lmyard.store import Store
-from lmyard.tracking.evaluations import evaluated_checkpoints, log_evaluation, mark_damaged_evaluation, record_failure
 from lmyard.tracking.lineage import Lineage
 from tasks._common import artifact_key, launch_stage
 from tasks.results import Evaluation

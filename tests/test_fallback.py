@@ -64,7 +64,7 @@ def test_a_step_trained_again_after_a_fallback_is_evaluated_again_and_its_damage
 
     from flows.pretrain import pretrain
     from lmyard.checkpoint.catalog import read_manifest
-    from lmyard.tracking.evaluations import evaluated_checkpoints
+    from lmyard.evaluate.history import evaluated_checkpoints
 
     monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
     run = "refallback"

@@ -68,8 +68,8 @@ def test_an_evaluation_from_an_installed_package_runs_in_the_stage_and_is_logged
     stage runs it beside the built-in ones, and its metric lands on the lineage's run at the checkpoint's step."""
     from mlflow.tracking import MlflowClient
 
+    from lmyard.evaluate.history import log_evaluation
     from lmyard.store import open_store
-    from lmyard.tracking.evaluations import log_evaluation
     from lmyard.tracking.lineage import Lineage
 
     _, cfg, sharded = trained

@@ -35,10 +35,10 @@ def test_resumed_sink_does_not_log_a_step_twice(tmp_path):
 
 @pytest.mark.integration
 def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_model(tmp_path):
+    from lmyard.evaluate.history import log_evaluation
     from lmyard.recipes import load_recipe
     from lmyard.stages import EvalResult
     from lmyard.store import open_store
-    from lmyard.tracking.evaluations import log_evaluation
     from lmyard.tracking.lineage import Lineage
 
     cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"])
