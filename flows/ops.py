@@ -161,8 +161,9 @@ def status(args: argparse.Namespace) -> int:
     ]
     if s.damaged_steps:
         lines.append(f"  moved aside as damaged: steps {s.damaged_steps}")
-    if s.last_evaluation:
-        lines.append(f"  last evaluation: step {s.last_evaluation.step}, val loss {s.last_evaluation.val_loss:.4f}")
+    if last := s.last_evaluation:
+        rows = last.rows or {"val loss": f"{last.val_loss:.4f}"}
+        lines.append(f"  last evaluation: step {last.step}, " + ", ".join(f"{k} {v}" for k, v in rows.items()))
     lines += [
         f"  registered: {v.uri}" + (f" @{','.join(v.aliases)}" if v.aliases else "") for v in s.registered_versions
     ]

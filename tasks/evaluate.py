@@ -42,7 +42,7 @@ OUTAGE_WARN_EVERY_S = 30.0  # a store that stays unreachable is said once, then 
 
 @task(name="evaluate-checkpoint", cache_policy=NO_CACHE, task_run_name="evaluate-step-{step}")
 def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: Lineage, step: int) -> Evaluation:
-    """Val loss, HellaSwag and samples of one checkpoint (`python -m lmyard.stages evaluate` on eval.device),
+    """Every evaluation the run enables on one checkpoint (`python -m lmyard.stages evaluate` on eval.device),
     logged at its step. A failure (the evaluator's, or logging's) is recorded on the MLflow run and returned
     in the Evaluation: an evaluation never turns a training run into a failed one."""
     logger, run = get_run_logger(), Run.of(config)
@@ -89,12 +89,8 @@ def _record(run: Run, final_step: int, lineage: Lineage, result: EvalResult, com
         table=_table(result),
         description=f"Evaluation of {run.name} at step {step} ({result.checkpoint})",
     )
-    hs = result.hellaswag
-    logger.info(
-        f"step {step}: val loss {result.val_loss:.4f}"
-        + (f", HellaSwag acc {hs.acc:.3f} acc_norm {hs.acc_norm:.3f} ({hs.n} examples)" if hs else "")
-        + f" in {result.eval_s:.1f} s on {result.device} ({result.checkpoint})"
-    )
+    scores = ", ".join(f"{what} {value}" for what, value in result.rows.items())
+    logger.info(f"step {step}: {scores} in {result.eval_s:.1f} s on {result.device} ({result.checkpoint})")
     if step == final_step:  # the final checkpoint's samples; MLflow has every checkpoint's
         for sample in result.samples:
             logger.info(console.sample_text(step, sample.prompt, sample.completion))
@@ -172,11 +168,7 @@ def outage_budget_s(config: RunConfig) -> float:
 
 
 def _table(r: EvalResult) -> list[dict]:
-    rows = [{"what": "checkpoint", "value": r.checkpoint}, {"what": "val loss", "value": f"{r.val_loss:.4f}"}]
-    if hs := r.hellaswag:
-        rows += [
-            {"what": "HellaSwag acc", "value": f"{hs.acc:.4f} ({hs.n} examples)"},
-            {"what": "HellaSwag acc_norm", "value": f"{hs.acc_norm:.4f}"},
-        ]
-    rows += [{"what": f"sample: {s.prompt}", "value": s.completion} for s in r.samples]
-    return rows
+    """The checkpoint, every evaluation's rows, then its samples: the Prefect table of one evaluation."""
+    rows = [{"what": "checkpoint", "value": r.checkpoint}]
+    rows += [{"what": what, "value": value} for what, value in r.rows.items()]
+    return rows + [{"what": f"sample: {s.prompt}", "value": s.completion} for s in r.samples]

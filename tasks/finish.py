@@ -28,7 +28,7 @@ def finish(
     checkpoint's, the final one last; those that failed are listed in the summary."""
     attempts = lineage.attempts()
     final = evaluations[-1]
-    hs = final.result.hellaswag if final.result else None
+    evaluated = final.result.val_loss if final.result else None
     summary = RunSummary(
         run_name=config.run_name,
         mlflow_run_id=lineage.ref.mlflow_run_id,
@@ -37,8 +37,8 @@ def finish(
         steps=trained.step,
         tokens_seen=trained.tokens_seen,
         train_loss=trained.train_loss,
-        val_loss=final.result.val_loss if final.result else trained.val_loss,
-        hellaswag_acc_norm=hs.acc_norm if hs else None,
+        val_loss=evaluated if evaluated is not None else trained.val_loss,
+        metrics=final.result.metrics if final.result else {},
         checkpoint=final.checkpoint,
         registered_model=f"{model.name}/{model.version}" if model else None,
         alias=model.alias if model else None,
@@ -59,7 +59,8 @@ def finish(
 
 
 def _markdown(summary: RunSummary, attempts: list[dict], model: RegisteredModel | None, final: Evaluation) -> str:
-    rows = "\n".join(f"| {k} | {v} |" for k, v in summary.model_dump().items())
+    rows = "\n".join(f"| {k} | {v} |" for k, v in summary.model_dump(exclude={"metrics"}).items())
+    scores = "\n".join(f"| {k} | {v} |" for k, v in (final.result.rows if final.result else {}).items())
     tries = "\n".join(
         f"| {a['attempt']} | {a.get('start_step', '')} | {a.get('resumed_from') or '-'} | "
         f"{a.get('flow_run_id', '')} | {a.get('nodes', '')} | {a.get('outcome', '')} |"
@@ -75,6 +76,7 @@ def _markdown(summary: RunSummary, attempts: list[dict], model: RegisteredModel 
     samples = "\n\n".join(f"**{s.prompt}**{s.completion}" for s in (final.result.samples if final.result else []))
     return (
         f"# {summary.run_name}\n\n| | |\n|---|---|\n{rows}\n\n"
+        f"## Final evaluation\n\n| | |\n|---|---|\n{scores or '| (failed) | |'}\n\n"
         f"## Attempts\n\n| # | start step | resumed from | flow run | nodes | outcome |\n|---|---|---|---|---|---|\n{tries}\n\n"
         f"## Gates\n\n| gate | value | limit | |\n|---|---|---|---|\n{gates}\n\n## Samples\n\n{samples}\n"
     )

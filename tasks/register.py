@@ -54,7 +54,8 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: Lineage, final:
             f"exported {info.checkpoint} as {info.hf_architecture} ({size_mb:.1f} MB) and logged "
             f"it as MLflow model models:/{model_id}"
         )
-    evaluated = f"val loss {final.result.val_loss:.4f}" if final.result else f"evaluation failed ({final.error})"
+    rows = final.result.rows.items() if final.result else []
+    evaluated = ", ".join(f"{what} {value}" for what, value in rows) or f"evaluation failed ({final.error})"
     version = registry.register_model(
         lineage,
         name,

@@ -65,7 +65,9 @@ class RunSummary(Contract):
     tokens_seen: int
     train_loss: float | None = None
     val_loss: float | None = Field(None, description="The final evaluation's, else the trainer's own.")
-    hellaswag_acc_norm: float | None = None
+    metrics: dict[str, float] = Field(
+        default_factory=dict, description="The final evaluation's metrics by MLflow name (none if it failed)."
+    )
     checkpoint: str
     registered_model: str | None = Field(None, description="NAME/VERSION; none with tracking.registry=false.")
     alias: str | None = None

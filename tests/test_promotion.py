@@ -18,7 +18,7 @@ from prefect import flow, tags
 from prefect.context import FlowRunContext
 
 from lmyard.recipes import load_recipe
-from lmyard.stages import EvalResult
+from lmyard.stages import EvalResult, Score
 from lmyard.tracking.lineage import Lineage, LineageRef
 from tasks.register import approve_promotion, judge
 from tasks.results import Evaluation, RegisteredModel
@@ -34,7 +34,8 @@ def promote_smoke(config, lineage: dict) -> dict:
     STARTED.append(FlowRunContext.get().flow_run.id)  # type: ignore[union-attr]
     run = Lineage.from_dict(lineage)
     val = run.metric_history("loss/eval")[6]
-    result = EvalResult(step=6, checkpoint="-", tokens_seen=6 * 1024, device="cpu", val_loss=val)
+    scores = {"val_loss": Score(metrics={"loss/eval": val})}
+    result = EvalResult(step=6, checkpoint="-", tokens_seen=6 * 1024, device="cpu", scores=scores)
     gates = judge(config, run, Evaluation(step=6, checkpoint="-", result=result), "smoke", "1")
     model = RegisteredModel(name="smoke", version="1", gates=gates, source="-", model_uri="models:/smoke/1")
     return approve_promotion(config, run, model).model_dump()

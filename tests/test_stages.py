@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import REPO, tiny_overrides
+from conftest import REPO, lmyard_cmd, tiny_overrides
 
 from lmyard.errors import Diverged, StageFailed, TrainingFailed, UserError
 from lmyard.launch.follower import Follower, LocalJob
@@ -63,26 +63,51 @@ def test_evaluate_stage_scores_the_newest_checkpoint_or_a_given_step(trained):
     assert launch(EvalSpec(config=cfg, shards=sharded.shards, step=2), on_line=lambda s: None).step == 2
 
 
-def test_an_evaluation_from_an_installed_package_runs_in_the_stage_and_is_logged_at_its_step(trained, monkeypatch):
+def test_an_evaluation_from_an_installed_package_reaches_mlflow_the_prefect_table_and_status(
+    trained, monkeypatch, mlflow_server, prefect_api_url
+):
     """tests/fixtures/example_evaluation: one module and one entry point make a new evaluation; the evaluate
-    stage runs it beside the built-in ones, and its metric lands on the lineage's run at the checkpoint's step."""
+    task runs it in the stage beside the built-in ones, its metric lands on the lineage's run at the checkpoint's
+    step, its rows in the Prefect table and in `lmyard status`, as the built-ins' do."""
     from mlflow.tracking import MlflowClient
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    from lmyard.evaluate.history import log_evaluation
+    from lmyard.evaluate.spec import as_text
     from lmyard.store import open_store
     from lmyard.tracking.lineage import Lineage
+    from tasks.evaluate import evaluate_checkpoint
 
-    _, cfg, sharded = trained
+    _, staged, sharded = trained
+    cfg = staged.model_copy(update={"tracking": staged.tracking.model_copy(update={"uri": mlflow_server.uri})})
     plugin = str(REPO / "tests" / "fixtures" / "example_evaluation")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [plugin, os.environ.get("PYTHONPATH")])))
-    result = launch(EvalSpec(config=cfg, shards=sharded.shards, step=2), on_line=lambda s: None)
+    lineage = Lineage.open(cfg, open_store(cfg.store), shard_address=sharded.shards.address, code_version="test")
+
+    @flow(name="evaluate-with-a-plugin")
+    def evaluate_step_2():
+        return evaluate_checkpoint(cfg, sharded.shards, lineage, 2)
+
+    result = evaluate_step_2().result
     assert result.metrics["eval/vocab_size"] == 320 and 0 <= result.metrics["eval/letter_after_space"] <= 1
     assert result.metrics["loss/eval"] == result.val_loss  # the built-ins ran too
+    share = result.metrics["eval/letter_after_space"]
 
-    lineage = Lineage.open(cfg, open_store(cfg.store), shard_address=sharded.shards.address, code_version="test")
-    log_evaluation(lineage, result)
     history = MlflowClient(cfg.tracking.uri).get_metric_history(lineage.ref.mlflow_run_id, "eval/letter_after_space")
-    assert [(m.step, m.value) for m in history] == [(2, result.metrics["eval/letter_after_space"])]
+    assert [(m.step, m.value) for m in history] == [(2, share)]
+    with get_client(sync_client=True) as pc:
+        key = ArtifactFilterKey(any_=["staged-eval-step-00000002"])
+        (artifact,) = pc.read_artifacts(artifact_filter=ArtifactFilter(key=key))
+    table = {row["what"]: row["value"] for row in json.loads(artifact.data)}
+    assert table["eval/letter_after_space"] == as_text(share) and table["eval/vocab_size"] == "320"
+    assert table["val loss"] == f"{result.val_loss:.4f}"
+    env = {**os.environ, "PREFECT_API_URL": prefect_api_url}
+    args = ["status", "staged", "--store", cfg.store, "--tracking-uri", cfg.tracking.uri]
+    status = subprocess.run(lmyard_cmd(*args), env=env, capture_output=True, text=True, timeout=300)
+    assert status.returncode == 0, status.stderr[-3000:]
+    assert f"step 2, val loss {result.val_loss:.4f}" in status.stdout and "eval/vocab_size 320" in status.stdout
+    assert f"eval/letter_after_space {table['eval/letter_after_space']}" in status.stdout
 
 
 def test_export_stage_writes_the_folder_and_returns_where(trained):

@@ -51,16 +51,16 @@ def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_m
                 "step": 3,
                 "checkpoint": ckpt,
                 "tokens_seen": 12288,
-                "val_loss": 2.5,
                 "trainer_val_loss": 2.5,
                 "eval_s": 1.0,
                 "device": "cpu",
-                "samples": [{"prompt": "A class is", "completion": " a"}],
-                "harness": {"metrics": {"hellaswag_local/acc": 0.5, "hellaswag_local/acc_norm": 0.75}},
-                "metrics": {
-                    "loss/eval": 2.5,
-                    "task/hellaswag_local/acc": 0.5,
-                    "task/hellaswag_local/acc_norm": 0.75,
+                "scores": {
+                    "val_loss": {"metrics": {"loss/eval": 2.5}},
+                    "harness": {
+                        "metrics": {"task/hellaswag_local/acc": 0.5, "task/hellaswag_local/acc_norm": 0.75},
+                        "result": {"metrics": {"hellaswag_local/acc": 0.5, "hellaswag_local/acc_norm": 0.75}},
+                    },
+                    "samples": {"samples": [{"prompt": "A class is", "completion": " a"}]},
                 },
             }
         ),

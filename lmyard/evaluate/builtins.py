@@ -35,7 +35,7 @@ VAL_LOSS = EvaluationSpec(
     name="val_loss",
     run=_val_loss,
     metrics=lambda r: {schema.EVAL_LOSS: r.loss},
-    fields=lambda r: {"val_loss": r.loss},
+    rows=lambda r: {"val loss": f"{r.loss:.4f}"},
     gates={"val_loss_max": schema.EVAL_LOSS},
 )
 HELLASWAG = EvaluationSpec(
@@ -43,7 +43,7 @@ HELLASWAG = EvaluationSpec(
     run=_hellaswag,
     enabled=lambda e: e.hellaswag is not None,
     metrics=lambda r: {"task/hellaswag_acc": r.acc, "task/hellaswag_acc_norm": r.acc_norm},
-    fields=lambda r: {"hellaswag": _evals().as_fields(r)},
+    rows=lambda r: {"HellaSwag acc": f"{r.acc:.4f} ({r.n} examples)", "HellaSwag acc_norm": f"{r.acc_norm:.4f}"},
     gates={"hellaswag_acc_norm_min": "task/hellaswag_acc_norm"},
 )
 HARNESS = EvaluationSpec(
@@ -51,12 +51,11 @@ HARNESS = EvaluationSpec(
     run=_harness,
     enabled=lambda e: bool(e.harness_tasks),
     metrics=lambda r: {f"task/{k}": v for k, v in r.metrics.items()},
-    fields=lambda r: {"harness": _evals().as_fields(r)},
 )
 SAMPLES = EvaluationSpec(
     name="samples",
     run=_samples,
     enabled=lambda e: bool(e.prompts) and e.sample_tokens > 0,
     metrics=lambda r: {},
-    fields=lambda r: {"samples": [_evals().as_fields(s) for s in r.items]},
+    samples=lambda r: [(s.prompt, s.completion) for s in r.items],
 )

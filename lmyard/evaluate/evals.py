@@ -18,8 +18,7 @@ from the store, so training keeps its devices to itself.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -199,8 +198,3 @@ def run_harness(ctx: Context) -> HarnessScores:
 
 def run_samples(ctx: Context) -> Samples:
     return samples(ctx.model, ctx.cfg, device=ctx.device)
-
-
-def as_fields(result: Any) -> dict:
-    """A result dataclass as plain data (the stage's result file is JSON)."""
-    return asdict(result)

@@ -6,7 +6,8 @@ Runs in its own process on its own device (`eval.device`: cpu, or a spare
 GPU), independent of the trainer: it reads the checkpoint and the shards
 from the store, so training keeps its devices to itself. The model is made
 once; each evaluation gets it in a `Context` and returns its typed result,
-whose metrics and fields make the stage's EvalResult.
+whose `Score` (its spec's metrics, rows and samples) the stage's EvalResult
+holds under the evaluation's name.
 """
 
 from __future__ import annotations
@@ -50,21 +51,15 @@ def evaluate_checkpoint(cfg: RunConfig, shards: ShardSet, step: int, run: Run | 
     # a private checkpoint cache: the trainer may be downloading the same checkpoint to resume
     ckpt = resume.load_step(run.store, run.name, step, os.path.join(run.cache, "eval"))
     ctx = Context(cfg, model_from_checkpoint(ckpt, device), ckpt, shards, device, run.cache)
-    fields: dict = {}
-    metrics: dict[str, float] = {}
-    for spec in registry.enabled(cfg.eval):
-        result = spec.run(ctx)
-        metrics.update(spec.metrics(result))
-        fields.update(spec.fields(result))
+    scores = {spec.name: spec.score(spec.run(ctx)) for spec in registry.enabled(cfg.eval)}
     return EvalResult(
         step=ckpt.step,
         checkpoint=ckpt.uri,
         tokens_seen=ckpt.state.tokens_seen,
         trainer_val_loss=ckpt.state.val_loss,
         device=device,
-        metrics=metrics,
+        scores=scores,
         eval_s=round(time.perf_counter() - t0, 3),
-        **fields,
     )
 
 

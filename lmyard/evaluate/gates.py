@@ -15,22 +15,6 @@ from typing import Any
 
 from lmyard.config import EvalGates
 from lmyard.evaluate import registry
-from lmyard.tracking import schema
-
-
-def result_metrics(result: dict[str, Any]) -> dict[str, float]:
-    """An evaluation's result (lmyard.stages.EvalResult, as a dict) under the names it is logged with."""
-    if result.get("metrics"):
-        return dict(result["metrics"])
-    out: dict[str, float] = {}
-    if result.get("val_loss") is not None:
-        out[schema.EVAL_LOSS] = result["val_loss"]
-    hs = result.get("hellaswag") or {}
-    for key in ("acc", "acc_norm"):
-        if hs.get(key) is not None:
-            out[f"task/hellaswag_{key}"] = hs[key]
-    out.update({f"task/{k}": v for k, v in ((result.get("harness") or {}).get("metrics") or {}).items()})
-    return out
 
 
 def _bounds(gates: EvalGates) -> list[tuple[str, str, str, float]]:

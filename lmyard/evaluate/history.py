@@ -2,9 +2,9 @@
 logged model), one row in the run's tables, its whole result as JSON, and the bookkeeping that says which
 checkpoint of the step it was (lmyard.tracking.bookkeeping). Names: lmyard.tracking.schema.
 
-The metrics are the evaluations' own (lmyard.evaluate.registry: `EvalResult.metrics`) and `system/eval/seconds`.
-Samples of every evaluated step go to one table (evals/samples.json: step, prompt, completion), as do the
-checkpoints' scores (evals/checkpoints.json), appended at each evaluation.
+The metrics are the evaluations' own (each `Score` of the EvalResult: lmyard.evaluate.spec) and
+`system/eval/seconds`. The samples of every evaluated step go to one table (evals/samples.json: step, prompt,
+completion), as do the checkpoints' metrics (evals/checkpoints.json), appended at each evaluation.
 """
 
 from __future__ import annotations
@@ -45,16 +45,16 @@ def log_evaluation(lineage: Lineage, r: EvalResult, commit: str = "") -> None:
 
 
 def _score_row(r: EvalResult) -> dict[str, list]:
-    hs = r.hellaswag
-    return {
-        "step": [r.step],
-        "checkpoint": [r.checkpoint],
-        "tokens_seen": [r.tokens_seen],
-        "val_loss": [r.val_loss],
-        "trainer_val_loss": [r.trainer_val_loss],
-        "hellaswag_acc": [hs.acc if hs else None],
-        "hellaswag_acc_norm": [hs.acc_norm if hs else None],
+    """The checkpoint, its val loss (the evaluator's and the trainer's), then every other metric by its name."""
+    row = {
+        "step": r.step,
+        "checkpoint": r.checkpoint,
+        "tokens_seen": r.tokens_seen,
+        "val_loss": r.val_loss,
+        "trainer_val_loss": r.trainer_val_loss,
     }
+    row |= {k: v for k, v in r.metrics.items() if k != schema.EVAL_LOSS}
+    return {k: [v] for k, v in row.items()}
 
 
 def mark_damaged_evaluation(lineage: Lineage, step: int, where: str) -> None:

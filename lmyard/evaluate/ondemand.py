@@ -9,7 +9,7 @@ weights are read; `load` then builds the model.
 The measures are the evaluator's own (lmyard.evaluate.evals, .validation, .harness): `val_loss` on the val split
 of the shard set the model was trained on (found in the store by its address), `hellaswag` (lmyard's scorer
 over a HellaSwag-format JSONL) and any lm-eval task. Their names are those of the run's logged metrics
-(lmyard.evaluate.gates.result_metrics); `log` writes them to the lineage's MLflow run under `lmyard_eval/`
+(their specs', lmyard.evaluate.builtins); `log` writes them to the lineage's MLflow run under `lmyard_eval/`
 (the pipeline's own `eval/` history stays the pipeline's), or to a new run when the lineage is not known.
 """
 
@@ -216,25 +216,28 @@ def check_tasks(tasks: list[str], hellaswag: str | None) -> None:
 
 def evaluate(src: Source, m: Loaded, tasks: list[str], hellaswag: str | None, device: str, cache_dir: str) -> dict:
     """The measures of `tasks` on the loaded model: {source, step, ..., metrics: {logged name: value}}."""
-    from lmyard.evaluate.gates import result_metrics
+    from lmyard.evaluate import builtins, evals
 
-    t0 = time.perf_counter()
+    t0, metrics = time.perf_counter(), dict[str, float]()
     result: dict[str, Any] = {"source": src.given, "kind": src.kind, "run_name": src.run_name, "step": m.step}
     result["model"] = m.checkpoint.uri if m.checkpoint is not None else src.folder
     result["tokens_seen"], result["device"] = m.tokens_seen, device
     if "val_loss" in tasks:
         result["val_loss"], note = _val_loss(src, m, device, cache_dir)
         src.notes += [note] if note else []
+        if result["val_loss"] is not None:
+            metrics |= builtins.VAL_LOSS.metrics(evals.ValLoss(result["val_loss"]))
     if "hellaswag" in tasks and hellaswag:
-        from lmyard.evaluate import evals
         from lmyard.evaluate.hellaswag import read_hellaswag
 
         score = evals.hellaswag(m.model, m.enc, read_hellaswag(hellaswag), device)
         result["hellaswag"] = {"acc": score.acc, "acc_norm": score.acc_norm, "n": score.n}
+        metrics |= builtins.HELLASWAG.metrics(score)
     others = [t for t in tasks if t not in BUILTIN]
     if others:
         result["harness"] = {"metrics": _harness(src, m, others, hellaswag, device)["metrics"]}
-    result["metrics"] = result_metrics(result)
+        metrics |= builtins.HARNESS.metrics(evals.HarnessScores(result["harness"]["metrics"]))
+    result["metrics"] = metrics
     result["notes"], result["eval_s"] = src.notes, round(time.perf_counter() - t0, 3)
     return result
 

@@ -1,22 +1,22 @@
 """An evaluation as a spec (after lmyard.models.spec): what it runs on a checkpoint, what it logs, what it gates.
 
-An `EvaluationSpec` names an evaluation and holds:
-
-- `enabled(eval_config)`: whether a run's `eval` section asks for it (its config keys live there);
-- `run(context)`: the evaluation of one checkpoint, in the evaluator's process (torch is there), returning the
-  evaluation's own typed result (a dataclass);
-- `metrics(result)`: its metrics at the checkpoint's step, by their MLflow names (`loss/eval`, `eval/...`);
-- `fields(result)`: what it fills of the stage's `EvalResult` besides its metrics (the built-ins' typed fields);
-- `gates`: `eval.gates.<key>` -> the metric that gate limits (`_max`: at most, `_min`: at least).
-
-This module loads no torch: the flow's process reads the specs' metric names and gates.
+An `EvaluationSpec` names an evaluation and holds `enabled(eval_config)` (does the run's `eval` section ask for
+it), `run(context)` (one checkpoint, in the evaluator's process: its own typed result, a dataclass),
+`metrics(result)` (by MLflow name, at the checkpoint's step), `rows(result)` (how it reads in a table: the Prefect
+table, the log line, the run's summary, `lmyard status`; default: its metrics), `samples(result)` (text it
+generated, (prompt, completion) pairs) and `gates` (`eval.gates.<key>` -> the metric it limits). `score(result)`
+is its `Score` in the stage's EvalResult, under its name: all that is read after the stage, so a plug-in's
+scores go wherever the built-ins' go. This module loads no torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from lmyard.stages import Sample, Score
 
 if TYPE_CHECKING:
     from lmyard.checkpoint.state import Checkpoint
@@ -42,8 +42,13 @@ def _always(_: EvalConfig) -> bool:
     return True
 
 
-def _no_fields(_: Any) -> dict[str, Any]:
-    return {}
+def _no_samples(_: Any) -> list[tuple[str, str]]:
+    return []
+
+
+def as_text(value: float) -> str:
+    """A metric as a table shows it: an integer as one, else four decimals."""
+    return str(int(value)) if float(value).is_integer() else f"{value:.4f}"
 
 
 @dataclass(frozen=True)
@@ -52,5 +57,15 @@ class EvaluationSpec:
     run: Callable[[Context], Any]
     metrics: Callable[[Any], dict[str, float]]
     enabled: Callable[[EvalConfig], bool] = _always
-    fields: Callable[[Any], dict[str, Any]] = _no_fields
+    rows: Callable[[Any], dict[str, str]] | None = None
+    samples: Callable[[Any], list[tuple[str, str]]] = _no_samples
     gates: Mapping[str, str] = field(default_factory=dict)
+
+    def score(self, result: Any) -> Score:
+        """The evaluation's part of the stage's EvalResult: its metrics, rows, samples and its whole result."""
+        metrics = self.metrics(result)
+        rows = self.rows(result) if self.rows else {k: as_text(v) for k, v in metrics.items()}
+        samples = [Sample(prompt=p, completion=c) for p, c in self.samples(result)]
+        plain = dataclasses.is_dataclass(result) and not isinstance(result, type)
+        data = dataclasses.asdict(result) if plain else result
+        return Score(metrics=metrics, rows=rows, samples=samples, result=data)

@@ -17,6 +17,7 @@ from pydantic import ConfigDict, Field
 from lmyard.data.shardset import ShardSet
 from lmyard.errors import STATUS, ExitCode, Status
 from lmyard.stages.exchange import Contract
+from lmyard.tracking.schema import EVAL_LOSS
 
 
 class Started(Contract):
@@ -70,21 +71,20 @@ class TrainResult(Contract):
         return cls(status=STATUS[code], exit_code=int(code), message=message, **fields)
 
 
-class HellaSwagScore(Contract):
-    acc: float = Field(description="The ending with the lowest summed loss is right.")
-    acc_norm: float = Field(description="The ending with the lowest mean loss per token is right.")
-    n: int
-    rows: list[dict[str, Any]] = Field(default_factory=list, description="Per example: label, preds, losses.")
-
-
-class HarnessScore(Contract):
-    metrics: dict[str, float] = Field(description="lm-eval's metrics, flattened `task/metric`.")
-    results: dict[str, Any] = Field(default_factory=dict)
-
-
 class Sample(Contract):
     prompt: str
     completion: str
+
+
+class Score(Contract):
+    """One evaluation's part of an EvalResult, made by its spec (lmyard.evaluate.spec.EvaluationSpec.score)."""
+
+    metrics: dict[str, float] = Field(default_factory=dict, description="By MLflow name, at the checkpoint's step.")
+    rows: dict[str, str] = Field(
+        default_factory=dict, description="How it reads in a table, what -> value (default: its metrics)."
+    )
+    samples: list[Sample] = Field(default_factory=list, description="The text it generated.")
+    result: Any = Field(None, description="Its own result as plain data.")
 
 
 class EvalResult(Contract):
@@ -93,14 +93,30 @@ class EvalResult(Contract):
     tokens_seen: int
     trainer_val_loss: float | None = None
     device: str
-    val_loss: float
-    hellaswag: HellaSwagScore | None = None
-    harness: HarnessScore | None = Field(None, description="eval.harness_tasks: lm-eval's {metrics, results}.")
-    samples: list[Sample] = Field(default_factory=list)
-    metrics: dict[str, float] = Field(
-        default_factory=dict, description="Every evaluation's metrics by MLflow name (lmyard.evaluate.registry)."
+    scores: dict[str, Score] = Field(
+        default_factory=dict, description="Each evaluation's, by its name, in the registry's order (lmyard.evaluate)."
     )
     eval_s: float = 0.0
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Every evaluation's metrics by MLflow name."""
+        return {k: v for s in self.scores.values() for k, v in s.metrics.items()}
+
+    @property
+    def rows(self) -> dict[str, str]:
+        """Every evaluation's rows, what -> value, in the registry's order: how the result reads in a table."""
+        return {k: v for s in self.scores.values() for k, v in s.rows.items()}
+
+    @property
+    def samples(self) -> list[Sample]:
+        """Every evaluation's samples."""
+        return [s for score in self.scores.values() for s in score.samples]
+
+    @property
+    def val_loss(self) -> float | None:
+        """The evaluator's val loss (`loss/eval`, the metric that marks a checkpoint evaluated)."""
+        return self.metrics.get(EVAL_LOSS)
 
 
 class ShardResult(Contract):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 
 from pydantic import BaseModel
@@ -49,6 +50,7 @@ class Attempt(BaseModel):
 class LastEvaluation(BaseModel):
     step: int
     val_loss: float
+    rows: dict[str, str] = {}  # every evaluation's, what -> value (its logged EvalResult's: lmyard.stages)
 
 
 class ModelVersion(BaseModel):
@@ -153,6 +155,17 @@ def _run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
     return redact_uri(f"{uri}/#/experiments/{experiment_id}/runs/{run_id}")  # not a store key: the UI page
 
 
+def _evaluation_rows(client, run_id: str, step: int) -> dict[str, str]:
+    """How the evaluation logged at `step` reads (its EvalResult's scores' rows, in order); {} without its file."""
+    key = schema.EVAL_RESULT.format(step)
+    if key not in {a.path for a in client.list_artifacts(run_id, os.path.dirname(key))}:
+        return {}
+    with tempfile.TemporaryDirectory(prefix="lmyard-status-") as tmp:
+        with open(client.download_artifacts(run_id, key, tmp)) as f:
+            scores = json.load(f).get("scores") or {}
+    return {what: value for score in scores.values() for what, value in score.get("rows", {}).items()}
+
+
 def checkpoint_damage(store: Store, run_name: str, step: int, checksums: bool = False) -> str | None:
     """What is wrong with checkpoint `step`'s files against its manifest: their sizes (one listing call a file),
     and with `checksums` their SHA-256 (reads every byte); None when nothing is."""
@@ -199,11 +212,12 @@ def run_status(store: Store, run_name: str, tracking_uri: str, checksums: bool =
         run = client.get_run(row.mlflow_run_id)
         history = client.get_metric_history(row.mlflow_run_id, schema.EVAL_LOSS)
         versions = client.search_model_versions(f"run_id = '{row.mlflow_run_id}'")
-    last = max(history, key=lambda m: m.step) if history else None
+        last = max(history, key=lambda m: m.step) if history else None
+        rows = _evaluation_rows(client, row.mlflow_run_id, last.step) if last else {}
     status.mlflow_status = run.info.status
     status.mlflow_run_url = _run_url(tracking_uri, run.info.experiment_id, row.mlflow_run_id)
     status.attempts = _attempts(run.data.tags)
-    status.last_evaluation = LastEvaluation(step=last.step, val_loss=last.value) if last else None
+    status.last_evaluation = LastEvaluation(step=last.step, val_loss=last.value, rows=rows) if last else None
     status.registered_versions = [
         ModelVersion(
             name=v.name, version=str(v.version), aliases=list(v.aliases or []), uri=f"models:/{v.name}/{v.version}"
