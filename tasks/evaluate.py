@@ -42,7 +42,7 @@ OUTAGE_WARN_EVERY_S = 30.0  # a store that stays unreachable is said once, then 
 
 @task(name="evaluate-checkpoint", cache_policy=NO_CACHE, task_run_name="evaluate-step-{step}")
 def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: Lineage, step: int) -> Evaluation:
-    """Every evaluation the run enables on one checkpoint (`python -m lmyard.stages evaluate` on eval.device),
+    """Every evaluation the run enables on one checkpoint (`python -m lmyard.dispatch evaluate` on eval.device),
     logged at its step. A failure (the evaluator's, or logging's) is recorded on the MLflow run and returned
     in the Evaluation: an evaluation never turns a training run into a failed one."""
     logger, run = get_run_logger(), Run.of(config)

@@ -164,7 +164,7 @@ def promote(lineage: Lineage, model: RegisteredModel, alias: str, note: str = ""
 
 
 def _export(config: RunConfig, checkpoint_uri: str, folder: str) -> ExportResult:
-    """The export stage (`python -m lmyard.stages export`, on config.launch.backend: torch stays out of the
+    """The export stage (`python -m lmyard.dispatch export`, on config.launch.backend: torch stays out of the
     flow's process) into the local `folder`."""
     if backends.of(config).other_user:  # the stage image's user writes into this folder (bind-mounted)
         os.chmod(os.path.dirname(folder), 0o777)

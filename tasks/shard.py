@@ -30,7 +30,7 @@ def _describe(p: ShardProgress) -> str:
     retry_condition_fn=not_a_user_error,
 )
 def tokenize_and_shard(config: RunConfig) -> ShardSet:
-    """Token shards + manifest for config.data at their content address (`python -m lmyard.stages shard`)."""
+    """Token shards + manifest for config.data at their content address (`python -m lmyard.dispatch shard`)."""
     artifact_id: UUID = create_progress_artifact(  # type: ignore[assignment]  # a UUID when called from sync code
         0.0, key=artifact_key(config.run_name, "shard-progress"), description="tokenize-and-shard: starting"
     )

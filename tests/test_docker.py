@@ -392,7 +392,7 @@ def test_evaluate_and_export_run_in_the_image_through_the_launcher(docker_client
     result = launch(EvalSpec(config=in_docker, shards=shards), on_line=lines.append)
     assert isinstance(result, EvalResult)
     assert result.step == 2 and result.checkpoint.endswith("step_00000002") and result.val_loss > 0
-    assert any(f"image={stage_image}" in line and "lmyard.stages evaluate" in line for line in lines)
+    assert any(f"image={stage_image}" in line and "lmyard.dispatch evaluate" in line for line in lines)
     exported = launch(
         ExportSpec(config=in_docker, source=f"{cfg.store}/runs/evaluated", dest=str(tmp / "hf")), on_line=lines.append
     )

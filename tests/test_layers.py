@@ -204,8 +204,7 @@ def test_no_import_cycles_among_lmyard_modules():
 
 def layer_order() -> dict[str, int]:
     """The layer order of docs/architecture.md (its `### Layer order` numbered list, bottom first):
-    top-level module or package of lmyard (or a module of one, `stages.entry`) -> rank; names on one line share
-    a rank."""
+    top-level module or package of lmyard -> rank; names on one line share a rank."""
     text = (REPO / "docs" / "architecture.md").read_text()
     section = text.split("### Layer order", 1)[1].split("\n#", 1)[0]
     ranks = {}
@@ -215,19 +214,19 @@ def layer_order() -> dict[str, int]:
     return ranks
 
 
-def _unit(module: str, ranks: dict[str, int]) -> str:
-    """`lmyard.data.shards` -> `data`; a module the layer order names itself (`stages.entry`) is its own part;
-    the package's own __init__ (`lmyard`) is below everything."""
+def _unit(module: str) -> str:
+    """`lmyard.data.shards` -> `data`; the package's own __init__ (`lmyard`) is below everything."""
     parts = module.split(".")[1:]
-    named = [".".join(parts[:n]) for n in range(len(parts), 1, -1) if ".".join(parts[:n]) in ranks]
-    return named[0] if named else parts[0] if parts else "lmyard"
+    return parts[0] if parts else "lmyard"
 
 
 def test_layer_order_names_every_part_of_lmyard():
     ranks = layer_order()
-    units = {_unit(m, ranks) for m in module_graph(REPO / "lmyard")} - {"lmyard"}
+    units = {_unit(m) for m in module_graph(REPO / "lmyard")} - {"lmyard"}
     assert units <= set(ranks), f"docs/architecture.md's layer order lacks {sorted(units - set(ranks))}"
     assert set(ranks) <= units, f"docs/architecture.md's layer order names what is gone: {sorted(set(ranks) - units)}"
+    modules = sorted(n for n in ranks if "." in n)  # one would be an exception to its package's place in the order
+    assert not modules, f"docs/architecture.md's layer order names modules of a package on their own: {modules}"
 
 
 def upward_imports() -> list[str]:
@@ -237,7 +236,7 @@ def upward_imports() -> list[str]:
         f"{m} -> {t}"
         for m, targets in module_graph(REPO / "lmyard").items()
         for t in targets
-        if ranks.get(_unit(t, ranks), -1) > ranks.get(_unit(m, ranks), -1)
+        if ranks.get(_unit(t), -1) > ranks.get(_unit(m), -1)
     )
 
 
@@ -253,13 +252,7 @@ SIBLINGS = [("checkpoint", "data")]
 
 def part_imports(graph: dict[str, set[str]], importer: str, imported: str) -> list[str]:
     """`module -> module` for each import of a module of part `imported` by one of part `importer`."""
-    ranks = layer_order()
-    return sorted(
-        f"{m} -> {t}"
-        for m, ts in graph.items()
-        for t in ts
-        if _unit(m, ranks) == importer and _unit(t, ranks) == imported
-    )
+    return sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts if _unit(m) == importer and _unit(t) == imported)
 
 
 @pytest.mark.parametrize("a,b", SIBLINGS, ids=["-".join(s) for s in SIBLINGS])

@@ -33,7 +33,7 @@ def _sigterm_rank(tmp, rank: int) -> None:
     """SIGTERM to one rank process of the job whose files lie under `tmp` (torchrun and the other rank get none)."""
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "lmyard.stages train" in cmd and str(tmp) in cmd:
+        if "lmyard.dispatch train" in cmd and str(tmp) in cmd:
             with contextlib.suppress(psutil.Error):
                 if p.environ().get("RANK") == str(rank):
                     p.send_signal(signal.SIGTERM)

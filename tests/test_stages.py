@@ -1,4 +1,4 @@
-"""The stage protocol: `python -m lmyard.stages STAGE --spec`, run through the one launcher; results and failures
+"""The stage protocol: `python -m lmyard.dispatch STAGE --spec`, run through the one launcher; results and failures
 come back as typed files."""
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_the_command_line_reads_its_spec_and_writes_its_result_or_its_error(trai
     for name, run_name, step in (("ok", "staged", 2), ("failed", "never-trained", None)):
         spec = EvalSpec(config=cfg.model_copy(update={"run_name": run_name}), shards=sharded.shards, step=step)
         (tmp / f"{name}-spec.json").write_text(spec.model_dump_json())
-    cmd = [sys.executable, "-m", "lmyard.stages", "evaluate", "--spec"]
+    cmd = [sys.executable, "-m", "lmyard.dispatch", "evaluate", "--spec"]
     ok = subprocess.run([*cmd, str(tmp / "ok-spec.json"), "--out", str(tmp / "ok.json")], cwd=REPO, timeout=300)
     assert ok.returncode == 0 and read_model(str(tmp / "ok.json"), EvalResult).step == 2
     failed = subprocess.run(

@@ -25,7 +25,7 @@ def _ranks_of(tmp) -> list[int]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "lmyard.stages train" in cmd and str(tmp) in cmd and p.status() != psutil.STATUS_ZOMBIE:
+        if "lmyard.dispatch train" in cmd and str(tmp) in cmd and p.status() != psutil.STATUS_ZOMBIE:
             found.append(p.pid)
     return found
 

@@ -1,23 +1,13 @@
-"""The pipeline's stages, each a typed spec in and a typed result out: what the stage image runs.
+"""The stage entrypoints, each a typed spec in and a typed result out: what the stage image runs.
 
-    python -m lmyard.stages {shard,train,evaluate,export} [--spec spec.json] [--out result.json]
+    python -m lmyard.dispatch {shard,train,evaluate,export} [--spec spec.json] [--out result.json]
 
-One entry convention for every stage: the spec (a `StageSpec` of
-lmyard.stages: ShardSpec, TrainSpec, EvalSpec, ExportSpec) comes from
-`--spec`, or from the LMYARD_SPEC environment variable in a container; the
-result (ShardResult, TrainResult, EvalResult, ExportResult) or the failure
-(StageError) goes atomically to `--out`, default `result.json` in the exchange
-folder (LMYARD_EXCHANGE_DIR, else the current folder), and the exit code
-follows lmyard.errors.ExitCode: 0 done, 2 a user error, ... (`run_stage`, the
-one path from an exception to an exit code). The launcher (lmyard.launch)
-writes the spec, starts the stage here or in the stage image, and reads the
-result back; training runs under torchrun on every node
-(`torchrun ... -m lmyard.stages train --spec spec.json`), the others as one
-process. The log says what happens, for people.
-
-The bodies live where their subject does (lmyard.data.sharding,
-lmyard.train.stage, lmyard.evaluate.evaluator, lmyard.export.hf); this module
-only turns a spec into their call and their answer into a result.
+Every stage is a row of STAGES: its spec type (lmyard.stages: ShardSpec, TrainSpec, EvalSpec, ExportSpec) and
+how it runs. The spec comes from `--spec`, or from LMYARD_SPEC in a container; the result or the StageError goes
+atomically to `--out` (default: result.json in the exchange folder, LMYARD_EXCHANGE_DIR); the exit code follows
+lmyard.errors.ExitCode (lmyard.stages.run_stage). Training runs under torchrun on every rank (rank 0 writes the
+result, a failing rank its own file: lmyard.train.stage); the others as one process. The bodies live where
+their subject does (lmyard.data.sharding, lmyard.train.stage, lmyard.evaluate.evaluator, lmyard.export.hf).
 """
 
 from __future__ import annotations
@@ -25,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -42,6 +33,7 @@ from lmyard.stages import (
     ShardResult,
     ShardSpec,
     StageSpec,
+    TrainSpec,
     read_spec,
     run_stage,
 )
@@ -115,27 +107,47 @@ def export(spec: ExportSpec) -> ExportResult:
     return result
 
 
-# stage name -> (its spec type, its body); training runs under torchrun (lmyard.train.stage.train_stage)
-STAGES: dict[str, tuple[type[StageSpec], Callable[[Any], BaseModel]]] = {
-    "shard": (ShardSpec, shard),
-    "evaluate": (EvalSpec, evaluate),
-    "export": (ExportSpec, export),
+def train(spec_path: str | None, out: str | None) -> int:
+    """Every rank, under torchrun: rank 0 writes result.json, a failing rank its own file (`out` is not used)."""
+    from lmyard.train.stage import train_stage
+
+    return train_stage(spec_path)
+
+
+def one_process(cls: type[StageSpec], body: Callable[[Any], BaseModel]) -> Callable[[str | None, str | None], int]:
+    """A stage of one process: its spec read, `body` run, its result or StageError written to `out`."""
+
+    def run(spec_path: str | None, out: str | None) -> int:
+        for key, value in QUIET_BARS.items():
+            os.environ.setdefault(key, value)
+        out = out or os.path.join(os.environ.get(EXCHANGE_ENV, "."), "result.json")
+        # the spec is read inside run_stage: one that does not validate ends with a result file too
+        return run_stage(lambda: body(read_spec(cls, spec_path)), out)
+
+    return run
+
+
+@dataclass(frozen=True)
+class Stage:
+    spec: type[StageSpec]
+    run: Callable[[str | None, str | None], int]  # (--spec, --out) -> the exit code
+
+
+STAGES: dict[str, Stage] = {
+    s.spec.stage: s
+    for s in (
+        Stage(ShardSpec, one_process(ShardSpec, shard)),
+        Stage(TrainSpec, train),
+        Stage(EvalSpec, one_process(EvalSpec, evaluate)),
+        Stage(ExportSpec, one_process(ExportSpec, export)),
+    )
 }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lmyard.stages", description=__doc__.splitlines()[0])
-    p.add_argument("stage", choices=[*STAGES, "train"])
+    p = argparse.ArgumentParser(prog="python -m lmyard.dispatch", description=__doc__.splitlines()[0])
+    p.add_argument("stage", choices=list(STAGES))
     p.add_argument("--spec", default=None, help="the stage's spec, a JSON file (default: $LMYARD_SPEC)")
     p.add_argument("--out", default=None, help="where the result goes (default: result.json in the exchange folder)")
     args = p.parse_args(argv)
-    if args.stage == "train":  # every rank, under torchrun: rank 0 writes the result, failing ranks their own
-        from lmyard.train.stage import train_stage
-
-        return train_stage(args.spec)
-    cls, body = STAGES[args.stage]
-    for key, value in QUIET_BARS.items():
-        os.environ.setdefault(key, value)
-    out = args.out or os.path.join(os.environ.get(EXCHANGE_ENV, "."), "result.json")
-    # the spec is read inside run_stage: one that does not validate ends with a result file too
-    return run_stage(lambda: body(read_spec(cls, args.spec)), out)
+    return STAGES[args.stage].run(args.spec, args.out)

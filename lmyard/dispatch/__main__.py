@@ -1,7 +1,7 @@
-"""`python -m lmyard.stages STAGE`: the stage entrypoints (lmyard.stages.entry)."""
+"""`python -m lmyard.dispatch STAGE`: the stage entrypoints (lmyard.dispatch)."""
 
 import sys
 
-from lmyard.stages.entry import main
+from lmyard.dispatch import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """Evaluation of one checkpoint: every evaluation of lmyard.evaluate.registry that the run's `eval` enables
 (val loss, HellaSwag-format multiple choice, lm-eval, samples), each a typed result.
 
-    python -m lmyard.stages evaluate --spec spec.json     (an EvalSpec; see lmyard.stages)
+    python -m lmyard.dispatch evaluate --spec spec.json     (an EvalSpec; see lmyard.stages)
 
 Runs in its own process on its own device (`eval.device`: cpu, or a spare
 GPU), independent of the trainer: it reads the checkpoint and the shards

@@ -1,6 +1,6 @@
 """The evaluator: every evaluation of lmyard.evaluate.registry that the run's `eval` enables, on one checkpoint.
 
-    python -m lmyard.stages evaluate --spec spec.json     (an EvalSpec; see lmyard.stages)
+    python -m lmyard.dispatch evaluate --spec spec.json     (an EvalSpec; see lmyard.stages)
 
 Runs in its own process on its own device (`eval.device`: cpu, or a spare
 GPU), independent of the trainer: it reads the checkpoint and the shards

@@ -3,7 +3,7 @@
     run_docker(cfg, spec, on_line=log, flow_run_id=id)
 
 Training runs torchrun in each container, c10d rendezvous on node 0; every other
-stage (shard, evaluate, export) runs `python -m lmyard.stages STAGE` in one
+stage (shard, evaluate, export) runs `python -m lmyard.dispatch STAGE` in one
 container, its spec in LMYARD_SPEC.
 
 `plan()` turns the config into one container definition per node (pure: unit

@@ -4,7 +4,7 @@ Every stage (shard, train, evaluate, export; lmyard.stages) is launched the
 same way: a spec (lmyard.stages.StageSpec) in, its result type out. One
 interface, a backend table (lmyard.backends). A `Job` starts the nodes and reports what they print
 and how they exit; `LocalJob` runs the stage as a process group here (torchrun
-for training, one `python -m lmyard.stages STAGE` otherwise),
+for training, one `python -m lmyard.dispatch STAGE` otherwise),
 `lmyard.launch.containers.DockerJob` one container per node in the stage
 image, `lmyard.launch.ray.RayJob` one Ray actor per node (each runs a `LocalJob`
 on its node; training only). `lmyard.launch.launcher.launch` starts the table's Job of `launch.backend`.
@@ -138,7 +138,7 @@ def torchrun_command(
             cmd += ["--rdzv_conf", f"is_host={int(node == 0)},join_timeout={RDZV_TIMEOUT_S}"]
         if local_addr:
             cmd += ["--local_addr", local_addr]
-    return [*cmd, "-m", "lmyard.stages", "train", *(["--spec", spec_path] if spec_path else [])]
+    return [*cmd, "-m", "lmyard.dispatch", "train", *(["--spec", spec_path] if spec_path else [])]
 
 
 def stage_command(cfg: RunConfig, spec: StageSpec, *, python: str = sys.executable, **torchrun) -> list[str]:
@@ -146,7 +146,7 @@ def stage_command(cfg: RunConfig, spec: StageSpec, *, python: str = sys.executab
     if isinstance(spec, TrainSpec):
         return torchrun_command(cfg, python=python, **torchrun)
     spec_path = torchrun.get("spec_path")
-    return [python, "-m", "lmyard.stages", spec.stage, *(["--spec", spec_path] if spec_path else [])]
+    return [python, "-m", "lmyard.dispatch", spec.stage, *(["--spec", spec_path] if spec_path else [])]
 
 
 def stage_env(cfg: RunConfig) -> dict[str, str]:
@@ -386,7 +386,7 @@ def _die_with_parent() -> None:
 
 class LocalJob:
     """The stage as a child process group of this process: torchrun for training (one node, or one of several
-    with rdzv_endpoint), `python -m lmyard.stages STAGE` for the others. `torchrun` takes torchrun_command's keywords: a
+    with rdzv_endpoint), `python -m lmyard.dispatch STAGE` for the others. `torchrun` takes torchrun_command's keywords: a
     Ray node's actor names its rendezvous and address."""
 
     nodes = 1

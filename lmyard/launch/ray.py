@@ -8,7 +8,7 @@ asks for one bundle per node (`launch.ray`: CPUs, GPUs, custom resources) in a
 placement group, STRICT_SPREAD when there are several nodes, so no two nodes
 share a host. The other stages (tokenize-and-shard, evaluate, export) are one
 actor with the resources their stage asks for (lmyard.launch.ray_requests),
-running `python -m lmyard.stages STAGE` on its node; tokenize-and-shard's read
+running `python -m lmyard.dispatch STAGE` on its node; tokenize-and-shard's read
 pieces then run as Ray tasks over every node (lmyard.data.raypool). A request
 the cluster's nodes can never hold is refused at once, naming the resource
 (from the `ray.nodes()` totals of every node the cluster has had: after a lost

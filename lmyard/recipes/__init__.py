@@ -13,7 +13,7 @@ A recipe is the reviewed definition of one run and wins over the site; a
 `--set` (or a field a deployment's `config` parameter sets) wins over both.
 Other LMYARD_* variables (LMYARD_CACHE, LMYARD_SPEC, ...) name no field and are
 not config. The environment applies where a config is resolved from a recipe
-(`lmyard run/shard/config`, `python -m lmyard.stages`, a deployment's `recipe`
+(`lmyard run/shard/config`, `python -m lmyard.dispatch`, a deployment's `recipe`
 parameter); a RunConfig handed over whole (a flow called without a recipe, the
 trainer's spec) is taken as it is, so a stage never re-reads another host's
 environment into a run already resolved.

@@ -1,7 +1,7 @@
 """The stage runtime: what crosses a process or container boundary, as typed files, and how a stage ends.
 
 Every stage (shard, train, evaluate, export) is a typed spec in and a typed result out
-(`python -m lmyard.stages STAGE`, lmyard.stages.entry). A launcher (lmyard.launch) hands the stage its spec
+(`python -m lmyard.dispatch STAGE`, lmyard.dispatch). A launcher (lmyard.launch) hands the stage its spec
 and reads back files the stage writes atomically into its exchange folder (`LMYARD_EXCHANGE_DIR`; in a
 container a folder inside it, read back through the engine). Nothing is parsed from log lines.
 

@@ -16,7 +16,7 @@ from lmyard.tracking.lineage import LineageRef
 
 class StageSpec(Contract):
     """What every stage gets: the run config. `stage` names it on the command line
-    (`python -m lmyard.stages STAGE --spec spec.json`); `result` is the type it writes to result.json."""
+    (`python -m lmyard.dispatch STAGE --spec spec.json`); `result` is the type it writes to result.json."""
 
     stage: ClassVar[str]
     result: ClassVar[type[BaseModel]]

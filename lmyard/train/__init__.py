@@ -1,1 +1,1 @@
-"""Training: the Trainer (`torchrun -m lmyard.stages train`), its components, the model and data it builds."""
+"""Training: the Trainer (`torchrun -m lmyard.dispatch train`), its components, the model and data it builds."""

@@ -1,6 +1,6 @@
-"""The train stage on every rank: `python -m lmyard.stages train` runs `train_stage` under torchrun.
+"""The train stage on every rank: `python -m lmyard.dispatch train` runs `train_stage` under torchrun.
 
-    torchrun --nproc_per_node=8 -m lmyard.stages train --spec spec.json
+    torchrun --nproc_per_node=8 -m lmyard.dispatch train --spec spec.json
 
 The spec (lmyard.stages.TrainSpec: a JSON file, or the LMYARD_SPEC environment variable) holds the run
 config, the shard set, the lineage, the lease and `hold_for_eval` (the flow evaluates every checkpoint and
@@ -113,7 +113,7 @@ def _train(spec_path: str | None, run: TrainRun) -> TrainResult:
 
 
 def train_stage(spec_path: str | None = None) -> int:
-    """`python -m lmyard.stages train` on every rank: rank 0 writes result.json, any other rank that fails
+    """`python -m lmyard.dispatch train` on every rank: rank 0 writes result.json, any other rank that fails
     writes failures/rank-R.json (lmyard.stages.run_stage, the one path from an exception to an exit code). The
     process's exit code is lmyard.stages.rank_exit's: under lmyard's torchrun a preempted rank exits 0, but its
     node's last."""

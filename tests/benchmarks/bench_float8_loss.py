@@ -4,7 +4,7 @@
     TIKTOKEN_CACHE_DIR=... python tests/benchmarks/bench_float8_loss.py --steps 300 --preset llama-1b
 
 Writes the Python installation's source files as a corpus and shards it (bench_pylib.py: GPT-2 BPE, both
-shuffles on), then trains the same model four times through `torchrun -m lmyard.stages train`, each run on a GPU of
+shuffles on), then trains the same model four times through `torchrun -m lmyard.dispatch train`, each run on a GPU of
 its own, --gpus of them at a time:
 
 - `bf16`: train.float8 off, train.seed 1337;

@@ -8,7 +8,7 @@
 
 It trains a recipe (`smoke` with `--preset`, default gpt2-124m on cuda) on memory-mapped shards of random
 tokens for `--minutes`, through the launcher's own path: `lmyard.launch.follower.LocalJob` runs
-`torchrun -m lmyard.stages train --spec spec.json`, and every `--preempt-every` seconds after an attempt's launch
+`torchrun -m lmyard.dispatch train --spec spec.json`, and every `--preempt-every` seconds after an attempt's launch
 it gets SIGTERM, as a cancellation or a spot reclaim sends it (to torchrun and every rank). The trainer then
 checkpoints the step it stopped at and ends as preempted; the same spec is launched again at once and resumes
 from the store's newest committed checkpoint, exactly as lmyard's retry of the train stage does. At the end of

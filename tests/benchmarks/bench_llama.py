@@ -303,7 +303,7 @@ def run_lmyard(a: argparse.Namespace, gpus: int, shard: Path) -> dict:
 
 
 def run_trainer(a: argparse.Namespace, gpus: int) -> dict:
-    """lmyard's own trainer (`torchrun -m lmyard.stages train`, train.parallel=fsdp) on the same shape: its data loader,
+    """lmyard's own trainer (`torchrun -m lmyard.dispatch train`, train.parallel=fsdp) on the same shape: its data loader,
     logging, guard and a checkpoint at the end included; tokens/s is the median of its logged intervals."""
     from bench_trainer import run_lmyard
     from random_shards import make_shards
@@ -529,7 +529,7 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--titan", action="store_true", help="also run torchtitan 0.2.2 (run_torchtitan.py)")
     ap.add_argument(
-        "--trainer", action="store_true", help="also run lmyard's trainer (torchrun -m lmyard.stages train)"
+        "--trainer", action="store_true", help="also run lmyard's trainer (torchrun -m lmyard.dispatch train)"
     )
     ap.add_argument("--titan-attn", default="sdpa", help="torchtitan's attention: sdpa (as lmyard) or flex")
     ap.add_argument(

@@ -11,7 +11,7 @@ order, as a local glob gives them: similar files arrive together. Then it runs
 the tokenize-and-shard stage (GPT-2 BPE, data.val_every=50, with
 data.shuffle_documents and data.shuffle_sequences on unless --no-shuffle) and
 trains GPT-2 124M for 400 steps of 65,536 tokens (16 x 1024 x 4 micro-steps)
-on one GPU through torchrun -m lmyard.stages train, evaluating every 100 steps (as the measurement in the issue).
+on one GPU through torchrun -m lmyard.dispatch train, evaluating every 100 steps (as the measurement in the issue).
 Prints the corpus, the shard set, every evaluation and whether the validation
 loss fell at each one, as JSON. Needs: torch with CUDA, numpy, tiktoken with
 GPT-2's ranks, pydantic, pyyaml (see docs/performance.md for offline wheels).
@@ -86,7 +86,7 @@ def write_corpus(path: Path, limit_mb: float | None = None) -> dict:
 
 
 def train(cfg, shards: dict, work: Path, env: dict | None = None, prefix: str = "") -> dict[str, list]:
-    """Run the trainer on one GPU (torchrun -m lmyard.stages train) in `work`, with `env` added to its environment,
+    """Run the trainer on one GPU (torchrun -m lmyard.dispatch train) in `work`, with `env` added to its environment,
     its output on stderr (each line after `prefix`); its logged losses, {"val": [(step, loss)], "train": [...]},
     and its warnings ("warnings": [text])."""
     spec = work / "spec.json"
@@ -98,7 +98,7 @@ def train(cfg, shards: dict, work: Path, env: dict | None = None, prefix: str = 
         "--standalone",
         "--nproc_per_node=1",
         "-m",
-        "lmyard.stages",
+        "lmyard.dispatch",
         "train",
         "--spec",
         str(spec),

@@ -4,7 +4,7 @@
 
 For each GPU count N it runs the reference (`gpt2_ref_bench.py`, random tokens,
 B=32, T=1024, torch.compile, bf16, fused AdamW) and then lmyard's own trainer
-(`torchrun -m lmyard.stages train`) on GPT-2 124M with the same micro-batch, reading
+(`torchrun -m lmyard.dispatch train`) on GPT-2 124M with the same micro-batch, reading
 memory-mapped shards of random tokens through its real data path (background
 prefetch, pinned memory), with logging, the divergence check every 10 steps and
 one checkpoint at the end. Prints one JSON line per run and a summary: tokens/s,
@@ -93,7 +93,7 @@ def run_lmyard(
         "--standalone",
         f"--nproc_per_node={gpus}",
         "-m",
-        "lmyard.stages",
+        "lmyard.dispatch",
         "train",
         "--spec",
         str(spec),

@@ -248,7 +248,7 @@ def commit_of(tree: Path) -> str | None:
 def measure(tree: Path, steps: int, keep: bool) -> dict:
     """Run the flow of `tree` here, under the profile hook; its figures."""
     sys.path.insert(0, str(tree))
-    # the trainer ranks (`python -m lmyard.stages ...`, cwd the temporary folder) import the same tree
+    # the trainer ranks (`python -m lmyard.dispatch ...`, cwd the temporary folder) import the same tree
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
     tmp = Path(tempfile.mkdtemp(prefix="config-walk-"))
     if not keep:  # registered first, so it runs last: after Prefect's own hook stops its temporary server
