@@ -438,7 +438,7 @@ def mlflow_server(s3_server, tmp_path_factory):
         start_new_session=True,
     )
     try:
-        wait_for_http(f"{uri}/health", proc, 120, tmp / "server.log")
+        wait_for_http(f"{uri}/health", proc, 300, tmp / "server.log")  # its imports take minutes on a busy machine
         with pytest.MonkeyPatch.context() as mp:
             # The server offers clients presigned S3 URLs for downloads; against the moto server
             # (IAM enforced) those GETs fail and the client retries with long backoffs. Download
