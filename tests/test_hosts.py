@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -311,7 +312,9 @@ def test_two_hosts_train_one_node_each_and_end_at_the_val_loss_of_two_local_rank
     assert result["status"] == "done" and result["step"] == 6, text[-3000:]
 
     # two containers, at two hosts' names and addresses, the image by digest from the registry
-    joined = sorted(line.split(": ranks")[0] for line in launched["lines"] if "of 2 joined" in line)
+    joined = sorted(
+        re.sub(r" \[rank \d+\]", "", line.split(": ranks")[0]) for line in launched["lines"] if "of 2 joined" in line
+    )
     assert joined == ["[node 0] host-a", "[node 1] host-b"], text[-3000:]
     described = [line for line in launched["lines"] if line.startswith("node ")]
     assert [f"--local_addr {h.addr}" in line for line, h in zip(described, (a, b), strict=True)] == [True, True]

@@ -129,7 +129,9 @@ def test_two_ray_nodes_on_two_hosts_train_one_rank_each_to_the_val_loss_of_two_l
     addrs = {int(m.group(1)): m.group(2) for m in placed if m}
     assert sorted(addrs) == [0, 1] and sorted(addrs.values()) == [a.addr, b.addr], text[-3000:]
     host_of = {a.addr: a.hostname, b.addr: b.hostname}
-    joined = sorted(line.split(": ranks")[0] for line in launched["lines"] if "of 2 joined" in line)
+    joined = sorted(
+        re.sub(r" \[rank \d+\]", "", line.split(": ranks")[0]) for line in launched["lines"] if "of 2 joined" in line
+    )
     assert joined == [f"[node {i}] {host_of[addrs[i]]}" for i in (0, 1)], text[-3000:]
 
     local = load_recipe(

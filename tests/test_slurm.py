@@ -9,6 +9,7 @@ Skipped where namespaces cannot be made or Slurm is not installed; LMYARD_REQUIR
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -87,7 +88,9 @@ def test_two_slurm_nodes_train_one_rank_each_to_the_val_loss_of_two_local_ranks_
     assert "result" in launched, f"{launched.get('error')}\n{text[-4000:]}"
     result = launched["result"]
     assert result["status"] == "done" and result["step"] == 6, text[-3000:]
-    joined = sorted(line.split(": ranks")[0] for line in launched["lines"] if "of 2 joined" in line)
+    joined = sorted(
+        re.sub(r" \[rank \d+\]", "", line.split(": ranks")[0]) for line in launched["lines"] if "of 2 joined" in line
+    )
     assert joined == ["[node 0] host-a", "[node 1] host-b"], text[-3000:]
     evaluation, eval_text = launched["evaluation"], "\n".join(launched["eval_lines"])
     assert evaluation["step"] == 6 and any(line.startswith("Slurm job ") for line in launched["eval_lines"]), eval_text
