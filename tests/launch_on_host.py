@@ -72,7 +72,7 @@ def main() -> int:
         if args.evaluate:
             out["eval_lines"] = eval_lines = []
             evaluation = launch(EvalSpec(config=cfg, shards=shards), on_line=eval_lines.append)
-            out["evaluation"] = evaluation.model_dump(mode="json")
+            out["evaluation"] = {**evaluation.model_dump(mode="json"), "val_loss": evaluation.val_loss}
     except Exception as e:
         out.update(error=str(e), error_type=type(e).__name__, exit_code=getattr(e, "exit_code", None))
         if not isinstance(e, UserError):

@@ -41,7 +41,7 @@ class TrackingConfig(_Section):
         None,
         ge=0,
         description="Price of one GPU-hour (in any currency): each attempt records it, and a lineage's GPU-hours "
-        "then give a cost estimate (the `cost/estimate` metric, `lmyard status`, `lmyard runs --cost`).",
+        "then give a cost estimate (the `system/cost/estimate` metric, `lmyard status`, `lmyard runs --cost`).",
     )
     system_metrics: bool = Field(True, description="Log CPU, memory, disk, network (and GPU) metrics per node.")
     system_metrics_interval_s: float = Field(10.0, gt=0, description="Seconds between system metric samples.")

@@ -4,7 +4,7 @@ Each attempt of a lineage records on its MLflow run (tags `lmyard.attempt.<n>.*`
 `nodes`, `gpus_per_node` (the ranks per node on CUDA, 0 on a CPU), `started_at` (epoch seconds), the
 `gpu_hour_price` when tracking.gpu_hour_price is set, and as it ends `wall_s`, `node_hours` and `gpu_hours`.
 The lineage's totals are metrics of the run, logged as each attempt ends with the attempt's number as their
-step: `cost/node_hours`, `cost/gpu_hours` and, with a price, `cost/estimate` (the attempts' GPU-hours at the
+step: `system/cost/node_hours`, `system/cost/gpu_hours` and, with a price, `system/cost/estimate` (the attempts' GPU-hours at the
 price each recorded). `lmyard status` shows them, `lmyard runs --cost` totals them by experiment.
 
 An attempt whose process died with it (a killed worker) records no end: its hours are not counted.
@@ -16,7 +16,8 @@ import time
 
 from pydantic import BaseModel
 
-NODE_HOURS, GPU_HOURS, ESTIMATE = "cost/node_hours", "cost/gpu_hours", "cost/estimate"
+NODE_HOURS = "system/cost/node_hours"  # on the System metrics tab: the losses lead the Model metrics tab
+GPU_HOURS, ESTIMATE = "system/cost/gpu_hours", "system/cost/estimate"
 
 
 class Usage(BaseModel):
