@@ -132,7 +132,7 @@ def test_a_lost_node_fails_the_attempt_and_the_retry_resumes_from_the_checkpoint
     assert result.start_step == 10 and result.step == 30
     assert complete_steps(store, run_name)[-1] == 30
     first = lineage.attempts()[0]["outcome"]
-    assert re.match(r"failed: TrainingFailed: lost node \d: its Ray actor is gone", first), first
+    assert re.match(r"failed: TrainingFailed: lost node \d: its Ray actor \(\S+, [\d.]+\) is gone", first), first
     actors = ray_actors(run_name)
     assert len(actors) == 4  # two launches of two nodes
     assert ray_leftovers(run_name) == ([], [])

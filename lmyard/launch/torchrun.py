@@ -35,7 +35,9 @@ def main() -> int:
             failures = [RankExit(rank=r, code=f.exitcode, pid=f.pid, at=f.timestamp) for r, f in e.failures.items()]
         except SignalException as e:  # its agent stopped the ranks already; the launcher said why it signalled
             print(f"torchrun: stopped by {e.sigval.name}; its ranks were stopped first", file=sys.stderr)
-            return 1  # as torchrun's own uncaught SignalException exited, less its traceback
+            # the ranks' own records say whether they committed their preemption checkpoint (5) or not (1)
+            records = {x.rank: x for x in rank_exits(folder)} if folder else {}
+            return node_code(records) if records else 1
         # a rank's own record wins: torchrun may have stopped a preempted rank after it recorded, its work done
         return node_code({x.rank: x for x in [*failures, *(rank_exits(folder) if folder else [])]})
     finally:
