@@ -170,6 +170,7 @@ def status(args: argparse.Namespace) -> int:
         lines.append(f"  moved aside as damaged: steps {s.damaged_steps}")
     if s.usage is not None and s.attempts:
         lines.append(f"  usage: {s.usage.words()}")
+    lines += _restart_lines(s)
     if last := s.last_evaluation:
         rows = last.rows or {"val loss": f"{last.val_loss:.4f}"}
         lines.append(f"  last evaluation: step {last.step}, " + ", ".join(f"{k} {v}" for k, v in rows.items()))
@@ -178,6 +179,22 @@ def status(args: argparse.Namespace) -> int:
     ]
     print("\n".join(lines))
     return 0
+
+
+def _restart_lines(s) -> list[str]:
+    """Each attempt's restart in its parts (system/restart/*), and the lineage's goodput with its badput by cause."""
+    lines = [
+        f"    restart of attempt {a.number}: {a.restart_s['total']:.1f} s = "
+        + " + ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in a.restart_s.items() if k != "total" and v >= 0.05)
+        for a in s.attempts
+        if "total" in a.restart_s
+    ]
+    if g := s.goodput:
+        lines.append(
+            f"  goodput {g.goodput:.1%} ({g.productive_s:.0f} s of {g.wall_s:.0f} s); badput: "
+            + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in g.badput_s.items())
+        )
+    return lines
 
 
 def _attempt_line(a, sized: bool) -> str:

@@ -64,6 +64,14 @@ class RunLayout:
         return f"{self.rank_markers(step)}/rank_{rank:05d}.json"
 
     @property
+    def compile_root(self) -> str:
+        return f"{self.root}/compile"
+
+    def compile_cache(self, key: str, ext: str) -> str:
+        """torch.compile's cache artifacts (`bin`) and their record (`json`) for one key (lmyard.train.compile_cache)."""
+        return f"{self.compile_root}/{key}.{ext}"
+
+    @property
     def damaged_root(self) -> str:
         return f"{self.root}/damaged"
 

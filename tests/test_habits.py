@@ -165,6 +165,7 @@ def test_the_assignment_scan_sees_patches_in_every_spelling():
 # which). A new one is added here; one no longer used is removed.
 TORCH_PRIVATE = {
     "torch._C": "memory: the allocator's settings in this process (torch >= 2.11)",
+    "torch._dynamo.utils.counters": "compile_cache: torch's FX graph and AOTAutograd cache hits (no public count)",
     "torch._foreach_add_": "optim: one launch for every parameter's step",
     "torch._foreach_mul_": "optim: one launch for the clipping scale",
     "torch._foreach_norm": "optim: one launch for the gradients' norms",

@@ -64,6 +64,12 @@ class TrainConfig(_Section):
     seed: int = 1337
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto`: CUDA when present.")
     compile: bool | None = Field(None, description="torch.compile the model; default: on for CUDA.")
+    compile_cache: bool = Field(
+        True,
+        description="Save torch.compile's cache artifacts to the run's store after an attempt's first compile and "
+        "load them before every later attempt's first step, on any node (runs/<run>/compile/; code the first step "
+        "runs: read only from the run's own store).",
+    )
     threads_per_rank: int | None = Field(None, gt=0, description="CPU threads per rank; default: cores / local ranks.")
     log_interval: int = Field(20, gt=0, description="Steps between metric logs (and divergence checks).")
     ddp_bucket_mb: float = Field(

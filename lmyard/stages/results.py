@@ -52,6 +52,18 @@ class ShardProgress(Contract):
     done: bool = False
 
 
+class CompileReport(Contract):
+    """What rank 0's torch.compile took from the run's store (lmyard.train.compile_cache) and torch's own cache
+    counters in that process: hits are graphs not compiled again."""
+
+    found: str = Field(description="off | loaded | none | mismatch | damaged")
+    loaded: int = Field(0, description="Compiled artifacts put in place before the first step.")
+    fxgraph_hits: int = 0
+    fxgraph_misses: int = 0
+    autograd_hits: int = 0
+    autograd_misses: int = 0
+
+
 class TrainResult(Contract):
     """How a training job ended. `exit_code` follows lmyard.errors.ExitCode."""
 
@@ -69,6 +81,7 @@ class TrainResult(Contract):
     rank: int | None = None  # a failed rank's: see StageError
     at: float | None = None
     output: list[str] = Field(default_factory=list)
+    compile_cache: CompileReport | None = None
 
     @classmethod
     def ended(cls, code: ExitCode, message: str | None = None, **fields) -> TrainResult:

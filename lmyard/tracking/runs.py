@@ -54,6 +54,16 @@ class Attempt(BaseModel):
     node_hours: float | None = None
     gpu_hours: float | None = None
     flow_run_url: str | None = None  # its flow run's page in the Prefect UI, where the API has one
+    restart_s: dict[str, float] = {}  # its launch to its first step, in parts (system/restart/*; total included)
+
+
+class Goodput(BaseModel):
+    """The lineage's goodput so far (system/goodput/*, lmyard.train.components.Goodput)."""
+
+    goodput: float  # productive / wall
+    wall_s: float  # the attempts' time, launch to last record, summed
+    productive_s: float  # in steps whose results survive
+    badput_s: dict[str, float]  # by cause: start, restart, steps_lost, checkpoint, evaluation
 
 
 class LastEvaluation(BaseModel):
@@ -80,6 +90,7 @@ class RunStatus(RunRow):
     flow_run_url: str | None = None  # the newest attempt's flow run in the Prefect UI, where the API has one
     attempts: list[Attempt]
     usage: cost.Usage | None = None  # the attempts' GPU-hours and node-hours, summed
+    goodput: Goodput | None
     last_evaluation: LastEvaluation | None
     registered_versions: list[ModelVersion]
 
@@ -186,6 +197,41 @@ def _usage(tags: dict[str, str]) -> cost.Usage:
     return cost.of_lineage(attempts)
 
 
+def _with_restarts(attempts: list[Attempt], client, run_id: str, metrics: dict[str, float]) -> list[Attempt]:
+    """Each attempt's restart parts: the system/restart/* points at its first step (start_step + 1), oldest first
+    when several attempts started from the same step."""
+    keys = [k for k in metrics if k.startswith(schema.RESTART_METRICS)]
+    points: dict[int, list[dict[str, float]]] = {}  # first step -> one dict per attempt, in time order
+    for key in keys:
+        part = key.removeprefix(schema.RESTART_METRICS).removesuffix("_s")
+        by_step: dict[int, int] = {}
+        for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp):
+            i = by_step[m.step] = by_step.get(m.step, -1) + 1
+            rows = points.setdefault(m.step, [])
+            rows.extend({} for _ in range(i + 1 - len(rows)))
+            rows[i][part] = round(m.value, 3)
+    for a in attempts:
+        waiting = points.get((a.start_step or 0) + 1, [])
+        if waiting:
+            a.restart_s = waiting.pop(0)
+    return attempts
+
+
+def _goodput(metrics: dict[str, float]) -> Goodput | None:
+    g = {k.removeprefix(schema.GOODPUT_METRICS): v for k, v in metrics.items() if k.startswith(schema.GOODPUT_METRICS)}
+    if "goodput" not in g:
+        return None
+    badput = {
+        k.removeprefix("badput/").removesuffix("_s"): round(v, 3) for k, v in g.items() if k.startswith("badput/")
+    }
+    return Goodput(
+        goodput=round(g["goodput"], 4),
+        wall_s=round(g.get("wall_s", 0.0), 3),
+        productive_s=round(g.get("productive_s", 0.0), 3),
+        badput_s=badput,
+    )
+
+
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui --backend-store-uri <a local store>` serves its pages
 
 
@@ -252,6 +298,7 @@ def run_status(store: Store, run_name: str, tracking_uri: str, checksums: bool =
         mlflow_status=None,
         mlflow_run_url=None,
         attempts=[],
+        goodput=None,
         last_evaluation=None,
         registered_versions=[],
     )
@@ -267,10 +314,11 @@ def run_status(store: Store, run_name: str, tracking_uri: str, checksums: bool =
         rows = _evaluation_rows(client, row.mlflow_run_id, last.step) if last else {}
     status.mlflow_status = run.info.status
     status.mlflow_run_url = run_url(tracking_uri, run.info.experiment_id, row.mlflow_run_id)
-    status.attempts = _attempts(run.data.tags)
+    status.attempts = _with_restarts(_attempts(run.data.tags), client, row.mlflow_run_id, run.data.metrics)
     status.flow_run_url = next((a.flow_run_url for a in reversed(status.attempts) if a.flow_run_url), None)
     status.usage = _usage(run.data.tags)
     status.last_evaluation = LastEvaluation(step=last.step, val_loss=last.value, rows=rows) if last else None
+    status.goodput = _goodput(run.data.metrics)
     status.registered_versions = [
         ModelVersion(
             name=v.name, version=str(v.version), aliases=list(v.aliases or []), uri=f"models:/{v.name}/{v.version}"

@@ -5,7 +5,7 @@ sections in name order, the unprefixed ones last, and keeps every `system/` metr
 the losses come first, in one section: `loss/train` (the trainer, every log step), `loss/val` (the trainer,
 every eval.interval) and `loss/eval` (the evaluator, every checkpoint: the same routine as `loss/val`); then the
 scores of the evaluations (`task/*`) and the trainer's unprefixed ones (lr, grad norm, tokens/s). The plumbing
-(`system/checkpoint/*`, `system/eval/seconds`, `system/startup/*`, `system/guard/*`) lies beside MLflow's
+(`system/checkpoint/*`, `system/eval/seconds`, `system/restart/*`, `system/goodput/*`, `system/guard/*`) lies beside MLflow's
 own system metrics. No metric is a timestamp. Bookkeeping (which checkpoint of a step was
 recorded and evaluated: a step trained again after a fallback holds another one) is no run tag: it is the
 JSON artifact BOOKKEEPING (lmyard.tracking.bookkeeping), out of the run page's way.
@@ -18,6 +18,8 @@ VAL_LOSS = "loss/val"
 EVAL_LOSS = "loss/eval"
 LOSSES = (TRAIN_LOSS, VAL_LOSS, EVAL_LOSS)
 EVAL_SECONDS = "system/eval/seconds"
+RESTART_METRICS = "system/restart/"  # an attempt's launch to its first step, in parts, at its first step
+GOODPUT_METRICS = "system/goodput/"  # the lineage's goodput and badput by cause (lmyard.train.components.Goodput)
 EVALUATED = EVAL_LOSS  # the metric whose steps say which checkpoints have been evaluated
 
 # artifacts

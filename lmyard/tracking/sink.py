@@ -18,10 +18,12 @@ from typing import Protocol
 from lmyard.config import redact_uri
 from lmyard.tracking.client import mlflow_client
 from lmyard.tracking.lineage import LineageRef
+from lmyard.tracking.schema import RESTART_METRICS
 
 
 class MetricsSink(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def latest(self, prefix: str) -> dict[str, float]: ...
     def flush(self, timeout: float | None = None) -> None: ...
     def close(self) -> None: ...
 
@@ -29,6 +31,9 @@ class MetricsSink(Protocol):
 class NullSink:
     def log(self, metrics: dict[str, float], step: int) -> None:
         pass
+
+    def latest(self, prefix: str) -> dict[str, float]:
+        return {}
 
     def flush(self, timeout: float | None = None) -> None:
         pass
@@ -75,6 +80,18 @@ class MLflowSink:
         self.queue.put([Metric(k, float(v), now, step) for k, v in metrics.items()])
         self._say_if_waiting()
 
+    def latest(self, prefix: str) -> dict[str, float]:
+        """The run's latest value of each metric under `prefix` (earlier attempts' records); {} when the server
+        cannot be read (training never fails for tracking)."""
+        try:
+            metrics = self.client.get_run(self.run_id).data.metrics
+        except Exception as e:
+            print(
+                f"metrics: could not read the run's {prefix}* metrics ({type(e).__name__}); starting from 0", flush=True
+            )
+            return {}
+        return {k: v for k, v in metrics.items() if k.startswith(prefix)}
+
     def _say_if_waiting(self) -> None:
         """From the training thread (the sender is the one waiting): one line once a send has waited SLOW_S."""
         since = self.sending_since
@@ -105,7 +122,7 @@ class MLflowSink:
             self.floor = {m.key: m.step for m in self.client.get_run(self.run_id).data._metric_objs}
         out, seen = [], dict(self.floor)
         for m in batch:
-            if m.step <= seen.get(m.key, -1):
+            if m.step <= seen.get(m.key, -1) and not m.key.startswith(RESTART_METRICS):
                 if not self.skipped:
                     print(
                         f"metrics: {m.key} at step {m.step} is already in the MLflow run (an earlier attempt "

@@ -2,7 +2,8 @@
 
 `MetricsLogger` (train metrics, progress.json), `Validator` (val loss), `Checkpointing` (saves, on schedule
 and when preempted), `DivergenceGuard` (rollback or stop), `Preemption` (SIGTERM agreed on by every rank),
-`FaultHook` (the injected failures of lmyard.faults) and `Startup` (time to the first step, in parts).
+`FaultHook` (the injected failures of lmyard.faults), `Startup` (time to the first step, in parts) and `Goodput`
+(the lineage's goodput and badput by cause).
 
 Design notes: docs/training.md, `lmyard/train/components.py`.
 """
@@ -24,6 +25,7 @@ from lmyard.config import RunConfig
 from lmyard.errors import Diverged
 from lmyard.stages import Exchange, Progress
 from lmyard.stages.startup import launched_at
+from lmyard.tracking.schema import GOODPUT_METRICS, RESTART_METRICS
 
 # Dense bf16 peak FLOP/s per GPU for MFU (vendor datasheets, SXM parts, no sparsity).
 # MFU = tokens/s * flops_per_token / (peak * GPUs), flops_per_token = 6N + 12*L*d*T.
@@ -234,21 +236,46 @@ class FaultHook:
 
 
 class Startup:
-    """The restart to the first step's end, in parts, once per attempt (rank 0 reports: `system/startup/<part>_s` metrics
-    and one line). launch: from the launch (lmyard.stages.startup.launched_at: the launcher's time, torchrun's start
-    or this process's) to the train stage's entry, when this is made: torchrun, the interpreter, imports;
-    rendezvous: the process group; resume: the CheckpointManager's load; compile: the first step's time over the
-    second's (torch.compile, autotuning, first allocations); first_step: the second step's time, a steady one;
-    other: the rest (the model, the data, wrapping). Reported after the second step, or at the end of an attempt
-    that ran one step (its compile is then in first_step). The parts sum to the total."""
+    """The restart to the first step's end, in parts, once per attempt (rank 0 reports: `system/restart/<part>_s`
+    metrics at the attempt's first step, and one line). The parts, in the order they happen:
 
-    PARTS = ("launch", "rendezvous", "resume", "compile", "first_step", "other")
+    - torchrun: from the launch (lmyard.stages.startup.launched_at: the launcher's time, torchrun's start or this
+      process's) to this rank's process start: torchrun's own start and its agent;
+    - imports: from this process's start to the train stage's entry, when this is made (the interpreter, imports);
+    - cuda: the CUDA runtime's initialisation; rendezvous: the process group (NCCL's communicators on CUDA);
+    - model: the model built, sharded and wrapped, its optimizer made; data: the loader set up and the time the
+      first step waited for its first batch;
+    - resume: the CheckpointManager's load; compile_cache: the compiled code loaded from the run's store;
+    - compile: the first step's time over the second's (torch.compile, autotuning, first allocations), less the
+      data wait; first_step: the second step's time, a steady one; other: the rest.
+
+    Reported after the second step, or at the end of an attempt that ran one step (its compile is then in
+    first_step). The parts sum to the total. Each is a few clock reads: always on."""
+
+    PARTS = (
+        "torchrun",
+        "imports",
+        "cuda",
+        "rendezvous",
+        "model",
+        "data",
+        "resume",
+        "compile_cache",
+        "compile",
+        "first_step",
+        "other",
+    )
 
     def __init__(self) -> None:
         self.launched, self.launched_by = launched_at()
         self.entered = time.perf_counter()
-        self.parts = {"launch": max(0.0, time.time() - self.launched), "rendezvous": 0.0, "resume": 0.0}
+        now = time.time()
+        born = process_start(self.launched)
+        self.parts = dict.fromkeys(self.PARTS[:-3], 0.0)  # compile, first_step, other: from the steps
+        self.parts["torchrun"] = max(0.0, born - self.launched)
+        self.parts["imports"] = max(0.0, now - max(born, self.launched))
         self.steps: list[float] = []  # the first two steps' times
+        self.first_wait = 0.0  # what the first step waited for its batches
         self.first_end = 0.0  # perf_counter at the first step's end
         self.reported = False
 
@@ -261,16 +288,20 @@ class Startup:
             self.parts[name] += time.perf_counter() - t0
 
     @contextlib.contextmanager
-    def step(self, device: torch.device) -> Iterator[None]:
-        """Times one of the first two steps to its end on the device (a synchronize for each of those two)."""
+    def step(self, device: torch.device, batches=None) -> Iterator[None]:
+        """Times one of the first two steps to its end on the device (a synchronize for each of those two);
+        `batches` (with `waited_s`): the first step's wait for data counts as the data part."""
         if len(self.steps) >= 2:
             yield
             return
+        waited = batches.waited_s if batches is not None else 0.0
         t0 = time.perf_counter()
         yield
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         end = time.perf_counter()
+        if not self.steps and batches is not None:
+            self.first_wait = batches.waited_s - waited
         self.steps.append(end - t0)
         self.first_end = self.first_end or end
 
@@ -278,25 +309,111 @@ class Startup:
         """Each part and the total in seconds; None before the first step has ended."""
         if not self.steps:
             return None
-        first = self.steps[0]
+        first = self.steps[0] - self.first_wait
         steady = self.steps[1] if len(self.steps) > 1 else first
         times = {**self.parts, "compile": max(0.0, first - steady), "first_step": min(first, steady)}
-        total = self.parts["launch"] + self.first_end - self.entered
+        times["data"] += self.first_wait
+        total = self.parts["torchrun"] + self.parts["imports"] + self.first_end - self.entered
         times["other"] = max(0.0, total - sum(times.values()))
         return {**times, "total": total}
 
     def report(self, step: int, sink, is_main: bool, final: bool = False) -> None:
-        """Once: after the second step, or (`final`) at the attempt's end when only one step ran."""
+        """Once: after the second step, or (`final`) at the attempt's end when only one step ran. The metrics go
+        at the attempt's first step."""
         if self.reported or not self.steps or (len(self.steps) < 2 and not final):
             return  # every step asks: the check comes before any work
         times = self.times()
         assert times is not None
         self.reported = True
+        first = step - len(self.steps) + 1
         if is_main:
-            sink.log({f"system/startup/{k}_s": v for k, v in times.items()}, step)
+            sink.log({f"{RESTART_METRICS}{k}_s": v for k, v in times.items()}, first)
             parts = " + ".join(f"{k.replace('_', ' ')} {times[k]:.2f} s" for k in self.PARTS)
             print(
-                f"startup to the end of step {step - len(self.steps) + 1}: {times['total']:.2f} s = {parts} "
+                f"startup to the end of step {first}: {times['total']:.2f} s = {parts} "
                 f"(launch from {self.launched_by}'s start)",
                 flush=True,
             )
+
+
+def process_start(launched: float) -> float:
+    """This process's start (Unix seconds); `launched` where it cannot be read."""
+    import psutil
+
+    try:
+        return psutil.Process().create_time()
+    except psutil.Error:
+        return launched
+
+
+CAUSES = ("start", "restart", "steps_lost", "checkpoint", "evaluation")
+
+
+class Goodput:
+    """One attempt's share of the lineage's goodput and badput by cause, kept up to date in its MLflow run as
+    `system/goodput/*`; only rank 0 makes records.
+
+    Goodput is the share of the lineage's time spent in steps whose results survive; the rest is badput, by cause:
+
+        start        the first attempt's launch to its first step (torchrun, imports, set-up, compile)
+        restart      every later attempt's launch to its first step (`Startup`)
+        steps_lost   steps an attempt ran past the checkpoint the next attempt resumed from, at their mean time
+        checkpoint   the time the loop was blocked by checkpoint saves
+        evaluation   the in-loop validation
+
+    The time is the attempts' own: from each launch to its last record (at every log step, at a preemption and at
+    the end), summed over the attempts; a retry's wait between attempts is not in it. Each record carries the
+    lineage's totals so far; an attempt starts from the totals the last one recorded (the run's latest values) and
+    moves the steps it runs again from goodput to `steps_lost`. The points' step is the lineage's count of steps
+    run, repeats included: it only grows, so the latest point is always the newest record.
+    """
+
+    def __init__(self, sink, launched: float, is_main: bool):
+        self.sink, self.launched, self.is_main = sink, launched, is_main
+        self.prev: dict[str, float] = {}
+        self.blocked = {"checkpoint": 0.0, "evaluation": 0.0}
+
+    def begin(self, start_step: int) -> None:
+        """The totals the lineage's earlier attempts recorded; steps past `start_step` count as lost."""
+        if not self.is_main:
+            return
+        latest = getattr(self.sink, "latest", None)
+        prev = latest(GOODPUT_METRICS) if latest else {}
+        self.prev = {k.removeprefix(GOODPUT_METRICS): v for k, v in prev.items()}
+        reached = int(self.prev.get("step", 0))
+        if reached > start_step and self.prev.get("productive_s"):
+            lost = (reached - start_step) * self.prev["productive_s"] / reached
+            self.prev["productive_s"] -= lost
+            self.prev["badput/steps_lost_s"] = self.prev.get("badput/steps_lost_s", 0.0) + lost
+
+    def blocked_by(self, cause: str, seconds: float) -> None:
+        self.blocked[cause] += seconds
+
+    def record(self, step: int, steps_run: int, startup: Startup) -> dict[str, float]:
+        """The lineage's totals now, after this attempt's `steps_run` steps (`startup`: its launch to its first step,
+        less the steady step in it)."""
+        if not self.is_main:
+            return {}
+        times = startup.times()
+        startup_s = times["total"] - times["first_step"] if times else None
+        p = self.prev
+        wall = time.time() - self.launched
+        starting = wall if startup_s is None else min(startup_s, wall)
+        mine = max(0.0, wall - starting - sum(self.blocked.values()))
+        first = not p  # no earlier record: this is the lineage's start
+        badput = {c: p.get(f"badput/{c}_s", 0.0) for c in CAUSES}
+        badput["start" if first else "restart"] += starting
+        badput["checkpoint"] += self.blocked["checkpoint"]
+        badput["evaluation"] += self.blocked["evaluation"]
+        total = p.get("wall_s", 0.0) + wall
+        productive = p.get("productive_s", 0.0) + mine
+        values = {
+            "wall_s": total,
+            "productive_s": productive,
+            "goodput": productive / total if total > 0 else 0.0,
+            "step": float(step),
+            "steps_run": p.get("steps_run", 0.0) + steps_run,
+            **{f"badput/{c}_s": v for c, v in badput.items()},
+        }
+        self.sink.log({GOODPUT_METRICS + k: v for k, v in values.items()}, int(values["steps_run"]))
+        return values

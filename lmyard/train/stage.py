@@ -88,6 +88,10 @@ def _train(spec_path: str | None, run: TrainRun) -> TrainResult:
     startup = Startup()  # the trainer's entry: the launch part ends here
     spec = read_spec(TrainSpec, spec_path)
     cfg, lineage = spec.config, spec.lineage
+    if cfg.train.device != "cpu":
+        with startup.part("cuda"):  # the CUDA runtime, timed apart from the process group that follows
+            if torch.cuda.is_available():
+                torch.cuda.init()
     with startup.part("rendezvous"):
         d = setup_distributed(cfg)
     if d.world > 1 and d.local_rank == 0:  # one line per node: which ranks run where

@@ -28,10 +28,12 @@ from lmyard.stages import Exchange, Heartbeat, Started, TrainResult, TrainSpec
 from lmyard.tracking.lease import Fence
 from lmyard.tracking.sink import MetricsSink
 from lmyard.train import build
+from lmyard.train.compile_cache import CompileCache
 from lmyard.train.components import (
     Checkpointing,
     DivergenceGuard,
     FaultHook,
+    Goodput,
     MetricsLogger,
     Preemption,
     Startup,
@@ -41,7 +43,8 @@ from lmyard.train.components import (
 from lmyard.train.distributed import Dist, Parallelism, no_sync, plan_memory
 from lmyard.train.optim import clipped_update
 
-# How long a checkpoint waits for the metrics logged so far to reach MLflow (lmyard.tracking.sink.MLflowSink.flush).
+# How long a checkpoint waits for the metrics logged so far to reach MLflow (lmyard.tracking.sink.MLflowSink.flush);
+# a hung MLflow is waited for once, not at every checkpoint, and the sink resends when it can.
 CHECKPOINT_FLUSH_S = 5.0
 
 
@@ -82,11 +85,12 @@ class Trainer:
         self.parallel = Parallelism.of(cfg)  # chosen once: the trainer never asks train.parallel again
         if not cfg.model.init_from:  # the checkpoints' disk budget from the config, before the model is made
             self._check_disks({"arch": cfg.model.architecture(), **resolve(cfg.model, shards.n_vocab)})
-        self._build_model()
+        with self.startup.part("model"):
+            self._build_model()
         if cfg.model.init_from:  # its sizes are the Hugging Face folder's
             self._check_disks(model_spec(self.raw_model))
-        T = self.gcfg.block_size
-        self.accum, self.data, self.val = build.data(cfg, shards, T, d.rank, d.world, self.cache)
+        with self.startup.part("data"):
+            self.accum, self.data, self.val = build.data(cfg, shards, self.gcfg.block_size, d.rank, d.world, self.cache)
         self.state = build.first_state(
             cfg, shards, lineage, d.world, self.data.stream.total, model_spec(self.raw_model)
         )
@@ -94,6 +98,8 @@ class Trainer:
         self.logger = MetricsLogger(cfg, d.device, d.world, flops_per_token(self.state.model), sink, d.is_main)
         self.validator, self.checkpointing = Validator(cfg), Checkpointing(cfg)
         self.guard, self.faults = DivergenceGuard(cfg), FaultHook(d.rank, d.world)
+        self.goodput = Goodput(sink, self.startup.launched, d.is_main)
+        self.compile_cache = CompileCache.of(cfg, run, d.world, d.device, d.rank)
         self.checkpoints = CheckpointManager(
             cfg,
             run,
@@ -124,19 +130,25 @@ class Trainer:
     # ---- the run --------------------------------------------------------------------
     def train(self) -> TrainResult:
         self.resume()
-        self.model, self.autocast = self.parallel.wrap(self.raw_model, self.planned, self.d)
+        self.goodput.begin(self.state.step)
+        with self.startup.part("model"):
+            self.model, self.autocast = self.parallel.wrap(self.raw_model, self.planned, self.d)
+        with self.startup.part("compile_cache"):
+            self.compile_cache.load()  # before the first step compiles: what an earlier attempt compiled
         self.params: list[torch.Tensor] = list(self.raw_model.parameters())
         self._describe()
-        self.batches = Prefetcher(self.data, self.state.cursor, self.d.device)
+        with self.startup.part("data"):
+            self.batches = Prefetcher(self.data, self.state.cursor, self.d.device)
         self.preemption, heartbeat = Preemption(self.d.world, self.d.device.type == "cuda"), Heartbeat(self.d.rank)
-        steps_run = 0
+        self.steps_run = 0
         try:
             while self.state.step < self.t.max_steps:
                 self.faults.before_step(self.state.step + 1)
                 loss, grad_norm, lr = self.step()
-                if steps_run == 0:  # the optimizer state exists now: make the checkpoint copy buffers
+                if self.steps_run == 0:  # the optimizer state exists now: make the checkpoint copy buffers
                     self.checkpoints.prepare()
-                steps_run += 1
+                    self.compile_cache.save()  # the first compile is done: its code to the store, for restarts
+                self.steps_run += 1
                 heartbeat.beat(self.state.step)
                 if self.fence and self.d.is_main:  # a lost lease: stop before this step logs or saves anything
                     self.fence.due_check()
@@ -158,13 +170,15 @@ class Trainer:
             self.batches.close()
             self.preemption.close()
             self.startup.report(self.state.step, self.sink, self.d.is_main, final=True)  # if one step ran
+            self.goodput.record(self.state.step, self.steps_run, self.startup)  # the lineage's goodput so far
+            self.compile_cache.close()
         self.checkpoints.close()  # wait for the last upload, every rank alike
         return self.result(ExitCode.DONE)
 
     def step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step; advances step, cursor and tokens seen."""
         lr = lr_at(self.state.step, self.t)
-        with self.startup.step(self.d.device):
+        with self.startup.step(self.d.device, self.batches):
             loss, grad_norm = train_step(
                 self.model,
                 self.params,
@@ -203,12 +217,14 @@ class Trainer:
             self.batches.waited_s,
             epoch=self.data.epoch(self.state.cursor),
         )
+        self.goodput.record(step, self.steps_run, self.startup)
         return False
 
     def maybe_validate(self) -> None:
         step = self.state.step
         if not self.validator.due(step):
             return
+        t0 = time.perf_counter()
         loss = val_loss(
             self.model, self.val, self.t.micro_batch, self.d.device, self.autocast, self.d.rank, self.d.world
         )
@@ -216,17 +232,17 @@ class Trainer:
         if self.d.is_main:
             self.sink.log({"loss/val": loss}, step)
             print(f"step {step} | val loss {loss:.4f}", flush=True)
+        self.goodput.blocked_by("evaluation", time.perf_counter() - t0)
         self.logger.restart(self.batches.waited_s)
 
     # ---- checkpoints ----------------------------------------------------------------
     def save(self) -> None:
         """Every rank hands in its RNG state; rank 0 snapshots the state and returns (upload in background)."""
         if self.d.is_main:
-            # metrics up to this step reach MLflow before the checkpoint exists, unless MLflow hangs: then the loop
-            # waits once (CHECKPOINT_FLUSH_S), not at every checkpoint, and the sink resends when it can
-            self.sink.flush(timeout=CHECKPOINT_FLUSH_S)
+            self.sink.flush(timeout=CHECKPOINT_FLUSH_S)  # the metrics before the checkpoint (a hung MLflow: once)
         self.state.val_loss = self.validator.at(self.state.step)
         blocked = self.checkpoints.save(self.state.model_dump(mode="json"))
+        self.goodput.blocked_by("checkpoint", blocked)
         if self.d.is_main:  # the commit's line says the checkpoint; the time the loop waited is a metric
             self.sink.log({"system/checkpoint/blocked_s": blocked}, self.state.step)
         self.logger.restart(self.batches.waited_s)
@@ -301,9 +317,7 @@ class Trainer:
         except StoreOutage:
             pass  # not committed within the grace: the message below says so, from what the store holds
         finally:
-            # no rank exits before the writers are done: torchrun stops every rank once one has exited non-zero (a
-            # preempted rank exits 0, but its node's last, under lmyard.launch.torchrun)
-            self.preemption.barrier()
+            self.preemption.barrier()  # no rank exits before the writers are done (torchrun stops the rest)
         committed = self.checkpoints.committed_steps()
         if step in committed:
             raise Preempted(
@@ -347,6 +361,7 @@ class Trainer:
             start_step=self.started.start_step,
             resumed_from=self.started.resumed_from,
             last_checkpoint=self.checkpoints.last_checkpoint,
+            compile_cache=self.compile_cache.report(),
         )
 
 

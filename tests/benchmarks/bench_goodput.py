@@ -58,11 +58,12 @@ from lmyard.recipes import load_recipe  # noqa: E402
 from lmyard.store import open_store  # noqa: E402
 
 RUN = "goodput"
-PARTS = ("launch", "rendezvous", "resume", "compile", "first step", "other")
 STEP_LINE = re.compile(r"^step (\d+)/\d+ \| .* \| ([\d.]+) ms/step \|")
 STARTUP_LINE = re.compile(r"^startup to the end of step (\d+): ([\d.]+) s = (.*)")
-PART = re.compile(r"(launch|rendezvous|resume|compile|first step|other) ([\d.]+) s")
+PART = re.compile(r"([a-z][a-z ]*?) ([\d.]+) s(?: \+ |$| \()")  # any part the trainer names (its names changed)
 STOPPED = re.compile(r"stopped by SIGTERM after step (\d+)")
+# a 64 GiB disk holds llama-1b's checkpoints (15 GB each) only with these (lmyard.checkpoint.budget says how many)
+LLAMA_1B_DISK = ["checkpoint.keep_last=2", "checkpoint.keep_best=false", "checkpoint.max_pending=1"]
 
 
 def config(a: argparse.Namespace, work: Path):
@@ -78,14 +79,23 @@ def config(a: argparse.Namespace, work: Path):
             f"checkpoint.interval={a.checkpoint_every}",
             "eval.interval=100000000",
             f"launch.nproc_per_node={a.nproc}",
+            *(LLAMA_1B_DISK if a.preset == "llama-1b" else []),
             *a.overrides,
         ],
     )
 
 
-def use_caches(a: argparse.Namespace, work: Path) -> dict[str, str]:
-    """One node-local folder for lmyard's cache and inductor's and Triton's, shared by every attempt."""
-    root = Path(a.cache or os.environ.get("LMYARD_CACHE") or work / "cache")
+def use_caches(a: argparse.Namespace, work: Path, attempt: int = 1) -> dict[str, str]:
+    """One node-local folder for lmyard's cache and inductor's and Triton's, shared by every attempt; with
+    `--fresh-node` each attempt gets a new empty one (`node<N>`, the one before removed): only the run's store
+    carries what travels to a restart (checkpoints, compiled code)."""
+    base = Path(a.cache or os.environ.get("LMYARD_CACHE") or work / "cache")
+    root = base
+    if a.fresh_node:
+        import shutil
+
+        shutil.rmtree(base / f"node{attempt - 1}", ignore_errors=True)
+        root = base / f"node{attempt}"
     caches = {
         "LMYARD_CACHE": str(root),
         "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
@@ -158,13 +168,14 @@ class Attempt:
 
 def run(a: argparse.Namespace, work: Path) -> dict:
     cfg = config(a, work)
-    caches = use_caches(a, work)
+    caches: dict[str, str] = {}
     shards = make_shards(work / "store", a.tokens, a.tokenizer)
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards, "lineage": None}
     attempts: list[Attempt] = []
     t0 = time.monotonic()
     deadline = t0 + a.minutes * 60
     while not attempts or time.monotonic() < deadline - a.min_attempt:
+        caches = use_caches(a, work, len(attempts) + 1)
         attempt = Attempt(len(attempts) + 1, cfg, spec, min(time.monotonic() + a.preempt_every, deadline), a.echo)
         attempts.append(attempt)
         took = attempt.run()
@@ -195,6 +206,7 @@ def summarize(a: argparse.Namespace, cfg, attempts: list[Attempt], final_step: i
         "checkpoint_every": a.checkpoint_every,
         "batch_tokens": cfg.train.batch_tokens,
         "overrides": a.overrides,
+        "fresh_node": a.fresh_node,
         "caches": caches,
         "wall_s": round(wall, 1),
         "steps_that_count": final_step,
@@ -216,11 +228,12 @@ def steady_step_s(attempts: list[Attempt]) -> float:
 
 
 def table(summary: dict) -> str:
-    head = ["attempt", "resumed at", "stopped at", "lost", *PARTS, "total"]
+    names = list(dict.fromkeys(k for r in summary["attempts"] for k in r["startup_s"] if k != "total"))
+    head = ["attempt", "resumed at", "stopped at", "lost", *(n.replace("_", " ") for n in names), "total"]
     lines = ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
     for r in summary["attempts"]:
         s = r["startup_s"]
-        parts = [f"{s[p.replace(' ', '_')]:.2f}" if s else "" for p in (*PARTS, "total")]
+        parts = [f"{s[p]:.2f}" if p in s else "" for p in (*names, "total")]
         cells = [r["attempt"], r["start_step"], r["stopped_at"], r["steps_lost"], *parts]
         lines.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
     return "\n".join(lines)
@@ -241,6 +254,11 @@ def main() -> None:
     )
     ap.add_argument("--tokens", type=int, default=64 << 20, help="random tokens in the train split")
     ap.add_argument("--cache", help="node-local cache folder for lmyard, inductor and Triton (default $LMYARD_CACHE)")
+    ap.add_argument(
+        "--fresh-node",
+        action="store_true",
+        help="every attempt starts with empty lmyard, inductor and Triton caches, as on another node",
+    )
     ap.add_argument("--min-attempt", type=float, default=10.0, help="no new attempt this close to the window's end")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override (repeatable)")
     ap.add_argument("--echo", action="store_true", help="print the trainer's lines")
@@ -248,8 +266,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="lmyard-goodput-") as tmp:
         summary = run(a, Path(tmp))
     print(
-        f"inductor and Triton caches shared by every attempt: {summary['caches']['TORCHINDUCTOR_CACHE_DIR']}, "
-        f"{summary['caches']['TRITON_CACHE_DIR']}"
+        "every attempt with empty caches, as on a fresh node (compiled code only from the store)"
+        if summary["fresh_node"]
+        else f"inductor and Triton caches shared by every attempt: {summary['caches']['TORCHINDUCTOR_CACHE_DIR']}"
     )
     print(table(summary))
     print(
