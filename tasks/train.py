@@ -66,7 +66,7 @@ def train(config: RunConfig, shards: ShardSet, lineage: Lineage, lease: LeaseRef
     def started(s: Started) -> None:
         """What the trainer actually loaded (after any fallback) becomes the attempt's record."""
         gpus = config.launch.nproc_per_node if s.device == "cuda" else 0  # one rank per GPU
-        lineage.record_resume(resumed_from=s.resumed_from, start_step=s.start_step, gpus_per_node=gpus)
+        lineage.record_resume(resumed_from=s.resumed_from, start_step=s.start_step, gpus_per_node=gpus, hosts=s.hosts)
         logger.info(
             f"attempt {lineage.ref.attempt} of lineage {config.run_name}: "
             + (f"resumed from {s.resumed_from} at step {s.start_step}" if s.resumed_from else "started fresh")

@@ -58,7 +58,7 @@ def main() -> int:
             return lineage.ref
 
         def started(s):
-            lineage.record_resume(resumed_from=s.resumed_from, start_step=s.start_step)
+            lineage.record_resume(resumed_from=s.resumed_from, start_step=s.start_step, hosts=s.hosts)
 
         result = launch(
             TrainSpec.model_validate(spec),

@@ -252,6 +252,9 @@ def test_a_killed_raylet_on_host_b_goes_on_on_host_a_and_grows_back_when_a_node_
         MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(launched["mlflow_run_id"]).data.tags
     )
     assert (one.nodes, one.start_step, one.steps) == (2, 0, 3), one
+    # each attempt names the hosts Ray placed its nodes on, not the nodes' numbers
+    assert sorted(one.hosts.split(", ")) == sorted([f"{a.hostname} ({a.addr})", f"{b.hostname} ({b.addr})"]), one
+    assert two.hosts == f"{a.hostname} ({a.addr})", two
     assert one.outcome and one.outcome.startswith("resized: lost") and f"({b.hostname}, {b.addr})" in one.outcome
     assert (two.nodes, two.start_step) == (1, 3) and two.outcome and two.outcome.startswith("resized: grew back")
     grew_at = two.start_step + two.steps

@@ -266,8 +266,10 @@ class Follower:
         """Read started/progress/heartbeats; a watchdog message when the job stalled."""
         if not self.started_seen and (raw := self.job.read("started.json")):
             self.started_seen = True
-            if self.on_started:
-                self.on_started(Started.model_validate_json(raw))
+            if self.on_started:  # with where the nodes are, from a job that placed them itself (Ray's placed())
+                placed = getattr(self.job, "placed", None)
+                started = Started.model_validate_json(raw)
+                self.on_started(started.model_copy(update={"hosts": placed()}) if placed else started)
         raw = self.job.read("progress.json")
         if raw and raw != self.progress_seen:
             self.progress_seen = raw

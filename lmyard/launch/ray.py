@@ -281,6 +281,10 @@ class RayJob:
     ) -> RayJob:
         return cls(cfg, spec, on_line)
 
+    def placed(self) -> list[str]:
+        """Where Ray placed each node: its host name and address (once its actor answered)."""
+        return [f"{w['host']} ({w['ip']})" for w in self.where]
+
     def start(self, events: queue.Queue) -> None:
         import ray
 

@@ -28,6 +28,7 @@ class Started(Contract):
     skipped_damaged: list[str] = Field(default_factory=list)
     world_size: int
     device: str = "cpu"  # the ranks' device type: `cuda` counts GPU-hours (lmyard.tracking.cost)
+    hosts: list[str] = Field(default_factory=list)  # where a backend that places the nodes put them (the follower's)
 
 
 class Progress(Contract):

@@ -181,15 +181,24 @@ class Lineage:
         self.set_tags(tags)
         return self._with(self.client, attempt=attempt, resumed_from=resumed_from, start_step=start_step)
 
-    def record_resume(self, *, resumed_from: str | None, start_step: int, gpus_per_node: int | None = None) -> None:
-        """Record on the current attempt the checkpoint the trainer actually loaded (reported by the trainer), and
-        the GPUs per node it found (lmyard.tracking.cost)."""
+    def record_resume(
+        self,
+        *,
+        resumed_from: str | None,
+        start_step: int,
+        gpus_per_node: int | None = None,
+        hosts: list[str] | None = None,
+    ) -> None:
+        """Record on the current attempt the checkpoint the trainer actually loaded (reported by the trainer), the
+        GPUs per node it found (lmyard.tracking.cost) and, where the backend placed the nodes (Ray), their hosts."""
         tags = {
             f"lmyard.attempt.{self.ref.attempt}.start_step": str(start_step),
             f"lmyard.attempt.{self.ref.attempt}.resumed_from": resumed_from or "",
         }
         if gpus_per_node is not None:
             tags[f"lmyard.attempt.{self.ref.attempt}.gpus_per_node"] = str(gpus_per_node)
+        if hosts:
+            tags[f"lmyard.attempt.{self.ref.attempt}.hosts"] = ", ".join(hosts)
         self.set_tags(tags)
 
     def end_attempt(self, outcome: str, detail: str = "") -> None:
