@@ -266,3 +266,52 @@ def test_a_killed_raylet_on_host_b_goes_on_on_host_a_and_grows_back_when_a_node_
         f"raylet in {a.netns}",
         f"raylet in {b.netns}",
     ]
+
+
+def test_host_bs_link_cut_on_ray_is_named_and_its_retry_waits_for_the_node_then_resumes_from_the_last_step(
+    ray_hosts, tmp_path
+):
+    """launch.min_nnodes = launch.nnodes (the default): no run below full size. Host b's link is cut once step 3 is
+    committed (every rank pauses after step 4): the attempt ends in one line naming host b's address. A retry while
+    host b has no Ray node waits for it up to launch.ray.placement_timeout_s and then fails in one line naming the
+    lost node's address and what to do. Once the link is back and host b's Ray node is restarted (Ray never takes
+    back a raylet whose heartbeats timed out: docs/multi-host.md), the next retry resumes from step 3 and finishes."""
+    from lmyard.checkpoint.catalog import complete_steps
+    from lmyard.store import open_store
+
+    a, b = ray_hosts["a"], ray_hosts["b"]
+    sets = {"run_name": "ray-cut", "train.max_steps": 6, "eval.interval": 3, "launch.grace_s": 10}
+    out = tmp_path / "launch.json"
+    faults = {"LMYARD_FAULTS": "pause@4", "LMYARD_FAULT_PAUSE_S": "30"}
+    launcher = subprocess.Popen(_command(ray_hosts, tmp_path, out, **sets), env=a.env(faults),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    store = open_store(str(tmp_path / "store"))
+    try:
+        deadline = time.monotonic() + 600
+        while 3 not in complete_steps(store, "ray-cut"):
+            assert launcher.poll() is None and time.monotonic() < deadline, "step 3 was never committed"
+            time.sleep(0.5)
+        ray_hosts.set_link(b, up=False)
+        launcher.wait(timeout=600)
+        first = json.loads(out.read_text())
+        # the retry, with host b still cut off: it waits for a second node, then gives up in one line
+        waited = _launch(ray_hosts, tmp_path, **sets, **{"launch.ray.placement_timeout_s": 20})
+    finally:
+        ray_hosts.set_link(b, up=True)
+        if launcher.poll() is None:
+            launcher.kill()
+    assert "result" not in first and "\n" not in first["error"], first.get("error")
+    assert re.match(rf"lost node \d: its Ray actor \(\S+, {re.escape(b.addr)}\) is gone", first["error"]), first
+    said = waited.get("error") or ""
+    assert "result" not in waited and said.startswith("Ray: no room for 2 x") and "\n" not in said, said
+    assert "placement_timeout_s=20" in said and f"lost nodes at {b.addr}: start Ray there again" in said, said
+    assert complete_steps(store, "ray-cut")[-1] == 3
+
+    b.stop_ray()  # what the docs tell an operator: restart the node
+    b.start_ray(head=a)
+    _wait_for_nodes(a, 2)
+    resumed = _launch(ray_hosts, tmp_path, **sets)
+    text = "\n".join(resumed["lines"])
+    assert "result" in resumed, f"{resumed.get('error')}\n{text[-4000:]}"
+    assert (resumed["result"]["start_step"], resumed["result"]["step"]) == (3, 6), text[-3000:]
+    assert complete_steps(store, "ray-cut")[-1] == 6
