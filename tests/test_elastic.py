@@ -38,6 +38,15 @@ def test_min_nnodes_defaults_to_nnodes_and_may_not_exceed_it(tmp_path):
         _three(tmp_path, "launch.min_nnodes=4")
 
 
+def test_a_global_batch_that_a_smaller_size_cannot_hold_is_refused_at_load_naming_that_size(tmp_path):
+    sets = ("train.micro_batch=2", "model.block_size=64", "train.batch_tokens=384")  # 128 tokens a rank's micro-step
+    assert _three(tmp_path, *sets, "launch.min_nnodes=3").train.batch_tokens == 384  # no smaller size: as before
+    assert _three(tmp_path, "train.micro_batch=2", "model.block_size=64", "train.batch_tokens=768",
+                  "launch.min_nnodes=1").launch.min_nnodes == 1  # fmt: skip  # 768 = 6 x 128: 1, 2 and 3 nodes
+    with pytest.raises(UserError, match=r"batch_tokens \(384\) is not a multiple .* at 2 of launch.nnodes=3 \(256\)"):
+        _three(tmp_path, *sets, "launch.min_nnodes=1")
+
+
 def test_a_launch_without_a_lost_node_runs_on_the_others_engines_and_addresses_with_node_0_hosting(tmp_path):
     cfg = _three(tmp_path, "launch.min_nnodes=1")
     smaller = DockerMembers(cfg).config([0, 2])

@@ -97,6 +97,22 @@ class RunConfig(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _global_batch_at_every_size(self) -> RunConfig:
+        """An elastic run keeps train.batch_tokens at each size it may shrink to: a size it cannot hold is refused
+        here, before any shard is made, not when a node is lost (lmyard.train.build.grad_accum_steps)."""
+        block, launch = self.model.dims()["block_size"], self.launch
+        for n in range(launch.fewest_nodes(), launch.nnodes) if block else ():
+            per_micro = self.train.micro_batch * block * n * launch.nproc_per_node
+            if self.train.batch_tokens % per_micro:
+                raise ValueError(
+                    f"train.batch_tokens ({self.train.batch_tokens}) is not a multiple of micro_batch * block_size * "
+                    f"world size at {n} of launch.nnodes={launch.nnodes} ({per_micro}), a size launch.min_nnodes="
+                    f"{launch.min_nnodes} lets the run shrink to: make it a multiple of every size's, or raise "
+                    "launch.min_nnodes"
+                )
+        return self
+
     @field_validator("run_name")
     @classmethod
     def _short_run_name(cls, v: str) -> str:
