@@ -101,7 +101,7 @@ class RunConfig(_Section):
     def _global_batch_at_every_size(self) -> RunConfig:
         """An elastic run keeps train.batch_tokens at each size it may shrink to: a size it cannot hold is refused
         here, before any shard is made, not when a node is lost (lmyard.train.build.grad_accum_steps)."""
-        block, launch = self.model.dims()["block_size"], self.launch
+        block, launch = self.model.dims()["block_size"] or 0, self.launch  # 0: a Hugging Face folder's, unknown here
         for n in range(launch.fewest_nodes(), launch.nnodes) if block else ():
             per_micro = self.train.micro_batch * block * n * launch.nproc_per_node
             if self.train.batch_tokens % per_micro:
