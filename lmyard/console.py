@@ -281,6 +281,20 @@ def where_next(tracking_uri: str, run_id: str, model: str | None) -> str:
     ui = (
         f"open {uri} (run {run_id})"
         if uri.startswith(("http://", "https://"))
-        else f"mlflow ui --backend-store-uri {uri}"
+        else f"{mlflow_command()} ui --backend-store-uri {uri}"
     )
     return f"look at it: {ui}" + (f"; the model: models:/{model}" if model else "")
+
+
+def mlflow_command() -> str:
+    """The `mlflow` installed beside the Python that runs lmyard, as a shell here calls it: `mlflow` when PATH finds
+    that one (an activated virtualenv), else its path, relative to the working folder when under it (after
+    `.venv/bin/lmyard run smoke`: `.venv/bin/mlflow`)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mlflow")
+    found = shutil.which("mlflow")
+    if not os.path.isfile(beside) or (found and os.path.samefile(found, beside)):
+        return "mlflow"
+    relative = os.path.relpath(beside)
+    if relative.startswith(".."):
+        return beside
+    return relative if os.sep in relative else os.path.join(".", relative)

@@ -79,6 +79,30 @@ def test_the_last_line_names_the_mlflow_ui_and_the_model():
     assert "secret" not in remote and "mlflow.internal" in remote and "abc" in remote
 
 
+def test_the_last_lines_mlflow_is_the_one_beside_lmyards_python_as_this_shell_calls_it(tmp_path, monkeypatch):
+    import sys
+
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").touch()
+    (bin_dir / "mlflow").write_text("#!/bin/sh\n")
+    (bin_dir / "mlflow").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # the virtualenv not activated: `.venv/bin/lmyard run smoke`
+    line = console.where_next("sqlite:///.lmyard/mlflow.db", "abc", "smoke/1")
+    assert line.startswith("look at it: .venv/bin/mlflow ui --backend-store-uri sqlite:///.lmyard/mlflow.db;"), line
+    monkeypatch.chdir(bin_dir)
+    assert console.mlflow_command() == "./mlflow"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert console.mlflow_command() == str(bin_dir / "mlflow")
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")  # activated
+    assert console.mlflow_command() == "mlflow"
+    (bin_dir / "mlflow").unlink()  # no mlflow beside it: the one on PATH, if any
+    assert console.mlflow_command() == "mlflow"
+
+
 def test_installed_libraries_warnings_are_filtered_and_lmyards_are_not():
     """In a process of its own: install() changes the process's logging and warning filters."""
     import subprocess
