@@ -134,6 +134,18 @@ def test_documented_training_commands_have_a_valid_recipe_and_overrides():
     assert checked >= 2
 
 
+def test_operations_counts_and_names_the_deployments_and_the_clone_warnings_as_prefect_yaml_has_them():
+    import yaml
+
+    deployments = yaml.safe_load((REPO / "deploy" / "prefect.yaml").read_text())["deployments"]
+    cloning = [d for d in deployments if "git_clone" in str(d.get("pull"))]
+    text = " ".join((REPO / "docs" / "operations.md").read_text().split())
+    assert f"holds the {len(deployments)} deployments" in text
+    assert f"prints {len(cloning)} warnings `Value for placeholder 'clone.directory' not found`" in text
+    missing = [name for name in _expected_deployments() if f"`{name}`" not in text]
+    assert not missing, f"docs/operations.md does not list {missing}"
+
+
 def _reset(api_url: str) -> None:
     """Remove what a block deployed, so the next block meets an empty server as an operator's first run does."""
     from prefect.client.orchestration import get_client
