@@ -1,10 +1,10 @@
-"""The commands the README and docs/*.md show, run as written against a real Prefect server.
+"""The shell and Python blocks of the README and docs/*.md, run as written (the shell's against a real Prefect server).
 
-Every line of a ```bash block in README.md and docs/*.md is either run verbatim (each block as
-one bash script, its skipped lines left out, so variables such as `IMAGE=$(...)` carry to the
-next line) or matched by SKIP, which says why it is not. A command that neither runs nor
-appears in SKIP fails the test: a new documented command needs a decision here. Skipped
-`lmyard run|shard` lines still have their recipe and `--set`s checked by `lmyard config`, and
+Every fence names its language, and every shell or Python block is run here unless the line before its fence is
+`<!-- not run: WHY -->` (tests/docblocks.py reads the blocks and checks the markers). A Python block runs as a
+script in a folder of its own. A shell block's lines run as one bash script (so `IMAGE=$(...)` carries to the next
+line), less the lines SKIP matches with a reason; a command neither run, skipped nor marked fails the test.
+Skipped or marked `lmyard run|shard` lines still have their recipe and `--set`s checked by `lmyard config`, and
 every `python -m MODULE` and `*.py` script any fenced block names must exist.
 """
 
@@ -16,19 +16,18 @@ import re
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from conftest import REPO, prefect_server
-
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+from docblocks import DOCS, PYTHON, SHELL, Block, Command, blocks, problems, run_python
 
 # (regex matched at the start of a command, why the test does not run it). Every entry must match
 # some documented command, so that the list cannot go stale.
 SKIP: list[tuple[str, str]] = [
     (r"python3 -m venv ", "creates a virtualenv and installs packages; the tests run in an installed one"),
     (r"apt-get install ", "changes the machine's packages"),
+    (r"pip install ", "changes the virtualenv's packages (an extra's tests skip, saying so, when it is missing)"),
     (r"\.venv/bin/ruff check ", "the checks CI runs (.ci/run), in the virtualenv the line before creates"),
     (r"\.venv/bin/python -m pytest", "the test suite itself (35+ minutes, the unit tests alone 2 to 6; CI runs it)"),
     (r"prefect worker start ", "blocks: a worker serves until stopped (tests/test_deployments.py starts one)"),
@@ -58,41 +57,22 @@ SKIP: list[tuple[str, str]] = [
 ]
 
 
-@dataclass(frozen=True)
-class Command:
-    doc: str
-    line: int
-    text: str  # continuation lines joined, as bash reads them
-
-    def skip_reason(self) -> str | None:
-        return next((why for pattern, why in SKIP if re.match(pattern, self.text)), None)
+def skip_reason(command: Command) -> str | None:
+    return next((why for pattern, why in SKIP if re.match(pattern, command.text)), None)
 
 
-def fenced_blocks(path: Path, langs: tuple[str, ...]) -> list[list[Command]]:
-    """The commands of every fenced block of `path` whose info string is in `langs` ("" for none)."""
-    blocks: list[list[Command]] = []
-    block: list[Command] | None = None  # the commands of the open block, when it is one of `langs`
-    fenced, pending, start = False, "", 0
-    for n, raw in enumerate(path.read_text().splitlines(), 1):
-        line = raw.strip()
-        if line.startswith("```"):
-            fenced = not fenced
-            if block is not None:
-                blocks.append(block)
-            block = [] if fenced and line[3:].strip() in langs else None
-            continue
-        if block is None or (not pending and (not line or line.startswith("#"))):
-            continue
-        start = start if pending else n
-        pending = f"{pending} {line[:-1].strip()}" if line.endswith("\\") else f"{pending} {line}"
-        if not line.endswith("\\"):
-            block.append(Command(path.name, start, pending.strip()))
-            pending = ""
-    return blocks
+def shell_blocks(marked: bool = False) -> list[Block]:
+    """The shell blocks of the docs: those run (with `marked`, the marked ones too)."""
+    return [b for doc in DOCS for b in blocks(doc) if b.lang in SHELL and (marked or b.not_run is None)]
 
 
-def bash_blocks() -> list[list[Command]]:
-    return [b for doc in DOCS for b in fenced_blocks(doc, ("bash",)) if b]
+def bash_blocks(marked: bool = False) -> list[list[Command]]:
+    return [cs for b in shell_blocks(marked) if (cs := b.commands())]
+
+
+def test_every_fence_names_its_language_and_every_marker_says_why():
+    found = [p for doc in DOCS for p in problems(doc)]
+    assert not found, "\n".join(found)
 
 
 def test_every_documented_command_runs_in_the_test_or_is_skipped_for_a_stated_reason():
@@ -104,12 +84,12 @@ def test_every_documented_command_runs_in_the_test_or_is_skipped_for_a_stated_re
 
 def test_documented_modules_and_scripts_exist():
     """`python -m X` and `path/x.py` in any command-like line of a fenced block name what the tree holds."""
-    starts = re.compile(r"^(\S+=\S+ )*(\S*/)?(python3?|torchrun|lmyard) ")  # commands among untagged blocks' diagrams
+    starts = re.compile(r"^(\S+=\S+ )*(\S*/)?(python3?|torchrun|lmyard) ")  # commands among ```text listings
     missing = []
     for doc in DOCS:
-        bash = [c for block in fenced_blocks(doc, ("bash",)) for c in block]
-        untagged = [c for block in fenced_blocks(doc, ("",)) for c in block if starts.match(c.text)]
-        for c in bash + untagged:
+        shell = [c for b in blocks(doc) if b.lang in SHELL for c in b.commands()]
+        listed = [c for b in blocks(doc) if b.lang not in SHELL + PYTHON for c in b.commands() if starts.match(c.text)]
+        for c in shell + listed:
             text = c.text.split(" # ")[0]
             for module in re.findall(r"\bpython3?\s+-m\s+([\w.]+)", text):
                 if module not in ("venv", "pip") and importlib.util.find_spec(module) is None:
@@ -121,9 +101,10 @@ def test_documented_modules_and_scripts_exist():
 
 
 def test_documented_training_commands_have_a_valid_recipe_and_overrides():
-    """A `lmyard run|shard RECIPE --set ...` of the docs resolves: `lmyard config` accepts the same arguments."""
+    """A `lmyard run|shard RECIPE --set ...` of the docs (marked blocks too) resolves: `lmyard config` accepts the
+    same arguments."""
     checked = 0
-    for block in bash_blocks():
+    for block in bash_blocks(marked=True):
         for c in block:
             words = shlex.split(c.text.split(" # ")[0])
             if words[:2] in (["lmyard", "run"], ["lmyard", "shard"]):
@@ -132,6 +113,88 @@ def test_documented_training_commands_have_a_valid_recipe_and_overrides():
                 assert done.returncode == 0, f"{c.doc}:{c.line}: {c.text}\n{done.stderr[-2000:]}"
                 checked += 1
     assert checked >= 2
+
+
+def test_documented_python_blocks_run_as_scripts(tmp_path):
+    """Each unmarked Python block, as a script in a folder of its own with this checkout on PYTHONPATH, exits 0."""
+    python = [b for doc in DOCS for b in blocks(doc) if b.lang in PYTHON]
+    assert python
+    for b in python:
+        if b.not_run is None:
+            folder = tmp_path / f"{b.doc}-{b.line}"
+            folder.mkdir()
+            done = run_python(b, folder)
+            assert done.returncode == 0, f"{b.doc}:{b.line}:\n" + "\n".join(b.body) + f"\n{done.stderr[-3000:]}"
+
+
+SAMPLE = """# A page
+
+<!-- not run: needs a GPU -->
+```python
+raise SystemExit("not run")
+```
+
+```python
+import lmyard
+print(lmyard.__name__)
+```
+
+  <!-- not run: blocks -->
+  ```console
+  $ prefect worker start \\
+      --pool p
+  Worker started!
+  ```
+
+```
+plain
+```
+
+<!-- not run: -->
+```bash
+true
+```
+
+<!-- not run -->
+```py
+raise SystemExit(3)
+```
+
+<!-- not run: a listing -->
+```text
+out
+```
+
+<!-- not run: nothing below -->
+"""
+
+
+def test_the_block_checks_see_languages_markers_and_a_block_that_fails(tmp_path):
+    """The rules the docs are held to, on a sample page: a fence without a language, a marker without a reason, a
+    marker on a block never run, a marker on no fence; a Python block that fails is seen failing."""
+    page = tmp_path / "page.md"
+    page.write_text(SAMPLE)
+    found = blocks(page)
+    assert [(b.line, b.lang, b.not_run) for b in found] == [
+        (4, "python", "needs a GPU"),
+        (8, "python", None),
+        (14, "console", "blocks"),
+        (20, "", None),
+        (25, "bash", None),
+        (30, "py", None),
+        (35, "text", "a listing"),
+    ]
+    assert [c.text for c in found[2].commands()] == ["prefect worker start --pool p"]
+    assert [p.split(": ", 1) for p in problems(page)] == [
+        ["page.md:20", "a fence without a language (```bash, ```python, ```text, ...)"],
+        ["page.md:25", "a marker without a reason (<!-- not run: -->): `<!-- not run: WHY -->`"],
+        ["page.md:30", "a marker without a reason (<!-- not run -->): `<!-- not run: WHY -->`"],
+        ["page.md:35", "a `not run` marker on a ```text block, which is never run"],
+        ["page.md:39", "a `not run` marker that is not on the line just before a fence"],
+    ]
+    ran = run_python(found[1], tmp_path)
+    assert ran.returncode == 0 and ran.stdout == "lmyard\n", ran.stderr
+    assert run_python(found[5], tmp_path).returncode == 3  # what the test sees of an unmarked block that fails
 
 
 def test_operations_counts_and_names_the_deployments_and_the_clone_warnings_as_prefect_yaml_has_them():
@@ -212,7 +275,7 @@ def _assert_everything_deployed(api_url: str, where: str) -> None:
 def test_documented_command_blocks_run_as_written_and_deploy_every_deployment(tmp_path):
     """Each ```bash block's runnable lines, as one bash script from the repository root, exit 0; a block
     that deploys leaves every deployment of deploy/prefect.yaml and the crashed-run automation's target."""
-    runnable = [(b[0], [c.text for c in b if not c.skip_reason()]) for b in bash_blocks()]
+    runnable = [(b[0], [c.text for c in b if not skip_reason(c)]) for b in bash_blocks()]
     runnable = [(first, lines) for first, lines in runnable if lines]
     assert any("prefect deploy" in "\n".join(lines) for _, lines in runnable)
     with prefect_server(tmp_path) as env:
