@@ -225,8 +225,8 @@ def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
 
 def stop_prefect_worker(proc: subprocess.Popen, drain_s: float = 3) -> None:
     """End a `prefect worker start` started in its own group. Prefect's worker drains on the first SIGTERM (stops
-    taking flow runs, waits for its own) and kills itself on the second; idle, its drain does not end by itself,
-    so the second signal follows after `drain_s`."""
+    taking flow runs, waits for its own; idle, it exits at once) and kills itself on the second, which follows
+    after `drain_s` when a drain has not ended."""
     for _ in range(2):
         try:
             os.killpg(proc.pid, signal.SIGTERM)
