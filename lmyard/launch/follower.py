@@ -95,10 +95,13 @@ def torchrun_command(
     node: int | None = None,
     local_addr: str | None = None,
     spec_path: str | None = None,
+    node_rank: str | None = None,
 ) -> list[str]:
-    """torchrun running the trainer on one node: standalone for one node, else c10d rendezvous.
+    """torchrun running the trainer on one node: standalone for one node, else a c10d (or static) rendezvous.
 
-    `node` (when the caller knows it) tells torchrun whether this node hosts the rendezvous."""
+    `node` (when the caller knows it) tells torchrun whether this node hosts the rendezvous. `node_rank` instead: a
+    static rendezvous at the endpoint, this node's rank as given (a placeholder the node fills in: Kubernetes'
+    `$(NODE_RANK)`, lmyard.launch.kubernetes); node 0 hosts it."""
     n = cfg.launch.nnodes
     cmd = [
         python,
@@ -117,8 +120,12 @@ def torchrun_command(
         endpoint = rdzv_endpoint or cfg.launch.rdzv_endpoint
         if not endpoint:
             raise UserError("launch.nnodes > 1 needs launch.rdzv_endpoint (host:port of node 0)")
-        cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", rdzv_id or cfg.run_name]
-        if node is not None:
+        static = node_rank is not None
+        cmd += ["--rdzv_backend", "static" if static else "c10d", "--rdzv_endpoint", endpoint]
+        cmd += ["--rdzv_id", rdzv_id or cfg.run_name]
+        if static:
+            cmd += ["--node_rank", str(node_rank), "--rdzv_conf", f"timeout={RDZV_TIMEOUT_S}"]
+        elif node is not None:
             cmd += ["--rdzv_conf", f"is_host={int(node == 0)},join_timeout={RDZV_TIMEOUT_S}"]
         if local_addr:
             cmd += ["--local_addr", local_addr]
