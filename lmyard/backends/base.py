@@ -24,7 +24,9 @@ class Backend:
     `on_ray`: its stages run on a Ray cluster (tokenize-and-shard reads its pieces as Ray tasks, a sweep's
     trials run under Ray Tune). `other_user`: its stages write a local folder of the flow's as another user (a
     container's), so the flow opens the folder to them. `members`: `module:name` of its nodes' health and a
-    launch's config on some of them, for a training that goes on without a lost node (lmyard.launch.elastic)."""
+    launch's config on some of them, for a training that goes on without a lost node (lmyard.launch.elastic).
+    `on_flow_host`: its stages are processes of the flow's own machine (a Kubernetes work pool's pod then runs
+    them itself: lmyard.launch.kubernetes)."""
 
     name: str
     job: str
@@ -33,3 +35,4 @@ class Backend:
     on_ray: bool = False
     other_user: bool = False
     members: str = "lmyard.launch.elastic:Members"  # `module:name`: which of its nodes are healthy (elasticity)
+    on_flow_host: bool = False

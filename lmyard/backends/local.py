@@ -4,4 +4,4 @@ from __future__ import annotations
 
 from lmyard.backends.base import Backend
 
-BACKEND = Backend(name="local", job="lmyard.launch.follower:LocalJob.for_stage")
+BACKEND = Backend(name="local", job="lmyard.launch.follower:LocalJob.for_stage", on_flow_host=True)

@@ -1,5 +1,6 @@
-"""The `launch` section: the backend, nodes, ranks, grace and watchdogs, and one section `launch.<name>` for each
-backend of the table that has one (lmyard.backends: each backend's module declares its section and checks)."""
+"""The `launch` section: the backend, nodes, ranks, grace and watchdogs, one section `launch.<name>` for each
+backend of the table that has one (lmyard.backends: each backend's module declares its section and checks), and
+`launch.kubernetes`, which only `lmyard render` reads (lmyard.config.kubernetes)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pydantic import Field, create_model, model_validator
 
 from lmyard.backends import BACKENDS
 from lmyard.config.base import _Section
+from lmyard.config.kubernetes import KubernetesConfig
 
 if TYPE_CHECKING:
     BackendName = str
@@ -82,6 +84,10 @@ _SECTIONS: dict[str, Any] = {
     for name, b in BACKENDS.items()
     if b.section is not None
 }
+_SECTIONS["kubernetes"] = (
+    KubernetesConfig,
+    Field(default_factory=KubernetesConfig, description=KubernetesConfig.__doc__),
+)
 if TYPE_CHECKING:
     LaunchConfig = _Launch
 else:
