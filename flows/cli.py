@@ -56,25 +56,13 @@ def _parser() -> argparse.ArgumentParser:
         ("sweep", "train a recipe at several model sizes, or over a search space (docs/sweeps.md)"),
     ):
         s = sub.add_parser(name, help=help_)
-        s.add_argument(
-            "recipe",
-            nargs="?",
-            default="smoke",
-            help="`smoke` (CPU default), a shipped recipe (lmyard/recipes) or deploy/recipes/NAME, or a YAML path",
-        )
-        s.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override a config field, e.g. --set train.max_steps=50 (repeatable)",
-        )
+        _recipe_arguments(s)
         if name == "config":
             s.add_argument("--reference", action="store_true", help="print the reference of every key (Markdown)")
         if name == "sweep":
             for flag, kw in SWEEP_FLAGS:  # --sizes, --search, --budgets
                 s.add_argument(flag, default=None, **kw)
+    _render_parser(sub)
     from flows import ops
 
     ops.add_parsers(sub)  # runs, status: what a store holds; eval, sample: what its models do
@@ -93,6 +81,42 @@ def _parser() -> argparse.ArgumentParser:
         help="a new (or empty) folder or s3://bucket/prefix",
     )
     return p
+
+
+def _recipe_arguments(s: argparse.ArgumentParser) -> None:
+    """RECIPE and its --set overrides, as every command that resolves a config takes them."""
+    s.add_argument(
+        "recipe",
+        nargs="?",
+        default="smoke",
+        help="`smoke` (CPU default), a shipped recipe (lmyard/recipes) or deploy/recipes/NAME, or a YAML path",
+    )
+    s.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set train.max_steps=50 (repeatable)",
+    )
+
+
+def _render_parser(sub) -> None:
+    r = sub.add_parser("render", help="Kubernetes manifests of a recipe, to apply with kubectl (docs/kubernetes.md)")
+    r.add_argument(
+        "target",
+        choices=["k8s", "k8s-pool"],
+        help="k8s: the train stage as a headless Service and an indexed Job (YAML); "
+        "k8s-pool: a Prefect Kubernetes work pool's base job template (JSON)",
+    )
+    _recipe_arguments(r)
+    r.add_argument(
+        "--shards",
+        metavar="ADDRESS",
+        help="k8s: with the ConfigMap of the train stage's spec too, for this shard set of the store "
+        "(the address `lmyard shard` prints)",
+    )
+    r.add_argument("--out", metavar="DIR", help="write one file per object into DIR instead of printing them")
 
 
 def _indices(text: str) -> list[int]:
@@ -180,8 +204,38 @@ def _command(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(config.redacted_dump(), sort_keys=False), end="")
         return 0
+    if args.command == "render":
+        return _render(args, config)
     extra = _sweep_parameters(args, config) if args.command == "sweep" else {}
     return _run_flow(args.command, config, **extra)
+
+
+def _render(args: argparse.Namespace, config) -> int:
+    """`lmyard render`: the manifests on stdout, or one file each in --out DIR; nothing is applied."""
+    import json
+
+    import yaml
+
+    from lmyard.errors import UserError
+    from lmyard.launch import kubernetes
+
+    if args.target == "k8s-pool":
+        if args.shards:
+            raise UserError("--shards is for `lmyard render k8s`: the pool's flow runs shard the data themselves")
+        files = {"pool.json": json.dumps(kubernetes.pool_template(config), indent=2) + "\n"}
+    else:
+        shards = kubernetes.shard_set(config, args.shards) if args.shards else None
+        objects = kubernetes.training_objects(config, shards)
+        files = {f"{o['kind'].lower()}.yaml": yaml.safe_dump(o, sort_keys=False) for o in objects}
+    if args.out is None:
+        print("---\n".join(files.values()), end="")
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    for name, text in files.items():
+        with open(os.path.join(args.out, name), "w") as f:
+            f.write(text)
+        print(f"lmyard: wrote {os.path.join(args.out, name)}")
+    return 0
 
 
 def _run_flow(command: str, config, **parameters) -> int:

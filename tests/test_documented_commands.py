@@ -49,6 +49,10 @@ SKIP: list[tuple[str, str]] = [
     (r"docker run ", "runs the stage image (tests/test_docker.py builds it and runs the stages in it)"),
     (r"docker pull ", "needs an image registry; none is reachable here"),
     (
+        r"kubectl ",
+        "needs a Kubernetes cluster; none is here (tests/test_kubernetes.py validates the manifests offline)",
+    ),
+    (
         r"tar -C / -c ",
         "imports this machine's own root filesystem into Docker (GBs, an untagged copy left at each rerun): a GPU "
         "host's set-up, which tests/benchmarks/docker_on_gpu_host.sh runs there",
