@@ -166,7 +166,8 @@ def test_a_job_pending_past_its_timeout_is_cancelled_in_one_line_naming_the_part
 ):
     """Both nodes are taken by another job: the launch's job pends for Resources, and after
     launch.slurm.pending_timeout_s it is cancelled, in one line; only the other job is left."""
-    blocker = slurm.run(["sbatch", "--parsable", "-N", "2", "--exclusive", "--wrap", "sleep 600"])
+    blocker = slurm.run(["sbatch", "--parsable", "-N", "2", "--exclusive", f"--output={tmp_path / 'blocker.out'}",
+                         "--wrap", "sleep 600"])  # fmt: skip  # its log in the test's folder, not the cwd
     assert blocker.returncode == 0, blocker.stderr
     other = blocker.stdout.strip()
     try:
