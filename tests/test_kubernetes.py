@@ -171,7 +171,7 @@ def test_rendered_yaml_round_trips_on_stdout_and_in_files(tmp_path, capsys):
     "overrides, says",
     [
         (["store=s3://b/p", "tracking.uri=http://m:5000"], "set launch.kubernetes.registry"),
-        ([*SITE, "launch.nnodes=4", "launch.min_nnodes=2"], "unset launch.min_nnodes"),
+        ([*SITE, "launch.nnodes=2", "launch.min_nnodes=1"], "unset launch.min_nnodes"),
         ([*SITE[1:]], "store .lmyard/store is a folder of this machine, which no pod sees"),
         ([*SITE[::2], "tracking.uri=sqlite:///mlflow.db"], "set tracking.uri to the MLflow server's http(s):// URL"),
         ([*SITE, "launch.kubernetes.secret=Creds"], "launch.kubernetes.secret"),
