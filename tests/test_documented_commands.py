@@ -29,7 +29,7 @@ SKIP: list[tuple[str, str]] = [
     (r"apt-get install ", "changes the machine's packages"),
     (r"pip install ", "changes the virtualenv's packages (an extra's tests skip, saying so, when it is missing)"),
     (r"\.venv/bin/ruff check ", "the checks CI runs (.ci/run), in the virtualenv the line before creates"),
-    (r"\.venv/bin/python -m pytest", "the test suite itself (35+ minutes, the unit tests alone 2 to 6; CI runs it)"),
+    (r"\.venv/bin/python -m pytest", "the test suite itself (the unit tier, then the integration tier; CI runs it)"),
     (r"prefect worker start ", "blocks: a worker serves until stopped (tests/test_deployments.py starts one)"),
     (r"ray start ", "starts a Ray node on a host (tests/test_hosts_ray.py starts them in simulated hosts)"),
     (
