@@ -70,16 +70,16 @@ def _links(config: RunConfig, lineage: Lineage, model: RegisteredModel | None) -
 
 
 def _markdown(summary: RunSummary, attempts: list[dict], model: RegisteredModel | None, final: Evaluation) -> str:
-    rows = "\n".join(f"| {k} | {v} |" for k, v in summary.model_dump(exclude={"metrics"}).items())
+    rows = "\n".join(f"| {k} | {_cell(v)} |" for k, v in summary.model_dump(exclude={"metrics"}).items())
     scores = "\n".join(f"| {k} | {v} |" for k, v in (final.result.rows if final.result else {}).items())
     tries = "\n".join(
         f"| {a['attempt']} | {a.get('start_step', '')} | {a.get('resumed_from') or '-'} | "
-        f"{_flow_run(a)} | {a.get('nodes', '')} | {a.get('gpu_hours', '')} | {a.get('outcome', '')} |"
+        f"{_flow_run(a)} | {a.get('nodes', '')} | {_cell(a.get('gpu_hours', ''))} | {a.get('outcome', '')} |"
         for a in attempts
     )
     gates = (
         "\n".join(
-            f"| {k} | {g.value} | {g.limit} | {'pass' if g.passed else 'FAIL'} |"
+            f"| {k} | {_cell(g.value)} | {_cell(g.limit)} | {'pass' if g.passed else 'FAIL'} |"
             for k, g in (model.gates if model else {}).items()
         )
         or "| (none configured) | | | |"
@@ -92,6 +92,16 @@ def _markdown(summary: RunSummary, attempts: list[dict], model: RegisteredModel 
         f"|---|---|---|---|---|---|---|\n{tries}\n\n"
         f"## Gates\n\n| gate | value | limit | |\n|---|---|---|---|\n{gates}\n\n## Samples\n\n{samples}\n"
     )
+
+
+def _cell(value) -> str:
+    """A table cell: a float to 4 significant digits (a loss, GPU-hours), anything else as it is."""
+    if isinstance(value, str):
+        try:
+            value = float(value) if "." in value else value
+        except ValueError:
+            return value
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _flow_run(attempt: dict) -> str:
