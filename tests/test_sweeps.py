@@ -253,3 +253,28 @@ def test_the_loss_against_compute_plot_holds_every_point_inside_its_axes():
     width = figures.fig.bbox.width
     labels = [t for t in [*ax.get_yticklabels(minor=True), *ax.get_yticklabels()] if t.get_text()]
     assert labels and all(0 <= t.get_window_extent().x0 and t.get_window_extent().x1 <= width for t in labels)
+
+
+def test_a_trial_whose_step_cannot_fit_the_gpus_is_one_line_naming_it_and_what_would_fit(tmp_path, monkeypatch):
+    """The memory plan each trainer makes before its first step, made for every trial before any shard: on GPUs of
+    2 GiB (this machine's GPU query, nvidia-smi, is what the test is not about), 12 blocks of width 768 at 32
+    sequences of 1,024 a micro-step fit with a smaller micro-batch, and twice that width fits under no setting."""
+    from lmyard.errors import UserError
+    from lmyard.recipes import load_recipe
+    from lmyard.sweep import driver
+
+    sets = [*tiny_overrides(tmp_path), "train.device=cuda", "launch.nproc_per_node=1", "train.micro_batch=32",
+            "model.block_size=1024", "train.batch_tokens=32768", "tokenizer.name=bytes", "model.n_layer=12",
+            "model.n_embd=768", "model.n_head=12"]  # fmt: skip
+    config = load_recipe("smoke", sets)
+    monkeypatch.setattr(driver, "local_gpu_bytes", lambda: 2 << 30)
+    for size, says in ((1, "it would fit with train.micro_batch="), (2, "nothing tried fits")):
+        with pytest.raises(UserError) as refused:
+            driver.plan(config, [size], None)
+        said = str(refused.value)
+        assert said.startswith(f"trial smoke-x{size} (model.n_embd=") and "\n" not in said, said
+        assert "will not fit" in said and says in said, said
+    monkeypatch.setattr(driver, "local_gpu_bytes", lambda: 80 << 30)
+    assert [t["name"] for t in driver.plan(config, [1], None).trials] == ["smoke-x1"]
+    monkeypatch.setattr(driver, "local_gpu_bytes", lambda: None)  # no GPU here: nothing to plan against
+    assert len(driver.plan(config, [1, 2], None).trials) == 2

@@ -77,8 +77,11 @@ def plan(
         space = parse_space(search, source or "search space")
         trials, schedule = search_trials(config, space), space.schedule
     vocab: dict[str, int] = {}
-    for t in trials:  # every trial's config valid, its checkpoints fitting the disks, before the shards are made
-        _check_disks(RunConfig.model_validate(trial_config(config, t)), t, vocab)
+    gpu_bytes = local_gpu_bytes() if backends.of(config).on_flow_host else None
+    for t in trials:  # every trial's config valid, fitting the disks and the GPUs, before the shards are made
+        cfg = RunConfig.model_validate(trial_config(config, t))
+        _check_disks(cfg, t, vocab)
+        _check_memory(cfg, t, vocab, gpu_bytes)
     rows = [{"name": t.name, "overrides": t.overrides, "size": t.size, "budget": t.budget} for t in trials]
     kind = "search" if sizes is None else "isoflop" if budgets is not None else "sizes"
     return Plan(kind=kind, trials=rows, schedule=schedule and vars(schedule))
@@ -101,6 +104,40 @@ def _check_disks(cfg: RunConfig, trial: Trial, vocab: dict[str, int]) -> None:
         budget.check(cfg, run.store, run.cache, fields, node_share=1.0)
     except UserError as e:
         raise UserError(f"trial {trial.name} ({said(trial.overrides)}): {e}") from None
+
+
+def _check_memory(cfg: RunConfig, trial: Trial, vocab: dict[str, int], gpu_bytes: int | None) -> None:
+    """The trial's step fits each of this machine's GPUs (lmyard.train.distributed.memory, the plan its trainer
+    makes before its first step): a UserError naming the trial and what would fit when nothing does. Nothing to
+    plan on CPU (`gpu_bytes` None), for a Hugging Face folder's model, or on a cluster (each trainer plans)."""
+    from lmyard.train.distributed import memory
+
+    if gpu_bytes is None or cfg.model.init_from or cfg.train.device == "cpu":
+        return
+    key = cfg.tokenizer.model_dump_json()
+    n_vocab = vocab.get(key) or 50257  # _check_disks filled it
+    try:
+        train, _ = memory.resolve(cfg.model, cfg.train, cfg.world_size(), gpu_bytes, n_vocab)
+        memory.check(memory.estimate(cfg.model, train, cfg.world_size(), gpu_bytes, n_vocab))
+    except UserError as e:
+        raise UserError(f"trial {trial.name} ({said(trial.overrides)}): {e}") from None
+
+
+def local_gpu_bytes() -> int | None:
+    """The smallest GPU's memory on this machine (nvidia-smi, no torch in the flow's process); None without one."""
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout  # fmt: skip
+        mib = [int(x) for x in out.split() if x.strip().isdigit()]
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return min(mib) << 20 if mib else None
 
 
 def check_cluster(config: RunConfig, p: Plan, api_url: str | None) -> None:
