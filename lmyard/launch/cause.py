@@ -1,7 +1,7 @@
 """Which rank of a failed training failed first, and the failure said once: one line and that rank's last lines.
 
 When one rank dies the others fail on the collective that waits for it (symptoms). The first is the rank a
-signal killed, else the earliest to end: by its own failure record's time (lmyard.stages.run_stage), else
+signal other than torchrun's SIGTERM killed, else the earliest to end: by its own failure record's time (lmyard.stages.run_stage), else
 torchrun's (whole seconds, counted a second early: a rank that died without a word went before ranks that
 raised on its absence). Ranks torchrun saw end are the candidates; those it stopped follow them. The error:
 `rank 1 exited with code 1 first: <its message or last line>; rank 0 failed after it`, with at most
@@ -100,7 +100,10 @@ def first_cause(ends: dict[int, RankEnd], printed: dict[int, list[str]]) -> Caus
     """The rank that failed first among `ends` (see the module docstring), with its last lines: its record's
     traceback, else what it printed (`printed`, by rank)."""
     seen = [r for r, e in ends.items() if e.code is not None] or list(ends)
-    killed = lambda r: ends[r].code is not None and ends[r].code < 0  # type: ignore[operator]
+    # a signal the agent did not send (SIGKILL: the OOM killer, a kill -9) is a cause; SIGTERM is how torchrun
+    # stops the ranks left once one has failed, so a rank it ended follows by its time like the others
+    codes = {r: e.code for r, e in ends.items()}
+    killed = lambda r: (c := codes[r]) is not None and c < 0 and c != -signal.SIGTERM
     rank = min(seen, key=lambda r: (not killed(r), ends[r].when, r))
     first = ends[rank]
     if first.record is not None and first.record.output:
