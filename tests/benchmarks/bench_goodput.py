@@ -66,17 +66,19 @@ STOPPED = re.compile(r"stopped by SIGTERM after step (\d+)")
 LLAMA_1B_DISK = ["checkpoint.keep_last=2", "checkpoint.keep_best=false", "checkpoint.max_pending=1"]
 
 
-def config(a: argparse.Namespace, work: Path):
+def config(a: argparse.Namespace, work: Path, *, run: str = RUN, max_steps: int = 100000000, log_every: int = 0,
+           checkpoint_every: int = 0):  # fmt: skip
+    """The benchmark's run: the window ends it, not the step count (unless `max_steps`); no in-loop evaluation."""
     return load_recipe(
         a.recipe,
         [
             f"store={work / 'store'}",
-            f"run_name={RUN}",
+            f"run_name={run}",
             f"model.preset={a.preset}",
             f"train.device={a.device}",
-            "train.max_steps=100000000",  # the window ends the run, not the step count
-            f"train.log_interval={a.log_every}",
-            f"checkpoint.interval={a.checkpoint_every}",
+            f"train.max_steps={max_steps}",
+            f"train.log_interval={log_every or a.log_every}",
+            f"checkpoint.interval={checkpoint_every or a.checkpoint_every}",
             "eval.interval=100000000",
             f"launch.nproc_per_node={a.nproc}",
             *(LLAMA_1B_DISK if a.preset == "llama-1b" else []),

@@ -40,9 +40,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench_goodput import Attempt  # noqa: E402
+from bench_goodput import config as goodput_config  # noqa: E402
 from random_shards import make_shards  # noqa: E402
-
-from lmyard.recipes import load_recipe  # noqa: E402
 
 RUN = "restart"
 IMPORT_ROW = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \|( +)(\S+)$")
@@ -51,21 +50,7 @@ TORCHRUN_IMPORTS = "import lmyard.launch.torchrun, torch.distributed.run"
 
 
 def config(a: argparse.Namespace, work: Path, steps: int):
-    return load_recipe(
-        a.recipe,
-        [
-            f"store={work / 'store'}",
-            f"run_name={RUN}",
-            f"model.preset={a.preset}",
-            f"train.device={a.device}",
-            f"train.max_steps={steps}",
-            f"train.log_interval={a.steps}",
-            f"checkpoint.interval={a.steps}",
-            "eval.interval=100000000",
-            f"launch.nproc_per_node={a.nproc}",
-            *a.overrides,
-        ],
-    )
+    return goodput_config(a, work, run=RUN, max_steps=steps, log_every=a.steps, checkpoint_every=a.steps)
 
 
 def use_caches(root: Path) -> None:
