@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, prefect_server, stop_prefect_worker
+from conftest import REPO, lmyard_cmd, prefect_server, stop_prefect_worker
 from prefect import flow
 
 from lmyard.checkpoint.catalog import complete_steps
@@ -129,24 +129,34 @@ def _write_corpus(path: Path, n: int) -> None:
 
 
 def test_deployment_runs_and_scheduled_retraining_continues_only_on_new_data(prefect_stack, killed_worker):
-    """Three deployment runs on the worker started in place of the killed one (`killed_worker`)."""
-    tmp, run, worker_log, *_ = prefect_stack
+    """Three deployment runs on the worker started in place of the killed one (`killed_worker`); the first one's
+    rank 1 crashes once, and its retry resumes."""
+    tmp, run, worker_log, _, env = prefect_stack
     corpus = tmp / "corpus.jsonl"
     _write_corpus(corpus, 40)
     store = open_store(str(tmp / "store"))
 
+    # rank 1 crashes after step 6 in the first attempt (once: the fault's state folder); the retry resumes at 4
+    crash = {
+        "LMYARD_FAULTS": "crash_last@6",
+        "LMYARD_FAULTS_STATE": str(tmp / "faults-deployed"),
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",  # the pool's own env, which a run's env replaces
+    }
     first = run(
         "deployment",
         "run",
         "pretrain/smoke",
         "--params",
         json.dumps({"config": _config(tmp, corpus, 8)}),
+        "--job-variable",
+        f"env={json.dumps(crash)}",
         "--watch",
         "--watch-timeout",
         "400",
     )
     assert first.returncode == 0 and "Completed" in first.stdout, first.stdout[-2000:] + worker_log.read_text()[-4000:]
     assert complete_steps(store, "deployed")[-1] == 8
+    _the_crashed_attempt_is_said_once_and_linked(tmp, run, env, re.search(r"UUID: ([0-9a-f-]{36})", first.stdout)[1])
     # the flow ran from the pull step's clone (the worker works outside this checkout): its steps are in the log,
     # under its flow run's name (the log holds the killed run's steps too)
     name = re.search(r"Created flow run '([^']+)'", first.stdout).group(1)
@@ -187,6 +197,67 @@ def test_deployment_runs_and_scheduled_retraining_continues_only_on_new_data(pre
     assert third.returncode == 0 and "Completed" in third.stdout, third.stdout[-2000:] + worker_log.read_text()[-4000:]
     assert complete_steps(store, "deployed")[-1] == 12
     assert "retraining deployed: none (no new data" in worker_log.read_text()
+
+
+def _the_crashed_attempt_is_said_once_and_linked(tmp: Path, run, env: dict, flow_run_id: str) -> None:
+    """The first attempt's train task log: rank 1's crash said once, in one line, with no MLflow INFO line, no
+    download bar, no other rank's traceback, in at most 60 lines; `lmyard status` names the crash; the MLflow run
+    links the flow run, the flow run's summary links the MLflow run."""
+    from mlflow.tracking import MlflowClient
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
+        logs: list = []
+        while len(logs) % 200 == 0:  # the API's pages: 200 records at most
+            page = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), 200, len(logs))
+            logs += page
+            if not page:
+                break
+        summaries = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["deployed-summary"]))
+        )
+    (summary,) = [a for a in summaries if str(a.flow_run_id) == flow_run_id]
+    train_runs = {g.task_run_id for g in logs if g.message.startswith("attempt 1 of lineage deployed")}
+    assert len(train_runs) == 1, [g.message for g in logs]
+    ours = sorted((g for g in logs if g.task_run_id in train_runs), key=lambda g: g.timestamp)
+    end = next(i for i, g in enumerate(ours) if g.message.startswith("Task run failed with exception"))
+    attempt = [ln for g in ours[: end + 1] for ln in g.message.splitlines()]
+    text = "\n".join(attempt)
+    said = re.compile(r"train: rank 1 exited with code 1 first: injected crash of rank 1 after step 6; rank 0 failed")
+    assert len(said.findall(text)) == 1, text  # in Prefect's retry line; the follower's error is that exception
+    for noise in ("INFO mlflow", "system metrics", "Downloading artifacts", "Traceback", "Connection reset", "gloo"):
+        assert noise not in text, f"{noise!r} in the failed attempt's log:\n{text}"
+    assert len(attempt) <= 60, f"{len(attempt)} lines:\n{text}"
+    print(f"the failed attempt's train task log: {len(attempt)} lines")
+
+    status = subprocess.run(
+        [
+            *lmyard_cmd("status", "deployed"),
+            "--store",
+            str(tmp / "store"),
+            "--tracking-uri",
+            f"sqlite:///{tmp / 'mlflow.db'}",
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert status.returncode == 0, status.stderr
+    (line,) = [ln for ln in status.stdout.splitlines() if ln.strip().startswith("attempt 1:")]
+    assert said.search(line) and not line.rstrip().endswith(":"), status.stdout
+
+    run_id = json.loads((tmp / "store" / "runs" / "deployed" / "lineage.json").read_text())["mlflow_run_id"]
+    tags = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}").get_run(run_id).data.tags
+    ui = env["PREFECT_API_URL"].removesuffix("/api")
+    assert tags["lmyard.attempt.1.flow_run_url"] == f"{ui}/runs/flow-run/{flow_run_id}"
+    assert tags["lmyard.attempt.2.flow_run_url"] == f"{ui}/runs/flow-run/{flow_run_id}"
+    assert re.search(rf"\[MLflow run {run_id}\]\(http://[^)]*/#/experiments/\d+/runs/{run_id}\)", summary.data), (
+        summary.data
+    )
 
 
 def _flow_run(api_url: str, flow_run_id: str):

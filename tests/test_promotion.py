@@ -8,6 +8,7 @@ The flows here run in this process on the session's Prefect server; they call th
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -106,11 +107,20 @@ def test_promotion_waits_for_approval_and_moves_the_alias_once_resumed_with_appr
         while not (len(STARTED) > before and client.read_flow_run(STARTED[-1]).state.is_paused()):  # type: ignore[union-attr]
             assert time.monotonic() < deadline and thread.is_alive(), f"no paused flow run: {done}"
             time.sleep(0.5)
+        # the form's description: the version, its source run and the gate values against their thresholds
+        keyset = client.read_flow_run(STARTED[-1]).state.state_details.run_input_keyset  # type: ignore[union-attr]
+        form = json.loads(client.read_flow_run_input(STARTED[-1], keyset["description"]))
     assert "candidate" not in _aliases(tracking)
+    assert "Promote smoke version 1 to @candidate" in form and f"{tracking}/#/models/smoke/versions/1" in form, form
+    assert re.search(r"\| loss/eval max \| [0-9.]+ \| 100 \| pass \|", form) and "/runs/" in form, form
     resume_flow_run(STARTED[-1], run_input={"approve": True, "note": "val loss fine"})
     thread.join(180)
     assert not thread.is_alive() and done["model"]["alias"] == "candidate"
     assert "candidate" in _aliases(tracking)
+    from mlflow.tracking import MlflowClient
+
+    version = MlflowClient(tracking).get_model_version("smoke", "1")
+    assert version.tags["lmyard.approval.note"] == "val loss fine" and version.tags["lmyard.approval.approved_at"]
 
 
 @pytest.fixture
@@ -164,5 +174,8 @@ def test_the_notification_automation_posts_failed_completed_and_gates_passed_to_
             client.delete_automation(created[1])
     gates = next(b for b in received if b["body"].startswith("lmyard.gates.passed"))
     assert "smoke version 1" in gates["subject"] and "lmyard.model.smoke.1" in gates["body"]
+    # the model's URI, the gate values and links to the MLflow run and version
+    assert "models:/smoke/1" in gates["body"] and re.search(r"loss/eval max [0-9.]+ \(limit 100\)", gates["body"])
+    assert f"{tracking}/#/models/smoke/versions/1" in gates["body"] and "/runs/" in gates["body"], gates["body"]
     failed = next(b for b in received if b["body"].startswith("prefect.flow-run.Failed"))
     assert "prefect.flow-run." in failed["body"]
