@@ -53,16 +53,16 @@ def finish(
     lineage.close("FINISHED")
     create_markdown_artifact(
         key=artifact_key(config.run_name, "summary"),
-        markdown=_links(config, lineage, model) + "\n\n" + _markdown(summary, attempts, model, final),
+        markdown=_links(lineage, model) + "\n\n" + _markdown(summary, attempts, model, final),
         description=f"Summary of {config.run_name}",
     )
     return summary
 
 
-def _links(config: RunConfig, lineage: Lineage, model: RegisteredModel | None) -> str:
+def _links(lineage: Lineage, model: RegisteredModel | None) -> str:
     """Markdown links to the lineage's MLflow run and the registered version (a local store's pages open once
-    `mlflow ui --backend-store-uri ...` serves them)."""
-    uri = config.tracking.uri
+    `mlflow ui --backend-store-uri ...` serves them); they point at the lineage's own tracking server."""
+    uri = lineage.ref.tracking_uri
     run = f"[MLflow run {lineage.ref.mlflow_run_id}]({run_url(uri, lineage.ref.experiment_id, lineage.ref.mlflow_run_id)})"
     if model is None:
         return run

@@ -108,8 +108,8 @@ def judge(config: RunConfig, lineage: Lineage, final: Evaluation, name: str, ver
         ref = lineage.ref
         links = {
             "model_uri": f"models:/{name}/{version}",
-            "version_url": version_url(config.tracking.uri, name, version),
-            "run_url": run_url(config.tracking.uri, ref.experiment_id, ref.mlflow_run_id),
+            "version_url": version_url(ref.tracking_uri, name, version),
+            "run_url": run_url(ref.tracking_uri, ref.experiment_id, ref.mlflow_run_id),
             "flow_run_url": flow_run_url() or "",
         }
         _gates_passed(name, version, gates, links)
@@ -181,8 +181,9 @@ def approve_promotion(config: RunConfig, lineage: Lineage, model: RegisteredMode
 
 def review(config: RunConfig, lineage: Lineage, model: RegisteredModel) -> str:
     """The approval form's description (markdown): the version and its source run (linked), its gates' values
-    against their thresholds, and what approving does."""
-    uri, alias, ref = config.tracking.uri, config.eval.alias, lineage.ref
+    against their thresholds, and what approving does. Its links point at the lineage's own tracking server."""
+    alias, ref = config.eval.alias, lineage.ref
+    uri = ref.tracking_uri
     gates = "\n".join(
         f"| {k} | {'-' if g.value is None else f'{g.value:.4g}'} | {g.limit:g} | {'pass' if g.passed else 'FAIL'} |"
         for k, g in model.gates.items()
