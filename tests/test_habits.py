@@ -246,9 +246,7 @@ OVER_BOUND: dict[str, tuple[int, int]] = {
     "lmyard/checkpoint/dcp.py:ShardedCheckpointer.__init__": (39, 12),
     "lmyard/data/sharding.py:_build": (46, 11),
     "lmyard/data/sharding.py:_finish": (52, 13),
-    "lmyard/launch/containers.py:plan": (59, 6),
     "lmyard/models/ops/rope.py:_rope_kernel": (41, 12),
-    "lmyard/sweep/tune.py:run_on_ray": (56, 4),
     "lmyard/train/optim.py:_adamw_kernel": (53, 11),
     "lmyard/train/trainer.py:train_step": (32, 11),
 }

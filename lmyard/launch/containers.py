@@ -159,28 +159,14 @@ def plan(
     network = f"{base_name}-net" if dc.network == "bridge" and nnodes > 1 else None
     labels = _labels(cfg.run_name, flow_run_id, launch_id, stage.stage)
     spec, mounts = _mounted(cfg, stage.model_dump(mode="json"))
-
-    # torchrun: c10d rendezvous hosted by node 0's agent; a fresh rendezvous id per launch, so a
-    # straggler from an earlier attempt cannot join this one.
-    addrs = dc.node_addrs or [_local_addr(urls, i) for i in range(nnodes)]
-    node0 = dc.node_addrs[0] if dc.node_addrs else _node_host(urls[0])
-    rdzv = f"{names[0]}:{dc.rdzv_port}" if network else launch.rdzv_endpoint or f"{node0}:{dc.rdzv_port}"
+    commands = _commands(cfg, stage, urls, names, network, launch_id)
     env, secrets = _environment(cfg, spec, environ)
     gpus = node_gpus(launch, urls[:nnodes])  # devices, mounts, namespaces per node (lmyard.launch.gpus)
     nodes = []
     for i in range(nnodes):
-        command = stage_command(
-            cfg,
-            stage,
-            python="python",
-            rdzv_endpoint=rdzv,
-            rdzv_id=launch_id,
-            node=i,
-            local_addr=None if network or (nnodes == 1 and not dc.node_addrs) else addrs[i],
-        )
         kwargs = dict(
             image=image,
-            command=command,
+            command=commands[i],
             name=names[i],
             hostname=names[i] if network else None,
             labels={**labels, f"{LABEL}.node": str(i)},
@@ -196,6 +182,22 @@ def plan(
         )
         nodes.append(NodePlan(i, urls[i], {k: v for k, v in kwargs.items() if v is not None}, set(secrets)))
     return LaunchPlan(launch_id, image, network, labels, nodes)
+
+
+def _commands(
+    cfg: RunConfig, stage: StageSpec, urls: list[str], names: list[str], network: str | None, launch_id: str
+) -> list[list[str]]:
+    """Each node's torchrun command: c10d rendezvous hosted by node 0's agent, a fresh rendezvous id per launch (a
+    straggler from an earlier attempt cannot join this one)."""
+    dc, nnodes = cfg.launch.docker, len(names)
+    addrs = dc.node_addrs or [_local_addr(urls, i) for i in range(nnodes)]
+    node0 = dc.node_addrs[0] if dc.node_addrs else _node_host(urls[0])
+    rdzv = f"{names[0]}:{dc.rdzv_port}" if network else cfg.launch.rdzv_endpoint or f"{node0}:{dc.rdzv_port}"
+    local = None if network or (nnodes == 1 and not dc.node_addrs) else addrs
+    return [
+        stage_command(cfg, stage, python="python", rdzv_endpoint=rdzv, rdzv_id=launch_id, node=i, local_addr=addr)
+        for i, addr in enumerate(local or [None] * nnodes)
+    ]
 
 
 def _environment(cfg: RunConfig, spec: dict, environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:

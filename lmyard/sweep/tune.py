@@ -146,22 +146,12 @@ def run_on_ray(
     lands (a tiny trial can reach its last step first)."""
     import ray
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     _connect(cfg)
     address = ray.get_runtime_context().gcs_address
     per_trial = cfg.launch.nnodes * (cfg.launch.ray.cpus_per_node or cfg.launch.nproc_per_node)
     at_once = max(1, int(ray.cluster_resources().get("CPU", 1) // per_trial))
-    scheduler = (
-        ASHAScheduler(
-            time_attr="step",
-            max_t=cfg.train.max_steps + 1,  # never stop a trial for reaching its end: it finishes its flow
-            grace_period=schedule.grace_steps,
-            reduction_factor=schedule.reduction_factor,
-        )
-        if schedule
-        else FIFOScheduler()
-    )
+    scheduler = _scheduler(cfg, schedule)
     grace_s = cfg.launch.grace_s + 120  # the flow's checkpoint, then its lineage closed
     space = [{**t, "ray_address": address, "grace_s": grace_s} for t in trials]
     tuner = tune.Tuner(
@@ -182,6 +172,25 @@ def run_on_ray(
         results = tuner.fit()
     finally:
         controller.removeFilter(said_by_the_sweep)
+    return _outcomes(results)
+
+
+def _scheduler(cfg: RunConfig, schedule: Schedule | None):
+    """ASHA at the schedule's rungs (by step), or every trial to its end (FIFO)."""
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    if not schedule:
+        return FIFOScheduler()
+    return ASHAScheduler(
+        time_attr="step",
+        max_t=cfg.train.max_steps + 1,  # never stop a trial for reaching its end: it finishes its flow
+        grace_period=schedule.grace_steps,
+        reduction_factor=schedule.reduction_factor,
+    )
+
+
+def _outcomes(results) -> dict[str, tuple[str, int | None, int]]:
+    """Tune's results as run_on_ray returns them: name -> (error's last line, stopped at, exit code)."""
     out = {}
     for i in range(len(results)):
         r = results[i]
