@@ -136,7 +136,14 @@ def _budgets(text: str) -> list[float]:
 SWEEP_FLAGS: list[tuple[str, dict]] = [
     ("--sizes", {"type": _indices, "help": "scaling indices of the model, e.g. 1,2,3"}),
     ("--search", {"metavar": "FILE", "help": "a YAML search space (docs/sweeps.md)"}),
-    ("--budgets", {"type": _budgets, "help": "with --sizes: FLOPs (6ND) to train each size for, e.g. 1e15,3e15"}),
+    (
+        "--budgets",
+        {
+            "type": _budgets,
+            "help": "an isoFLOP sweep: FLOPs (6ND), e.g. 1e15,3e15,1e16; each trains 5 sizes around its "
+            "Chinchilla optimum sqrt(C/120) (with --sizes: those sizes at every budget)",
+        },
+    ),
 ]
 
 

@@ -38,9 +38,9 @@ def sweep(
     search: dict[str, Any] | None = None,
     budgets: list[float] | None = None,
 ) -> SweepResult:
-    """Train `recipe` (with `config`'s fields on top) at scaling indices `sizes` (each at every compute budget of
-    `budgets`: an isoFLOP sweep), or over the search space `search` (docs/sweeps.md); a rerun trains only the
-    trials that are not done."""
+    """Train `recipe` (with `config`'s fields on top) at scaling indices `sizes`, at compute budgets `budgets` (an
+    isoFLOP sweep: each budget's own sizes, or every one of `sizes`), or over the search space `search`
+    (docs/sweeps.md); a rerun trains only the trials that are not done."""
     config = credentials_to_env(with_recipe(config, recipe))
     quiet_mlflow()  # MLflow's INFO lines and download bars, under a worker as under `lmyard run`
     trials = plan(config, sizes, search, budgets=budgets)  # a bad space or trial: one line, before anything

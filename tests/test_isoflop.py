@@ -9,6 +9,7 @@ import pytest
 from conftest import tiny_overrides
 
 from lmyard.errors import UserError
+from lmyard.models import registry
 from lmyard.recipes import load_recipe
 from lmyard.sweep import isoflop
 from lmyard.sweep.driver import plan
@@ -74,7 +75,44 @@ def test_an_isoflop_plan_gives_each_size_the_steps_of_its_budget(tmp_path):
     for budget in (1e10, 3e10):
         steps = [t["overrides"]["train.max_steps"] for t in p.trials if t["budget"] == budget]
         assert steps[0] > steps[1] > steps[2]  # the smaller the model, the more tokens for the same compute
-    with pytest.raises(UserError, match="--budgets go with --sizes"):
+    with pytest.raises(UserError, match="--search goes alone"):
         plan(cfg, None, {"params": {"train.lr": {"grid": [0.1]}}}, budgets=[1e10])
     with pytest.raises(UserError, match="distinct compute budgets"):
         plan(cfg, [1, 2], None, budgets=[1e10, 1e10])
+
+
+def _params(cfg, index: int) -> int:
+    """Parameters of size `index` of the recipe's model, as the models' registry counts them (byte tokens)."""
+    fields = registry.resolve(cfg.model.model_copy(update=registry.scaled(cfg.model, index)), 257)
+    return registry.parameters({"arch": cfg.model.architecture(), **fields})
+
+
+def test_an_isoflop_plan_without_sizes_brackets_each_budgets_chinchilla_optimum_with_its_own_sizes(tmp_path):
+    cfg = load_recipe("smoke", tiny_overrides(tmp_path, **{"model.n_embd": 16, "model.n_head": 1}))
+    budgets = [1e11, 1e12, 1e13]  # Chinchilla's N* = sqrt(C / 120): 29k, 91k, 0.29M parameters
+    p = plan(cfg, None, None, budgets=budgets)
+    assert p.kind == "isoflop"
+    chosen = {}
+    for budget in budgets:
+        rows = [t for t in p.trials if t["budget"] == budget]
+        n = [_params(cfg, t["size"]) for t in rows]
+        optimum = math.sqrt(budget / 120)
+        assert len(set(n)) >= isoflop.MIN_POINTS and n == sorted(n), (budget, n)
+        assert n[0] < optimum < n[-1], (budget, optimum, n)  # the parabola's vertex can lie inside the sizes
+        assert n[-1] / n[0] <= 12 and all(b / a >= 1.2 for a, b in zip(n, n[1:])), n  # within a few times of N*
+        for t, params in zip(rows, n):
+            assert t["overrides"]["train.max_steps"] == isoflop.steps_for(budget, params, cfg.train.batch_tokens)
+        chosen[budget] = [t["size"] for t in rows]
+    assert chosen[1e11][0] < chosen[1e12][0] < chosen[1e13][0]  # a larger budget, larger sizes
+    assert chosen[1e11] != chosen[1e13]
+    explicit = plan(cfg, [2, 4, 8], None, budgets=budgets)  # --sizes: those at every budget
+    assert [t["size"] for t in explicit.trials] == [2, 4, 8] * 3
+
+
+def test_a_budget_too_small_for_the_narrowest_sizes_says_so_and_names_a_budget_that_plans(tmp_path):
+    cfg = load_recipe("smoke", tiny_overrides(tmp_path, **{"model.n_embd": 16, "model.n_head": 1}))
+    with pytest.raises(UserError, match=r"--budgets 1e\+08: Chinchilla's optimum") as e:
+        plan(cfg, None, None, budgets=[1e8])
+    least = float(str(e.value).split("at least ")[1].split(" FLOPs")[0])
+    assert least > 1e8
+    assert plan(cfg, None, None, budgets=[least]).trials  # the budget it names brackets its optimum

@@ -181,6 +181,23 @@ def test_a_size_whose_checkpoints_cannot_fit_is_one_line_naming_the_trial_before
     assert not store.exists() and not db.exists() and proc.stdout == ""  # no shard, no MLflow run, no flow
 
 
+def test_budgets_alone_plan_each_budgets_sizes_and_one_too_small_is_one_line_before_any_shard_or_run(tmp_path):
+    store, db = tmp_path / "store", tmp_path / "mlflow.db"
+    sets = ["--set", f"store={store}", "--set", f"tracking.uri=sqlite:///{db}"]
+    proc = subprocess.run(
+        lmyard_cmd("sweep", "smoke", "--budgets", "1e8", *sets),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lmyard: error: --budgets 1e+08: Chinchilla's optimum"), lines
+    assert "give budgets of at least" in lines[0]
+    assert not store.exists() and not db.exists() and proc.stdout == ""  # no shard, no MLflow run, no flow
+
+
 @pytest.mark.integration
 def test_a_trial_that_fails_for_a_user_error_ends_the_sweep_with_exit_2_in_one_line_naming_it(cli_env, tmp_path):
     (tmp_path / "space.yaml").write_text("params:\n  train.lr: {grid: [0.01]}\n")

@@ -61,13 +61,15 @@ def plan(
     budgets: list[float] | None = None,
 ) -> Plan:
     """The trials, each config validated; UserError for a bad space or a trial config that cannot work. With
-    `budgets`, every size at every budget (an isoFLOP sweep, lmyard.sweep.isoflop)."""
-    if (sizes is None) == (search is None):
-        raise UserError("a sweep takes either --sizes 1,2,3 (model sizes) or --search FILE (a search space)")
-    if budgets is not None and sizes is None:
-        raise UserError("--budgets go with --sizes: an isoFLOP sweep trains every size at every budget")
+    `budgets`, an isoFLOP sweep (lmyard.sweep.isoflop): each budget's own sizes around its Chinchilla optimum, or
+    with `sizes` every one of them at every budget."""
+    if search is not None and (sizes is not None or budgets is not None):
+        raise UserError("--search goes alone: a search space, or --sizes and/or --budgets (model sizes)")
+    if sizes is None and search is None and budgets is None:
+        raise UserError("a sweep takes --sizes 1,2,3 (model sizes), --budgets 1e15,3e15,1e16 (an isoFLOP sweep) "
+                        "or --search FILE (a search space)")  # fmt: skip
     schedule = None
-    if sizes is not None and budgets is not None:
+    if budgets is not None:
         from lmyard.data.tokenizer import get_tokenizer
 
         trials = isoflop_trials(config, sizes, budgets, get_tokenizer(config.tokenizer).n_vocab)
@@ -83,7 +85,7 @@ def plan(
         _check_disks(cfg, t, vocab)
         _check_memory(cfg, t, vocab, gpu_bytes)
     rows = [{"name": t.name, "overrides": t.overrides, "size": t.size, "budget": t.budget} for t in trials]
-    kind = "search" if sizes is None else "isoflop" if budgets is not None else "sizes"
+    kind = "isoflop" if budgets is not None else "search" if sizes is None else "sizes"
     return Plan(kind=kind, trials=rows, schedule=schedule and vars(schedule))
 
 

@@ -69,26 +69,82 @@ def size_trials(config: RunConfig, sizes: list[int]) -> list[Trial]:
     ]
 
 
-def isoflop_trials(config: RunConfig, sizes: list[int], budgets: list[float], n_vocab: int) -> list[Trial]:
-    """Every size at every budget C, `<run_name>-x<index>-c<C>`: the size's trial with train.max_steps set so that
-    6 N x steps x train.batch_tokens is C (lmyard.sweep.isoflop.steps_for)."""
+TOKENS_PER_PARAM = 20
+"""Chinchilla's compute-optimal tokens per parameter (Hoffmann et al. 2022): D* = 20 N*, so C = 6 N D = 120 N*²."""
+SIZES_PER_BUDGET = 5
+SPREAD = 1.7
+"""The ratio in N between a budget's neighbouring target sizes: 5 span N*/2.9 .. 2.9 N*, wide enough that the loss
+turns inside them (the parabola's vertex) and narrow enough that each is within a few times of the optimum."""
+
+
+def chinchilla_params(budget: float) -> float:
+    """Chinchilla's compute-optimal parameters at `budget` FLOPs (6ND): sqrt(C / 120)."""
+    return math.sqrt(budget / (6 * TOKENS_PER_PARAM))
+
+
+def isoflop_trials(config: RunConfig, sizes: list[int] | None, budgets: list[float], n_vocab: int) -> list[Trial]:
+    """Each budget C's sizes, `<run_name>-x<index>-c<C>`, with train.max_steps set so that 6 N x steps x
+    train.batch_tokens is C (lmyard.sweep.isoflop.steps_for). The sizes: `sizes` at every budget, or (None) each
+    budget's own (budget_sizes: around Chinchilla's optimum, so that each budget's parabola has its vertex inside)."""
     from lmyard.sweep.isoflop import steps_for
 
     if not budgets or any(not (c > 0 and math.isfinite(c)) for c in budgets) or len(set(budgets)) != len(budgets):
         raise UserError("--budgets: give distinct compute budgets in FLOPs (6ND), e.g. --budgets 1e15,3e15,1e16")
+    if config.model.init_from:
+        raise UserError("model.init_from fixes the model's size: an isoFLOP sweep trains models of its own sizes")
+    counts: dict[int, int] = {}
     trials = []
     for c in sorted(budgets):
-        for t in size_trials(config, sizes):
-            fields = registry.resolve(config.model.model_copy(update=_model_fields(t.overrides)), n_vocab)
-            n = registry.parameters({"arch": config.model.architecture(), **fields})
-            steps = steps_for(c, n, config.train.batch_tokens)
+        for t in size_trials(config, sizes if sizes is not None else budget_sizes(config, c, n_vocab, counts)):
+            steps = steps_for(c, _params(config, t.size or 1, n_vocab, counts), config.train.batch_tokens)
             label = f"{c:.2g}".replace("+", "")
             trials.append(Trial(f"{t.name}-c{label}", {**t.overrides, "train.max_steps": steps}, t.size, c))
     return trials
 
 
-def _model_fields(overrides: dict[str, Any]) -> dict[str, Any]:
-    return {k.removeprefix("model."): v for k, v in overrides.items() if k.startswith("model.")}
+def budget_sizes(config: RunConfig, budget: float, n_vocab: int, counts: dict[int, int] | None = None) -> list[int]:
+    """The scaling indices of one budget: for each of SIZES_PER_BUDGET targets N* x SPREAD^k (k centred on 0, N*
+    Chinchilla's sqrt(C/120)) the index whose parameter count is nearest in ln N, without repeats. UserError when
+    they do not bracket N* with 3 or more sizes (the budget is too small for the model's narrowest sizes)."""
+    from lmyard.sweep.isoflop import MIN_POINTS
+
+    counts = {} if counts is None else counts
+    optimum = chinchilla_params(budget)
+    half = (SIZES_PER_BUDGET - 1) / 2
+    chosen = sorted(
+        {_nearest(config, optimum * SPREAD ** (k - half), n_vocab, counts) for k in range(SIZES_PER_BUDGET)}
+    )
+    lowest, highest = (_params(config, i, n_vocab, counts) for i in (chosen[0], chosen[-1]))
+    if len(chosen) < MIN_POINTS or not lowest < optimum < highest:
+        least = 6 * TOKENS_PER_PARAM * _params(config, 2, n_vocab, counts) ** 2
+        raise UserError(
+            f"--budgets {budget:.3g}: Chinchilla's optimum there, sqrt(C/120) = {optimum:.3g} parameters, is too "
+            f"near the narrowest size (x1: {_params(config, 1, n_vocab, counts):.3g}) to be bracketed; give budgets "
+            f"of at least {least:.2g} FLOPs, a narrower model.n_embd, or --sizes"
+        )
+    return chosen
+
+
+def _nearest(config: RunConfig, target: float, n_vocab: int, counts: dict[int, int]) -> int:
+    """The scaling index whose parameter count is nearest `target` in ln N (counts grow with the index)."""
+    hi = 1
+    while _params(config, hi, n_vocab, counts) < target:
+        hi *= 2
+    lo = max(1, hi // 2)
+    while lo < hi:  # the first index at or above target
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if _params(config, mid, n_vocab, counts) < target else (lo, mid)
+    below = max(1, hi - 1)
+    return min((below, hi), key=lambda i: abs(math.log(_params(config, i, n_vocab, counts) / target)))
+
+
+def _params(config: RunConfig, index: int, n_vocab: int, counts: dict[int, int]) -> int:
+    """Parameters of size `index` of the config's model (memoized in `counts`)."""
+    if index not in counts:
+        scaled = registry.scaled(config.model, index)
+        fields = registry.resolve(config.model.model_copy(update=scaled), n_vocab)
+        counts[index] = registry.parameters({"arch": config.model.architecture(), **fields})
+    return counts[index]
 
 
 def _known_key(key: str) -> bool:

@@ -1,28 +1,29 @@
 """The compute-optimal size on one GPU: an isoFLOP sweep of GPT-2 sizes, fitted as `lmyard sweep --budgets` fits it.
 
-    python tests/benchmarks/bench_isoflop.py --out OUT                                  # one H200, ~3-4 minutes
-    python tests/benchmarks/bench_isoflop.py --out OUT --device cpu --sizes 1,2,3 --budgets 2e9,4e9,8e9 \\
-        --n-embd 16 --n-layer 2 --block-size 64 --batch-tokens 1024 --val-tokens 4096 --corpus-mb 1   # dry run
+    python tests/benchmarks/bench_isoflop.py --out OUT                                  # one H200, ~6-7 minutes
+    python tests/benchmarks/bench_isoflop.py --out OUT --device cpu --budgets 2e10,4e10,8e10 --n-embd 8 --n-layer 2 \
+        --block-size 64 --batch-tokens 4096 --val-tokens 4096 --corpus-mb 1             # dry run, CPU: 1,400 steps
     python tests/benchmarks/bench_isoflop.py --plot OUT/isoflop.json                    # the plot, where matplotlib is
 
-The trials are lmyard.sweep.space.isoflop_trials' (the sweep's own plan): every scaling index of `--sizes` (GPT-2,
-width and heads x index, `--n-layer` blocks fixed) at every budget C of `--budgets`, train.max_steps set so that
-6 N D = C. Each trains through lmyard's Trainer in this process (bench_parity.lmyard_run: no Prefect, no MLflow)
-on the installed packages' docstrings (bench_time_to_target.write_docs_corpus) in lmyard's byte-level tokens (the
-smoke recipe's: 257 symbols, so the token table is a negligible part of N), uncompiled (12 shapes: compiles would
-cost more than the runs), lr 2e-3 warmed up over a tenth of the steps (at most 40), cosine to 0.1. The last val
-loss of each is fitted by lmyard.sweep.isoflop (the sweep's fit): a parabola in ln N per budget, its vertex the
-optimum, then N* = k C^a over the budgets with its R². After every trial OUT/isoflop.json holds the points and
-the fit so far; at the end the fit's lines print and OUT/loss_vs_compute.png is drawn (where matplotlib is
-installed; else `--plot OUT/isoflop.json` draws it elsewhere).
+The trials are lmyard.sweep.space.isoflop_trials' (the sweep's own plan, as `lmyard sweep --budgets` makes it): at
+each budget C of `--budgets` the scaling indices (GPT-2, width and heads x index, `--n-layer` blocks fixed) nearest
+5 targets N* x 1.7^k, k = -2..2, around Chinchilla's N* = sqrt(C/120), so that each budget's parabola can turn
+inside its sizes (`--sizes 1,2,3`: those at every budget instead); train.max_steps set so that 6 N D = C. Each
+trains through lmyard's Trainer in this process (bench_parity.lmyard_run: no Prefect, no MLflow) on the installed
+packages' docstrings (bench_time_to_target.write_docs_corpus) in lmyard's byte-level tokens (the smoke recipe's:
+257 symbols), uncompiled (~18 shapes: compiles would cost more than the runs), lr 2e-3 warmed up over a tenth of
+the steps (at most 40), cosine to 0.1. The last val loss of each is fitted by lmyard.sweep.isoflop (the sweep's
+fit): a parabola in ln N per budget, its vertex the optimum, then N* = k C^a over the budgets with its R². After
+every trial OUT/isoflop.json holds the points and the fit so far; at the end the fit's lines print and
+OUT/loss_vs_compute.png is drawn (where matplotlib is installed; else `--plot OUT/isoflop.json` draws it elsewhere).
 
-Default arithmetic: sizes 2,3,4,6,8 at 32 a head, 4 blocks, T=256: N = 0.20M, 0.44M, 0.79M, 1.8M, 3.1M;
-budgets 1e13, 3e13, 1e14, 3e14 (Chinchilla's N* = sqrt(C / 120): 0.29M-1.6M, inside the sizes). Tokens D =
-C/6N summed over the 20 trials: 690M, in steps of 65,536 tokens (10,500 steps; the most, 250M tokens, for the
-smallest size at the largest budget: a few passes over the corpus the machine holds, which the JSON's shard
-report counts). At ~10M tokens/s on an H200 (eager, launch-bound at these widths) ~70 s of steps, plus ~2 s a
-trial of set-up and validation and ~60 s of corpus and shards: ~3-4 minutes, inside 8. Budgets run in
-increasing order, so a timeout leaves the smaller ones fitted.
+Default arithmetic: width 16 a head x index, 4 blocks, T=256; budgets 3e12, 1e13, 3e13, 1e14 (N* = 0.16M, 0.29M,
+0.50M, 0.91M); 8,192 tokens a step (a small batch: these models are limited by their steps, and the widest size of
+the smallest budget still gets 121 steps). The plan: 18 trials, 0.07M-2.6M parameters, 121-5,689 steps each,
+27,200 steps in all (the largest budget 14,150 of them). An eager step of these widths costs ~14 ms on an H200
+whatever its batch (launch-bound: 1e13 at 16,384 and 65,536 tokens a step both ran at 14.4 ms), and a trial at
+least ~4.4 s: ~390 s of trials, plus ~30 s of corpus, shards and the first CUDA start: ~7 minutes, inside 9.
+Budgets run in increasing order, so a timeout leaves the smaller ones fitted.
 """
 
 from __future__ import annotations
@@ -84,12 +85,13 @@ def main() -> None:
     p.add_argument("--out", default=None, help="folder for isoflop.json and loss_vs_compute.png")
     p.add_argument("--plot", default=None, metavar="ISOFLOP_JSON", help="only draw the plot of a finished run")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=[2, 3, 4, 6, 8])
-    p.add_argument("--budgets", type=lambda v: [float(x) for x in v.split(",")], default=[1e13, 3e13, 1e14, 3e14])
-    p.add_argument("--n-embd", type=int, default=32, help="the width of size 1 (one head of 32)")
+    p.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="scaling indices at every budget (default: each budget's own, around its optimum)")  # fmt: skip
+    p.add_argument("--budgets", type=lambda v: [float(x) for x in v.split(",")], default=[3e12, 1e13, 3e13, 1e14])
+    p.add_argument("--n-embd", type=int, default=16, help="the width of size 1 (one head of that width)")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--block-size", type=int, default=256)
-    p.add_argument("--batch-tokens", type=int, default=65536)
+    p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--val-tokens", type=int, default=262144)
     p.add_argument("--corpus-mb", type=float, default=300.0, help="text to tokenize (bytes: 1 token a byte)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
