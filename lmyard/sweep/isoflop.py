@@ -164,7 +164,9 @@ def plot(f: Fit, path: str) -> bool:
         _limits(right, [c for c, _ in found], [n for _, n in found], log_y=True)
         right.legend(fontsize=8)
     else:  # an empty panel would read as a drawing that failed
-        right.text(0.5, 0.5, "no budget's optimum inside its sizes", ha="center", va="center", transform=right.transAxes)
+        right.text(
+            0.5, 0.5, "no budget's optimum inside its sizes", ha="center", va="center", transform=right.transAxes
+        )
     right.set(xlabel="training FLOPs C (6ND)", ylabel="compute-optimal N*", title="optimal size against compute")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
