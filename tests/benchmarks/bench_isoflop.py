@@ -20,8 +20,8 @@ OUT/loss_vs_compute.png is drawn (where matplotlib is installed; else `--plot OU
 Default arithmetic: width 16 a head x index, 4 blocks, T=256; budgets 3e12, 1e13, 3e13, 1e14 (N* = 0.16M, 0.29M,
 0.50M, 0.91M); 8,192 tokens a step (a small batch: these models are limited by their steps, and the widest size of
 the smallest budget still gets 121 steps). The plan: 18 trials, 0.07M-2.6M parameters, 121-5,689 steps each,
-27,200 steps in all (the largest budget 14,150 of them). An eager step of these widths costs ~14 ms on an H200
-whatever its batch (launch-bound: 1e13 at 16,384 and 65,536 tokens a step both ran at 14.4 ms), and a trial at
+27,200 steps in all (the largest budget 14,150 of them). An eager step of these widths costs ~12-14 ms on an H200
+whatever its batch (launch-bound: runs at 8,192, 16,384 and 65,536 tokens a step all took that), and a trial at
 least ~4.4 s: ~390 s of trials, plus ~30 s of corpus, shards and the first CUDA start: ~7 minutes, inside 9
 (measured: 387 s in all on an H200, 2026-12-02; its figures in docs/performance.md).
 Budgets run in increasing order, so a timeout leaves the smaller ones fitted.
