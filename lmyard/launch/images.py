@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import fcntl
 import hashlib
 import importlib.metadata
 import os
@@ -229,12 +230,23 @@ def build_image(
     log: Callable[[str], None] = print,
     force: bool = False,
 ) -> str:
-    """Build (or reuse) the stage image; returns its tag."""
+    """Build (or reuse) the stage image; returns its tag. Builds on one machine take turns (a lock file in the
+    image cache): a second build of the same tag waits for the first and then reuses its image."""
     client = _client()
     tag = tag or image_tag()
     if not force and _image_exists(client, tag):
         log(f"{tag} exists; not rebuilding")
         return tag
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+        if not force and _image_exists(client, tag):
+            log(f"{tag} was built meanwhile; not rebuilding")
+            return tag
+        return _build(client, tag, base, include_torch, log, force)
+
+
+def _build(client, tag: str, base: str | None, include_torch: bool, log: Callable[[str], None], force: bool) -> str:
     digest = source_digest()
     if not force and base is None and include_torch:
         # Same sources under another code version (a commit that touched only docs or tests): retag.
@@ -243,7 +255,6 @@ def build_image(
             log(f"{tag}: same sources as {img.tags[0] if img.tags else img.short_id}; tagged, not rebuilt")
             return tag
     base = base or build_base(client, log)
-    cache_dir().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="lmyard-build-", dir=cache_dir()) as ctx:
         shutil.copy2(IMAGES / "Dockerfile", Path(ctx, "Dockerfile"))
         build_wheelhouse(Path(ctx, "wheels"), include_torch, log)
