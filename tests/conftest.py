@@ -45,6 +45,7 @@ LONGEST_FIRST = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the tests' ids
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
