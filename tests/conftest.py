@@ -25,10 +25,10 @@ REPO = Path(__file__).resolve().parents[1]
 SERVER_FIXTURES = {"prefect_api_url", "cli_env", "s3_server", "s3_bucket", "mlflow_server"}
 
 
-# Under pytest-xdist (`-n N`, .ci/run; pyproject's addopts say `--dist loadgroup`) a test file's tests run on one
-# worker, in order, so its module fixtures (an image, simulated hosts, a registry) are made once; the files that
-# use one shared thing of this machine also share a worker: Ray's test cluster on 127.0.0.1. The files that take
-# longest go first (measured on 2 cores), so no worker starts one of them last.
+# Under pytest-xdist (`-n N`, .ci/run) a test file's tests run on one worker, in order, so its module fixtures (an
+# image, simulated hosts, a registry) are made once; the files that use one shared thing of this machine also share
+# a worker: Ray's test cluster on 127.0.0.1. The files that take longest go first (measured on 2 cores), so no
+# worker starts one of them last (pyproject's addopts keep this order: --no-loadscope-reorder).
 SHARED_WORKER = {"test_ray.py": "ray", "test_sweeps.py": "ray"}
 LONGEST_FIRST = (
     "test_hosts.py",
@@ -45,15 +45,25 @@ LONGEST_FIRST = (
 )
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the tests' ids
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
     for item in items:
         if item.get_closest_marker("slow") or SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(name, name)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scheduling by scope, a scope being a test file or the group of SHARED_WORKER it is in."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+            return SHARED_WORKER.get(name, name)
+
+    return ByFile(config, log)
 
 
 def gpt2_ranks_or_skip():
