@@ -89,6 +89,29 @@ def test_startup_timeout_names_the_ranks_without_a_first_step_and_ends_once_all_
     assert Watchdog(None, clock=lambda: now[0], startup_s=1, ranks=0).check({}) is None  # no heartbeats: unwatched
 
 
+def test_ranks_whose_loop_has_ended_are_not_stalled_while_their_last_upload_runs(tmp_path):
+    from lmyard.stages import Heartbeat, read_beats
+    from lmyard.stages.exchange import EXCHANGE_ENV
+
+    now = [0.0]
+    dog = Watchdog(10, clock=lambda: now[0])
+    folder = tmp_path / "exchange"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(EXCHANGE_ENV, str(folder))
+        beats = [Heartbeat(0), Heartbeat(1)]
+    for b in beats:
+        b.beat(10)
+    assert dog.check(read_beats(str(folder / "heartbeat"))) is None
+    beats[0].finish(10)  # rank 1 is still in its last step's save: watched
+    now[0] = 5
+    assert dog.check(read_beats(str(folder / "heartbeat"))) is None
+    now[0] = 16
+    assert "rank-1 after step 10" in (dog.check(read_beats(str(folder / "heartbeat"))) or "")
+    beats[1].finish(10)  # both loops ended: nothing is stalled however long the exit takes
+    for now[0] in (17, 100, 1000):
+        assert dog.check(read_beats(str(folder / "heartbeat"))) is None
+
+
 def test_rank_hung_before_its_first_step_is_killed_after_the_startup_timeout_naming_it(tmp_path, monkeypatch):
     monkeypatch.setenv("LMYARD_FAULTS", "hang_before@1")  # the last rank never starts step 1, so rank 0 waits too
     monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))

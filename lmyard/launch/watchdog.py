@@ -1,8 +1,8 @@
 """The watchdog that ends a job whose ranks stopped making progress.
 
 `Watchdog.arm` at the job's start, `Watchdog.check(heartbeats)` about once a second from the launcher's
-follow loop: a message naming the stalled ranks once no step changed for `launch.watchdog_s`, or once a rank
-has not reported its first step within `launch.startup_timeout_s`.
+follow loop: a message naming the stalled ranks once no step changed for `launch.watchdog_s` (until every rank
+says its loop has ended), or once a rank has not reported its first step within `launch.startup_timeout_s`.
 
 Design notes: docs/launch.md, `lmyard/launch/watchdog.py`.
 """
@@ -10,6 +10,8 @@ Design notes: docs/launch.md, `lmyard/launch/watchdog.py`.
 from __future__ import annotations
 
 import time
+
+from lmyard.stages.heartbeat import FINISHED
 
 
 class Watchdog:
@@ -46,8 +48,8 @@ class Watchdog:
         )
 
     def _stalled(self, beats: dict[str, str]) -> str | None:
-        if not self.timeout_s or not beats:
-            return None
+        if not self.timeout_s or not beats or all(b.endswith(FINISHED) for b in beats.values()):
+            return None  # every rank's loop has ended: its last upload and exit take what they take
         now = self.clock()
         if beats != self.last:
             self.last, self.changed_at = dict(beats), now

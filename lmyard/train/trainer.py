@@ -163,6 +163,7 @@ class Trainer:
                     self.checkpoints.stop_on_failure()
                 if stop:
                     self.preempt()
+            heartbeat.finish(self.state.step)
         except BaseException as e:
             self.checkpoints.abort(e)  # a full cache disk: its staging given back; else what is committed finishes
             raise
