@@ -266,6 +266,17 @@ def _reporter(sources, readers, writers, stats, log, progress):
     return report
 
 
+def _mixture(cfg, counts, log) -> list[dict]:
+    """The manifest's mixture: each source's documents and tokens, logged with its share of the tokens."""
+    mixture = [{"source": c.source, "documents": n, "tokens": t} for c, (n, t) in zip(cfg.data.sources, counts)]
+    total = max(sum(t for _, t in counts), 1)
+    log(
+        "mixture: "
+        + ", ".join(f"{m['source']} {m['tokens']:,} tokens ({100 * m['tokens'] / total:.1f}%)" for m in mixture)
+    )
+    return mixture
+
+
 def _finish(cfg, store, layout, sources, address, key, version, dtype, entries, counts, stats, log, report):
     docs = stats["docs"]
     if docs == 0:
@@ -301,16 +312,7 @@ def _finish(cfg, store, layout, sources, address, key, version, dtype, entries, 
         "created_s": round(elapsed, 3),
     }
     if cfg.data.sources is not None:
-        manifest["mixture"] = [
-            {"source": c.source, "documents": n, "tokens": t} for c, (n, t) in zip(cfg.data.sources, counts)
-        ]
-        log(
-            "mixture: "
-            + ", ".join(
-                f"{m['source']} {m['tokens']:,} tokens ({100 * m['tokens'] / max(sum(t for _, t in counts), 1):.1f}%)"
-                for m in manifest["mixture"]
-            )
-        )
+        manifest["mixture"] = _mixture(cfg, counts, log)
     store.write_bytes(layout.manifest, json.dumps(manifest, indent=1).encode())
     report(done=True)
     log(
