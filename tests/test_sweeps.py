@@ -164,38 +164,31 @@ def test_a_bad_search_space_is_one_line_and_exit_2_before_anything_starts(tmp_pa
     assert not (tmp_path / "store").exists()  # no shard, no run
 
 
-def test_a_size_whose_checkpoints_cannot_fit_is_one_line_naming_the_trial_before_any_shard_or_run(tmp_path):
+def _refused_sweep(tmp_path, *args: str) -> str:
+    """`lmyard sweep smoke ARGS` on a fresh store and sqlite tracking: it must exit 2 with one line on stderr and
+    leave no shard, no MLflow run and no flow output; that line."""
     store, db = tmp_path / "store", tmp_path / "mlflow.db"
     sets = ["--set", f"store={store}", "--set", f"tracking.uri=sqlite:///{db}"]
     proc = subprocess.run(
-        lmyard_cmd("sweep", "smoke", "--sizes", "1,1000000", *sets),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        lmyard_cmd("sweep", "smoke", *args, *sets), cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("lmyard: error: trial smoke-x1000000 (model.n_embd="), lines
-    assert "checkpoints do not fit" in lines[0] and "MiB needed" in lines[0]
+    assert len(lines) == 1, lines
     assert not store.exists() and not db.exists() and proc.stdout == ""  # no shard, no MLflow run, no flow
+    return lines[0]
+
+
+def test_a_size_whose_checkpoints_cannot_fit_is_one_line_naming_the_trial_before_any_shard_or_run(tmp_path):
+    line = _refused_sweep(tmp_path, "--sizes", "1,1000000")
+    assert line.startswith("lmyard: error: trial smoke-x1000000 (model.n_embd="), line
+    assert "checkpoints do not fit" in line and "MiB needed" in line
 
 
 def test_budgets_alone_plan_each_budgets_sizes_and_one_too_small_is_one_line_before_any_shard_or_run(tmp_path):
-    store, db = tmp_path / "store", tmp_path / "mlflow.db"
-    sets = ["--set", f"store={store}", "--set", f"tracking.uri=sqlite:///{db}"]
-    proc = subprocess.run(
-        lmyard_cmd("sweep", "smoke", "--budgets", "1e8", *sets),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("lmyard: error: --budgets 1e+08: Chinchilla's optimum"), lines
-    assert "give budgets of at least" in lines[0]
-    assert not store.exists() and not db.exists() and proc.stdout == ""  # no shard, no MLflow run, no flow
+    line = _refused_sweep(tmp_path, "--budgets", "1e8")
+    assert line.startswith("lmyard: error: --budgets 1e+08: Chinchilla's optimum"), line
+    assert "give budgets of at least" in line
 
 
 @pytest.mark.integration
