@@ -144,6 +144,15 @@ SWEEP_FLAGS: list[tuple[str, dict]] = [
             "Chinchilla optimum sqrt(C/120) (with --sizes: those sizes at every budget)",
         },
     ),
+    (
+        "--tokens-per-param",
+        {
+            "type": float,
+            "metavar": "R",
+            "help": "with --budgets: centre each budget's sizes on sqrt(C/6R), the size trained on R tokens a "
+            "parameter (default 20, Chinchilla's); more than 20 for small models limited by their steps",
+        },
+    ),
 ]
 
 
@@ -161,9 +170,10 @@ def _sweep_parameters(args: argparse.Namespace, config) -> dict:
 
         with open(args.search) as f:
             search = yaml.safe_load(f)
-    trials = plan(config, args.sizes, search, f"--search {args.search}", args.budgets)
+    trials = plan(config, args.sizes, search, f"--search {args.search}", args.budgets, args.tokens_per_param)
     check_cluster(config, trials, PREFECT_API_URL.value())  # unset: lmyard's temporary server, on 127.0.0.1
-    return {"sizes": args.sizes, "search": search} | ({"budgets": args.budgets} if args.budgets else {})
+    isoflop = {"budgets": args.budgets, "tokens_per_param": args.tokens_per_param}
+    return {"sizes": args.sizes, "search": search} | {k: v for k, v in isoflop.items() if v is not None}
 
 
 def _export(args: argparse.Namespace) -> int:

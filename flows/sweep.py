@@ -37,13 +37,17 @@ def sweep(
     sizes: list[int] | None = None,
     search: dict[str, Any] | None = None,
     budgets: list[float] | None = None,
+    tokens_per_param: float | None = None,
 ) -> SweepResult:
     """Train `recipe` (with `config`'s fields on top) at scaling indices `sizes`, at compute budgets `budgets` (an
-    isoFLOP sweep: each budget's own sizes, or every one of `sizes`), or over the search space `search`
+    isoFLOP sweep: each budget's own sizes, centred on `tokens_per_param` tokens a parameter, or every one of
+    `sizes`), or over the search space `search`
     (docs/sweeps.md); a rerun trains only the trials that are not done."""
     config = credentials_to_env(with_recipe(config, recipe))
     quiet_mlflow()  # MLflow's INFO lines and download bars, under a worker as under `lmyard run`
-    trials = plan(config, sizes, search, budgets=budgets)  # a bad space or trial: one line, before anything
+    trials = plan(
+        config, sizes, search, budgets=budgets, tokens_per_param=tokens_per_param
+    )  # a bad space or trial: one line, before anything
     check_cluster(config, trials, PREFECT_API_URL.value())  # Ray: each trial placed, the Prefect API reached
     shards = tokenize_and_shard(config)  # once: every trial of the same data reuses this shard set
     parent = open_sweep(config, trials.kind)

@@ -111,8 +111,25 @@ def test_an_isoflop_plan_without_sizes_brackets_each_budgets_chinchilla_optimum_
 
 def test_a_budget_too_small_for_the_narrowest_sizes_says_so_and_names_a_budget_that_plans(tmp_path):
     cfg = load_recipe("smoke", tiny_overrides(tmp_path, **{"model.n_embd": 16, "model.n_head": 1}))
-    with pytest.raises(UserError, match=r"--budgets 1e\+08: Chinchilla's optimum") as e:
+    with pytest.raises(UserError, match=r"--budgets 1e\+08: the size its sizes centre on, sqrt\(C/120\)") as e:
         plan(cfg, None, None, budgets=[1e8])
     least = float(str(e.value).split("at least ")[1].split(" FLOPs")[0])
     assert least > 1e8
     assert plan(cfg, None, None, budgets=[least]).trials  # the budget it names brackets its optimum
+
+
+def test_tokens_per_param_centres_each_budgets_sizes_on_the_size_trained_on_that_many_tokens(tmp_path):
+    cfg = load_recipe("smoke", tiny_overrides(tmp_path, **{"model.n_embd": 16, "model.n_head": 1}))
+    budgets = [1e12, 1e13]
+    default = plan(cfg, None, None, budgets=budgets)
+    lower = plan(cfg, None, None, budgets=budgets, tokens_per_param=180)  # N = sqrt(C / 1080): a third of Chinchilla's
+    for budget in budgets:
+        n = [_params(cfg, t["size"]) for t in lower.trials if t["budget"] == budget]
+        chinchilla = [_params(cfg, t["size"]) for t in default.trials if t["budget"] == budget]
+        assert n[0] < math.sqrt(budget / 1080) < n[-1], (budget, n)
+        assert n[-1] < chinchilla[-1] and n[0] <= chinchilla[0], (n, chinchilla)
+    for wrong in ({"budgets": None, "sizes": [1, 2, 3]}, {"budgets": budgets, "sizes": [1, 2, 3]}):
+        with pytest.raises(UserError, match="--tokens-per-param centres each budget's own sizes"):
+            plan(cfg, wrong.get("sizes"), None, budgets=wrong["budgets"], tokens_per_param=180)
+    with pytest.raises(UserError, match="--tokens-per-param -1: give a positive number"):
+        plan(cfg, None, None, budgets=budgets, tokens_per_param=-1)

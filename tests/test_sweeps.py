@@ -186,8 +186,8 @@ def test_a_size_whose_checkpoints_cannot_fit_is_one_line_naming_the_trial_before
 
 
 def test_budgets_alone_plan_each_budgets_sizes_and_one_too_small_is_one_line_before_any_shard_or_run(tmp_path):
-    line = _refused_sweep(tmp_path, "--budgets", "1e8")
-    assert line.startswith("lmyard: error: --budgets 1e+08: Chinchilla's optimum"), line
+    line = _refused_sweep(tmp_path, "--budgets", "1e8", "--tokens-per-param", "80")
+    assert line.startswith("lmyard: error: --budgets 1e+08: the size its sizes centre on, sqrt(C/480)"), line
     assert "give budgets of at least" in line
 
 

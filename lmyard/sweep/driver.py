@@ -18,6 +18,7 @@ from lmyard.run import Run
 from lmyard.sweep import record
 from lmyard.sweep.runner import TrialFailed, TrialProcess
 from lmyard.sweep.space import (
+    TOKENS_PER_PARAM,
     Schedule,
     Trial,
     absolute_uri,
@@ -59,20 +60,25 @@ def plan(
     search: dict[str, Any] | None,
     source: str = "",
     budgets: list[float] | None = None,
+    tokens_per_param: float | None = None,
 ) -> Plan:
     """The trials, each config validated; UserError for a bad space or a trial config that cannot work. With
-    `budgets`, an isoFLOP sweep (lmyard.sweep.isoflop): each budget's own sizes around its Chinchilla optimum, or
-    with `sizes` every one of them at every budget."""
+    `budgets`, an isoFLOP sweep (lmyard.sweep.isoflop): each budget's own sizes around the N that trains on
+    `tokens_per_param` tokens a parameter (Chinchilla's optimum, 20, by default), or with `sizes` every one of them
+    at every budget."""
     if search is not None and (sizes is not None or budgets is not None):
         raise UserError("--search goes alone: a search space, or --sizes and/or --budgets (model sizes)")
     if sizes is None and search is None and budgets is None:
         raise UserError("a sweep takes --sizes 1,2,3 (model sizes), --budgets 1e15,3e15,1e16 (an isoFLOP sweep) "
                         "or --search FILE (a search space)")  # fmt: skip
+    if tokens_per_param is not None and (budgets is None or sizes is not None):
+        raise UserError("--tokens-per-param centres each budget's own sizes: give it with --budgets, without --sizes")
     schedule = None
     if budgets is not None:
         from lmyard.data.tokenizer import get_tokenizer
 
-        trials = isoflop_trials(config, sizes, budgets, get_tokenizer(config.tokenizer).n_vocab)
+        n_vocab = get_tokenizer(config.tokenizer).n_vocab
+        trials = isoflop_trials(config, sizes, budgets, n_vocab, tokens_per_param or TOKENS_PER_PARAM)
     elif sizes is not None:
         trials = size_trials(config, sizes)
     else:

@@ -77,48 +77,67 @@ SPREAD = 1.7
 turns inside them (the parabola's vertex) and narrow enough that each is within a few times of the optimum."""
 
 
-def chinchilla_params(budget: float) -> float:
-    """Chinchilla's compute-optimal parameters at `budget` FLOPs (6ND): sqrt(C / 120)."""
-    return math.sqrt(budget / (6 * TOKENS_PER_PARAM))
+def chinchilla_params(budget: float, tokens_per_param: float = TOKENS_PER_PARAM) -> float:
+    """The parameters N at `budget` FLOPs (6ND) that train on `tokens_per_param` tokens each: sqrt(C / 6r)
+    (Chinchilla's optimum sqrt(C / 120) at its r = 20)."""
+    return math.sqrt(budget / (6 * tokens_per_param))
 
 
-def isoflop_trials(config: RunConfig, sizes: list[int] | None, budgets: list[float], n_vocab: int) -> list[Trial]:
+def isoflop_trials(
+    config: RunConfig,
+    sizes: list[int] | None,
+    budgets: list[float],
+    n_vocab: int,
+    tokens_per_param: float = TOKENS_PER_PARAM,
+) -> list[Trial]:
     """Each budget C's sizes, `<run_name>-x<index>-c<C>`, with train.max_steps set so that 6 N x steps x
     train.batch_tokens is C (lmyard.sweep.isoflop.steps_for). The sizes: `sizes` at every budget, or (None) each
-    budget's own (budget_sizes: around Chinchilla's optimum, so that each budget's parabola has its vertex inside)."""
+    budget's own (budget_sizes: around the N that trains on `tokens_per_param` tokens a parameter, Chinchilla's 20 by
+    default, so that each budget's parabola has its vertex inside)."""
     from lmyard.sweep.isoflop import steps_for
 
     if not budgets or any(not (c > 0 and math.isfinite(c)) for c in budgets) or len(set(budgets)) != len(budgets):
         raise UserError("--budgets: give distinct compute budgets in FLOPs (6ND), e.g. --budgets 1e15,3e15,1e16")
     if config.model.init_from:
         raise UserError("model.init_from fixes the model's size: an isoFLOP sweep trains models of its own sizes")
+    if not (tokens_per_param > 0 and math.isfinite(tokens_per_param)):
+        raise UserError(f"--tokens-per-param {tokens_per_param:g}: give a positive number, e.g. 20 (Chinchilla's)")
     counts: dict[int, int] = {}
     trials = []
     for c in sorted(budgets):
-        for t in size_trials(config, sizes if sizes is not None else budget_sizes(config, c, n_vocab, counts)):
+        for t in size_trials(
+            config, sizes if sizes is not None else budget_sizes(config, c, n_vocab, counts, tokens_per_param)
+        ):
             steps = steps_for(c, _params(config, t.size or 1, n_vocab, counts), config.train.batch_tokens)
             label = f"{c:.2g}".replace("+", "")
             trials.append(Trial(f"{t.name}-c{label}", {**t.overrides, "train.max_steps": steps}, t.size, c))
     return trials
 
 
-def budget_sizes(config: RunConfig, budget: float, n_vocab: int, counts: dict[int, int] | None = None) -> list[int]:
+def budget_sizes(
+    config: RunConfig,
+    budget: float,
+    n_vocab: int,
+    counts: dict[int, int] | None = None,
+    tokens_per_param: float = TOKENS_PER_PARAM,
+) -> list[int]:
     """The scaling indices of one budget: for each of SIZES_PER_BUDGET targets N* x SPREAD^k (k centred on 0, N*
-    Chinchilla's sqrt(C/120)) the index whose parameter count is nearest in ln N, without repeats. UserError when
+    sqrt(C/6r) at r = `tokens_per_param`: Chinchilla's sqrt(C/120) by default) the index whose parameter count is nearest in ln N, without repeats. UserError when
     they do not bracket N* with 3 or more sizes (the budget is too small for the model's narrowest sizes)."""
     from lmyard.sweep.isoflop import MIN_POINTS
 
     counts = {} if counts is None else counts
-    optimum = chinchilla_params(budget)
+    optimum = chinchilla_params(budget, tokens_per_param)
     half = (SIZES_PER_BUDGET - 1) / 2
     chosen = sorted(
         {_nearest(config, optimum * SPREAD ** (k - half), n_vocab, counts) for k in range(SIZES_PER_BUDGET)}
     )
     lowest, highest = (_params(config, i, n_vocab, counts) for i in (chosen[0], chosen[-1]))
     if len(chosen) < MIN_POINTS or not lowest < optimum < highest:
-        least = 6 * TOKENS_PER_PARAM * _params(config, 2, n_vocab, counts) ** 2
+        least = 6 * tokens_per_param * _params(config, 2, n_vocab, counts) ** 2
         raise UserError(
-            f"--budgets {budget:.3g}: Chinchilla's optimum there, sqrt(C/120) = {optimum:.3g} parameters, is too "
+            f"--budgets {budget:.3g}: the size its sizes centre on, sqrt(C/{6 * tokens_per_param:g}) = {optimum:.3g} "
+            "parameters, is too "
             f"near the narrowest size (x1: {_params(config, 1, n_vocab, counts):.3g}) to be bracketed; give budgets "
             f"of at least {least:.2g} FLOPs, a narrower model.n_embd, or --sizes"
         )

@@ -95,6 +95,10 @@ def main() -> None:
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--val-tokens", type=int, default=262144)
     p.add_argument("--corpus-mb", type=float, default=300.0, help="text to tokenize (bytes: 1 token a byte)")
+    p.add_argument("--tokens-per-param", type=float, default=20.0,
+                   help="each budget's sizes centre on N = sqrt(C / 6r) at this r (Chinchilla's 20 by default)")  # fmt: skip
+    p.add_argument("--jobs", type=int, default=1,
+                   help="trials trained at once, one process each (launch-bound steps share the GPU well)")  # fmt: skip
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     a = p.parse_args()
     if a.plot:
@@ -117,7 +121,6 @@ def run(a: argparse.Namespace, work: Path, out: Path) -> None:
 
     from lmyard.data.shardset import ShardSet
     from lmyard.recipes import load_recipe
-    from lmyard.sweep.record import compute
     from lmyard.sweep.space import isoflop_trials, trial_config
 
     started = time.perf_counter()
@@ -128,26 +131,23 @@ def run(a: argparse.Namespace, work: Path, out: Path) -> None:
     shard_dict, report = corpus_shards(base, work)
     shards = ShardSet.from_dict(shard_dict)
     print(json.dumps({"corpus": said, "shards": report}), flush=True)
-    trials = isoflop_trials(base, a.sizes, a.budgets, shards.n_vocab)
-    points: list[isoflop.Point] = []
-    rows: list[dict] = []
-    sizes: dict[int, float] = {}
+    trials = isoflop_trials(base, a.sizes, a.budgets, shards.n_vocab, a.tokens_per_param)
+    jobs = []
     for t in trials:
         data = trial_config(base, t)
         steps = data["train"]["max_steps"]
         data["train"]["warmup_steps"] = max(1, min(40, steps // 10))
-        cfg = _config(data)
-        n, d, flops = compute(cfg.model_dump(mode="json"), shards.n_vocab, steps)
-        t0 = time.perf_counter()
-        loss = _train(cfg, shards)
-        shutil.rmtree(work / "store" / "runs" / cfg.run_name, ignore_errors=True)
-        sizes[t.size or 0] = n
-        points.append(isoflop.Point(t.budget or 0.0, n, loss))
-        rows.append({"trial": t.name, "size": t.size, "budget": t.budget, "params": n, "tokens": d, "flops": flops,
-                     "steps": steps, "val_loss": loss, "seconds": round(time.perf_counter() - t0, 1)})  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
-        result = {"elapsed_s": round(time.perf_counter() - started, 1), "rows": rows,
-                  "points": [vars(pt) for pt in points], "fit": fitted(points, sizes)}  # fmt: skip
+        jobs.append((t, data))
+    points: list[isoflop.Point] = []
+    rows: list[dict] = []
+    sizes: dict[int, float] = {}
+    for t, row in _train_all(jobs, shard_dict, a.jobs, work):
+        sizes[t.size or 0] = row["params"]
+        points.append(isoflop.Point(t.budget or 0.0, row["params"], row["val_loss"]))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        result = {"elapsed_s": round(time.perf_counter() - started, 1), "tokens_per_param": a.tokens_per_param,
+                  "rows": rows, "points": [vars(pt) for pt in points], "fit": fitted(points, sizes)}  # fmt: skip
         (out / "isoflop.json").write_text(json.dumps(result, indent=1))
     fit = isoflop.fit(points)
     for line in isoflop.describe(fit, sizes):
@@ -155,6 +155,42 @@ def run(a: argparse.Namespace, work: Path, out: Path) -> None:
     path = out / "loss_vs_compute.png"
     drawn = isoflop.plot(fit, str(path))
     print(f"plot: {path}" if drawn else f"no plot (matplotlib is not installed): --plot {out / 'isoflop.json'}")
+
+
+def _train_all(jobs: list, shard_dict: dict, workers: int, work: Path):
+    """(trial, its row) as each trial finishes: in this process, or (workers > 1) in that many processes at once,
+    the trials with the most steps first."""
+    if workers <= 1:
+        for t, data in jobs:
+            yield t, _trial(t, data, shard_dict, work)
+        return
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    jobs = sorted(jobs, key=lambda j: -j[1]["train"]["max_steps"])
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        futures = {pool.submit(_trial, t, data, shard_dict, work): t for t, data in jobs}
+        for f in cf.as_completed(futures):
+            yield futures[f], f.result()
+
+
+def _trial(t, data: dict, shard_dict: dict, work: Path) -> dict:
+    """One trial trained to its last step: its row (parameters, tokens, FLOPs, steps, val loss, seconds)."""
+    import torch
+
+    from lmyard.data.shardset import ShardSet
+    from lmyard.sweep.record import compute
+
+    torch.set_num_threads(1)
+    shards = ShardSet.from_dict(shard_dict)
+    cfg = _config(data)
+    steps = cfg.train.max_steps
+    n, d, flops = compute(cfg.model_dump(mode="json"), shards.n_vocab, steps)
+    t0 = time.perf_counter()
+    loss = _train(cfg, shards)
+    shutil.rmtree(work / "store" / "runs" / cfg.run_name, ignore_errors=True)
+    return {"trial": t.name, "size": t.size, "budget": t.budget, "params": n, "tokens": d, "flops": flops,
+            "steps": steps, "val_loss": loss, "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
 
 
 def _train(cfg, shards) -> float:
