@@ -51,6 +51,7 @@ def settings(a: argparse.Namespace, work: Path, corpus: Path) -> list[str]:
         f"store={work / 'store'}",
         f"data.source={corpus}",
         "data.val_every=50",
+        "data.shuffle_sequences=true",  # each trial reads a sample of the whole split, however far it reads
         "model.arch=gpt2",
         f"model.n_layer={a.n_layer}",
         f"model.n_embd={a.n_embd}",
