@@ -1,30 +1,29 @@
 """The compute-optimal size on one GPU: an isoFLOP sweep of GPT-2 sizes, fitted as `lmyard sweep --budgets` fits it.
 
-    python tests/benchmarks/bench_isoflop.py --out OUT                                  # one H200, ~6-7 minutes
+    python tests/benchmarks/bench_isoflop.py --out OUT                                  # one H200, ~4-6 minutes
     python tests/benchmarks/bench_isoflop.py --out OUT --device cpu --budgets 2e10,4e10,8e10 --n-embd 8 --n-layer 2 \
-        --block-size 64 --batch-tokens 4096 --val-tokens 4096 --corpus-mb 1             # dry run, CPU: 1,400 steps
+        --block-size 64 --batch-tokens 4096 --val-tokens 4096 --corpus-mb 1 --tokens-per-param 40 --jobs 2   # CPU
     python tests/benchmarks/bench_isoflop.py --plot OUT/isoflop.json                    # the plot, where matplotlib is
 
-The trials are lmyard.sweep.space.isoflop_trials' (the sweep's own plan, as `lmyard sweep --budgets` makes it): at
-each budget C of `--budgets` the scaling indices (GPT-2, width and heads x index, `--n-layer` blocks fixed) nearest
-5 targets N* x 1.7^k, k = -2..2, around Chinchilla's N* = sqrt(C/120), so that each budget's parabola can turn
-inside its sizes (`--sizes 1,2,3`: those at every budget instead); train.max_steps set so that 6 N D = C. Each
-trains through lmyard's Trainer in this process (bench_parity.lmyard_run: no Prefect, no MLflow) on the installed
-packages' docstrings (bench_time_to_target.write_docs_corpus) in lmyard's byte-level tokens (the smoke recipe's:
-257 symbols), uncompiled (~18 shapes: compiles would cost more than the runs), lr 2e-3 warmed up over a tenth of
-the steps (at most 40), cosine to 0.1. The last val loss of each is fitted by lmyard.sweep.isoflop (the sweep's
-fit): a parabola in ln N per budget, its vertex the optimum, then N* = k C^a over the budgets with its R². After
-every trial OUT/isoflop.json holds the points and the fit so far; at the end the fit's lines print and
-OUT/loss_vs_compute.png is drawn (where matplotlib is installed; else `--plot OUT/isoflop.json` draws it elsewhere).
+The trials are lmyard.sweep.space.isoflop_trials' (the sweep's own plan, as `lmyard sweep --budgets
+--tokens-per-param R` makes it): at each budget C of `--budgets` the scaling indices (GPT-2, width and heads x
+index, `--n-layer` blocks fixed) nearest 5 targets N x 1.7^k, k = -2..2, around N = sqrt(C / 6R), the size trained
+on R tokens a parameter (`--tokens-per-param`, 160: these step-limited sizes have their optimum far above
+Chinchilla's 20; `--sizes 1,2,3`: those at every budget instead); train.max_steps set so that 6 N D = C. Each
+trains through lmyard's Trainer (bench_parity.lmyard_run: no Prefect, no MLflow), `--jobs` trials at once in
+processes of their own (the most steps first), on the installed packages' docstrings
+(bench_time_to_target.write_docs_corpus, read in a shuffled order: the corpus ends on documentation files) in
+lmyard's byte-level tokens (257 symbols), uncompiled (~16 shapes: compiles would cost more than the runs), lr
+2e-3 warmed up over a tenth of the steps (at most 40), cosine to 0.1. The last val loss of each is fitted by
+lmyard.sweep.isoflop (the sweep's fit): a parabola in ln N per budget, its vertex the optimum, then N* = k C^a over
+the budgets with its R². After every trial OUT/isoflop.json holds the points and the fit so far; at the end the
+fit's lines print and OUT/loss_vs_compute.png is drawn (where matplotlib is installed; else `--plot` draws it).
 
-Default arithmetic: width 16 a head x index, 4 blocks, T=256; budgets 3e12, 1e13, 3e13, 1e14 (N* = 0.16M, 0.29M,
-0.50M, 0.91M); 8,192 tokens a step (a small batch: these models are limited by their steps, and the widest size of
-the smallest budget still gets 121 steps). The plan: 18 trials, 0.07M-2.6M parameters, 121-5,689 steps each,
-27,200 steps in all (the largest budget 14,150 of them). An eager step of these widths costs ~12-14 ms on an H200
-whatever its batch (launch-bound: runs at 8,192, 16,384 and 65,536 tokens a step all took that), and a trial at
-least ~4.4 s: ~390 s of trials, plus ~30 s of corpus, shards and the first CUDA start: ~7 minutes, inside 9
-(measured: 387 s in all on an H200, 2026-12-02; its figures in docs/performance.md).
-Budgets run in increasing order, so a timeout leaves the smaller ones fitted.
+Default arithmetic: width 16 a head x index, 4 blocks, T=256; budgets 3e12, 1e13, 3e13, 1e14 (centres 56k, 0.10M,
+0.18M, 0.32M parameters); 8,192 tokens a step. The plan: 16 trials, 22k-0.87M parameters, 433-14,446 steps each,
+~85,000 steps in all. An eager step of these widths costs ~12-14 ms on an H200 alone (launch-bound), 22-27 ms with
+16 processes on the GPU: the longest trial (~315 s) sets the time. Measured on an H200, 2026-12-02: 241 s with
+`--jobs 12`, 351 s with 8 beside a second sweep (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -96,9 +95,9 @@ def main() -> None:
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--val-tokens", type=int, default=262144)
     p.add_argument("--corpus-mb", type=float, default=300.0, help="text to tokenize (bytes: 1 token a byte)")
-    p.add_argument("--tokens-per-param", type=float, default=20.0,
-                   help="each budget's sizes centre on N = sqrt(C / 6r) at this r (Chinchilla's 20 by default)")  # fmt: skip
-    p.add_argument("--jobs", type=int, default=1,
+    p.add_argument("--tokens-per-param", type=float, default=160.0,
+                   help="each budget's sizes centre on N = sqrt(C / 6r) at this r (Chinchilla's is 20)")  # fmt: skip
+    p.add_argument("--jobs", type=int, default=8,
                    help="trials trained at once, one process each (launch-bound steps share the GPU well)")  # fmt: skip
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     a = p.parse_args()
