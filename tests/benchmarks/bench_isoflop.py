@@ -21,7 +21,7 @@ fit's lines print and OUT/loss_vs_compute.png is drawn (where matplotlib is inst
 
 Default arithmetic: width 16 a head x index, 4 blocks, T=256; budgets 3e12, 1e13, 3e13, 1e14 (centres 56k, 0.10M,
 0.18M, 0.32M parameters); 8,192 tokens a step. The plan: 16 trials, 22k-0.87M parameters, 433-14,446 steps each,
-~85,000 steps in all. An eager step of these widths costs ~12-14 ms on an H200 alone (launch-bound), 22-27 ms with
+~69,000 steps in all. An eager step of these widths costs ~12-14 ms on an H200 alone (launch-bound), 22-27 ms with
 16 processes on the GPU: the longest trial (~315 s) sets the time. Measured on an H200, 2026-12-02: 241 s with
 `--jobs 12`, 351 s with 8 beside a second sweep (docs/performance.md).
 """
