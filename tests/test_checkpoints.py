@@ -22,7 +22,7 @@ from lmyard.checkpoint.resume import load_step
 from lmyard.config import CheckpointConfig
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import StoreOutage
-from lmyard.launch.follower import run_local
+from lmyard.launch.local_job import run_local
 from lmyard.paths import sha256_file
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store

@@ -13,7 +13,7 @@ import torch
 from conftest import tiny_overrides
 
 from lmyard.data.sharding import tokenize_and_shard
-from lmyard.launch.follower import run_local
+from lmyard.launch.local_job import run_local
 from lmyard.layout import RunLayout
 from lmyard.recipes import load_recipe
 from lmyard.run import Run

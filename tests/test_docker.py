@@ -18,8 +18,8 @@ from conftest import free_port, tiny_overrides
 
 from lmyard.checkpoint.catalog import complete_steps
 from lmyard.data.sharding import tokenize_and_shard
-from lmyard.launch.containers import remove_leftovers, run_docker
-from lmyard.launch.follower import run_local
+from lmyard.launch.docker_job import remove_leftovers, run_docker
+from lmyard.launch.local_job import run_local
 from lmyard.recipes import load_recipe
 from lmyard.stages import EvalResult, EvalSpec, ExportResult, ExportSpec, ShardResult, ShardSpec, TrainSpec
 from lmyard.store import open_store
@@ -456,7 +456,7 @@ def test_devices_mode_keeps_the_images_library_path_after_the_drivers(docker_cli
     import queue
 
     from lmyard.errors import UserError
-    from lmyard.launch.containers import DockerJob
+    from lmyard.launch.docker_job import DockerJob
     from lmyard.stages import TrainSpec
 
     holder = docker_client.containers.create(base_image, ["true"])

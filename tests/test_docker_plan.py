@@ -10,7 +10,7 @@ import json
 import pytest
 
 from lmyard.errors import UserError
-from lmyard.launch.containers import connect, describe, plan
+from lmyard.launch.docker_job import connect, describe, plan
 from lmyard.recipes import load_recipe
 
 SPEC = {"config": None, "shards": {"address": "a", "uri": "file:///s/shards/a", "manifest": {}}, "lineage": None}

@@ -8,7 +8,7 @@ import pytest
 from conftest import tiny_overrides
 
 from lmyard.errors import UserError
-from lmyard.launch.containers import plan
+from lmyard.launch.docker_job import plan
 from lmyard.launch.elastic import DockerMembers, attempt_hosts
 from lmyard.launch.ray_requests import fitting, unfit
 from lmyard.recipes import load_recipe

@@ -144,7 +144,7 @@ def test_a_spent_quota_is_no_space_too():
 def test_a_last_checkpoint_that_does_not_fit_the_cache_ends_every_rank_with_no_space_naming_the_cache(
     tmp_path, monkeypatch
 ):
-    from lmyard.launch.follower import run_local
+    from lmyard.launch.local_job import run_local
 
     _pausing(monkeypatch)
     cfg, spec = _smoke(tmp_path, steps=3)  # one checkpoint: the last
@@ -163,7 +163,7 @@ def test_a_last_checkpoint_that_does_not_fit_the_cache_ends_every_rank_with_no_s
 def test_a_last_checkpoint_that_does_not_fit_the_store_ends_in_its_upload_retries_naming_the_store_and_a_rerun_uploads_it(
     tmp_path, monkeypatch
 ):
-    from lmyard.launch.follower import run_local
+    from lmyard.launch.local_job import run_local
 
     _pausing(monkeypatch)
     monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
@@ -196,7 +196,7 @@ def test_a_last_checkpoint_that_does_not_fit_the_store_ends_in_its_upload_retrie
 
 
 def test_a_background_save_that_fails_stops_the_run_at_that_save(tmp_path, monkeypatch):
-    from lmyard.launch.follower import run_local
+    from lmyard.launch.local_job import run_local
 
     _pausing(monkeypatch, "pause@1,pause@5")  # the ranks pause after saving step 5: its staging fails meanwhile
     cfg, spec = _smoke(tmp_path, steps=10, **{"checkpoint.interval": 5})
@@ -210,7 +210,7 @@ def test_a_background_save_that_fails_stops_the_run_at_that_save(tmp_path, monke
 
 
 def test_a_plan_whose_checkpoints_cannot_fit_the_cache_is_refused_before_the_first_step(tmp_path, monkeypatch):
-    from lmyard.launch.follower import run_local
+    from lmyard.launch.local_job import run_local
 
     cfg, spec = _smoke(tmp_path, steps=9)  # 3 checkpoints written (every 3rd step): all 3 may be staged at once
     lines: list[str] = []

@@ -179,7 +179,7 @@ def _ours(host: Host) -> list:
 def test_an_engine_that_cannot_get_the_image_is_one_line_naming_it_and_the_registry_before_any_container(
     hosts, tmp_path, image_sets, says
 ):
-    from lmyard.launch.containers import run_docker
+    from lmyard.launch.docker_job import run_docker
 
     a, b = hosts["a"], hosts["b"]
     fill = {"svc": hosts.services.addr, "registry": hosts.registry}
@@ -294,7 +294,7 @@ def test_two_hosts_train_one_node_each_and_end_at_the_val_loss_of_two_local_rank
 
     from lmyard.checkpoint.catalog import complete_steps
     from lmyard.data.sharding import tokenize_and_shard
-    from lmyard.launch.follower import run_local
+    from lmyard.launch.local_job import run_local
     from lmyard.stages import TrainSpec
     from lmyard.store import open_store
 
@@ -424,7 +424,7 @@ def test_host_bs_engine_lost_mid_run_goes_on_on_host_a_and_grows_back_to_both_ho
 
     from lmyard.checkpoint.catalog import complete_steps
     from lmyard.data.sharding import tokenize_and_shard
-    from lmyard.launch.follower import run_local
+    from lmyard.launch.local_job import run_local
     from lmyard.stages import TrainSpec
     from lmyard.store import open_store
 
@@ -471,7 +471,7 @@ def test_host_bs_engine_lost_mid_run_goes_on_on_host_a_and_grows_back_to_both_ho
     first_step_at = _said_at(launched, "step ", after=resized_at)
     print(f"host b lost -> resize: {resized_at - lost_at:.1f} s; resize -> first step on host a: "
           f"{first_step_at - resized_at:.1f} s")  # fmt: skip
-    from lmyard.launch.follower import RDZV_TIMEOUT_S
+    from lmyard.launch.job import RDZV_TIMEOUT_S
 
     assert first_step_at - lost_at < 10 + RDZV_TIMEOUT_S  # launch.grace_s + the rendezvous timeout
 

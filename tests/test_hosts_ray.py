@@ -107,7 +107,7 @@ def test_two_ray_nodes_on_two_hosts_train_one_rank_each_to_the_val_loss_of_two_l
     the rendezvous at host a's. The same config on two local ranks ends at the same validation loss within a
     relative 1e-6, as across Docker engines (tests/test_hosts.py)."""
     from lmyard.data.sharding import tokenize_and_shard
-    from lmyard.launch.follower import run_local
+    from lmyard.launch.local_job import run_local
     from lmyard.stages import TrainSpec
 
     a, b = ray_hosts["a"], ray_hosts["b"]

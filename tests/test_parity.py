@@ -11,7 +11,7 @@ more (weights, the token and position tables, the head) and none on biases and n
 param_groups, and a warmup-cosine schedule written out there. Nothing of lmyard's model, loss, optimizer,
 schedule or loader runs on the plain side.
 
-lmyard's side is a real run: the stage under torchrun on one rank (lmyard.launch.follower.run_local), logging to
+lmyard's side is a real run: the stage under torchrun on one rank (lmyard.launch.local_job.run_local), logging to
 an MLflow run (sqlite) every step; its `loss/train` history is the mean over the step's micro-batches, as the
 plain loop's. Float32 on the CPU, one thread each side, four micro-batches a step, clipping at 1.0 (the early
 steps clip, the later ones do not). Where the CPU runs torch paths of the fused ops (the loss, the MLP, RoPE,
@@ -28,7 +28,7 @@ import torch
 from conftest import REPO, tiny_overrides
 
 from lmyard.data.sharding import tokenize_and_shard
-from lmyard.launch.follower import run_local
+from lmyard.launch.local_job import run_local
 from lmyard.models.registry import resolve
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store

@@ -19,7 +19,8 @@ from conftest import free_port, tiny_overrides
 from lmyard.checkpoint.catalog import complete_steps
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import ExitCode, Preempted
-from lmyard.launch.follower import run_local, stage_env, torchrun_command
+from lmyard.launch.job import stage_env, torchrun_command
+from lmyard.launch.local_job import run_local
 from lmyard.recipes import load_recipe
 from lmyard.stages import RANK_EXITS_ENV, rank_exit, rank_exits
 from lmyard.store import open_store

@@ -78,7 +78,7 @@ def test_two_slurm_nodes_train_one_rank_each_to_the_val_loss_of_two_local_ranks_
     Docker engines and Ray nodes, tests/test_hosts.py, tests/test_hosts_ray.py). The evaluate stage is a Slurm job
     of its own, scoring the last checkpoint at the trainer's val loss. No job is left in squeue."""
     from lmyard.data.sharding import tokenize_and_shard
-    from lmyard.launch.follower import run_local
+    from lmyard.launch.local_job import run_local
     from lmyard.stages import TrainSpec
 
     t0 = time.perf_counter()

@@ -13,8 +13,9 @@ import pytest
 from conftest import REPO, lmyard_cmd, tiny_overrides
 
 from lmyard.errors import Diverged, StageFailed, TrainingFailed, UserError
-from lmyard.launch.follower import Follower, LocalJob
+from lmyard.launch.follower import Follower
 from lmyard.launch.launcher import launch
+from lmyard.launch.local_job import LocalJob
 from lmyard.recipes import load_recipe
 from lmyard.stages import (
     EvalResult,
@@ -157,7 +158,7 @@ def test_jobs_leave_no_folder_in_the_cache_and_remove_those_of_launchers_that_di
         f"""
         import os, signal
         from lmyard.stages import ShardSpec
-        from lmyard.launch.follower import LocalJob
+        from lmyard.launch.local_job import LocalJob
         from lmyard.recipes import load_recipe
         cfg = load_recipe("smoke", ["store={tmp_path / "store"}"])
         print(LocalJob(cfg, ShardSpec(config=cfg)).folder, flush=True)

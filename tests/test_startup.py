@@ -16,7 +16,8 @@ from conftest import tiny_overrides
 from flows.cli import main
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import Preempted
-from lmyard.launch.follower import run_local, stop_all
+from lmyard.launch.follower import stop_all
+from lmyard.launch.local_job import run_local
 from lmyard.recipes import load_recipe
 from lmyard.stages.startup import LAUNCHED_AT_ENV, launched_at
 from lmyard.store import open_store

@@ -13,7 +13,7 @@ from conftest import tiny_overrides
 from lmyard.checkpoint.catalog import complete_steps
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import Diverged, Preempted, UserError
-from lmyard.launch.follower import run_local
+from lmyard.launch.local_job import run_local
 from lmyard.models.gpt2.model import GPT, GPTConfig
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store

@@ -12,7 +12,7 @@ from conftest import tiny_overrides
 from lmyard.checkpoint.catalog import read_manifest, read_state
 from lmyard.checkpoint.resume import load_step
 from lmyard.data.sharding import tokenize_and_shard
-from lmyard.launch.follower import run_local
+from lmyard.launch.local_job import run_local
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 

@@ -9,7 +9,8 @@ from conftest import tiny_overrides
 
 from lmyard.checkpoint.catalog import complete_steps
 from lmyard.data.sharding import tokenize_and_shard
-from lmyard.launch.follower import TrainingFailed, run_local
+from lmyard.errors import TrainingFailed
+from lmyard.launch.local_job import run_local
 from lmyard.launch.watchdog import Watchdog
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store

@@ -17,7 +17,7 @@ def _no_checks(launch: Any) -> None:
 class Backend:
     """One value of `launch.backend`.
 
-    `job`: `module:name` of what makes its Job (lmyard.launch.follower.JobFactory, a Job class or a classmethod),
+    `job`: `module:name` of what makes its Job (lmyard.launch.job.JobFactory, a Job class or a classmethod),
     imported by the launcher when a stage runs (the Jobs live above the config in the layer order).
     `section`: its config section, `launch.<name>` (None: it has none). `check`: its checks of the whole launch
     section (a ValueError's one line names the field and the fix), run when `launch.backend` names it.

@@ -1,5 +1,5 @@
 """The Docker backend: one container per node in the stage image, on each node's Docker engine
-(lmyard.launch.containers.DockerJob; docs/docker.md)."""
+(lmyard.launch.docker_job.DockerJob; docs/docker.md)."""
 
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def check(launch: Any) -> None:
 
 BACKEND = Backend(
     name="docker",
-    job="lmyard.launch.containers:DockerJob",
+    job="lmyard.launch.docker_job:DockerJob",
     section=DockerConfig,
     check=check,
     other_user=True,

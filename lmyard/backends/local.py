@@ -1,7 +1,7 @@
-"""The local backend: every node a process group on this machine (lmyard.launch.follower.LocalJob)."""
+"""The local backend: every node a process group on this machine (lmyard.launch.local_job.LocalJob)."""
 
 from __future__ import annotations
 
 from lmyard.backends.base import Backend
 
-BACKEND = Backend(name="local", job="lmyard.launch.follower:LocalJob.for_stage", on_flow_host=True)
+BACKEND = Backend(name="local", job="lmyard.launch.local_job:LocalJob.for_stage", on_flow_host=True)

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from lmyard.config import RunConfig
 from lmyard.errors import one_line, retryable
-from lmyard.launch.follower import Follower, Job
+from lmyard.launch.follower import Follower
+from lmyard.launch.job import Job
 from lmyard.stages import TrainResult, TrainSpec
 from lmyard.tracking.lineage import Lineage, LineageRef
 

@@ -1,9 +1,8 @@
-"""Launchers: start a stage on every node, follow the job, and turn its end into a result or an error.
+"""The follower: follows one job of any backend to its end, and turns its end into a result or an error.
 
-A `Job` starts the nodes and reports what they print and how they exit (`LocalJob` here; the other backends'
-Jobs in the backend table, lmyard.backends); `Follower` does everything else alike for every backend: output,
-progress, the watchdog, cancellation and cleanup, and the result (or the exception of lmyard.errors that its
-exit code names).
+`Follower(job, cfg, on_line).run()` does everything alike for every backend's `Job` (lmyard.launch.job):
+output, progress, the watchdog, cancellation and cleanup, and the result (or the exception of lmyard.errors that
+its exit code names); `stop_all()` asks every job this process follows to stop.
 
 Design notes: docs/launch.md, `lmyard/launch/follower.py`.
 """
@@ -11,149 +10,24 @@ Design notes: docs/launch.md, `lmyard/launch/follower.py`.
 from __future__ import annotations
 
 import collections
-import contextlib
-import ctypes
-import os
 import queue
-import shutil
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 from pydantic import BaseModel
 
 from lmyard.config import RunConfig
-from lmyard.errors import ExitCode, TrainingFailed, UserError, error_for
-from lmyard.launch import jobdirs, watchdog
+from lmyard.errors import ExitCode, TrainingFailed, error_for
+from lmyard.launch import watchdog
 from lmyard.launch.cause import AGENT, first_cause, rank_ends
-from lmyard.stages import (
-    EXCHANGE_ENV,
-    Exchange,
-    StageError,
-    StageSpec,
-    Started,
-    TrainSpec,
-    read_beats,
-    read_result,
-    write_json,
-)
+from lmyard.launch.job import Job
+from lmyard.stages import StageError, Started, TrainSpec, read_result
 from lmyard.stages.runtime import OUTPUT_LINES, RANK_LINE
-from lmyard.stages.startup import LAUNCHED_AT_ENV
 
-RDZV_TIMEOUT_S = 600  # how long node 0 waits for the others to join
 POLL_S = 1.0  # how often the exchange folder is read (heartbeats, progress)
 _ACTIVE: set[Follower] = set()
 _ACTIVE_LOCK = threading.Lock()
-
-
-class Job(Protocol):
-    """One launch of a stage on `nodes` nodes."""
-
-    nodes: int
-    spec: StageSpec
-
-    def start(self, events: queue.Queue) -> None:
-        """Start every node; then put ("line", node, text), ("exit", node, code), ("error", node, exc) on `events`."""
-
-    def read(self, name: str) -> bytes | None:
-        """A file of the exchange folder of the node that runs rank 0 (node 0 of a local or Docker job), or None."""
-
-    def read_all(self, folder: str) -> dict[str, bytes]:
-        """The files of a subfolder of every node's exchange folder, by name."""
-
-    def terminate(self) -> None:
-        """SIGTERM to every node (the trainer checkpoints and exits as preempted)."""
-
-    def kill(self) -> None: ...
-
-    def why(self, node: int, code: int) -> str:
-        """Words on an exit code: ` (out of memory)`, ` (killed)`, or ''."""
-
-    def close(self) -> None:
-        """Remove everything the job made; tolerates what is already gone."""
-
-
-class JobFactory(Protocol):
-    """How the launcher makes a backend's Job (named `module:name` in the backend table, lmyard.backends): the
-    job of `spec`'s stage; `flow_run_id` labels what the job makes (None outside a flow)."""
-
-    def __call__(
-        self, cfg: RunConfig, spec: StageSpec, on_line: Callable[[str], None], *, flow_run_id: str | None
-    ) -> Job: ...
-
-
-def torchrun_command(
-    cfg: RunConfig,
-    *,
-    python: str = sys.executable,
-    rdzv_endpoint: str | None = None,
-    rdzv_id: str | None = None,
-    node: int | None = None,
-    local_addr: str | None = None,
-    spec_path: str | None = None,
-    node_rank: str | None = None,
-) -> list[str]:
-    """torchrun running the trainer on one node: standalone for one node, else a c10d (or static) rendezvous.
-
-    `node` (when the caller knows it) tells torchrun whether this node hosts the rendezvous. `node_rank` instead: a
-    static rendezvous at the endpoint, this node's rank as given (a placeholder the node fills in: Kubernetes'
-    `$(NODE_RANK)`, lmyard.launch.kubernetes); node 0 hosts it."""
-    n = cfg.launch.nnodes
-    cmd = [
-        python,
-        "-m",
-        "lmyard.launch.torchrun",  # torchrun: a preempted rank stops no other, a failed rank is one line
-        "--nnodes",
-        str(n),
-        "--nproc_per_node",
-        str(cfg.launch.nproc_per_node),
-        "--max_restarts",
-        "0",
-    ]
-    if n == 1:  # its own rendezvous; at `local_addr` where the host's name does not resolve (an elastic run's one)
-        cmd += ["--standalone", *(["--local_addr", local_addr] if local_addr else [])]
-    else:
-        endpoint = rdzv_endpoint or cfg.launch.rdzv_endpoint
-        if not endpoint:
-            raise UserError("launch.nnodes > 1 needs launch.rdzv_endpoint (host:port of node 0)")
-        static = node_rank is not None
-        cmd += ["--rdzv_backend", "static" if static else "c10d", "--rdzv_endpoint", endpoint]
-        cmd += ["--rdzv_id", rdzv_id or cfg.run_name]
-        if static:
-            cmd += ["--node_rank", str(node_rank), "--rdzv_conf", f"timeout={RDZV_TIMEOUT_S}"]
-        elif node is not None:
-            cmd += ["--rdzv_conf", f"is_host={int(node == 0)},join_timeout={RDZV_TIMEOUT_S}"]
-        if local_addr:
-            cmd += ["--local_addr", local_addr]
-    return [*cmd, "-m", "lmyard.stages", "train", *(["--spec", spec_path] if spec_path else [])]
-
-
-def stage_command(cfg: RunConfig, spec: StageSpec, *, python: str = sys.executable, **torchrun) -> list[str]:
-    """The command of one node: torchrun for training (see torchrun_command), one process for the others."""
-    if isinstance(spec, TrainSpec):
-        return torchrun_command(cfg, python=python, **torchrun)
-    spec_path = torchrun.get("spec_path")
-    return [python, "-m", "lmyard.stages", spec.stage, *(["--spec", spec_path] if spec_path else [])]
-
-
-def stage_env(cfg: RunConfig) -> dict[str, str]:
-    """Environment every launch gives torchrun: unbuffered output, and torchrun's own grace before it kills its
-    ranks after a signal a little longer than the trainer's, so the checkpoint is committed before anything is
-    killed (a rank that ends preempted first stops no other: lmyard.launch.torchrun).
-    OMP_NUM_THREADS: torchrun sets 1 itself when it is unset, with a 4-line banner; set, it says nothing (the
-    trainer sets its threads itself: train.threads_per_rank)."""
-    return {
-        "PYTHONUNBUFFERED": "1",
-        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(cfg.launch.grace_s) + 10),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-    }
-
-
-# ---------------------------------------------------------------- following (every backend)
 
 
 class Follower:
@@ -359,107 +233,3 @@ def stop_all(wait_s: float = 0.0) -> int:
     for f in active:
         f.ended.wait(max(0.0, deadline - time.monotonic()))
     return len(active)
-
-
-# ---------------------------------------------------------------- here: torchrun as a process group
-
-
-def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG = 1: the kernel sends SIGTERM to torchrun if the launching process dies,
-    # and torchrun then stops its workers.
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass
-
-
-class LocalJob:
-    """The stage as a child process group of this process: torchrun for training (one node, or one of several
-    with rdzv_endpoint), `python -m lmyard.stages STAGE` for the others. `torchrun` takes torchrun_command's keywords: a
-    Ray node's actor names its rendezvous and address."""
-
-    nodes = 1
-
-    def __init__(self, cfg: RunConfig, spec: StageSpec, **torchrun):
-        self.spec = spec
-        self.folder = jobdirs.new_job_folder(spec.stage)  # removed by close(); a dead launcher's, by the next job
-        self.exchange = Exchange(self.folder)
-        write_json(self.exchange.path("spec.json"), spec)
-        self.cmd = stage_command(cfg, spec, spec_path=self.exchange.path("spec.json"), **torchrun)
-        self.env = {**os.environ, **stage_env(cfg), EXCHANGE_ENV: self.folder}
-        self.proc: subprocess.Popen | None = None
-
-    @classmethod
-    def for_stage(
-        cls, cfg: RunConfig, spec: StageSpec, on_line: Callable[[str], None], *, flow_run_id: str | None
-    ) -> LocalJob:
-        return cls(cfg, spec)
-
-    def start(self, events: queue.Queue) -> None:
-        self.proc = subprocess.Popen(
-            self.cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            env={**self.env, LAUNCHED_AT_ENV: f"{time.time():.3f}"},  # the trainer's startup parts start here
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-
-        def pump() -> None:
-            assert self.proc and self.proc.stdout
-            for raw in self.proc.stdout:
-                events.put(("line", 0, raw.rstrip("\n")))
-            events.put(("exit", 0, self.proc.wait()))
-
-        threading.Thread(target=pump, daemon=True, name=f"{self.spec.stage}-output").start()
-
-    def read(self, name: str) -> bytes | None:
-        try:
-            with open(self.exchange.path(name), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-
-    def read_all(self, folder: str) -> dict[str, bytes]:
-        return {k: v.encode() for k, v in read_beats(self.exchange.path(folder)).items()}
-
-    def _signal(self, sig: int) -> None:
-        """`sig` to torchrun's process group and to every process under torchrun: torch's elastic agent starts
-        each rank in a session of its own, which a signal to torchrun's group alone does not reach (a SIGKILLed
-        torchrun would leave its ranks running)."""
-        import psutil
-
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            tree = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            tree = []
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, sig)
-        for p in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.send_signal(sig)
-
-    def terminate(self) -> None:
-        self._signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self._signal(signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.wait()
-
-    def why(self, node: int, code: int) -> str:
-        return " (killed)" if code in (-9, 137) else ""
-
-    def close(self) -> None:
-        self.kill()
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def run_local(cfg: RunConfig, spec: StageSpec | dict, on_line: Callable[[str], None] = print, **callbacks):
-    """Run a stage here and follow it (a dict is a TrainSpec); its result, or the error its exit code names."""
-    spec = spec if isinstance(spec, StageSpec) else TrainSpec.model_validate(spec)
-    return Follower(LocalJob(cfg, spec), cfg, on_line, **callbacks).run()

@@ -20,8 +20,8 @@ from lmyard import backends
 from lmyard.config import RunConfig
 from lmyard.data.shardset import ShardSet
 from lmyard.errors import UserError
-from lmyard.launch.follower import stage_env, torchrun_command
 from lmyard.launch.images import image_tag
+from lmyard.launch.job import stage_env, torchrun_command
 from lmyard.stages import TrainSpec
 from lmyard.tracking.credentials import credentials_to_env, split_credentials
 

@@ -3,7 +3,7 @@
     result = launch(EvalSpec(config=config, shards=shards, step=600), on_line=log.info)
 
 `launch.backend` names a row of the backend table (lmyard.backends), whose `job` makes the `Job` (`local`:
-lmyard.launch.follower.LocalJob, a process group here; `docker`: lmyard.launch.containers.DockerJob, the stage
+lmyard.launch.local_job.LocalJob, a process group here; `docker`: lmyard.launch.docker_job.DockerJob, the stage
 image; `ray`: lmyard.launch.ray.RayJob, one actor per node of a placement group for training, one actor on a
 cluster node for the other stages); the same `Follower` follows every stage on every backend, so output, the
 watchdog, cancellation, cleanup and result reading exist once. A training with launch.min_nnodes below
@@ -19,7 +19,8 @@ from collections.abc import Callable
 from lmyard import backends
 from lmyard.config import RunConfig
 from lmyard.launch.elastic import run_elastic
-from lmyard.launch.follower import Follower, Job, JobFactory
+from lmyard.launch.follower import Follower
+from lmyard.launch.job import Job, JobFactory
 from lmyard.paths import no_space
 from lmyard.stages import StageSpec, TrainSpec
 

@@ -79,7 +79,7 @@ def docker_probe(container) -> Callable[[str, int], str | None]:
 
 
 def docker_unreachable(nodes: list, containers: list, clients: dict) -> tuple[str, list[int]] | None:
-    """`unreachable` for a Docker job's nodes (lmyard.launch.containers.NodePlan), each asked through its engine;
+    """`unreachable` for a Docker job's nodes (lmyard.launch.docker_job.NodePlan), each asked through its engine;
     a host is named as its engine names itself."""
     peers, endpoint = [], None
     for node, container in zip(nodes, containers):

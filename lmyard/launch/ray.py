@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 
 from lmyard.config import RunConfig
 from lmyard.errors import NoSpace, TrainingFailed, UserError
-from lmyard.launch.containers import _Masker, secret_names
-from lmyard.launch.follower import Follower, LocalJob
+from lmyard.launch.docker_job import _Masker, secret_names
+from lmyard.launch.follower import Follower
+from lmyard.launch.local_job import LocalJob
 from lmyard.launch.ray_requests import SPECS, lost_nodes, on_cluster, request, runtime_env_refusal, unfit_error
 from lmyard.stages import StageSpec, TrainResult, TrainSpec
 
@@ -245,7 +246,7 @@ class NodeAgent:
 
 class RayJob:
     """One actor per node in a placement group of a Ray cluster, or one actor for the stages of one node (see
-    lmyard.launch.follower.Job)."""
+    lmyard.launch.job.Job)."""
 
     def __init__(
         self, cfg: RunConfig, spec: StageSpec, on_line: Callable[[str], None], environ: Mapping[str, str] | None = None

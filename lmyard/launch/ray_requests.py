@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 from lmyard.config import RunConfig
 from lmyard.errors import UserError
-from lmyard.launch.containers import _local_store_root, _sqlite_dir
+from lmyard.launch.docker_job import _local_store_root, _sqlite_dir
 from lmyard.stages import EvalSpec, ExportSpec, ShardSpec, StageSpec, TrainSpec
 
 SHARD_MEMORY = 512 << 20  # tokenize-and-shard's coordinator: the pieces in flight, two shards, the upload

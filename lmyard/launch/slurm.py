@@ -27,7 +27,7 @@ from collections.abc import Callable
 from lmyard.config import RunConfig
 from lmyard.errors import UserError
 from lmyard.launch import jobdirs
-from lmyard.launch.follower import stage_command, stage_env
+from lmyard.launch.job import stage_command, stage_env
 from lmyard.stages import EXCHANGE_ENV, StageSpec, TrainSpec, read_beats, write_json
 
 # squeue's reasons for a pending job that waiting does not clear: the job can never start as asked

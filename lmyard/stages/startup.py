@@ -1,6 +1,6 @@
 """When this attempt was launched: the start of the restart-to-first-step time (lmyard.train.components.Startup).
 
-The launcher (lmyard.launch.follower.LocalJob) sets LMYARD_LAUNCHED_AT, the wall-clock time (Unix seconds) it
+The launcher (lmyard.launch.local_job.LocalJob) sets LMYARD_LAUNCHED_AT, the wall-clock time (Unix seconds) it
 started the stage's command, so the launch part covers torchrun's own start and the interpreter's imports. Without
 it: torchrun's start when torchrun started this rank (its process is the parent), else this process's start.
 Imports nothing heavy: the launcher, in the flow's process, reads the variable's name from here.

@@ -46,7 +46,7 @@ from random_shards import make_shards  # noqa: E402
 
 from lmyard.data.shardset import ShardSet  # noqa: E402
 from lmyard.errors import StageFailed, UserError  # noqa: E402
-from lmyard.launch.containers import LABEL  # noqa: E402
+from lmyard.launch.docker_job import LABEL  # noqa: E402
 from lmyard.launch.launcher import launch  # noqa: E402
 from lmyard.recipes import load_recipe  # noqa: E402
 from lmyard.stages import TrainSpec  # noqa: E402

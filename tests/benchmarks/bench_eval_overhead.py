@@ -39,7 +39,7 @@ from random_shards import make_shards  # noqa: E402
 
 from lmyard.checkpoint.catalog import complete_steps  # noqa: E402
 from lmyard.data.shards import ShardSet  # noqa: E402
-from lmyard.launch.follower import run_local  # noqa: E402
+from lmyard.launch.local_job import run_local  # noqa: E402
 from lmyard.recipes import load_recipe  # noqa: E402
 from lmyard.store import open_store  # noqa: E402
 

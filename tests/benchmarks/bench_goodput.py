@@ -7,7 +7,7 @@
         --set model.n_head=2                                   # a dry run on a CPU machine (a tiny size)
 
 It trains a recipe (`smoke` with `--preset`, default gpt2-124m on cuda) on memory-mapped shards of random
-tokens for `--minutes`, through the launcher's own path: `lmyard.launch.follower.LocalJob` runs
+tokens for `--minutes`, through the launcher's own path: `lmyard.launch.local_job.LocalJob` runs
 `torchrun -m lmyard.stages train --spec spec.json`, and every `--preempt-every` seconds after an attempt's launch
 it gets SIGTERM, as a cancellation or a spot reclaim sends it (to torchrun and every rank). The trainer then
 checkpoints the step it stopped at and ends as preempted; the same spec is launched again at once and resumes
@@ -53,7 +53,8 @@ from random_shards import make_shards  # noqa: E402
 
 from lmyard.checkpoint.catalog import complete_steps  # noqa: E402
 from lmyard.errors import Preempted  # noqa: E402
-from lmyard.launch.follower import Follower, LocalJob  # noqa: E402
+from lmyard.launch.follower import Follower  # noqa: E402
+from lmyard.launch.local_job import LocalJob  # noqa: E402
 from lmyard.recipes import load_recipe  # noqa: E402
 from lmyard.store import open_store  # noqa: E402
 

@@ -5,7 +5,7 @@
         --tokenizer bytes --set train.compile=false --set train.micro_batch=2 --set train.batch_tokens=128 \\
         --set model.block_size=64 --set model.n_layer=2 --set model.n_embd=64 --set model.n_head=2   # a CPU dry run
 
-Three launches of the train stage through the launcher's own path (lmyard.launch.follower.LocalJob: `torchrun -m
+Three launches of the train stage through the launcher's own path (lmyard.launch.local_job.LocalJob: `torchrun -m
 lmyard.stages train`) on memory-mapped shards of random tokens, each to its `train.max_steps`:
 
 1. cold: empty lmyard, inductor and Triton caches, no checkpoint: `--steps` steps, a checkpoint at the last;

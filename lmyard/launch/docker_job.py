@@ -6,7 +6,7 @@ Training runs torchrun in each container, c10d rendezvous on node 0; every other
 stage (shard, evaluate, export) runs `python -m lmyard.stages STAGE` in one
 container, its spec in LMYARD_SPEC.
 
-Design notes: docs/launch.md, `lmyard/launch/containers.py`.
+Design notes: docs/launch.md, `lmyard/launch/docker_job.py`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from urllib.parse import urlparse
 
 from lmyard.config import DockerConfig, RayConfig, RunConfig
 from lmyard.errors import UserError
-from lmyard.launch.follower import Follower, stage_command, stage_env
+from lmyard.launch.follower import Follower
 from lmyard.launch.gpus import check_engine, node_gpus
+from lmyard.launch.job import stage_command, stage_env
 from lmyard.launch.peers import docker_unreachable
 from lmyard.launch.refusals import refused
 from lmyard.stages import EXCHANGE_ENV, SPEC_ENV, StageSpec, TrainSpec
@@ -309,7 +310,7 @@ def remove_leftovers(client, flow_run_id: str, log: Callable[[str], None], stage
 
 
 class DockerJob:
-    """One container per node, followed through the engines (see lmyard.launch.follower.Job)."""
+    """One container per node, followed through the engines (see lmyard.launch.job.Job)."""
 
     def __init__(
         self,
