@@ -24,7 +24,7 @@ from lmyard.data.shardset import ShardSet
 from lmyard.evaluate.gates import gate_results
 from lmyard.run import Run
 from lmyard.stages import ExportResult, ExportSpec
-from lmyard.tracking import registry
+from lmyard.tracking import model_registry
 from lmyard.tracking.lineage import Lineage
 from lmyard.tracking.runs import run_url, version_url
 from tasks._common import flow_run_url, launch_stage
@@ -50,7 +50,7 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: Lineage, final:
             "shard_address": shards.address,
         }
         tags = {"lmyard.run_name": config.run_name, "lmyard.shard_address": shards.address}
-        model_id = registry.log_hf_model(lineage, name, folder, info.step, params, tags)
+        model_id = model_registry.log_hf_model(lineage, name, folder, info.step, params, tags)
         size_mb = sum(e.stat().st_size for e in os.scandir(folder)) / 1e6
         logger.info(
             f"exported {info.checkpoint} as {info.hf_architecture} ({size_mb:.1f} MB) and logged "
@@ -58,7 +58,7 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: Lineage, final:
         )
     rows = final.result.rows.items() if final.result else []
     evaluated = ", ".join(f"{what} {value}" for what, value in rows) or f"evaluation failed ({final.error})"
-    version = registry.register_model(
+    version = model_registry.register_model(
         lineage,
         name,
         model_id,
@@ -88,7 +88,7 @@ def _apply_gates(config: RunConfig, lineage: Lineage, name: str, version: str, g
                 f"registered {name} version {version}: gates passed {gates}; {config.eval.alias!r} awaits approval"
             )
         else:
-            registry.set_alias(lineage, name, config.eval.alias, version)
+            model_registry.set_alias(lineage, name, config.eval.alias, version)
             alias = config.eval.alias
             logger.info(f"registered {name} version {version} as {alias!r}: gates passed {gates}")
     else:
@@ -203,9 +203,9 @@ def review(config: RunConfig, lineage: Lineage, model: RegisteredModel) -> str:
 @task(name="promote-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
 def promote(lineage: Lineage, model: RegisteredModel, alias: str, note: str = "") -> RegisteredModel:
     """The approved version gets `alias`; the note and the time are tags of the version (and of the lineage's run)."""
-    registry.set_alias(lineage, model.name, alias, model.version)
+    model_registry.set_alias(lineage, model.name, alias, model.version)
     approved_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    registry.tag_version(
+    model_registry.tag_version(
         lineage, model.name, model.version, {"lmyard.approval.note": note, "lmyard.approval.approved_at": approved_at}
     )
     lineage.set_tags({"lmyard.promotion_approved": note or "approved"})

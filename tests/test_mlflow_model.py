@@ -88,8 +88,8 @@ def test_every_familys_export_loads_as_pyfunc_and_generates_text_without_a_warni
     from conftest import write_random_checkpoint
 
     from lmyard.export.hf import export
-    from lmyard.tracking.registry import PYFUNC_FILE as PYFUNC
-    from lmyard.tracking.registry import with_params
+    from lmyard.tracking.model_registry import PYFUNC_FILE as PYFUNC
+    from lmyard.tracking.model_registry import with_params
 
     uri, model = write_random_checkpoint(tmp_path / "store", arch=arch)  # llama: the llama-tiny preset
     export(uri, str(tmp_path / "hf"), cache_dir=str(tmp_path / "cache"))

@@ -97,15 +97,15 @@ def test_registered_version_is_listed_on_its_logged_model_and_its_alias_resolves
 
     import mlflow
 
-    from lmyard.tracking import registry
+    from lmyard.tracking import model_registry
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg, lineage = _sqlite_lineage(tmp_path)
     ckpt = f"{cfg.store}/runs/smoke/checkpoints/step_00000004"
     model_id = lineage.log_checkpoint_model(4, ckpt, {"checkpoint": ckpt, "step": 4})
-    version = registry.register_model(lineage, "tiny", model_id, 4, "tiny at step 4", {"k": "v"}, ckpt)
+    version = model_registry.register_model(lineage, "tiny", model_id, 4, "tiny at step 4", {"k": "v"}, ckpt)
     assert not mlflow.is_tracking_uri_set(), "registering left the process's global tracking URI set"
-    registry.set_alias(lineage, "tiny", "candidate", version)
+    model_registry.set_alias(lineage, "tiny", "candidate", version)
 
     client = MlflowClient(cfg.tracking.uri)
     # what the MLflow UI reads on the logged model's page ("Model versions"), as mlflow.register_model writes it

@@ -1,6 +1,6 @@
 """MLflow pyfunc model (models from code) around an exported Hugging Face folder: text in, text out.
 
-Logged by lmyard.tracking.registry.log_hf_model with the folder as the
+Logged by lmyard.tracking.model_registry.log_hf_model with the folder as the
 artifact `hf_model`. It imports only MLflow and `transformers` (with torch),
 never lmyard, so anything with those can load it, whatever the model family
 (GPT2LMHeadModel, LlamaForCausalLM: it reads only what every causal LM has):

@@ -2,7 +2,7 @@
 models:/NAME/VERSION`, `models:/NAME@ALIAS`, `models:/NAME/latest`).
 
 lmyard registers each final model as a logged pyfunc model whose artifact `hf_model` is the export
-(lmyard.tracking.registry). Resolving goes through the tracking server's registry: the version (by number,
+(lmyard.tracking.model_registry). Resolving goes through the tracking server's registry: the version (by number,
 alias or the newest), its logged model, then the model's files from the artifact store (S3, or the server's
 proxied artifacts); the export's folder is the one the pyfunc's MLmodel names.
 """

@@ -1,6 +1,6 @@
 """The model registry: the final model logged as an MLflow pyfunc and registered the way MLflow does it.
 
-Design notes: docs/tracking.md, `lmyard/tracking/registry.py`.
+Design notes: docs/tracking.md, `lmyard/tracking/model_registry.py`.
 """
 
 from __future__ import annotations
