@@ -116,7 +116,9 @@ def test_ranks_whose_loop_has_ended_are_not_stalled_while_their_last_upload_runs
 def test_rank_hung_before_its_first_step_is_killed_after_the_startup_timeout_naming_it(tmp_path, monkeypatch):
     monkeypatch.setenv("LMYARD_FAULTS", "hang_before@1")  # the last rank never starts step 1, so rank 0 waits too
     monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
-    startup_s = 20  # more than a healthy start takes here, so the kill is the timeout's
+    startup_s = (
+        60  # more than a healthy start takes here, on a busy 2-core machine too (~37 s), so the kill is the timeout's
+    )
     cfg = _cfg(tmp_path, **{"launch.startup_timeout_s": startup_s, "launch.retries": 0})
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
@@ -125,7 +127,7 @@ def test_rank_hung_before_its_first_step_is_killed_after_the_startup_timeout_nam
     started = time.monotonic()
     with pytest.raises(TrainingFailed, match=r"watchdog: rank-0, rank-1 completed no training step") as info:
         run_local(cfg, spec, on_line=on_line)
-    assert "launch.startup_timeout_s=20" in str(info.value) and "\n" not in str(info.value)  # one line
+    assert f"launch.startup_timeout_s={startup_s}" in str(info.value) and "\n" not in str(info.value)  # one line
     assert str(info.value).endswith("; run the same command again to resume from the last checkpoint")  # no retry
     assert "injected hang" in seen, "the fault did not fire: the test proves nothing"
     assert startup_s <= seen["watchdog:"] - started < startup_s + 15  # from the job's start, + polling and kill slack
