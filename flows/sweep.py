@@ -45,9 +45,8 @@ def sweep(
     (docs/sweeps.md); a rerun trains only the trials that are not done."""
     config = credentials_to_env(with_recipe(config, recipe))
     quiet_mlflow()  # MLflow's INFO lines and download bars, under a worker as under `lmyard run`
-    trials = plan(
-        config, sizes, search, budgets=budgets, tokens_per_param=tokens_per_param
-    )  # a bad space or trial: one line, before anything
+    # a bad space or trial: one line, before anything
+    trials = plan(config, sizes, search, budgets=budgets, tokens_per_param=tokens_per_param)
     check_cluster(config, trials, PREFECT_API_URL.value())  # Ray: each trial placed, the Prefect API reached
     shards = tokenize_and_shard(config)  # once: every trial of the same data reuses this shard set
     parent = open_sweep(config, trials.kind)

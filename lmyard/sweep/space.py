@@ -122,8 +122,9 @@ def budget_sizes(
     tokens_per_param: float = TOKENS_PER_PARAM,
 ) -> list[int]:
     """The scaling indices of one budget: for each of SIZES_PER_BUDGET targets N* x SPREAD^k (k centred on 0, N*
-    sqrt(C/6r) at r = `tokens_per_param`: Chinchilla's sqrt(C/120) by default) the index whose parameter count is nearest in ln N, without repeats. UserError when
-    they do not bracket N* with 3 or more sizes (the budget is too small for the model's narrowest sizes)."""
+    sqrt(C/6r) at r = `tokens_per_param`: Chinchilla's sqrt(C/120) by default) the index whose parameter count is
+    nearest in ln N, without repeats. UserError when they do not bracket N* with 3 or more sizes (the budget is too
+    small for the model's narrowest sizes)."""
     from lmyard.sweep.isoflop import MIN_POINTS
 
     counts = {} if counts is None else counts
@@ -137,8 +138,7 @@ def budget_sizes(
         least = 6 * tokens_per_param * _params(config, 2, n_vocab, counts) ** 2
         raise UserError(
             f"--budgets {budget:.3g}: the size its sizes centre on, sqrt(C/{6 * tokens_per_param:g}) = {optimum:.3g} "
-            "parameters, is too "
-            f"near the narrowest size (x1: {_params(config, 1, n_vocab, counts):.3g}) to be bracketed; give budgets "
+            f"parameters, is too near the narrowest size (x1: {_params(config, 1, n_vocab, counts):.3g}) to be bracketed; give budgets "
             f"of at least {least:.2g} FLOPs, a narrower model.n_embd, or --sizes"
         )
     return chosen
