@@ -72,3 +72,15 @@ def test_the_first_ranks_own_error_decides_the_exception():
     ends = rank_ends(_files(n0={"0": 4}), {}, [_record(0, at=1.0, message="store unreachable", code=4)])
     error = first_cause(ends, {}).error("train")
     assert isinstance(error, StoreOutage) and str(error) == "train: rank 0 exited with code 4: store unreachable"
+
+
+def test_a_rank_torchrun_sigtermed_is_never_first_while_another_ended_by_itself_even_at_an_earlier_time():
+    """On a loaded machine torchrun's whole-second time of the rank it stopped (SIGTERM, -15) can read earlier than
+    the crashed rank's own: the crashed rank is still the cause, in the launcher and in the node's own line."""
+    from lmyard.launch.torchrun import first_to_fail
+
+    ends = rank_ends(_files(n0={"0": -15, "1": 1}), _files(n0={"0": 4000.0, "1": 4001.0}), [])
+    assert first_cause(ends, {}).first.rank == 1
+    assert first_to_fail({0: -15, 1: 1}, {0: 4000.0, 1: 4001.0}) == 1
+    assert first_to_fail({0: -15, 1: -15}, {0: 4001.0, 1: 4000.0}) == 1  # all stopped: the earliest
+    assert first_to_fail({0: -15, 1: 1, 2: -9}, {0: 1.0, 1: 1.0, 2: 9.0}) == 2  # a kill -9 goes before both
