@@ -10,7 +10,7 @@ from lmyard.tracking.sink import MLflowSink
 
 
 @pytest.mark.integration
-def test_resumed_sink_does_not_log_a_step_twice(tmp_path):
+def test_resumed_sink_does_not_log_a_step_twice_and_says_which_attempt_logged_it(tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("sink", artifact_location=str(tmp_path / "a"))).info.run_id
@@ -24,6 +24,9 @@ def test_resumed_sink_does_not_log_a_step_twice(tmp_path):
         second.log({"loss/train": 100.0 + step, "step_time_s": 0.1}, step)
     second.flush()
     second.log({"loss/train": 0.5}, 8)  # the same step again within one sink is dropped too
+    second.log({"system/goodput/wall_s": 1.0}, 8)
+    second.flush()
+    second.log({"system/goodput/wall_s": 2.0}, 8)  # but a running total's newer record is kept: MLflow's latest
     second.close()
 
     history = [(m.step, m.value) for m in client.get_metric_history(run_id, "loss/train")]
@@ -31,6 +34,13 @@ def test_resumed_sink_does_not_log_a_step_twice(tmp_path):
     # a key the earlier attempt never logged starts where this attempt starts
     assert sorted(m.step for m in client.get_metric_history(run_id, "step_time_s")) == [4, 5, 6, 7, 8]
     assert second.skipped == 3
+    said = capsys.readouterr().out.splitlines()
+    assert said == [
+        "metrics: loss/train at step 4 is already in the MLflow run (an earlier attempt logged it); steps logged "
+        "before are not logged again",
+        "metrics: loss/train was logged twice at step 8; the first value is kept",
+    ]
+    assert client.get_run(run_id).data.metrics["system/goodput/wall_s"] == 2.0
 
 
 @pytest.mark.integration

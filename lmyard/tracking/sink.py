@@ -18,7 +18,7 @@ from typing import Protocol
 from lmyard.config import redact_uri
 from lmyard.tracking.client import mlflow_client
 from lmyard.tracking.lineage import LineageRef
-from lmyard.tracking.schema import RESTART_METRICS
+from lmyard.tracking.schema import GOODPUT_METRICS, RESTART_METRICS
 
 
 class MetricsSink(Protocol):
@@ -65,6 +65,8 @@ class MLflowSink:
         self.queue: queue.Queue = queue.Queue()
         self.floor: dict[str, int] | None = None  # key -> highest step the run holds; read by the thread
         self.skipped = 0
+        self.said: set[str] = set()  # the kinds of points not sent already reported
+        self.sent: dict[str, int] = {}  # key -> highest step this attempt sent
         self.unsent: list = []  # points not sent yet (the server could not be reached), oldest first
         self.warned: set[str] = set()  # kinds of send errors already reported
         self.behind: threading.Event | None = None  # the marker of the last flush that timed out
@@ -118,35 +120,43 @@ class MLflowSink:
             self.behind = done
 
     def _fresh(self, batch: list) -> list:
+        """The points of `batch` to send: one value per step and key. A step the run held before this attempt (an
+        earlier attempt logged it) is not sent again; a step this attempt sent already is not either, except the
+        goodput totals (the newest record is the truth: the end's, at the last log step's count). Restart times
+        are always sent (an attempt's first step can be at or below the floor)."""
         if self.floor is None:
             self.floor = {m.key: m.step for m in self.client.get_run(self.run_id).data._metric_objs}
-        out, seen = [], dict(self.floor)
+        out, seen = [], dict(self.sent)
         for m in batch:
-            if m.step <= seen.get(m.key, -1) and not m.key.startswith(RESTART_METRICS):
-                if not self.skipped:
-                    print(
-                        f"metrics: {m.key} at step {m.step} is already in the MLflow run (an earlier attempt "
-                        "logged it); steps logged before are not logged again",
-                        flush=True,
-                    )
-                self.skipped += 1
-                continue
-            seen[m.key] = m.step
-            out.append(m)
+            if m.key.startswith(RESTART_METRICS):
+                out.append(m)
+            elif m.step <= self.floor.get(m.key, -1):
+                self._skip("earlier", f"metrics: {m.key} at step {m.step} is already in the MLflow run (an earlier "
+                           "attempt logged it); steps logged before are not logged again")  # fmt: skip
+            elif m.step <= seen.get(m.key, -1) and not m.key.startswith(GOODPUT_METRICS):
+                self._skip("twice", f"metrics: {m.key} was logged twice at step {m.step}; the first value is kept")
+            else:
+                seen[m.key] = max(m.step, seen.get(m.key, -1))
+                out.append(m)
         return out
+
+    def _skip(self, kind: str, line: str) -> None:
+        """Count a point not sent; say the first of each kind."""
+        if kind not in self.said:
+            self.said.add(kind)
+            print(line, flush=True)
+        self.skipped += 1
 
     def _deliver(self, batch: list) -> None:
         """Send the unsent points and `batch`, 1000 at a time (MLflow's limit); keep what fails for the next try."""
         self.unsent.extend(batch)
         try:
             self.unsent = self._fresh(self.unsent)
-            floor = self.floor
-            assert floor is not None  # _fresh read it
             while self.unsent:
                 chunk = self.unsent[:1000]
                 self._send_chunk(chunk)
                 for m in chunk:
-                    floor[m.key] = max(m.step, floor.get(m.key, -1))
+                    self.sent[m.key] = max(m.step, self.sent.get(m.key, -1))
                 del self.unsent[: len(chunk)]
         except Exception as e:
             kind = type(e).__name__
