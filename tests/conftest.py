@@ -16,6 +16,12 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# One CPU thread per torch process, trainer ranks included (the LMYARD_* layer under every recipe and --set; the
+# launcher passes the resolved config to containers, Ray actors and other hosts): the suite runs 3 workers on 2
+# cores, each starting several processes, and tiny models' ops gain nothing from more threads. torch's default
+# (cores / local ranks) oversubscribes the cores and spins: measured, a two-container test took twice as long.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("LMYARD_TRAIN__THREADS_PER_RANK", "1")
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -15,7 +15,8 @@ from lmyard.errors import UserError
 from lmyard.recipes import load_recipe
 
 
-def test_smoke_is_the_embedded_default():
+def test_smoke_is_the_embedded_default(monkeypatch):
+    monkeypatch.delenv("LMYARD_TRAIN__THREADS_PER_RANK", raising=False)  # the suite's one LMYARD_* (conftest)
     assert load_recipe("smoke") == RunConfig()
 
 
