@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from lmyard.checkpoint.dcp import ShardedCheckpointer
 from lmyard.checkpoint.full import FullCheckpointer
 from lmyard.config import RunConfig
 from lmyard.store import Store
+
+if TYPE_CHECKING:  # torch's DCP and DTensor cost every rank a second to import: only a sharded model's
+    from lmyard.checkpoint.dcp import ShardedCheckpointer
 
 
 class Checkpointer(Protocol):
@@ -70,6 +72,8 @@ def make_checkpointer(
     c, staging = cfg.checkpoint, os.path.join(cache_dir, "staging")
     checkpointer: ShardedCheckpointer | FullCheckpointer
     if sharded:
+        from lmyard.checkpoint.dcp import ShardedCheckpointer
+
         checkpointer = ShardedCheckpointer(
             store,
             cfg.run_name,

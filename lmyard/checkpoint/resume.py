@@ -19,7 +19,6 @@ from typing import TypeVar, cast, overload
 import torch
 
 from lmyard.checkpoint.catalog import complete_steps, read_manifest, read_state
-from lmyard.checkpoint.dcp_load import load_full, load_full_into, load_sharded
 from lmyard.checkpoint.full import read_full
 from lmyard.checkpoint.manifest import DamagedCheckpoint
 from lmyard.checkpoint.ranks import agree, gather
@@ -38,6 +37,8 @@ def load_step(store: Store, run_name: str, step: int, cache_dir: str, optimizer:
     a sharded checkpoint's optimizer state is not read). DamagedCheckpoint when its bytes are wrong."""
     manifest = read_manifest(store, run_name, step)
     if manifest.format == "dcp":
+        from lmyard.checkpoint.dcp_load import load_full  # torch's DCP and DTensor: imported only where read
+
         return load_full(store, run_name, step, cache_dir, optimizer=optimizer)
     return read_full(store, run_name, manifest, cache_dir)
 
@@ -70,9 +71,13 @@ def load_into(
     """Checkpoint `step`, either format, into `model` and `optimizer`: a sharded (FSDP2) model on every rank
     together, or a plain one (each rank reads the whole state)."""
     if sharded and read_manifest(store, run_name, step).format == "dcp":
+        from lmyard.checkpoint.dcp_load import load_sharded  # torch's DCP and DTensor: only a sharded model's
+
         return load_sharded(store, run_name, step, model, optimizer, cache_dir, group)
     ckpt = load_step(store, run_name, step, cache_dir)
     if sharded:
+        from lmyard.checkpoint.dcp_load import load_full_into
+
         load_full_into(model, optimizer, ckpt)
     else:
         model.load_state_dict(ckpt.model)

@@ -5,13 +5,15 @@ Design notes: docs/models.md, `lmyard/train/distributed/sharded_embedding.py`.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
+
+if TYPE_CHECKING:  # DTensor's import (sympy with it) costs every rank a second: only the sharded path needs it
+    from torch.distributed.tensor import DTensor
 
 # torch 2.13 names them *_single (and warns on the older names, which torch 2.11 has alone)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -69,9 +71,9 @@ class ShardedEmbedding(nn.Embedding):
     first: int
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        weight = cast(DTensor, self.weight)
+        weight = cast("DTensor", self.weight)
         if not (self.training and torch.is_grad_enabled()):  # the ranks' token counts may differ (the val loss)
-            return F.embedding(ids, cast(DTensor, weight.to(self.compute_dtype)).full_tensor())
+            return F.embedding(ids, cast("DTensor", weight.to(self.compute_dtype)).full_tensor())
         table = weight.to_local().to(self.compute_dtype)
         group = weight.device_mesh.get_group()
         return _Lookup.apply(ids, table, self.first, group)
@@ -81,6 +83,8 @@ def shard_rows(embedding: nn.Embedding, mesh, compute_dtype: torch.dtype, device
     """Make `embedding` a ShardedEmbedding on the 1-D `mesh`: its weight this rank's dim-0 chunk (torch.chunk's,
     as FSDP2's Shard(0) cuts it) on `device` as a DTensor, looked up in `compute_dtype` (bf16 on CUDA, as FSDP2
     would gather it). Returns the new weight, for fully_shard's ignored_params."""
+    from torch.distributed.tensor import DTensor, Shard
+
     weight = embedding.weight
     rank, world = mesh.get_local_rank(), mesh.size()
     chunks = torch.chunk(weight.detach(), world, dim=0)
