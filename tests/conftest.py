@@ -22,6 +22,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # (cores / local ranks) oversubscribes the cores and spins: measured, a two-container test took twice as long.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("LMYARD_TRAIN__THREADS_PER_RANK", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # inductor compiles in the rank, no pool of workers
 # The MLflow servers tests start track runs only: no job runner beside each (MLflow 3's huey consumer and its
 # periodic tasks, a process polling the store for the whole session).
 os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
