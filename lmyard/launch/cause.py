@@ -3,7 +3,8 @@
 When one rank dies the others fail on the collective that waits for it (symptoms). The first is the rank a
 signal other than torchrun's SIGTERM killed, else the earliest to end by itself, else the earliest SIGTERMed:
 by its own failure record's time (lmyard.stages.run_stage), else torchrun's (whole seconds, counted a second
-early: a rank that died without a word went before ranks that raised on its absence). Ranks torchrun saw end are the candidates; those it stopped follow them. The error:
+early: a rank that died without a word went before ranks that raised on its absence). Ranks torchrun saw end
+are the candidates; those it stopped follow them. The error:
 `rank 1 exited with code 1 first: <its message or last line>; rank 0 failed after it`, with at most
 OUTPUT_LINES lines of that rank's own output (`[rank R] ` starts every rank's lines but rank 0's).
 """
@@ -101,17 +102,18 @@ def first_cause(ends: dict[int, RankEnd], printed: dict[int, list[str]]) -> Caus
     traceback, else what it printed (`printed`, by rank)."""
     seen = [r for r, e in ends.items() if e.code is not None] or list(ends)
     codes = {r: e.code for r, e in ends.items()}
-    rank = min(seen, key=lambda r: (_signal_order(codes[r]), ends[r].when, r))
+    rank = min(seen, key=lambda r: (signal_order(codes[r]), ends[r].when, r))
     first = ends[rank]
     if first.record is not None and first.record.output:
         return Cause(first, sorted(set(ends) - {rank}), first.record.output[-OUTPUT_LINES:], printed=False)
     return Cause(first, sorted(set(ends) - {rank}), printed.get(rank, [])[-OUTPUT_LINES:])
 
 
-def _signal_order(code: int | None) -> int:
-    """0: killed by a signal the agent did not send (SIGKILL: the OOM killer, a kill -9), a cause; 1: ended by
-    itself; 2: SIGTERM, how torchrun stops the ranks left once one has failed, so never before a rank that ended by
-    itself, whatever the (whole-second, loaded-machine) times say."""
+def signal_order(code: int | None) -> int:
+    """Which kind of failed rank goes first (a rank's exit `code`; negative: the signal that ended it). 0: killed by
+    a signal the agent did not send (SIGKILL: the OOM killer, a kill -9), a cause; 1: ended by itself; 2: SIGTERM,
+    how torchrun stops the ranks left once one has failed, so never before a rank that ended by itself, whatever
+    the (whole-second, loaded-machine) times say. The launcher's first_cause and the node's first_to_fail."""
     if code is not None and code < 0:
         return 2 if code == -signal.SIGTERM else 0
     return 1

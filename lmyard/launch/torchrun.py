@@ -9,12 +9,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
 
 from lmyard.errors import ExitCode
-from lmyard.launch.cause import AGENT
+from lmyard.launch.cause import AGENT, signal_order
 from lmyard.stages import EXCHANGE_ENV, RANK_EXITS_ENV, RankExit, rank_exits
 
 
@@ -71,12 +70,9 @@ def _rank_exits_folder() -> str | None:
 
 
 def first_to_fail(exits: dict[int, int], timestamps: dict[int, float]) -> int:
-    """The rank that failed first: one killed by a signal (negative code: SIGKILL by the OOM killer, a kill -9)
-    before any that exited with an error (the others fail after it, on the broken collective), and those before
-    any SIGTERMed (how the agent stops the rest, so never first while a rank ended by itself); the earliest of a
-    kind."""
-    order = lambda c: 0 if c < 0 and c != -signal.SIGTERM else 2 if c == -signal.SIGTERM else 1
-    return min(exits, key=lambda r: (order(exits[r]), timestamps.get(r, 0), r))
+    """The rank that failed first: by `signal_order` (a kill -9 before a rank that exited with an error, and that
+    before one the agent SIGTERMed), then the earliest."""
+    return min(exits, key=lambda r: (signal_order(exits[r]), timestamps.get(r, 0), r))
 
 
 def _record_exits(exits: dict[int, int], times: dict[int, float]) -> None:
