@@ -247,7 +247,7 @@ OVER_BOUND: dict[str, tuple[int, int]] = {
     "lmyard/data/sharding.py:_build": (46, 11),
     "lmyard/data/sharding.py:_finish": (0, 13),
     "lmyard/models/ops/rope.py:_rope_kernel": (41, 12),
-    "lmyard/train/optim.py:_adamw_kernel": (53, 11),
+    "lmyard/train/optim.py:_adamw_kernel": (0, 11),
     "lmyard/train/trainer.py:train_step": (32, 11),
 }
 

@@ -40,14 +40,10 @@ if triton is not None:
         ROW: tl.constexpr,
         MASTER: tl.constexpr,
     ):
-        """One AdamW update of `BLOCK` elements of one of a group's tensors, the gradient times *scale_ptr.
-        `table_ptr` holds a row a tensor (ROW entries: the addresses of weight, gradient, both moments and
-        the step, the element count, then the fp32 master weights' address); this program's tensor and block
-        come from the two block maps. MASTER: the weight and gradient are bf16, the update is made on the
-        float32 master weights and the weight is written as the master rounded to bf16 (to nearest even, as
-        torch's casts); else all four are float32 and the master is the weight itself. The step already
-        counts this update. 1 - beta and the bias corrections 1 - beta^step are made in float64, as torch's
-        foreach AdamW makes them on the host: from a float32 beta2 of 0.999, 1 - beta2 is 1.3e-5 off."""
+        """One AdamW update of `BLOCK` elements of one tensor, the gradient times *scale_ptr; a `table_ptr` row a
+        tensor (addresses of weight, gradient, moments, step; element count; fp32 master), tensor and block from the
+        block maps. MASTER: bf16 weight and gradient, updated on the master, written back rounded (rtne); the step
+        counts this update; 1 - beta and 1 - beta^step in float64, as torch's foreach AdamW (docs/training.md)."""
         pid = tl.program_id(0)
         row = table_ptr + tl.load(tensor_of_block_ptr + pid).to(tl.int64) * ROW
         if MASTER:
