@@ -185,10 +185,21 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settle_prefect() -> None:
+    """Prefect sends its events to the server from its own thread, drained at the interpreter's exit; drained here,
+    so that what Prefect says of them (a connection lost while the flow was paused) comes before lmyard's last line.
+    """
+    if "prefect.events.worker" in sys.modules:
+        from prefect.events.worker import EventsWorker
+
+        EventsWorker.drain_all(timeout=5)
+
+
 def _failed(error: BaseException, code: int, kind: str = "") -> int:
     """The last line of a failed command: the error, once (the console prints nothing more of it)."""
     from lmyard import console
 
+    _settle_prefect()
     console.settle(error)
     print(f"lmyard: error: {kind}{console.headline(error)}", file=sys.stderr)
     return code
@@ -347,9 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, StageFailed) as e:  # one line each, the last: its exit code
         return _failed(e, int(e.exit_code))
     except KeyboardInterrupt:
+        _settle_prefect()
         print("lmyard: interrupted; run the same command again to resume from the latest checkpoint", file=sys.stderr)
         return 130
     except _Terminated as e:
+        _settle_prefect()
         print("lmyard: terminated; run the same command again to resume from the latest checkpoint", file=sys.stderr)
         return int(e.code or 143)
 
