@@ -15,7 +15,7 @@ from lmyard.models.llama.model import Llama, LlamaConfig
 from lmyard.recipes import load_recipe
 from lmyard.train import build
 from lmyard.train.optim import clipped_update
-from lmyard.train.trainer import lr_at, train_step
+from lmyard.train.trainer import StepParts, lr_at, train_step
 
 
 def _gpt(seed: int = 0) -> GPT:
@@ -65,7 +65,7 @@ def test_a_muon_step_matches_the_formula_on_a_tiny_model():
     for step in range(2):
         lr = lr_at(step, t)
         plain = torch.autocast("cpu", enabled=False)
-        train_step(model, list(model.parameters()), opt, lambda: (x, x), 1, lr, t.grad_clip, plain, False)
+        train_step(StepParts(model, list(model.parameters()), opt, plain, False, t.grad_clip), lambda: (x, x), 1, lr)
         ref.zero_grad()
         ref(x, x).backward()
         norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()]))

@@ -18,7 +18,7 @@ from lmyard.models.gpt2.model import GPT, GPTConfig
 from lmyard.recipes import load_recipe
 from lmyard.store import open_store
 from lmyard.train.build import grad_accum_steps
-from lmyard.train.trainer import train_step
+from lmyard.train.trainer import StepParts, train_step
 
 
 @pytest.fixture(scope="module")
@@ -200,33 +200,16 @@ def test_k_micro_steps_equal_one_step_on_a_k_times_larger_batch():
         m = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
         return m, torch.optim.SGD(m.parameters(), lr=1e-2)  # AdamW's normalisation would amplify float noise
 
+    def _parts(model, opt):
+        return StepParts(model, list(model.parameters()), opt, torch.autocast("cpu", enabled=False), False, 1.0)
+
     torch.manual_seed(1)
     x = torch.randint(0, 64, (8, 17))
     big_model, big_opt = fresh()
-    train_step(
-        big_model,
-        list(big_model.parameters()),
-        big_opt,
-        iter([(x[:, :-1], x[:, 1:])]).__next__,
-        1,
-        1e-2,
-        1.0,
-        torch.autocast("cpu", enabled=False),
-        False,
-    )
+    train_step(_parts(big_model, big_opt), iter([(x[:, :-1], x[:, 1:])]).__next__, 1, 1e-2)
     acc_model, acc_opt = fresh()
     micro = iter([(x[i : i + 2, :-1], x[i : i + 2, 1:]) for i in range(0, 8, 2)])
-    train_step(
-        acc_model,
-        list(acc_model.parameters()),
-        acc_opt,
-        micro.__next__,
-        4,
-        1e-2,
-        1.0,
-        torch.autocast("cpu", enabled=False),
-        False,
-    )
+    train_step(_parts(acc_model, acc_opt), micro.__next__, 4, 1e-2)
     for p, q in zip(big_model.parameters(), acc_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 

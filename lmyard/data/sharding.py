@@ -144,24 +144,30 @@ def tokenize_and_shard(
                     )
                 )
             return existing, True
-        return _build(cfg, store, pool, num_proc, sources, enc, address, key, log, cache_dir, progress), False
+        job = _Job(cfg, store, sources, enc, address, key, log, cache_dir, progress)
+        return _build(job, pool, num_proc), False
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _build(
-    cfg: RunConfig,
-    store: Store,
-    pool,
-    num_proc: int,
-    sources: list[Source],
-    enc,
-    address: str,
-    key: dict,
-    log,
-    cache_dir: str,
-    progress,
-) -> fmt.ShardSet:
+@dataclass(frozen=True)
+class _Job:
+    """One build of a shard set: the run's config and store, its sources and tokenizer, the set's address and
+    what it hashes (`key`), where its lines go, the local folder it writes shards in, its progress callback."""
+
+    cfg: RunConfig
+    store: Store
+    sources: list[Source]
+    enc: Any
+    address: str
+    key: dict
+    log: Callable[[str], None]
+    cache_dir: str
+    progress: Callable[[Progress], None] | None
+
+
+def _build(job: _Job, pool, num_proc: int) -> fmt.ShardSet:
+    cfg, store, sources, enc, address, log = job.cfg, job.store, job.sources, job.enc, job.address, job.log
     d = cfg.data
     layout = ShardLayout(address)
     version, dtype = fmt.token_dtype(enc.n_vocab)
@@ -174,8 +180,8 @@ def _build(
     log(f"tokenizing {_describe(cfg)} with {enc.name} into {store.uri(layout.root)} ({num_proc} processes)")
     counts = [[0, 0] for _ in sources]
     stats = {"docs": 0, "tokens": 0, "t0": time.perf_counter()}
-    os.makedirs(cache_dir, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="lmyard-shard-", dir=cache_dir) as tmp:
+    os.makedirs(job.cache_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="lmyard-shard-", dir=job.cache_dir) as tmp:
         uploader = Uploader(store, layout)
         readers = _readers(cfg, sources, pool, num_proc, kept)
         try:
@@ -183,7 +189,7 @@ def _build(
                 s: ShardWriter(s, d.shard_tokens, version, tmp, uploader, address, kept[s][0], kept[s][1])
                 for s in SPLITS
             }
-            report = _reporter(sources, readers, writers, stats, log, progress)
+            report = _reporter(sources, readers, writers, stats, log, job.progress)
             stream = mixed(readers, *d.shares(), counts)
             if d.shuffle_documents:
                 stream = shuffled(stream, d.shuffle_seed, d.shuffle_buffer_tokens)
@@ -194,7 +200,7 @@ def _build(
                 r.close()
             uploader.pool.shutdown(wait=True, cancel_futures=True)
         entries = {s: w.entries() for s, w in writers.items()}
-    return _finish(cfg, store, layout, sources, address, key, version, dtype, entries, counts, stats, log, report)
+    return _finish(job, layout, (version, dtype), entries, counts, stats, report)
 
 
 def _readers(cfg: RunConfig, sources: list[Source], pool, num_proc: int, kept: dict) -> list[Reader]:
@@ -277,7 +283,10 @@ def _mixture(cfg, counts, log) -> list[dict]:
     return mixture
 
 
-def _finish(cfg, store, layout, sources, address, key, version, dtype, entries, counts, stats, log, report):
+def _finish(job: _Job, layout: ShardLayout, fmt_version: tuple, entries, counts, stats, report) -> fmt.ShardSet:
+    """The manifest, written last (its presence makes the set complete); `fmt_version`: (version, token dtype)."""
+    cfg, store, sources, address, key, log = job.cfg, job.store, job.sources, job.address, job.key, job.log
+    version, dtype = fmt_version
     docs = stats["docs"]
     if docs == 0:
         raise UserError(f"{_describe(cfg)} holds no documents: check the path, split and filters")

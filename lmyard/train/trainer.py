@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -135,7 +136,8 @@ class Trainer:
             self.model, self.autocast = self.parallel.wrap(self.raw_model, self.planned, self.d)
         with self.startup.part("compile_cache"):
             self.compile_cache.load()  # before the first step compiles: what an earlier attempt compiled
-        self.params: list[torch.Tensor] = list(self.raw_model.parameters())
+        params: list[torch.Tensor] = list(self.raw_model.parameters())
+        self.parts = StepParts(self.model, params, self.optimizer, self.autocast, self.d.world > 1, self.t.grad_clip)
         self._describe()
         with self.startup.part("data"):
             self.batches = Prefetcher(self.data, self.state.cursor, self.d.device)
@@ -181,15 +183,10 @@ class Trainer:
         lr = lr_at(self.state.step, self.t)
         with self.startup.step(self.d.device, self.batches):
             loss, grad_norm = train_step(
-                self.model,
-                self.params,
-                self.optimizer,
+                self.parts,
                 self.batches.get,
                 self.accum,
                 lr,
-                self.t.grad_clip,
-                self.autocast,
-                self.d.world > 1,
                 poison=self.faults.poison(self.state.step + 1),
                 before_update=self.checkpoints.before_update,
             )
@@ -366,35 +363,38 @@ class Trainer:
         )
 
 
+@dataclass(frozen=True)
+class StepParts:
+    """What every step uses: the model as it runs (wrapped), the clip's parameters, the optimizer, the forward's
+    autocast, whether DDP syncs gradients, the clip's norm (0: none)."""
+
+    model: torch.nn.Module
+    params: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    autocast: contextlib.AbstractContextManager
+    distributed: bool
+    grad_clip: float
+
+
 def train_step(
-    model: torch.nn.Module,
-    params: list[torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    next_batch,
-    accum: int,
-    lr: float,
-    grad_clip: float,
-    autocast,
-    distributed: bool,
-    poison: bool = False,
-    before_update=None,
+    parts: StepParts, next_batch, accum: int, lr: float, poison: bool = False, before_update=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over `accum` micro-batches; returns (mean loss, grad norm) as device tensors."""
+    model, optimizer, grad_clip = parts.model, parts.optimizer, parts.grad_clip
     for group in optimizer.param_groups:  # Muon's groups at their multiple of the schedule's lr (lmyard.train.muon)
         group["lr"] = lr * group.get("lr_ratio", 1.0)
     loss_sum: torch.Tensor | None = None
     for micro in range(accum):
         x, y = next_batch()
-        sync = micro == accum - 1 or not distributed  # DDP all-reduces gradients on the last micro-step only
-        with contextlib.nullcontext() if sync else no_sync(model), autocast:
+        sync = micro == accum - 1 or not parts.distributed  # DDP all-reduces gradients on the last micro-step only
+        with contextlib.nullcontext() if sync else no_sync(model), parts.autocast:
             loss = model(x, y)
         if poison:
             loss = loss * float("nan")
         (loss / accum).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-    # the norm (over the ranks' shards under FSDP2), then AdamW on the clipped gradients (lmyard.train.optim);
-    # before_update: a checkpoint copy of the weights in flight must finish before they change
-    grad_norm = clipped_update(params, optimizer, grad_clip if grad_clip > 0 else float("inf"), before_update)
+    # the norm (over FSDP2's shards), the update (lmyard.train.optim); before_update: a checkpoint's copy ends first
+    grad_norm = clipped_update(parts.params, optimizer, grad_clip if grad_clip > 0 else float("inf"), before_update)
     optimizer.zero_grad(set_to_none=True)
     assert loss_sum is not None, "accum >= 1 micro-step (grad_accum_steps)"
     return loss_sum / accum, grad_norm

@@ -34,7 +34,7 @@ from lmyard.recipes import load_recipe
 from lmyard.train.distributed import setup_distributed
 from lmyard.train.distributed.parallelism import prepare_model
 from lmyard.train.optim import AdamW
-from lmyard.train.trainer import train_step
+from lmyard.train.trainer import StepParts, train_step
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -167,8 +167,10 @@ def main() -> None:
     def batch():
         return data[:, :-1], data[:, 1:]
 
+    parts = StepParts(model, params, optimizer, autocast, world > 1, t.grad_clip)
+
     def step():
-        train_step(model, params, optimizer, batch, 1, t.lr, t.grad_clip, autocast, world > 1)
+        train_step(parts, batch, 1, t.lr)
 
     for _ in range(args.warmup):
         step()
