@@ -19,6 +19,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -397,18 +398,22 @@ def read_full(store: Store, run_name: str, manifest: Manifest, cache_dir: str) -
     a read that fails (the store down, a network error) raises as it is: that is not damage."""
     layout, step = RunLayout(run_name), manifest.step
     local = os.path.join(cache_dir, "checkpoint-load", str(os.getpid()), layout.step(step))  # ranks load at once
-    paths = {}
-    for name in manifest.files:
+
+    def fetched(name: str) -> tuple[str, str]:
         key = layout.step_file(step, name)
         path = store.local_path(key)
         if path is None:
             path = confined(local, name, "checkpoint file")  # names come from the manifest in the store
             store.download(key, path)
-        paths[name] = check_file(manifest, name, path, store.uri(key))
+        return name, check_file(manifest, name, path, store.uri(key))
+
+    # the files at once: sha256 is one thread a file, and the optimizer's file (2x the model's) sets the time
+    with ThreadPoolExecutor(max_workers=max(1, len(manifest.files))) as pool:
+        paths = dict(pool.map(fetched, manifest.files))
 
     def load(name: str):
-        try:
-            return torch.load(paths[name], map_location="cpu", weights_only=True)
+        try:  # mapped, not read again: the hash just read the file, and the copies to the model read the pages
+            return torch.load(paths[name], map_location="cpu", weights_only=True, mmap=True)
         except (RuntimeError, pickle.UnpicklingError, EOFError, KeyError) as e:
             raise DamagedCheckpoint(f"{store.uri(layout.step_file(step, name))} does not load: {e}") from None
 
