@@ -34,7 +34,7 @@ def _kill_training_after(
         if not steps or steps[-1] < step:
             continue
         run_id = json.loads(store.read_bytes(f"runs/{run_name}/lineage.json"))["mlflow_run_id"]
-        logged = {m.key: m.step for m in MlflowClient(tracking_uri).get_run(run_id).data._metric_objs}
+        logged = {m.key: m.step for m in MlflowClient(tracking_uri).get_run(run_id).data.to_proto().metrics}
         if logged.get("loss/train", 0) <= steps[-1]:
             continue
         for proc in psutil.Process().children(recursive=True):

@@ -125,7 +125,8 @@ class MLflowSink:
         goodput totals (the newest record is the truth: the end's, at the last log step's count). Restart times
         are always sent (an attempt's first step can be at or below the floor)."""
         if self.floor is None:
-            self.floor = {m.key: m.step for m in self.client.get_run(self.run_id).data._metric_objs}
+            latest = self.client.get_run(self.run_id).data.to_proto().metrics  # each key's point at its highest step
+            self.floor = {m.key: m.step for m in latest}
         out, seen = [], dict(self.sent)
         for m in batch:
             if m.key.startswith(RESTART_METRICS):
