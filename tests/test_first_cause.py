@@ -84,3 +84,27 @@ def test_a_rank_torchrun_sigtermed_is_never_first_while_another_ended_by_itself_
     assert first_to_fail({0: -15, 1: 1}, {0: 4000.0, 1: 4001.0}) == 1
     assert first_to_fail({0: -15, 1: -15}, {0: 4001.0, 1: 4000.0}) == 1  # all stopped: the earliest
     assert first_to_fail({0: -15, 1: 1, 2: -9}, {0: 1.0, 1: 1.0, 2: 9.0}) == 2  # a kill -9 goes before both
+
+
+def test_ranks_sharing_the_unbuffered_output_never_cut_into_each_others_lines():
+    """Two ranks print at once into one pipe, unbuffered as the launcher starts them: every line read back is one
+    rank's whole line (the launcher finds the rank that failed first by those lines)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from lmyard.stages.runtime import prefix_rank_lines; r = int(sys.argv[1]); prefix_rank_lines(r)\n"
+        "for i in range(3000): print(f'step {i} of rank {r} | loss 5.0', flush=i % 7 == 0)\n"
+    )
+    read, write = __import__("os").pipe()
+    ranks = [
+        subprocess.Popen([sys.executable, "-u", "-c", code, str(r)], stdout=write, stderr=write, pass_fds=(write,))
+        for r in (0, 1)
+    ]
+    __import__("os").close(write)
+    with open(read) as out:
+        lines = out.read().splitlines()
+    assert [p.wait(timeout=60) for p in ranks] == [0, 0]
+    expected = {f"step {i} of rank 0 | loss 5.0" for i in range(3000)}
+    expected |= {f"[rank 1] step {i} of rank 1 | loss 5.0" for i in range(3000)}
+    assert set(lines) == expected and len(lines) == len(expected), sorted(set(lines) - expected)[:5]

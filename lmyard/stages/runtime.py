@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 
@@ -151,28 +152,47 @@ RANK_LINE = re.compile(r"^\[rank (\d+)\] ")  # how a training rank but 0 starts 
 
 
 class _RankLines:
-    """A text stream that starts every line with `[rank R] ` (see prefix_rank_lines)."""
+    """A text stream that writes whole lines, each started with `prefix`: print's text and its newline are one write,
+    so the ranks that share the job's output (unbuffered) never cut into each other's lines. A partial line waits
+    for its newline or a flush."""
 
-    def __init__(self, stream, rank: int):
-        self.stream, self.prefix, self.at_start = stream, f"[rank {rank}] ", True
+    def __init__(self, stream, prefix: str):
+        self.stream, self.prefix, self.pending, self.at_start = stream, prefix, "", True
+        self.lock = threading.Lock()
 
     def write(self, text: str) -> int:
+        with self.lock:
+            self.pending += text
+            cut = self.pending.rfind("\n") + 1
+            if cut:
+                self._out(self.pending[:cut])
+                self.pending = self.pending[cut:]
+        return len(text)
+
+    def flush(self) -> None:
+        with self.lock:
+            if self.pending:
+                self._out(self.pending)
+                self.pending = ""
+        self.stream.flush()
+
+    def _out(self, text: str) -> None:
         out = []
         for piece in text.splitlines(keepends=True):
             out.append((self.prefix if self.at_start else "") + piece)
             self.at_start = piece.endswith("\n")
         self.stream.write("".join(out))
-        return len(text)
 
     def __getattr__(self, name: str):
         return getattr(self.stream, name)
 
 
 def prefix_rank_lines(rank: int) -> None:
-    """Every line this training rank prints (but rank 0's: the job's voice) starts with `[rank R] `: the launcher
-    tells a rank's own output from the others' (the rank that failed first, its last lines), a person too."""
+    """Every line this training rank prints starts with `[rank R] ` (but rank 0's: the job's voice): the launcher
+    tells a rank's own output from the others' (the rank that failed first, its last lines), a person too. Each
+    line is written whole (_RankLines), rank 0's too."""
     import sys
 
-    if rank != 0:
-        sys.stdout = _RankLines(sys.stdout, rank)
-        sys.stderr = _RankLines(sys.stderr, rank)
+    prefix = f"[rank {rank}] " if rank != 0 else ""
+    sys.stdout = _RankLines(sys.stdout, prefix)
+    sys.stderr = _RankLines(sys.stderr, prefix)
