@@ -147,10 +147,11 @@ def _cost(store, rows, tracking_uri: str, as_json: bool) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
+    from lmyard.run import Run
     from lmyard.tracking.runs import run_status
 
     cfg = _config(args, tracking=True)
-    s = run_status(_store(cfg), args.run_name, cfg.tracking.uri, checksums=args.verify)
+    s = run_status(Run(args.run_name, _store(cfg)), cfg.tracking.uri, checksums=args.verify)
     if args.json:
         print(s.model_dump_json(indent=1))
         return 0

@@ -7,7 +7,7 @@ once per task; a stage process opens it once and hands it down.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lmyard.config import RunConfig
 from lmyard.layout import RunLayout
@@ -18,16 +18,21 @@ from lmyard.store import Store, open_store
 @dataclass(frozen=True)
 class Run:
     """`name`: the lineage (`runs/<name>`); `store`: config.store, opened; `layout`: the run's keys in it;
-    `cache`: this node's cache root (LMYARD_CACHE)."""
+    `cache`: this node's cache root (LMYARD_CACHE). What works on a lineage's state in the store (its
+    checkpoints, lease, lineage record) takes this handle, never a store and a name apart."""
 
     name: str
     store: Store
-    layout: RunLayout
-    cache: str
+    cache: str = field(default_factory=cache_root)
 
     @classmethod
     def of(cls, config: RunConfig) -> Run:
-        return cls(config.run_name, open_store(config.store), RunLayout(config.run_name), cache_root())
+        return cls(config.run_name, open_store(config.store))
+
+    @property
+    def layout(self) -> RunLayout:
+        """The run's keys: the one place a lineage's RunLayout is made."""
+        return RunLayout(self.name)
 
     def uri(self, key: str) -> str:
         """The store URI of a key (e.g. `run.uri(run.layout.step(4))`)."""

@@ -27,7 +27,7 @@ from tasks.results import CheckpointReport
 def record_checkpoint(config: RunConfig, lineage: Lineage, step: int) -> CheckpointReport:
     """Verify checkpoint `step` against its manifest in the store; its place, size and upload time to
     MLflow (system/checkpoint/* at its step) and to a Prefect artifact. The upload itself ran on the training node."""
-    report = CheckpointReport.model_validate(catalog.verify(Run.of(config).store, config.run_name, step))
+    report = CheckpointReport.model_validate(catalog.verify(Run.of(config), step))
     if _recorded(lineage, report):
         get_run_logger().info(f"checkpoint step {step} was recorded by an earlier attempt; not logged again")
         return report

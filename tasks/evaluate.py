@@ -31,7 +31,6 @@ from lmyard.errors import one_line
 from lmyard.evaluate.history import evaluated_checkpoints, log_evaluation, mark_damaged_evaluation, record_failure
 from lmyard.run import Run
 from lmyard.stages import EvalResult, EvalSpec
-from lmyard.store import Store
 from lmyard.tracking.lineage import Lineage
 from tasks._common import artifact_key, launch_stage
 from tasks.results import Evaluation
@@ -46,7 +45,7 @@ def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: Lineage, s
     in the Evaluation: an evaluation never turns a training run into a failed one."""
     logger, run = get_run_logger(), Run.of(config)
     try:
-        commit = commit_id(run.store, run.name, step)  # before: which checkpoint is read
+        commit = commit_id(run, step)  # before: which checkpoint is read
         result = launch_stage(EvalSpec(config=config, shards=shards, step=step), logger.info)
         _record(run, config.train.max_steps, lineage, result, commit)
     except Exception as e:  # any failure of this evaluation: recorded below; interrupts and cancellation pass
@@ -58,11 +57,11 @@ def evaluate_checkpoint(config: RunConfig, shards: ShardSet, lineage: Lineage, s
     return Evaluation(step=step, checkpoint=result.checkpoint, result=result)
 
 
-def commit_id(store: Store, run_name: str, step: int) -> str:
+def commit_id(run: Run, step: int) -> str:
     """Which checkpoint of `step` the store holds now: its manifest's commit time ("" in a manifest without, or
     in one that is not a manifest: its evaluation, not this look, says that it is damaged)."""
     try:
-        committed = catalog.read_manifest(store, run_name, step).committed
+        committed = catalog.read_manifest(run, step).committed
     except DamagedCheckpoint:
         return ""
     return "" if committed is None else repr(committed)
@@ -76,7 +75,7 @@ def _record(run: Run, final_step: int, lineage: Lineage, result: EvalResult, com
         logger.info(f"step {step} was evaluated by an earlier attempt; its results are not logged again")
         return
     if step in earlier:  # the step was trained again after a fallback: the earlier result is a damaged one's
-        moved = catalog.damaged(run.store, run.name).get(step, [])
+        moved = catalog.damaged(run).get(step, [])
         where = moved[-1] if moved else "the damaged folder"
         logger.warning(
             f"step {step} was trained again after its checkpoint was found damaged ({where}); evaluating the new one"
@@ -112,7 +111,7 @@ def new_checkpoints(config: RunConfig, lineage: Lineage, training: PrefectFuture
     unreachable) is tried again at the next poll, for as long as the trainer's uploads would retry
     (checkpoint.upload_retries); only an outage longer than that ends the flow, never a blip.
     """
-    store = Run.of(config).store
+    run = Run.of(config)
     log = log or get_run_logger().warning
     done = evaluated_checkpoints(lineage)  # step -> commit id of the checkpoint evaluated there
     budget = outage_budget_s(config)
@@ -123,7 +122,7 @@ def new_checkpoints(config: RunConfig, lineage: Lineage, training: PrefectFuture
         finished = training.state.is_final()  # read before listing: the last listing sees every checkpoint
         if config.eval.watch or finished:
             try:
-                fresh = _unevaluated(store, config.run_name, done, final=config.train.max_steps)
+                fresh = _unevaluated(run, done, final=config.train.max_steps)
             except Exception as e:
                 now = time.monotonic()
                 failing_since = failing_since or now
@@ -146,16 +145,16 @@ def new_checkpoints(config: RunConfig, lineage: Lineage, training: PrefectFuture
             return
 
 
-def _unevaluated(store: Store, run_name: str, done: dict[int, str | None], final: int) -> list[tuple[int, str]]:
+def _unevaluated(run: Run, done: dict[int, str | None], final: int) -> list[tuple[int, str]]:
     """(step, commit id) of the complete checkpoints not in `done`, or in it but of another commit where the step
     was moved aside as damaged (only those manifests are read again); the `final` step is the flow's own."""
-    steps = catalog.complete_steps(store, run_name)
-    moved = catalog.damaged(store, run_name) if any(s in done for s in steps) else {}
+    steps = catalog.complete_steps(run)
+    moved = catalog.damaged(run) if any(s in done for s in steps) else {}
     fresh = []
     for step in steps:
         if step == final or (step in done and (step not in moved or done[step] is None)):
             continue
-        commit = commit_id(store, run_name, step)
+        commit = commit_id(run, step)
         if done.get(step) != commit:
             fresh.append((step, commit))
     return fresh

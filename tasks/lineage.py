@@ -24,7 +24,7 @@ from tasks._common import not_a_user_error
 @task(name="open-lineage", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, retry_condition_fn=not_a_user_error)
 def open_lineage(config: RunConfig, shards: ShardSet) -> Lineage:
     """Create or reopen the MLflow run of runs/<run_name>; the train task records each attempt."""
-    lineage = Lineage.open(config, Run.of(config).store, shard_address=shards.address, code_version=code_version())
+    lineage = Lineage.open(config, Run.of(config), shard_address=shards.address, code_version=code_version())
     lineage.log_shard_dataset(shards)  # the UI's "Datasets": which data trained the run
     get_run_logger().info(
         f"lineage {config.run_name}: MLflow run {lineage.ref.mlflow_run_id}"
@@ -56,7 +56,7 @@ def _close_from_hook(flow_run, status: str) -> str | None:
     """Mark the MLflow run of the lineage a flow run trained (from its parameters) `status`, if still RUNNING."""
     params = flow_run.parameters or {}
     config = with_recipe(RunConfig.model_validate(params.get("config") or {}), params.get("recipe"))
-    lineage = Lineage.find(config.tracking.uri, Run.of(config).store, config.run_name)
+    lineage = Lineage.find(config.tracking.uri, Run.of(config))
     run_id = lineage.ref.mlflow_run_id if lineage is not None and lineage.close_if_running(status) else None
     if run_id:
         print(f"lineage {config.run_name}: MLflow run {run_id} marked {status} ({flow_run.name})", flush=True)
@@ -96,8 +96,7 @@ def lineage_lease(config: RunConfig) -> Iterator[lease.Lease]:
     from prefect.runtime import flow_run
 
     held = lease.acquire(
-        Run.of(config).store,
-        config.run_name,
+        Run.of(config),
         {"flow_run": f"{flow_run.name or '-'} ({flow_run.id or '-'})"},
         ttl_s=config.tracking.lease_ttl_s,
         wait_s=config.tracking.lease_wait_s,

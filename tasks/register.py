@@ -67,7 +67,7 @@ def register_model(config: RunConfig, shards: ShardSet, lineage: Lineage, final:
         tags=tags,
         checkpoint_uri=info.checkpoint,
     )
-    retention.protect_checkpoint(Run.of(config).store, config.run_name, info.step)
+    retention.protect_checkpoint(Run.of(config), info.step)
     gates = judge(config, lineage, final, name, version)
     alias = _apply_gates(config, lineage, name, version, gates)
     lineage.set_tags({"lmyard.gates": str({k: g.passed for k, g in gates.items()})})

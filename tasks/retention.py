@@ -26,11 +26,11 @@ def retain_checkpoints(config: RunConfig, step: int, evaluated: bool, final: boo
     applies the plain policy, so nothing stays held by an evaluation that never ended.
     """
     run = Run.of(config)
-    retention.mark_evaluated(run.store, run.name, step, evaluated)
-    deleted = retention.apply(run.store, run.name, config.checkpoint, hold_for_eval=not final)
+    retention.mark_evaluated(run, step, evaluated)
+    deleted = retention.apply(run, config.checkpoint, hold_for_eval=not final)
     if deleted:
         get_run_logger().info(f"retention deleted checkpoints {deleted} of {config.run_name}")
-        lineage = Lineage.find(config.tracking.uri, run.store, run.name)
+        lineage = Lineage.find(config.tracking.uri, run)
         if lineage is not None:  # their logged models point at nothing now: the UI must not offer them
             keep = f"checkpoint.keep_last={config.checkpoint.keep_last}, checkpoint.keep_best={config.checkpoint.keep_best}"
             lineage.retire_checkpoint_models(deleted, reason=f"deleted by checkpoint retention ({keep})")

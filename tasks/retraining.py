@@ -31,7 +31,7 @@ def plan_retraining(config: RunConfig, shards: ShardSet, extra_steps: int) -> Re
 
 def plan(config: RunConfig, shards: ShardSet, extra_steps: int) -> RetrainDecision:
     run = Run.of(config)
-    steps = catalog.complete_steps(run.store, run.name)
+    steps = catalog.complete_steps(run)
     if not steps:
         return RetrainDecision(
             action="train",
@@ -39,7 +39,7 @@ def plan(config: RunConfig, shards: ShardSet, extra_steps: int) -> RetrainDecisi
             max_steps=config.train.max_steps,
             from_step=0,
         )
-    state = catalog.read_state(run.store, run.name, steps[-1])
+    state = catalog.read_state(run, steps[-1])
     if state.shard_address == shards.address:
         return RetrainDecision(
             action="none",

@@ -13,20 +13,20 @@ from lmyard.checkpoint.commit import RetryPolicy, publish
 from lmyard.checkpoint.dcp import ShardedCheckpointer
 from lmyard.checkpoint.full import FILES, FullCheckpointer
 from lmyard.checkpoint.manifest import Manifest
-from lmyard.layout import RunLayout
+from lmyard.run import Run
 
 
-def save_full(store, run_name: str, step: int, model: dict, optim: dict, rng: list, state: dict, staging: str) -> str:
+def save_full(run: Run, step: int, model: dict, optim: dict, rng: list, state: dict, staging: str) -> str:
     """State dicts as the `full` checkpoint of `step`, committed when this returns; its URI."""
-    writer = FullCheckpointer(store, run_name, staging, say=lambda s: None)
+    writer = FullCheckpointer(run, staging, say=lambda s: None)
     writer.save_state(model, optim or {"state": {}, "param_groups": []}, {**state, "step": step}, rng)
     writer.close()
-    return store.uri(RunLayout(run_name).step(step))
+    return run.uri(run.layout.step(step))
 
 
-def save_sharded(store, run_name: str, model, optimizer, state: dict, staging: str, rng=None, **kwargs) -> str:
+def save_sharded(run: Run, model, optimizer, state: dict, staging: str, rng=None, **kwargs) -> str:
     """A sharded checkpoint (every rank calls it), committed when this returns on every rank; its URI."""
-    writer = ShardedCheckpointer(store, run_name, staging, say=lambda s: None, **kwargs)
+    writer = ShardedCheckpointer(run, staging, say=lambda s: None, **kwargs)
     try:
         writer.save(model, optimizer, state, rng)
         writer.flush()
@@ -36,20 +36,20 @@ def save_sharded(store, run_name: str, model, optimizer, state: dict, staging: s
         dist.barrier(group=writer.group)  # every rank returns once rank 0 has committed
     if writer.owns_group:
         dist.destroy_process_group(writer.group)
-    return store.uri(RunLayout(run_name).step(int(state["step"])))
+    return run.uri(run.layout.step(int(state["step"])))
 
 
-def commit_folder(store, run_name: str, folder: str, manifest: dict) -> str:
+def commit_folder(run: Run, folder: str, manifest: dict) -> str:
     """The files of a `full` checkpoint staged in `folder`, then `manifest`: the commit the writer makes."""
     files = {name: f"{folder}/{name}" for name in FILES}
-    return publish(store, run_name, files, Manifest.model_validate(manifest), RetryPolicy(), folder)
+    return publish(run, files, Manifest.model_validate(manifest), RetryPolicy(), folder)
 
 
-def load_latest(store, run_name: str, cache_dir: str):
+def load_latest(run: Run, cache_dir: str):
     """The newest checkpoint that loads whole (damaged ones skipped with a warning), or None."""
-    return resume.find_latest(store, run_name, cache_dir)[0]
+    return resume.find_latest(run, cache_dir)[0]
 
 
-def load_latest_sharded(store, run_name: str, model, optimizer, cache_dir: str):
+def load_latest_sharded(run: Run, model, optimizer, cache_dir: str):
     """The newest checkpoint (either format) loaded into a sharded model on every rank, or None."""
-    return resume.load_latest(store, run_name, model, optimizer, cache_dir, sharded=True)[0]
+    return resume.load_latest(run, model, optimizer, cache_dir, sharded=True)[0]

@@ -152,6 +152,7 @@ def save_model_checkpoint(
 
     from lmyard.models.registry import model_spec
     from lmyard.recipes import load_recipe
+    from lmyard.run import Run
     from lmyard.store import open_store
 
     spec = model_spec(model)
@@ -166,7 +167,7 @@ def save_model_checkpoint(
         "config": load_recipe("smoke", [f"tokenizer.name={tokenizer}"]).model_dump(mode="json"),
         "model": spec,
     }
-    return save_full(open_store(str(root)), run, step, model.state_dict(), {}, [], state, str(root / "staging"))
+    return save_full(Run(run, open_store(str(root))), step, model.state_dict(), {}, [], state, str(root / "staging"))
 
 
 @pytest.fixture(scope="session")

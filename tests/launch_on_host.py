@@ -22,8 +22,8 @@ from lmyard.errors import UserError
 from lmyard.launch.elastic import attempt_hosts, record_resize
 from lmyard.launch.launcher import launch
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.stages import EvalSpec, TrainSpec
-from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
 
 
@@ -45,7 +45,7 @@ def main() -> int:
 
     try:
         shards, _ = tokenize_and_shard(cfg, log=say)
-        lineage = Lineage.open(cfg, open_store(cfg.store), shard_address=shards.address, code_version="test")
+        lineage = Lineage.open(cfg, Run.of(cfg), shard_address=shards.address, code_version="test")
         lineage = lineage.record_attempt(
             resumed_from=None, start_step=0, info={"nodes": cfg.launch.nnodes, "hosts": ", ".join(attempt_hosts(cfg))}
         )

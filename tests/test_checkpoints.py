@@ -16,15 +16,17 @@ from conftest import tiny_overrides
 from tcp_proxy import TcpProxy
 
 from lmyard.checkpoint import retention
-from lmyard.checkpoint.catalog import complete_steps, read_manifest, step_prefix
+from lmyard.checkpoint.catalog import complete_steps, read_manifest
 from lmyard.checkpoint.full import FullCheckpointer
 from lmyard.checkpoint.resume import load_step
 from lmyard.config import CheckpointConfig
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import StoreOutage
 from lmyard.launch.local_job import run_local
+from lmyard.layout import RunLayout
 from lmyard.paths import sha256_file
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -79,8 +81,8 @@ def test_checkpoints_round_trip_through_s3_and_resume_exactly(s3_run):
     result, lines = run("s3-crashed")
     assert not isinstance(result, Exception), result
     assert result.step == 12 and any("at step 8" in ln and "s3://" in ln for ln in lines)
-    a = load_step(store, "s3-straight", 12, str(tmp / "load-a"))
-    b = load_step(store, "s3-crashed", 12, str(tmp / "load-b"))
+    a = load_step(Run("s3-straight", store), 12, str(tmp / "load-a"))
+    b = load_step(Run("s3-crashed", store), 12, str(tmp / "load-b"))
     assert a.state.cursor == b.state.cursor and a.uri.startswith("s3://")
     for x, y in zip(_tensors(a), _tensors(b), strict=True):
         assert torch.equal(x, y)
@@ -121,7 +123,7 @@ def test_store_outage_during_uploads_does_not_stop_training_and_checkpoints_land
     assert cut.is_set() and "upload failed" in text
     for step in (40, 80, 120, 160):
         assert f"checkpoint step {step} committed" in text
-    assert complete_steps(store, "outage")[-1] == 160
+    assert complete_steps(Run("outage", store))[-1] == 160
 
 
 def test_flush_gives_up_at_its_deadline_while_the_store_is_down_and_commits_once_it_is_back(
@@ -134,7 +136,7 @@ def test_flush_gives_up_at_its_deadline_while_the_store_is_down_and_commits_once
     store = open_store(f"s3://{bucket}/lmyard")
     proxy.stop()  # the store goes down before the first upload
     said: list[str] = []
-    writer = FullCheckpointer(store, "down", str(tmp_path / "staging"), retries=1, backoff_s=0.1, say=said.append)
+    writer = FullCheckpointer(Run("down", store), str(tmp_path / "staging"), retries=1, backoff_s=0.1, say=said.append)
     try:
         writer.save_state({"w": torch.arange(4.0)}, {"state": {}, "param_groups": []}, _state(4), [])
         t0 = time.monotonic()
@@ -145,8 +147,8 @@ def test_flush_gives_up_at_its_deadline_while_the_store_is_down_and_commits_once
         assert any("upload failed" in line for line in said)
         proxy.start()
         writer.flush(timeout_s=90)  # the writer keeps retrying the staged copy
-        assert complete_steps(store, "down") == [4]
-        loaded = load_latest(store, "down", str(tmp_path / "cache"))
+        assert complete_steps(Run("down", store)) == [4]
+        loaded = load_latest(Run("down", store), str(tmp_path / "cache"))
         assert torch.equal(loaded.model["w"], torch.arange(4.0))
         writer.close(timeout_s=10)
     finally:
@@ -161,7 +163,7 @@ def test_a_hung_upload_does_not_hold_up_the_next_saves_and_commits_stay_in_step_
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     store = open_store(uri)
     staging = tmp_path / "staging" / "hung"
-    writer = FullCheckpointer(store, "hung", str(tmp_path / "staging"), max_pending=4, say=lambda s: None)
+    writer = FullCheckpointer(Run("hung", store), str(tmp_path / "staging"), max_pending=4, say=lambda s: None)
     optim = {"state": {}, "param_groups": []}
     try:
         proxy.hold()  # the server hangs: the upload of step 1 neither ends nor fails
@@ -174,11 +176,11 @@ def test_a_hung_upload_does_not_hold_up_the_next_saves_and_commits_stay_in_step_
             while not (staging / f"step_{step:08d}" / "state.json").exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert (staging / f"step_{step:08d}" / "model.pt").exists(), f"step {step} was not serialized"
-        assert complete_steps(direct, "hung") == []
+        assert complete_steps(Run("hung", direct)) == []
         proxy.release()
         writer.flush(timeout_s=180)
-        assert complete_steps(direct, "hung") == [1, 2, 3]
-        committed = [read_manifest(direct, "hung", step).committed for step in (1, 2, 3)]
+        assert complete_steps(Run("hung", direct)) == [1, 2, 3]
+        committed = [read_manifest(Run("hung", direct), step).committed for step in (1, 2, 3)]
         assert committed == sorted(committed)
         writer.close(timeout_s=10)
     finally:
@@ -190,11 +192,11 @@ def test_upload_cut_by_a_dying_process_leaves_no_manifest_and_resume_uses_the_pr
     run, store, _ = s3_run
     err, lines = run("cut-upload", faults="crash_in_upload@8")
     assert isinstance(err, Exception)
-    assert complete_steps(store, "cut-upload") == [4]
-    assert store.list(step_prefix("cut-upload", 8)), "some files of step 8 were uploaded"
+    assert complete_steps(Run("cut-upload", store)) == [4]
+    assert store.list(RunLayout("cut-upload").step(8)), "some files of step 8 were uploaded"
     result, lines = run("cut-upload")
     assert result.step == 12 and any("at step 4" in ln for ln in lines)
-    assert complete_steps(store, "cut-upload")[-2:] == [8, 12]
+    assert complete_steps(Run("cut-upload", store))[-2:] == [8, 12]
 
 
 def _state(step, val_loss=None):
@@ -214,7 +216,7 @@ def _state(step, val_loss=None):
 def _save_local(store, run_name, step, val_loss=None, staging=None):
     model = {"w": torch.full((4,), float(step))}
     state = _state(step, val_loss)
-    return save_full(store, run_name, step, model, {"state": {}, "param_groups": []}, [], state, staging)
+    return save_full(Run(run_name, store), step, model, {"state": {}, "param_groups": []}, [], state, staging)
 
 
 def test_damaged_newest_checkpoint_makes_the_loader_fall_back_and_say_which(tmp_path, capsys):
@@ -225,7 +227,7 @@ def test_damaged_newest_checkpoint_makes_the_loader_fall_back_and_say_which(tmp_
     data = bytearray(open(path, "rb").read())
     data[-20] ^= 0xFF
     open(path, "wb").write(bytes(data))
-    ckpt = load_latest(store, "r", str(tmp_path / "cache"))
+    ckpt = load_latest(Run("r", store), str(tmp_path / "cache"))
     assert ckpt.step == 4 and torch.equal(ckpt.model["w"], torch.full((4,), 4.0))
     assert f"checkpoint {uri} is damaged" in capsys.readouterr().out
 
@@ -236,7 +238,7 @@ def test_a_verified_checkpoint_is_the_report_the_checkpoint_task_records(tmp_pat
 
     store = open_store(str(tmp_path / "store"))
     uri = _save_local(store, "r", 4, staging=str(tmp_path / "stage"))
-    report = CheckpointReport.model_validate(verify(store, "r", 4))
+    report = CheckpointReport.model_validate(verify(Run("r", store), 4))
     assert report.step == 4 and report.uri == uri and report.format == "full"
     assert report.files >= 3 and report.bytes > 0
 
@@ -256,7 +258,7 @@ def test_loading_never_unpickles_arbitrary_objects(tmp_path, monkeypatch):
     manifest = json.loads(open(os.path.join(uri, "manifest.json")).read())
     manifest["files"]["model.pt"]["sha256"] = sha256_file(os.path.join(uri, "model.pt"))
     open(os.path.join(uri, "manifest.json"), "w").write(json.dumps(manifest))
-    ckpt = load_latest(store, "r", str(tmp_path / "cache"))
+    ckpt = load_latest(Run("r", store), str(tmp_path / "cache"))
     assert ckpt.step == 4
     assert not (tmp_path / "pwned-marker").exists()
 
@@ -269,11 +271,11 @@ def test_retention_deletes_exactly_what_the_policy_says_on_s3(s3_server, tmp_pat
         for step, loss in losses.items():
             _save_local(store, "r", step, loss, staging=str(tmp_path / "stage"))
         store.write_bytes("runs/r/protected.json", json.dumps({"steps": [5]}).encode())
-        deleted = retention.apply(store, "r", CheckpointConfig(keep_last=2, keep_every=4, keep_best=True))
+        deleted = retention.apply(Run("r", store), CheckpointConfig(keep_last=2, keep_every=4, keep_best=True))
         assert deleted == [1, 2, 6, 7]
-        assert complete_steps(store, "r") == [3, 4, 5, 8, 9, 10]
+        assert complete_steps(Run("r", store)) == [3, 4, 5, 8, 9, 10]
         for step in deleted:
-            assert store.list(step_prefix("r", step)) == []
+            assert store.list(RunLayout("r").step(step)) == []
     finally:
         s3_server.remove_bucket(bucket)
 
@@ -285,12 +287,12 @@ def test_retention_holds_checkpoints_until_their_evaluation_has_ended(s3_server,
         for step, loss in {1: 3.0, 2: 2.5, 3: 2.0, 4: 1.9, 5: 1.8}.items():
             _save_local(store, "r", step, loss, staging=str(tmp_path / "stage"))
         policy = CheckpointConfig(keep_last=2, keep_best=True)
-        retention.mark_evaluated(store, "r", 1, ok=True)
-        retention.mark_evaluated(store, "r", 2, ok=False)  # a failed evaluation releases its checkpoint too
-        assert retention.apply(store, "r", policy, hold_for_eval=True) == [1, 2]
-        assert complete_steps(store, "r") == [3, 4, 5]  # 3 is past the policy but not evaluated yet
-        assert retention.apply(store, "r", policy) == [3]  # the plain policy, after the last evaluation
-        assert load_latest(store, "r", str(tmp_path / "cache")).step == 5
+        retention.mark_evaluated(Run("r", store), 1, ok=True)
+        retention.mark_evaluated(Run("r", store), 2, ok=False)  # a failed evaluation releases its checkpoint too
+        assert retention.apply(Run("r", store), policy, hold_for_eval=True) == [1, 2]
+        assert complete_steps(Run("r", store)) == [3, 4, 5]  # 3 is past the policy but not evaluated yet
+        assert retention.apply(Run("r", store), policy) == [3]  # the plain policy, after the last evaluation
+        assert load_latest(Run("r", store), str(tmp_path / "cache")).step == 5
     finally:
         s3_server.remove_bucket(bucket)
 
@@ -324,7 +326,7 @@ def test_a_lineage_rerun_with_another_model_shape_exits_2_naming_both_shapes(cli
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}
     run_local(cfg, spec, on_line=lambda line: None)  # the lineage's first checkpoint: a 2-layer GPT-2
     store = open_store(cfg.store)
-    assert complete_steps(store, "shape") == [3]
+    assert complete_steps(Run("shape", store)) == [3]
     again = subprocess.run(
         lmyard_cmd("run", "smoke", *[x for o in [*overrides, "model.preset=llama-tiny"] for x in ("--set", o)]),
         env=cli_env,
@@ -341,4 +343,4 @@ def test_a_lineage_rerun_with_another_model_shape_exits_2_naming_both_shapes(cli
     assert again.stderr.strip().splitlines()[-1] == errors[0]  # the last line
     assert (again.stdout + again.stderr).count("use a new run_name") == 1, again.stderr[-3000:]  # said once
     assert "retrying" not in again.stdout + again.stderr
-    assert complete_steps(store, "shape") == [3] and store.list("runs/shape/damaged") == []
+    assert complete_steps(Run("shape", store)) == [3] and store.list("runs/shape/damaged") == []

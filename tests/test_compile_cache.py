@@ -25,7 +25,7 @@ CPU = torch.device("cpu")
 
 def _cache(tmp_path, world: int = 1, **extra) -> CompileCache:
     cfg = load_recipe("smoke", tiny_overrides(tmp_path, **{"train.compile": "true", **extra}))
-    run = Run(cfg.run_name, open_store(cfg.store), RunLayout(cfg.run_name), str(tmp_path / "cache"))
+    run = Run(cfg.run_name, open_store(cfg.store), str(tmp_path / "cache"))
     return CompileCache.of(cfg, run, world, CPU, rank=0)
 
 

@@ -10,6 +10,7 @@ from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.store import open_store
 from lmyard.tracking import cost
 from lmyard.tracking.lineage import Lineage
@@ -20,7 +21,7 @@ from lmyard.tracking.runs import list_runs, run_status, usage_by_experiment
 def test_a_lineages_hours_are_the_sum_of_its_attempts_in_mlflow_in_status_and_by_experiment(tmp_path):
     cfg = load_recipe("smoke", tiny_overrides(tmp_path, **{"run_name": "costed", "tracking.experiment": "costs"}))
     store = open_store(cfg.store)
-    lineage = Lineage.open(cfg, store, shard_address="a" * 64, code_version="test")
+    lineage = Lineage.open(cfg, Run(cfg.run_name, store), shard_address="a" * 64, code_version="test")
     for outcome in ("failed", "finished"):  # a crashed attempt costs as much as a finished one
         lineage = lineage.record_attempt(
             resumed_from=None, start_step=0, info={"nodes": 2, "gpus_per_node": 4, "gpu_hour_price": 2.5}
@@ -28,7 +29,7 @@ def test_a_lineages_hours_are_the_sum_of_its_attempts_in_mlflow_in_status_and_by
         time.sleep(0.5)
         lineage.end_attempt(outcome)
 
-    status = run_status(store, "costed", cfg.tracking.uri)
+    status = run_status(Run("costed", store), cfg.tracking.uri)
     walls = [a.wall_s for a in status.attempts]
     assert all(w is not None and w >= 0.5 for w in walls), status.attempts
     assert [(a.nodes, a.gpus_per_node) for a in status.attempts] == [(2, 4), (2, 4)]

@@ -13,6 +13,7 @@ from conftest import REPO, lmyard_cmd, prefect_server, stop_prefect_worker
 from prefect import flow
 
 from lmyard.checkpoint.catalog import complete_steps
+from lmyard.run import Run
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -155,7 +156,7 @@ def test_deployment_runs_and_scheduled_retraining_continues_only_on_new_data(pre
         "400",
     )
     assert first.returncode == 0 and "Completed" in first.stdout, first.stdout[-2000:] + worker_log.read_text()[-4000:]
-    assert complete_steps(store, "deployed")[-1] == 8
+    assert complete_steps(Run("deployed", store))[-1] == 8
     _the_crashed_attempt_is_said_once_and_linked(tmp, run, env, re.search(r"UUID: ([0-9a-f-]{36})", first.stdout)[1])
     # the flow ran from the pull step's clone (the worker works outside this checkout): its steps are in the log,
     # under its flow run's name (the log holds the killed run's steps too)
@@ -179,7 +180,7 @@ def test_deployment_runs_and_scheduled_retraining_continues_only_on_new_data(pre
     assert second.returncode == 0 and "Completed" in second.stdout, (
         second.stdout[-2000:] + worker_log.read_text()[-4000:]
     )
-    assert complete_steps(store, "deployed")[-1] == 12
+    assert complete_steps(Run("deployed", store))[-1] == 12
     log = worker_log.read_text()
     assert "retraining deployed: continue (new data" in log
     assert "resuming from" in log and "continuing at the first sequence past its" in log
@@ -195,7 +196,7 @@ def test_deployment_runs_and_scheduled_retraining_continues_only_on_new_data(pre
         "400",
     )
     assert third.returncode == 0 and "Completed" in third.stdout, third.stdout[-2000:] + worker_log.read_text()[-4000:]
-    assert complete_steps(store, "deployed")[-1] == 12
+    assert complete_steps(Run("deployed", store))[-1] == 12
     assert "retraining deployed: none (no new data" in worker_log.read_text()
 
 
@@ -308,7 +309,7 @@ def killed_worker(prefect_stack):
     started = run("deployment", "run", "pretrain/smoke", "--params", json.dumps({"config": config}))
     assert started.returncode == 0, started.stdout + started.stderr
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
-    _wait("the first checkpoint", lambda: complete_steps(store, "worker-killed"), 300, 0.2)
+    _wait("the first checkpoint", lambda: complete_steps(Run("worker-killed", store)), 300, 0.2)
 
     (worker,) = [p for p in psutil.Process().children() if "worker" in p.cmdline() and "lmyard-process" in p.cmdline()]
     for victim in [worker, *worker.children(recursive=True)]:  # the machine dies: the worker and the flow run
@@ -326,7 +327,7 @@ def test_a_killed_worker_leaves_a_crashed_flow_run_a_failed_mlflow_run_and_the_n
 
     tmp, run, worker_log, _, env = prefect_stack
     flow_run_id, store = killed_worker
-    assert complete_steps(store, "worker-killed") == [KILLED_AT]  # killed before the run's next checkpoint
+    assert complete_steps(Run("worker-killed", store)) == [KILLED_AT]  # killed before the run's next checkpoint
 
     api = env["PREFECT_API_URL"]
     state = _wait(
@@ -355,7 +356,7 @@ def test_a_killed_worker_leaves_a_crashed_flow_run_a_failed_mlflow_run_and_the_n
     tags = mlflow.get_run(run_id).data.tags
     assert tags["lmyard.attempts"] == "2" and tags["lmyard.attempt.2.resumed_from"].endswith(f"step_{KILLED_AT:08d}")
     assert mlflow.get_run(run_id).info.status == "FINISHED"
-    assert complete_steps(store, "worker-killed")[-1] == KILLED_AT + 4
+    assert complete_steps(Run("worker-killed", store))[-1] == KILLED_AT + 4
 
 
 @flow(name="another-teams-flow")

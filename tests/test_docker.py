@@ -21,6 +21,7 @@ from lmyard.data.sharding import tokenize_and_shard
 from lmyard.launch.docker_job import remove_leftovers, run_docker
 from lmyard.launch.local_job import run_local
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.stages import EvalResult, EvalSpec, ExportResult, ExportSpec, ShardResult, ShardSpec, TrainSpec
 from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
@@ -151,7 +152,7 @@ def test_two_containers_on_a_bridge_network_train_and_checkpoint_to_a_mounted_st
         ),
     )
     (tmp / "mlflow").mkdir(exist_ok=True)
-    lineage = Lineage.open(cfg, open_store(cfg.store), shard_address=shards.address, code_version="test")
+    lineage = Lineage.open(cfg, Run.of(cfg), shard_address=shards.address, code_version="test")
     lineage = lineage.record_attempt(resumed_from=None, start_step=0, info={})
     _writable_by_image(tmp / "mlflow")
     _writable_by_image(tmp / "store")  # open_lineage wrote runs/bridge/ as this (root) user
@@ -161,7 +162,7 @@ def test_two_containers_on_a_bridge_network_train_and_checkpoint_to_a_mounted_st
 
     text = "\n".join(lines)
     assert result.step == 12, text[-3000:]
-    assert complete_steps(open_store(cfg.store), "bridge") == [4, 8, 12]
+    assert complete_steps(Run("bridge", open_store(cfg.store))) == [4, 8, 12]
     # both nodes' ranks logged, with their node prefix; rank 0's metrics reached MLflow from inside
     joined = sorted(ln.split("]")[0] for ln in lines if "of 2 joined" in ln)
     assert joined == ["[node 0", "[node 1"], text[-3000:]
@@ -282,14 +283,14 @@ def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_che
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     store = open_store(cfg.store)
     (tmp_path / "mlflow").mkdir()
-    lineage = Lineage.open(cfg, store, shard_address=shards.address, code_version="test")
+    lineage = Lineage.open(cfg, Run(cfg.run_name, store), shard_address=shards.address, code_version="test")
     _writable_by_image(tmp_path / "mlflow")  # rank 0 logs metrics into it from its container
     killed: list[str] = []
 
     def kill_node_1_after_the_first_checkpoint() -> None:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not killed:
-            if complete_steps(store, "killed"):
+            if complete_steps(Run("killed", store)):
                 for c in docker_client.containers.list(filters={"label": ["lmyard.run_name=killed", "lmyard.node=1"]}):
                     c.kill()
                     killed.append(c.name)
@@ -315,7 +316,7 @@ def test_a_killed_container_fails_the_task_and_the_retry_resumes_from_the_s3_che
     assert len(resumed) == 1
     start = int(resumed[0].split("at step ")[1].split()[0])
     assert 20 <= start < 100
-    assert result.step == 100 and complete_steps(store, "killed")[-1] == 100
+    assert result.step == 100 and complete_steps(Run("killed", store))[-1] == 100
     assert _ours(docker_client, "killed") == ([], [])
     for secret in (s3_server.env["AWS_SECRET_ACCESS_KEY"], s3_server.env["AWS_ACCESS_KEY_ID"]):
         assert secret not in text
@@ -360,7 +361,7 @@ def test_the_watchdog_ends_a_stalled_two_container_job_and_the_retry_resumes(
     assert time.monotonic() - t0 < 240, "the stall was not ended in time"
     assert any("injected hang of rank 1 after step 6" in ln for ln in lines), "\n".join(lines[-20:])
     assert _ours(docker_client, "stalled") == ([], [])
-    assert complete_steps(open_store(cfg.store), "stalled") == [4]
+    assert complete_steps(Run("stalled", open_store(cfg.store))) == [4]
 
     result = run_docker(cfg, spec, on_line=lines.append, image=stage_image, flow_run_id="test-stalled")
     assert result.start_step == 4 and result.step == 10

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 from conftest import tiny_overrides
 
-from lmyard.checkpoint.catalog import complete_steps, step_prefix
+from lmyard.checkpoint.catalog import complete_steps
 from lmyard.data.sharding import tokenize_and_shard
+from lmyard.layout import RunLayout
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
 
@@ -31,28 +33,28 @@ def test_fallback_moves_the_damaged_checkpoint_aside_and_the_attempt_names_what_
     cfg = load_recipe("smoke", overrides)
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     store = open_store(cfg.store)
-    lineage = Lineage.open(cfg, store, shard_address=shards.address, code_version="test")
+    lineage = Lineage.open(cfg, Run(cfg.run_name, store), shard_address=shards.address, code_version="test")
 
     @flow(name="train-only")
     def train_only(config):
         return train.with_options(retries=0)(config, shards, lineage)
 
-    assert train_only(cfg).step == 8 and complete_steps(store, "fallback") == [4, 8]
-    damaged = store.local_path(f"{step_prefix('fallback', 8)}/model.pt")
+    assert train_only(cfg).step == 8 and complete_steps(Run("fallback", store)) == [4, 8]
+    damaged = store.local_path(f"{RunLayout('fallback').step(8)}/model.pt")
     data = bytearray(open(damaged, "rb").read())
     data[-20] ^= 0xFF
     open(damaged, "wb").write(bytes(data))
 
     result = train_only(load_recipe("smoke", [*overrides, "train.max_steps=12"]))
     assert result.step == 12 and result.start_step == 4
-    assert result.resumed_from == store.uri(step_prefix("fallback", 4))
+    assert result.resumed_from == store.uri(RunLayout("fallback").step(4))
     attempt = lineage.attempts()[-1]
-    assert attempt["resumed_from"] == store.uri(step_prefix("fallback", 4)) and attempt["start_step"] == "4"
+    assert attempt["resumed_from"] == store.uri(RunLayout("fallback").step(4)) and attempt["start_step"] == "4"
     # the damaged files, byte for byte, moved aside; step 8 trained again into a fresh folder
     (aside,) = [k for k in store.list("runs/fallback/damaged") if k.endswith("/model.pt")]
     assert store.read_bytes(aside) == bytes(data)
-    assert complete_steps(store, "fallback") == [4, 8, 12]
-    assert store.read_bytes(f"{step_prefix('fallback', 8)}/model.pt") != bytes(data)
+    assert complete_steps(Run("fallback", store)) == [4, 8, 12]
+    assert store.read_bytes(f"{RunLayout('fallback').step(8)}/model.pt") != bytes(data)
 
 
 def test_a_step_trained_again_after_a_fallback_is_evaluated_again_and_its_damaged_result_marked(
@@ -76,7 +78,7 @@ def test_a_step_trained_again_after_a_fallback_is_evaluated_again_and_its_damage
     cfg = load_recipe("smoke", overrides)
     first = pretrain(config=cfg)
     store = open_store(cfg.store)
-    damaged = store.local_path(f"{step_prefix(run, 8)}/model.pt")
+    damaged = store.local_path(f"{RunLayout(run).step(8)}/model.pt")
     data = bytearray(open(damaged, "rb").read())
     data[-20] ^= 0xFF
     open(damaged, "wb").write(bytes(data))
@@ -91,8 +93,10 @@ def test_a_step_trained_again_after_a_fallback_is_evaluated_again_and_its_damage
     assert sorted(m.step for m in evaluated) == [4, 8, 8, 12]
     tags = client.get_run(first.mlflow_run_id).data.tags
     assert not [k for k in tags if k.startswith("lmyard.evaluated")]  # bookkeeping is no run tag
-    lineage = Lineage.find(cfg.tracking.uri, store, run)
-    assert lineage is not None and evaluated_checkpoints(lineage)[8] == repr(read_manifest(store, run, 8).committed)
+    lineage = Lineage.find(cfg.tracking.uri, Run(run, store))
+    assert lineage is not None and evaluated_checkpoints(lineage)[8] == repr(
+        read_manifest(Run(run, store), 8).committed
+    )
     assert f"runs/{run}/damaged/step_00000008-" in tags["lmyard.eval_of_damaged.step_00000008"]
     models = client.search_logged_models([client.get_run(first.mlflow_run_id).info.experiment_id])
     at_8 = sorted(

@@ -23,6 +23,7 @@ from conftest import lmyard_cmd, tiny_overrides
 from lmyard.checkpoint.catalog import complete_steps
 from lmyard.checkpoint.full import FullCheckpointer
 from lmyard.errors import ExitCode, NoSpace, StoreFull, UserError, error_for, retryable
+from lmyard.run import Run
 from lmyard.stages import StageError, read_result, run_stage
 from lmyard.store import open_store
 
@@ -90,7 +91,7 @@ def _state(step: int) -> dict:
 
 def test_a_checkpoint_that_does_not_fit_the_staging_disk_is_no_space_naming_the_folder(tmp_path):
     with small_disk(tmp_path / "cache", "256k") as cache:
-        writer = FullCheckpointer(open_store(str(tmp_path / "store")), "full", str(cache / "staging"))
+        writer = FullCheckpointer(Run("full", open_store(str(tmp_path / "store"))), str(cache / "staging"))
         writer.save_state({"w": torch.zeros(256 * 1024)}, {"state": {}, "param_groups": []}, _state(2), [])  # 1 MiB
         with pytest.raises(
             NoSpace, match=re.escape(f"no space left in {cache}/staging/full (") + r".* free, 1.0 MiB needed\)"
@@ -99,7 +100,7 @@ def test_a_checkpoint_that_does_not_fit_the_staging_disk_is_no_space_naming_the_
         assert not (cache / "staging" / "full" / "step_00000002").exists()  # the half-written folder is gone
         writer.discard()
         assert not (cache / "staging" / "full").exists()
-        assert complete_steps(open_store(str(tmp_path / "store")), "full") == []
+        assert complete_steps(Run("full", open_store(str(tmp_path / "store")))) == []
 
 
 def test_a_full_disk_anywhere_in_a_stage_is_exit_4_and_a_result_the_launcher_does_not_retry(tmp_path):
@@ -189,7 +190,7 @@ def test_a_last_checkpoint_that_does_not_fit_the_store_ends_in_its_upload_retrie
         monkeypatch.delenv("LMYARD_FAULTS")
         again: list[str] = []
         result = run_local(cfg, spec, on_line=again.append)
-        assert complete_steps(open_store(str(store)), "smoke") == [3]
+        assert complete_steps(Run("smoke", open_store(str(store)))) == [3]
     assert result.step == 3 and result.start_step == 3 and _steps_logged(again) == [], "\n".join(again)
     assert any("checkpoint step 3 was left staged" in line for line in again), "\n".join(again)
     assert not staged.exists()
@@ -206,7 +207,7 @@ def test_a_background_save_that_fails_stops_the_run_at_that_save(tmp_path, monke
         with pytest.raises(NoSpace, match=re.escape(f"no space left in {cache}/staging/smoke")):
             run_local(cfg, spec, on_line=filling_after_step_1(cache, lines))
     assert max(_steps_logged(lines)) == 5, "\n".join(lines)  # not trained on to the next checkpoint (step 10)
-    assert complete_steps(open_store(str(tmp_path / "store")), "smoke") == []
+    assert complete_steps(Run("smoke", open_store(str(tmp_path / "store")))) == []
 
 
 def test_a_plan_whose_checkpoints_cannot_fit_the_cache_is_refused_before_the_first_step(tmp_path, monkeypatch):
@@ -238,17 +239,21 @@ def test_a_plan_whose_kept_checkpoints_cannot_fit_a_local_store_names_the_store_
         cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=30))  # 10 checkpoints written, 4 kept
         fields = {"arch": cfg.model.architecture(), **resolve(cfg.model, 256)}
         with pytest.raises(UserError, match=re.escape(f"checkpoints do not fit the store {store}: ")) as refused:
-            budget.check(cfg, open_store(str(store)), str(tmp_path / "cache"), fields, node_share=1)
+            budget.check(cfg, Run(cfg.run_name, open_store(str(store)), str(tmp_path / "cache")), fields, node_share=1)
         assert "checkpoint.keep_last=3" in str(refused.value) and "point `store` at a bigger disk" in str(refused.value)
         fewer = cfg.model_copy(
             update={"checkpoint": cfg.checkpoint.model_copy(update={"keep_last": 2, "keep_best": False})}
         )
-        budget.check(fewer, open_store(str(store)), str(tmp_path / "cache"), fields, node_share=1)  # 3 fit
+        budget.check(
+            fewer, Run(fewer.run_name, open_store(str(store)), str(tmp_path / "cache")), fields, node_share=1
+        )  # 3 fit
         once = cfg.model_copy(  # a run that writes one checkpoint (its last step) needs room for one
             update={"checkpoint": cfg.checkpoint.model_copy(update={"interval": cfg.train.max_steps})}
         )
-        budget.check(once, open_store(str(store)), str(tmp_path / "cache"), fields, node_share=1)
-        on_s3 = budget.disks(cfg, open_store("s3://bucket/lmyard"), str(tmp_path / "cache"), 2**20, 2**20)
+        budget.check(once, Run(once.run_name, open_store(str(store)), str(tmp_path / "cache")), fields, node_share=1)
+        on_s3 = budget.disks(
+            cfg, Run(cfg.run_name, open_store("s3://bucket/lmyard"), str(tmp_path / "cache")), 2**20, 2**20
+        )
         assert [d.folder for d in on_s3] == [f"LMYARD_CACHE {tmp_path / 'cache'}"]  # nothing said about the store
 
 
@@ -259,7 +264,9 @@ def test_a_sharded_checkpoint_that_does_not_fit_the_store_ends_at_close_within_i
 
     model = nn.Linear(256, 256)  # 257 KiB of weights
     with small_disk(tmp_path / "store", "64k") as store:
-        writer = ShardedCheckpointer(open_store(str(store)), "dcp", str(tmp_path / "staging"), retries=1, say=print)
+        writer = ShardedCheckpointer(
+            Run("dcp", open_store(str(store))), str(tmp_path / "staging"), retries=1, say=print
+        )
         writer.save(model, None, _state(4), [])
         ended: list[BaseException] = []
         closing = threading.Thread(target=lambda: _closing(writer, ended), daemon=True)
@@ -320,4 +327,4 @@ def test_a_run_whose_cache_disk_fills_ends_in_one_line_with_exit_4_and_a_rerun_a
         (cache / "filler").unlink()  # space is freed
         again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
         assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
-    assert complete_steps(open_store(str(tmp_path / "store")), "smoke")[-1] == 9
+    assert complete_steps(Run("smoke", open_store(str(tmp_path / "store"))))[-1] == 9

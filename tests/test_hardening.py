@@ -11,7 +11,6 @@ import pytest
 from checkpoint_helpers import commit_folder
 
 from lmyard.checkpoint import retention
-from lmyard.checkpoint.catalog import step_prefix
 from lmyard.checkpoint.commit import StepExists
 from lmyard.checkpoint.full import FILES
 from lmyard.checkpoint.resume import load_step
@@ -20,8 +19,10 @@ from lmyard.data.loader import default_cache_dir
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.errors import UserError
 from lmyard.launch import images
+from lmyard.layout import RunLayout
 from lmyard.paths import sha256_file
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.store import LocalStore, open_store
 
 
@@ -59,12 +60,12 @@ def test_s3_source_key_with_dotdot_is_refused_not_written_outside_the_cache(s3_s
 @pytest.mark.slow
 def test_file_names_in_an_s3_checkpoint_manifest_stay_in_the_load_cache(s3_server, s3_bucket, tmp_path):
     store = open_store(f"s3://{s3_bucket}/lmyard")
-    prefix = step_prefix("r", 3)
+    prefix = RunLayout("r").step(3)
     store.write_bytes(f"{prefix}/../../../../evil.pt", b"planted")
     manifest = {"step": 3, "files": {"../../../../evil.pt": {"bytes": 7, "sha256": "0" * 64}}}
     store.write_bytes(f"{prefix}/manifest.json", json.dumps(manifest).encode())
     with pytest.raises(UserError, match=r"checkpoint file '\.\./\.\./\.\./\.\./evil\.pt' would leave its folder"):
-        load_step(store, "r", 3, str(tmp_path / "cache"))
+        load_step(Run("r", store), 3, str(tmp_path / "cache"))
     assert list(tmp_path.rglob("evil.pt")) == []
 
 
@@ -136,7 +137,7 @@ def test_store_files_follow_the_umask_like_data_files(tmp_path, umask, mode):
         store = open_store(str(tmp_path / "store"))
         store.write_bytes("runs/r/lineage.json", b"{}")
         store.write_bytes("runs/r/checkpoints/step_00000003/evaluated.json", b"{}")
-        retention.protect_checkpoint(store, "r", 3)
+        retention.protect_checkpoint(Run("r", store), 3)
         (tmp_path / "data.bin").write_bytes(b"123")
         store.upload(str(tmp_path / "data.bin"), "shards/x/train_000000.bin")
         staged = tmp_path / "staged"
@@ -144,7 +145,7 @@ def test_store_files_follow_the_umask_like_data_files(tmp_path, umask, mode):
         for name in FILES:
             (staged / name).write_bytes(name.encode())
         files = {n: {"bytes": len(n), "sha256": sha256_file(str(staged / n))} for n in FILES}
-        commit_folder(store, "r", str(staged), {"step": 6, "files": files})
+        commit_folder(Run("r", store), str(staged), {"step": 6, "files": files})
     finally:
         os.umask(old)
     root = Path(store.root)
@@ -176,10 +177,10 @@ def test_a_complete_checkpoint_step_is_never_overwritten(tmp_path):
         files = {n: {"bytes": len(content) + len(n), "sha256": sha256_file(str(folder / n))} for n in FILES}
         return str(folder), {"step": 9, "files": files}
 
-    commit_folder(store, "r", *staged(b"first"))
+    commit_folder(Run("r", store), *staged(b"first"))
     before = {n: store.read_bytes(f"runs/r/checkpoints/step_{9:08d}/{n}") for n in FILES}
     with pytest.raises(StepExists, match="already exists complete"):
-        commit_folder(store, "r", *staged(b"second"))
+        commit_folder(Run("r", store), *staged(b"second"))
     assert {n: store.read_bytes(f"runs/r/checkpoints/step_{9:08d}/{n}") for n in FILES} == before
 
 

@@ -15,6 +15,7 @@ from lmyard.data.tokenizer import get_tokenizer
 from lmyard.evaluate import evals, harness
 from lmyard.models.registry import model_from_checkpoint
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.store import open_store
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed: pip install -e '.[harness]'")
@@ -42,7 +43,7 @@ def test_lm_eval_hellaswag_gives_lmyards_acc_and_acc_norm(tmp_path):
     data.write_text("".join(json.dumps(ex) + "\n" for ex in _examples(24)))
     uri, _ = write_random_checkpoint(tmp_path / "store", seed=3)
     cfg = load_recipe("smoke", [f"eval.hellaswag={data}", "eval.harness_tasks=[hellaswag_local]"])
-    ckpt = load_step(open_store(str(tmp_path / "store")), "r", 5, str(tmp_path / "cache"))
+    ckpt = load_step(Run("r", open_store(str(tmp_path / "store"))), 5, str(tmp_path / "cache"))
 
     ours = evals.hellaswag(
         model_from_checkpoint(ckpt), get_tokenizer(TokenizerConfig(name="bytes")), evals.read_hellaswag(str(data))
@@ -58,7 +59,7 @@ def test_harness_names_what_is_missing(tmp_path):
     from lmyard.errors import UserError
 
     uri, _ = write_random_checkpoint(tmp_path / "store")
-    ckpt = load_step(open_store(str(tmp_path / "store")), "r", 5, str(tmp_path / "cache"))
+    ckpt = load_step(Run("r", open_store(str(tmp_path / "store"))), 5, str(tmp_path / "cache"))
     with pytest.raises(UserError, match="needs eval.hellaswag|scores eval.hellaswag"):
         harness.evaluate(ckpt, load_recipe("smoke", ["eval.harness_tasks=[hellaswag_local]"]))
     with pytest.raises(UserError, match="knows no task no_such_task"):

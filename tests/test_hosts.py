@@ -22,6 +22,7 @@ from hosts import REGISTRY_PORT, SUBNET, Host, Hosts, require_hosts
 
 from lmyard.errors import UserError
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 
 pytestmark = pytest.mark.slow
 S3_PORT, MLFLOW_PORT = 5001, 5002
@@ -325,7 +326,7 @@ def test_two_hosts_train_one_node_each_and_end_at_the_val_loss_of_two_local_rank
     # checkpoints in S3 and rank 0's metrics in MLflow, both on the services host
     for k, v in services.s3.env.items():
         monkeypatch.setenv(k, v)
-    assert complete_steps(open_store(f"s3://{bucket}/lmyard"), "two-hosts") == [3, 6]
+    assert complete_steps(Run("two-hosts", open_store(f"s3://{bucket}/lmyard"))) == [3, 6]
     history = MlflowClient(services.mlflow_here).get_metric_history(launched["mlflow_run_id"], "loss/train")
     assert [m.step for m in history] == list(range(1, 7))
 
@@ -364,7 +365,7 @@ def test_host_bs_link_cut_mid_run_is_named_in_one_line_and_the_run_goes_on_on_ho
     store = open_store(f"s3://{bucket}/lmyard")
     try:
         deadline = time.monotonic() + 600
-        while not complete_steps(store, "link-cut"):
+        while not complete_steps(Run("link-cut", store)):
             assert launcher.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
             time.sleep(0.5)
         hosts.set_link(b, up=False)
@@ -391,7 +392,7 @@ def test_host_bs_link_cut_mid_run_is_named_in_one_line_and_the_run_goes_on_on_ho
     print(f"link cut -> resize: {resized_at - cut_at:.0f} s (the watchdog, the probe, the kill); "
           f"resize -> first step on host a: {first_step_at - resized_at:.0f} s")  # fmt: skip
     assert resized_at - cut_at < WATCHDOG_S + 120  # the watchdog, the probe (5 s), the kill: not torch's 30 minutes
-    assert complete_steps(store, "link-cut") == [3, 6]
+    assert complete_steps(Run("link-cut", store)) == [3, 6]
 
 
 def _attempts(services: Services, run_id: str) -> list:
@@ -442,7 +443,7 @@ def test_host_bs_engine_lost_mid_run_goes_on_on_host_a_and_grows_back_to_both_ho
 
     def wait_for_step(step: int) -> list[int]:
         deadline = time.monotonic() + 600
-        while step not in (done := complete_steps(store, "elastic")):
+        while step not in (done := complete_steps(Run("elastic", store))):
             assert launcher.poll() is None and time.monotonic() < deadline, f"step {step} was never committed"
             time.sleep(0.5)
         return done
@@ -484,7 +485,7 @@ def test_host_bs_engine_lost_mid_run_goes_on_on_host_a_and_grows_back_to_both_ho
     grew_at = two.start_step + two.steps
     assert (three.nodes, three.start_step, three.steps) == (2, grew_at, None), three
     assert three.resized == f"grew back: node 1 ({b.addr}) healthy again" and three.outcome == "finished: step 12"
-    committed = complete_steps(store, "elastic")
+    committed = complete_steps(Run("elastic", store))
     assert grew_at >= 6 and grew_at in committed and committed[-1] == 12, committed  # grown at a committed step
 
     # the same config, two ranks on this machine, uninterrupted
@@ -516,7 +517,7 @@ def test_host_bs_engine_stopping_mid_run_fails_the_launch_naming_node_1_and_leav
     store = open_store(f"s3://{bucket}/lmyard")
     try:
         deadline = time.monotonic() + 600
-        while not complete_steps(store, "engine-stops"):  # training runs on both hosts
+        while not complete_steps(Run("engine-stops", store)):  # training runs on both hosts
             assert launcher.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
             time.sleep(1)
         t0 = time.monotonic()
@@ -534,4 +535,4 @@ def test_host_bs_engine_stopping_mid_run_fails_the_launch_naming_node_1_and_leav
     assert launched["error_type"] == "TrainingFailed" and "node 1" in message, message
     assert message.splitlines()[0].startswith(("lost node 1", "node 1")), message
     assert _ours(a) == []  # host a's container removed; host b's engine is gone
-    assert complete_steps(store, "engine-stops")  # the checkpoint written before is kept
+    assert complete_steps(Run("engine-stops", store))  # the checkpoint written before is kept

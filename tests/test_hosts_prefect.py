@@ -22,6 +22,7 @@ from hosts import Hosts, require_hosts
 from test_deployments import _config, _write_corpus
 
 from lmyard.checkpoint.catalog import complete_steps
+from lmyard.run import Run
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -80,7 +81,7 @@ def test_a_worker_on_host_b_runs_a_deployment_from_its_own_clone_of_the_reposito
         print(f"the deployment on host b: {time.perf_counter() - t0:.0f} s")
         log = (b.root / "worker.log").read_text()
         assert ran.returncode == 0 and "Completed" in ran.stdout, ran.stdout[-2000:] + log[-4000:]
-        assert complete_steps(open_store(str(tmp_path / "store")), "deployed")[-1] == 2
+        assert complete_steps(Run("deployed", open_store(str(tmp_path / "store"))))[-1] == 2
 
         # the worker, in host b and outside the checkout, ran the flow from the pull step's clone
         assert "Deployment step 'git_clone' completed successfully" in log, log[-4000:]

@@ -23,6 +23,7 @@ from conftest import tiny_overrides
 from hosts import RAY, RAY_PORT, Hosts, require_hosts
 
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -228,7 +229,7 @@ def test_a_killed_raylet_on_host_b_goes_on_on_host_a_and_grows_back_when_a_node_
 
     def wait_for_step(step: int) -> None:
         deadline = time.monotonic() + 600
-        while step not in complete_steps(store, "ray-elastic"):
+        while step not in complete_steps(Run("ray-elastic", store)):
             assert launcher.poll() is None and time.monotonic() < deadline, f"step {step} was never committed"
             time.sleep(0.5)
 
@@ -259,7 +260,7 @@ def test_a_killed_raylet_on_host_b_goes_on_on_host_a_and_grows_back_when_a_node_
     assert (two.nodes, two.start_step) == (1, 3) and two.outcome and two.outcome.startswith("resized: grew back")
     grew_at = two.start_step + two.steps
     assert (three.nodes, three.start_step, three.outcome) == (2, grew_at, "finished: step 12"), three
-    committed = complete_steps(store, "ray-elastic")
+    committed = complete_steps(Run("ray-elastic", store))
     assert grew_at >= 6 and grew_at in committed and committed[-1] == 12, committed
     assert sorted(_ray_processes(ray_hosts)) == [
         f"gcs_server in {a.netns}",
@@ -288,7 +289,7 @@ def test_host_bs_link_cut_on_ray_is_named_and_its_retry_waits_for_the_node_then_
     store = open_store(str(tmp_path / "store"))
     try:
         deadline = time.monotonic() + 600
-        while 3 not in complete_steps(store, "ray-cut"):
+        while 3 not in complete_steps(Run("ray-cut", store)):
             assert launcher.poll() is None and time.monotonic() < deadline, "step 3 was never committed"
             time.sleep(0.5)
         ray_hosts.set_link(b, up=False)
@@ -305,7 +306,7 @@ def test_host_bs_link_cut_on_ray_is_named_and_its_retry_waits_for_the_node_then_
     said = waited.get("error") or ""
     assert "result" not in waited and said.startswith("Ray: no room for 2 x") and "\n" not in said, said
     assert "placement_timeout_s=20" in said and f"lost nodes at {b.addr}: start Ray there again" in said, said
-    assert complete_steps(store, "ray-cut")[-1] == 3
+    assert complete_steps(Run("ray-cut", store))[-1] == 3
 
     b.stop_ray()  # what the docs tell an operator: restart the node
     b.start_ray(head=a)
@@ -314,4 +315,4 @@ def test_host_bs_link_cut_on_ray_is_named_and_its_retry_waits_for_the_node_then_
     text = "\n".join(resumed["lines"])
     assert "result" in resumed, f"{resumed.get('error')}\n{text[-4000:]}"
     assert (resumed["result"]["start_step"], resumed["result"]["step"]) == (3, 6), text[-3000:]
-    assert complete_steps(store, "ray-cut")[-1] == 6
+    assert complete_steps(Run("ray-cut", store))[-1] == 6

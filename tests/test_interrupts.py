@@ -24,6 +24,7 @@ from conftest import lmyard_cmd, tiny_overrides
 from mlflow.tracking import MlflowClient
 
 from lmyard.checkpoint.catalog import complete_steps
+from lmyard.run import Run
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -117,7 +118,7 @@ def _left(family: list[psutil.Process]) -> list[str]:
 def _the_stopped_step_is_committed_and_a_rerun_resumes_from_it(tmp_path: Path, store) -> None:
     """The interrupted step (not a checkpoint step) holds a complete checkpoint, and the same command, run again
     (to two steps past it), resumes from it as the lineage's next attempt."""
-    steps = complete_steps(store, "smoke")
+    steps = complete_steps(Run("smoke", store))
     assert len(steps) == 1 and 10 < steps[0] < INTERVAL, steps  # the preemption checkpoint, committed
     stopped = steps[0]
     rerun = subprocess.run(
@@ -145,9 +146,9 @@ def test_ctrl_c_commits_the_step_it_stopped_at_exits_130_leaves_no_process_and_t
     run_id = json.loads(store.read_bytes("runs/smoke/lineage.json"))["mlflow_run_id"]
     assert MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id).info.status == "KILLED"
     # the trainer was stopped with the flow, not left running (nor retried): no checkpoint appears afterwards
-    after_exit = complete_steps(store, "smoke")
+    after_exit = complete_steps(Run("smoke", store))
     time.sleep(3)
-    assert complete_steps(store, "smoke") == after_exit
+    assert complete_steps(Run("smoke", store)) == after_exit
     _the_stopped_step_is_committed_and_a_rerun_resumes_from_it(tmp_path, store)
 
 

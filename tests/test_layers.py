@@ -273,3 +273,55 @@ def test_the_training_forwards_autocast_is_the_models_not_the_evaluators():
     graph = module_graph(REPO / "lmyard")
     assert part_imports(graph, "train", "evaluate") == ["lmyard.train.trainer -> lmyard.evaluate.validation"]
     assert "lmyard.models.base" in graph["lmyard.train.distributed.parallelism"]
+
+
+# ---------------------------------------------------------------- the run handle: one door to a lineage's state
+
+
+def store_and_name_pairs(path: Path) -> list[str]:
+    """`path:line name` of each function of `path` that takes both a store (a parameter `store`, or one annotated
+    `Store`) and a run name (`run_name`): such a function takes the run's handle (lmyard.run.Run) instead."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            params = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            store = any(a.arg == "store" or (a.annotation and ast.unparse(a.annotation) == "Store") for a in params)
+            if store and any(a.arg == "run_name" for a in params):
+                found.append(
+                    f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}:{node.lineno} {node.name}"
+                )
+    return found
+
+
+def test_pair_scan_sees_a_store_beside_a_run_name(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "def a(store, run_name, step): ...\n"
+        "def b(run, step): ...\n"
+        "class C:\n    def __init__(self, s: Store, *, run_name: str): ...\n"
+        "def d(store, name): ...\n"
+    )
+    assert [f.split()[1] for f in store_and_name_pairs(sample)] == ["a", "__init__"]
+
+
+def test_no_function_takes_a_store_and_a_run_name_apart():
+    found = [
+        hit
+        for folder in ("lmyard", "flows", "tasks")
+        for p in sorted((REPO / folder).rglob("*.py"))
+        for hit in store_and_name_pairs(p)
+    ]
+    assert not found, "take the run's handle (lmyard.run.Run: run.store, run.name, run.layout):\n" + "\n".join(found)
+
+
+def test_a_lineages_layout_is_made_only_by_its_handle():
+    made = [
+        f"{p.relative_to(REPO)}:{i}"
+        for folder in ("lmyard", "flows", "tasks")
+        for p in sorted((REPO / folder).rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "RunLayout(" in line and p.name != "layout.py"
+    ]
+    assert len(made) == 1 and made[0].startswith("lmyard/run.py:"), (
+        "make a lineage's keys with its handle (run.layout), not RunLayout(...):\n" + "\n".join(made)
+    )

@@ -17,11 +17,12 @@ import pytest
 import torch
 from conftest import lmyard_cmd, tiny_overrides
 
-from lmyard.checkpoint.catalog import complete_steps, read_manifest, step_prefix
+from lmyard.checkpoint.catalog import complete_steps, read_manifest
 from lmyard.checkpoint.checkpointer import make_checkpointer
 from lmyard.config import RunConfig
 from lmyard.errors import ExitCode, LeaseLost, UserError
 from lmyard.layout import RunLayout
+from lmyard.run import Run
 from lmyard.store import open_store
 from lmyard.tracking import lease
 
@@ -35,17 +36,17 @@ def store(request, tmp_path):
 
 
 def test_second_acquirer_refuses_naming_the_holder(store):
-    first = lease.acquire(store, "r", {"flow_run": "first-run"}, ttl_s=30, wait_s=0)
+    first = lease.acquire(Run("r", store), {"flow_run": "first-run"}, ttl_s=30, wait_s=0)
     try:
         with pytest.raises(UserError) as e:
-            lease.acquire(store, "r", {"flow_run": "second-run"}, ttl_s=30, wait_s=0.5)
+            lease.acquire(Run("r", store), {"flow_run": "second-run"}, ttl_s=30, wait_s=0.5)
         msg = str(e.value)
         assert "in use by another run" in msg and "first-run" in msg and socket.gethostname() in msg
         assert f"since {first.record['since']}" in msg and "\n" not in msg
     finally:
         first.release()
     assert not store.exists(RunLayout("r").lease)
-    lease.acquire(store, "r", {"flow_run": "third-run"}, ttl_s=30, wait_s=0).release()
+    lease.acquire(Run("r", store), {"flow_run": "third-run"}, ttl_s=30, wait_s=0).release()
 
 
 def test_concurrent_acquirers_one_wins_the_other_waits_for_the_release(store):
@@ -55,7 +56,7 @@ def test_concurrent_acquirers_one_wins_the_other_waits_for_the_release(store):
     def take(name: str) -> None:
         start.wait()
         try:
-            held = lease.acquire(store, "r", {"flow_run": name}, ttl_s=30, wait_s=20, poll_s=0.2)
+            held = lease.acquire(Run("r", store), {"flow_run": name}, ttl_s=30, wait_s=20, poll_s=0.2)
         except UserError as e:
             results[name] = e
             return
@@ -86,14 +87,14 @@ def test_an_expired_lease_is_taken_over_and_a_live_one_is_renewed(store):
         "heartbeat": time.time() - 60,
     }
     store.write_bytes(key, json.dumps(stale).encode())
-    held = lease.acquire(store, "r", {"flow_run": "new-run"}, ttl_s=3, wait_s=0)
+    held = lease.acquire(Run("r", store), {"flow_run": "new-run"}, ttl_s=3, wait_s=0)
     try:
         first = json.loads(store.read_bytes(key))
         assert first["flow_run"] == "new-run"
         time.sleep(2.5)  # the heartbeat renews every ttl/3 = 1 s
         assert json.loads(store.read_bytes(key))["heartbeat"] > first["heartbeat"]
         with pytest.raises(UserError, match="new-run"):
-            lease.acquire(store, "r", {"flow_run": "other"}, ttl_s=3, wait_s=0)
+            lease.acquire(Run("r", store), {"flow_run": "other"}, ttl_s=3, wait_s=0)
     finally:
         held.release()
 
@@ -125,12 +126,12 @@ def test_two_runs_of_one_lineage_one_refused_the_other_intact(cli_env, tmp_path)
     assert not lease_file.exists()  # released at the end
 
     store = open_store(str(tmp_path / "store"))
-    steps = complete_steps(store, "smoke")
+    steps = complete_steps(Run("smoke", store))
     assert steps and steps[-1] == 6
     for step in steps:  # every checkpoint's files match its manifest
-        manifest = read_manifest(store, "smoke", step)
+        manifest = read_manifest(Run("smoke", store), step)
         for name, meta in manifest.files.items():
-            assert store.sha256(f"{step_prefix('smoke', step)}/{name}") == meta.sha256
+            assert store.sha256(f"{RunLayout('smoke').step(step)}/{name}") == meta.sha256
     run_id = json.loads(store.read_bytes("runs/smoke/lineage.json"))["mlflow_run_id"]
     history = [
         m.step for m in MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(run_id, "loss/train")
@@ -151,22 +152,22 @@ def _save(writer, step: int) -> None:
 
 
 def test_a_stale_holder_cannot_commit_a_checkpoint_once_its_lease_is_taken_over(store, tmp_path):
-    first = lease.acquire(store, "r", {"flow_run": "first-run"}, ttl_s=3, wait_s=0)
-    fence = lease.Fence(store, "r", first.ref)
+    first = lease.acquire(Run("r", store), {"flow_run": "first-run"}, ttl_s=3, wait_s=0)
+    fence = lease.Fence(Run("r", store), first.ref)
     writer = make_checkpointer(
-        RunConfig(run_name="r"), store, str(tmp_path / "cache"), 0, sharded=False, fence=fence.check
+        RunConfig(run_name="r"), Run("r", store, str(tmp_path / "cache")), 0, sharded=False, fence=fence.check
     )
     _save(writer, 1)
     writer.flush()  # its own lease: committed
     _stall(first)
     time.sleep(3.2)  # past the ttl: the lease may be taken over
-    second = lease.acquire(store, "r", {"flow_run": "second-run"}, ttl_s=30, wait_s=0)
+    second = lease.acquire(Run("r", store), {"flow_run": "second-run"}, ttl_s=30, wait_s=0)
     try:
         assert second.ref.epoch == first.ref.epoch + 1 and second.ref.token != first.ref.token
         _save(writer, 2)
         with pytest.raises(LeaseLost, match="lease lost to .*second-run.*stopped without writing further"):
             writer.flush()
-        assert complete_steps(store, "r") == [1]  # step 2 never exists
+        assert complete_steps(Run("r", store)) == [1]  # step 2 never exists
         with pytest.raises(LeaseLost):
             fence.check()
     finally:
@@ -176,15 +177,15 @@ def test_a_stale_holder_cannot_commit_a_checkpoint_once_its_lease_is_taken_over(
 
 
 def test_a_holder_whose_heartbeat_stalled_stops_before_another_can_take_over(store):
-    held = lease.acquire(store, "r", {"flow_run": "first-run"}, ttl_s=3, wait_s=0)
-    fence = lease.Fence(store, "r", held.ref)
+    held = lease.acquire(Run("r", store), {"flow_run": "first-run"}, ttl_s=3, wait_s=0)
+    fence = lease.Fence(Run("r", store), held.ref)
     fence.check()  # fresh: its own
     _stall(held)
     time.sleep(2.2)  # older than 2/3 of the ttl, younger than the ttl
     with pytest.raises(LeaseLost, match="heartbeat is 2 s old"):
         fence.check()
     with pytest.raises(UserError, match="in use by another run"):  # nobody can take it over yet
-        lease.acquire(store, "r", {"flow_run": "second-run"}, ttl_s=3, wait_s=0)
+        lease.acquire(Run("r", store), {"flow_run": "second-run"}, ttl_s=3, wait_s=0)
     held.release()
 
 
@@ -193,27 +194,27 @@ def test_a_corrupt_lease_file_is_one_line_naming_it_and_the_fix(store, content):
     key = RunLayout("r").lease
     store.write_bytes(key, content)
     with pytest.raises(UserError) as e:
-        lease.acquire(store, "r", {"flow_run": "new-run"}, ttl_s=3, wait_s=0)
+        lease.acquire(Run("r", store), {"flow_run": "new-run"}, ttl_s=3, wait_s=0)
     msg = str(e.value)
     assert f"lease {store.uri(key)} is corrupt" in msg and "delete it" in msg and "\n" not in msg
     store.delete(key)  # the fix it names works
-    lease.acquire(store, "r", {"flow_run": "new-run"}, ttl_s=3, wait_s=0).release()
+    lease.acquire(Run("r", store), {"flow_run": "new-run"}, ttl_s=3, wait_s=0).release()
 
 
 def test_s3_lease_errors_name_the_key_once(s3_server):
     bucket = "lmyard-no-such-bucket"
     store = open_store(f"s3://{bucket}/prefix")
     with pytest.raises(UserError) as e:
-        lease.acquire(store, "r", {}, ttl_s=3, wait_s=0)
+        lease.acquire(Run("r", store), {}, ttl_s=3, wait_s=0)
     assert f"s3://{bucket}/prefix/runs/r/lease.json" in str(e.value) and "prefix/prefix" not in str(e.value)
 
 
 def test_a_released_lease_leaves_no_lock_in_a_folder_made_for_it(tmp_path):
     store = open_store(str(tmp_path / "store"))
-    lease.acquire(store, "r", {"flow_run": "refused-run"}, ttl_s=3, wait_s=0).release()
+    lease.acquire(Run("r", store), {"flow_run": "refused-run"}, ttl_s=3, wait_s=0).release()
     assert not (tmp_path / "store" / "runs" / "r").exists()
     store.write_bytes("runs/kept/lineage.json", b"{}")  # a lineage that exists keeps its folder
-    lease.acquire(store, "kept", {}, ttl_s=3, wait_s=0).release()
+    lease.acquire(Run("kept", store), {}, ttl_s=3, wait_s=0).release()
     assert (tmp_path / "store" / "runs" / "kept" / "lineage.json").exists()
 
 
@@ -257,7 +258,7 @@ def test_a_run_whose_flow_stalled_past_the_ttl_stops_and_nothing_is_written_twic
     first = subprocess.Popen(args, cwd=tmp_path, env=first_env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
-        while 3 not in complete_steps(store, "smoke"):
+        while 3 not in complete_steps(Run("smoke", store)):
             assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
         os.kill(first.pid, signal.SIGSTOP)  # the flow stalls: no heartbeat; its trainer runs on
@@ -276,7 +277,7 @@ def test_a_run_whose_flow_stalled_past_the_ttl_stops_and_nothing_is_written_twic
     assert not [line for line in first_out.splitlines() if line.startswith("Traceback")]  # the flow's: none
     assert first_out.splitlines()[-1].startswith("lmyard: error: lineage smoke: lease lost to")
 
-    assert complete_steps(store, "smoke") == [3, 6, 9]
+    assert complete_steps(Run("smoke", store)) == [3, 6, 9]
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_id = json.loads(store.read_bytes("runs/smoke/lineage.json"))["mlflow_run_id"]
     keys = list(client.get_run(run_id).data.metrics)

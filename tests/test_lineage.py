@@ -14,8 +14,10 @@ import pytest
 from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
-from lmyard.checkpoint.catalog import complete_steps, step_prefix
+from lmyard.checkpoint.catalog import complete_steps
+from lmyard.layout import RunLayout
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -30,7 +32,7 @@ def _kill_training_after(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         time.sleep(0.05)
-        steps = complete_steps(store, run_name)
+        steps = complete_steps(Run(run_name, store))
         if not steps or steps[-1] < step:
             continue
         run_id = json.loads(store.read_bytes(f"runs/{run_name}/lineage.json"))["mlflow_run_id"]
@@ -42,7 +44,7 @@ def _kill_training_after(
                 if "lmyard.launch.torchrun" in " ".join(proc.cmdline()):
                     for victim in [proc, *proc.children(recursive=True)]:
                         victim.send_signal(signal.SIGKILL)
-                    killed.append(complete_steps(store, run_name)[-1])
+                    killed.append(complete_steps(Run(run_name, store))[-1])
                     return
             except psutil.NoSuchProcess:
                 pass
@@ -104,7 +106,7 @@ def test_killed_training_is_retried_as_one_mlflow_run_with_two_attempts(
     assert tags["lmyard.attempt.1.start_step"] == "0" and tags["lmyard.attempt.1.resumed_from"] == ""
     assert tags["lmyard.attempt.1.outcome"].startswith("failed")
     assert tags["lmyard.attempt.2.start_step"] == str(resumed_at)
-    assert tags["lmyard.attempt.2.resumed_from"] == store.uri(step_prefix(run_name, resumed_at))
+    assert tags["lmyard.attempt.2.resumed_from"] == store.uri(RunLayout(run_name).step(resumed_at))
     assert tags["lmyard.attempt.2.outcome"] == "finished: step 200"
     assert tags["lmyard.attempt.1.flow_run_id"] == tags["lmyard.attempt.2.flow_run_id"] != ""
     assert (tags["lmyard.attempt.1.task_run_count"], tags["lmyard.attempt.2.task_run_count"]) == ("1", "2")
@@ -121,8 +123,10 @@ def test_killed_training_is_retried_as_one_mlflow_run_with_two_attempts(
     assert evaluated == {s: pytest.approx(val[s], rel=1e-5) for s in evaluated}
     # retention ran in the flow after each evaluation: the last two and the best are left, each evaluated
     best = min(evaluated, key=lambda s: (val[s], -s))  # the trainer's val loss, as in the manifests
-    assert complete_steps(store, run_name) == sorted({150, 200, best})
-    assert all(store.exists(f"{step_prefix(run_name, s)}/evaluated.json") for s in complete_steps(store, run_name))
+    assert complete_steps(Run(run_name, store)) == sorted({150, 200, best})
+    assert all(
+        store.exists(f"{RunLayout(run_name).step(s)}/evaluated.json") for s in complete_steps(Run(run_name, store))
+    )
     acc_norm = client.get_metric_history(run.info.run_id, "task/hellaswag_acc_norm")
     assert sorted(m.step for m in acc_norm) == [50, 100, 150, 200]
     assert all(0 <= m.value <= 1 for m in acc_norm)
@@ -138,7 +142,7 @@ def test_killed_training_is_retried_as_one_mlflow_run_with_two_attempts(
     rows = {r["step"]: r for r in (dict(zip(table["columns"], data)) for data in table["data"])}
     assert sorted(rows) == [50, 100, 150, 200]  # one table, a row per evaluated checkpoint
     for s, row in rows.items():
-        assert row["checkpoint"] == store.uri(step_prefix(run_name, s))
+        assert row["checkpoint"] == store.uri(RunLayout(run_name).step(s))
         assert row["val_loss"] == pytest.approx(val[s], rel=1e-5)
     path = client.download_artifacts(run.info.run_id, "evals/samples.json", str(tmp_path))
     samples = json.loads(Path(path).read_text())
@@ -149,7 +153,7 @@ def test_killed_training_is_retried_as_one_mlflow_run_with_two_attempts(
     # passed, so it is the candidate
     version = client.get_model_version_by_alias(run_name, "candidate")
     assert version.source.startswith("models:/m-")
-    assert version.tags["lmyard.checkpoint"] == store.uri(step_prefix(run_name, 200)) == summary.checkpoint
+    assert version.tags["lmyard.checkpoint"] == store.uri(RunLayout(run_name).step(200)) == summary.checkpoint
     assert version.run_id == run.info.run_id
     assert json.loads(store.read_bytes(f"runs/{run_name}/protected.json")) == {"steps": [200]}
 
@@ -174,7 +178,7 @@ def _save_tiny_checkpoint(store, run_name: str, step: int, staging) -> str:
 
     state = {"step": step, "val_loss": None, "cursor": step, "tokens_seen": step, "world_size": 1}
     state |= {"shard_address": "a", "config": {}, "model": {}}
-    return save_full(store, run_name, step, {"w": torch.zeros(2)}, {}, [], state, str(staging))
+    return save_full(Run(run_name, store), step, {"w": torch.zeros(2)}, {}, [], state, str(staging))
 
 
 def test_checkpoint_metrics_are_logged_once_per_checkpoint_across_reruns(prefect_api_url, mlflow_server, tmp_path):
@@ -188,7 +192,7 @@ def test_checkpoint_metrics_are_logged_once_per_checkpoint_across_reruns(prefect
     overrides = [f"store={tmp_path / 'store'}", f"tracking.uri={mlflow_server.uri}", "run_name=recorded-once"]
     cfg = load_recipe("smoke", overrides)
     store = open_store(cfg.store)
-    lineage = Lineage.open(cfg, store, shard_address="a" * 64, code_version="test")
+    lineage = Lineage.open(cfg, Run(cfg.run_name, store), shard_address="a" * 64, code_version="test")
     for step in (2, 4):
         _save_tiny_checkpoint(store, cfg.run_name, step, tmp_path / "stage")
         record_checkpoint(cfg, lineage, step)
@@ -204,7 +208,7 @@ def test_checkpoint_metrics_are_logged_once_per_checkpoint_across_reruns(prefect
     assert [len(bookkeeping.recorded(lineage, s)) for s in (2, 4)] == [1, 1]
     assert client.get_metric_history(lineage.ref.mlflow_run_id, "checkpoint/committed") == []  # no timestamp metric
 
-    quarantine(store, cfg.run_name, 4)  # the fallback: step 4 moved aside, then trained again
+    quarantine(Run(cfg.run_name, store), 4)  # the fallback: step 4 moved aside, then trained again
     _save_tiny_checkpoint(store, cfg.run_name, 4, tmp_path / "stage2")
     record_checkpoint(cfg, lineage, 4)
     record_checkpoint(cfg, lineage, 4)

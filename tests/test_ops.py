@@ -12,6 +12,7 @@ import pytest
 from conftest import lmyard_cmd, tiny_overrides
 
 from flows.cli import main
+from lmyard.run import Run
 from lmyard.store import open_store
 from lmyard.tracking import lease
 
@@ -56,7 +57,7 @@ def test_status_json_gives_the_checkpoint_attempts_last_evaluation_run_url_and_r
 def test_a_lineage_held_by_a_running_flow_shows_its_holder_and_an_unknown_one_is_one_line(finished_run, tmp_path):
     env, store, tracking = finished_run
     local = tmp_path / "store"
-    held = lease.acquire(open_store(str(local)), "busy", {"flow_run": "nightly (1234)"}, ttl_s=300, wait_s=0)
+    held = lease.acquire(Run("busy", open_store(str(local))), {"flow_run": "nightly (1234)"}, ttl_s=300, wait_s=0)
     try:
         (row,) = json.loads(_lmyard(env, "runs", "--store", str(local), "--json").stdout)
         assert row["run_name"] == "busy" and row["newest_step"] is None
@@ -172,7 +173,7 @@ def test_eval_and_sample_mistakes_are_one_line_and_exit_2_before_a_model_is_read
     cache = tmp_path / "cache"
     monkeypatch.setenv("LMYARD_CACHE", str(cache))
     local = tmp_path / "store"
-    held = lease.acquire(open_store(str(local)), "empty", {"flow_run": "starting"}, ttl_s=300, wait_s=0)
+    held = lease.acquire(Run("empty", open_store(str(local))), {"flow_run": "starting"}, ttl_s=300, wait_s=0)
     try:
         cases = [
             (("eval", "nope", "--store", store), "no lineage 'nope'"),

@@ -31,6 +31,7 @@ from lmyard.data.sharding import tokenize_and_shard
 from lmyard.launch.local_job import run_local
 from lmyard.models.registry import resolve
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
 
@@ -78,7 +79,7 @@ def test_trainer_loss_matches_a_plain_transformers_loop_at_every_step(preset, tm
     hf = plain.hf_model(resolve(base.model, shards.n_vocab), seed=0)
     hf.save_pretrained(tmp_path / "init")
     cfg = load_recipe("smoke", [*_overrides(tmp_path, preset), f"model.init_from={tmp_path / 'init'}"])
-    lineage = Lineage.open(cfg, open_store(cfg.store), shard_address=shards.address, code_version="test")
+    lineage = Lineage.open(cfg, Run.of(cfg), shard_address=shards.address, code_version="test")
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": lineage.to_dict()}
     result = run_local(cfg, spec, on_line=lambda line: None)
     assert result.step == STEPS

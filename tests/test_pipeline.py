@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from lmyard.checkpoint.catalog import complete_steps
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -28,7 +29,7 @@ def test_flow_runs_end_to_end_and_tracks_the_run(prefect_api_url, tmp_path, monk
     summary = pretrain(config=cfg)
 
     assert summary.steps == 6
-    assert complete_steps(open_store(cfg.store), cfg.run_name) == [3, 6]
+    assert complete_steps(Run(cfg.run_name, open_store(cfg.store))) == [3, 6]
     client = MlflowClient(cfg.tracking.uri)
     run = client.get_run(summary.mlflow_run_id)
     assert run.info.status == "FINISHED"
@@ -73,11 +74,11 @@ def test_killed_run_resumes_from_its_checkpoint_without_retokenizing(cli_env, tm
     with open(log1, "w") as out:
         proc = subprocess.Popen(args, cwd=tmp_path, env=cli_env, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.time() + 240
-        while not complete_steps(store, "smoke") and time.time() < deadline and proc.poll() is None:
+        while not complete_steps(Run("smoke", store)) and time.time() < deadline and proc.poll() is None:
             time.sleep(0.5)
         _kill_tree(proc)
     first = log1.read_text()
-    killed_at = complete_steps(store, "smoke")
+    killed_at = complete_steps(Run("smoke", store))
     assert killed_at and killed_at[-1] < 400, first[-3000:]
     assert "wrote shard set" in first
 
@@ -108,7 +109,7 @@ def test_killed_run_resumes_from_its_checkpoint_without_retokenizing(cli_env, tm
     # the mlflow beside the Python that ran it (`mlflow` when PATH finds that one)
     assert re.match(r"lmyard: look at it: (\S*/)?mlflow ui --backend-store-uri sqlite:///", last), last
     assert "models:/smoke/" in last
-    assert complete_steps(store, "smoke")[-1] == 20
+    assert complete_steps(Run("smoke", store))[-1] == 20
     lineage = json.loads(store.read_bytes("runs/smoke/lineage.json"))
     run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(lineage["mlflow_run_id"])
     assert run.data.tags["lmyard.attempts"] == "2"

@@ -22,6 +22,7 @@ from lmyard.errors import ExitCode, Preempted
 from lmyard.launch.job import stage_env, torchrun_command
 from lmyard.launch.local_job import run_local
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.stages import RANK_EXITS_ENV, rank_exit, rank_exits
 from lmyard.store import open_store
 
@@ -74,7 +75,7 @@ def test_sigterm_to_one_rank_with_a_slow_upload_commits_the_step_before_exit_and
     cfg, spec, err, took = _run(tmp_path, monkeypatch, grace_s, SLOW_UPLOAD_S)
     assert err.exit_code == ExitCode.PREEMPTED
     assert "stopped by SIGTERM after step 3; checkpoint step 3 is in the store" in str(err)
-    assert complete_steps(open_store(cfg.store), "smoke") == [2, 3]  # committed, manifest last
+    assert complete_steps(Run("smoke", open_store(cfg.store))) == [2, 3]  # committed, manifest last
     assert SLOW_UPLOAD_S <= took < grace_s + 30  # waited for the upload, within the grace (+ exit slack)
     result = run_local(cfg, spec, on_line=lambda line: None)
     assert result.start_step == 3 and result.resumed_from.endswith("step_00000003") and result.step == 4
@@ -86,7 +87,7 @@ def test_preempted_step_not_committed_within_the_grace_is_named_with_the_last_co
     assert "checkpoint step 3 was not committed within launch.grace_s=8 s" in str(err)
     assert "the last committed checkpoint is step 2, where a rerun resumes" in str(err)
     assert "is in the store" not in str(err)
-    assert 3 not in complete_steps(open_store(cfg.store), "smoke")
+    assert 3 not in complete_steps(Run("smoke", open_store(cfg.store)))
     result = run_local(cfg, spec, on_line=lambda line: None)
     assert result.start_step == 2 and result.step == 4
 
@@ -129,6 +130,8 @@ NODE_RANK_SCRIPT = """
 import os, signal, sys, time
 from lmyard.errors import ExitCode
 from lmyard.stages import rank_exit
+from lmyard.run import Run
+from lmyard.run import Run
 signal.signal(signal.SIGTERM, lambda *a: None)  # the trainer's handler: it checkpoints, then ends
 open(os.path.join({tmp!r}, "started-" + os.environ["RANK"]), "w").close()
 while not os.path.exists({committed!r}):

@@ -27,6 +27,7 @@ from lmyard.errors import UserError
 from lmyard.launch.launcher import launch
 from lmyard.launch.ray_requests import SHARD_MEMORY
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.stages import EvalResult, EvalSpec, ExportResult, ExportSpec, ShardResult, ShardSpec
 from lmyard.store import open_store
 
@@ -49,7 +50,7 @@ def test_smoke_run_on_two_ray_nodes_finishes_commits_and_leaves_no_actor(ray_clu
     assert " INFO mlflow" not in said and "SIGTERM handler is not set" not in said, said[-3000:]
 
     store = open_store(str(tmp_path / "store"))
-    assert complete_steps(store, "smoke") == [3, 6]
+    assert complete_steps(Run("smoke", store)) == [3, 6]
     lineage = json.loads(store.read_bytes("runs/smoke/lineage.json"))
     run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(lineage["mlflow_run_id"])
     assert run.info.status == "FINISHED"
@@ -111,7 +112,7 @@ def test_a_lost_node_fails_the_attempt_and_the_retry_resumes_from_the_checkpoint
     )
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     store = open_store(cfg.store)
-    lineage = Lineage.open(cfg, store, shard_address=shards.address, code_version="test")
+    lineage = Lineage.open(cfg, Run(cfg.run_name, store), shard_address=shards.address, code_version="test")
     outcome: list = []
 
     @flow(name="train-only")
@@ -122,7 +123,7 @@ def test_a_lost_node_fails_the_attempt_and_the_retry_resumes_from_the_checkpoint
     flow_thread = threading.Thread(target=train_only, daemon=True)
     flow_thread.start()
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not complete_steps(store, run_name):
+    while time.monotonic() < deadline and not complete_steps(Run(run_name, store)):
         time.sleep(0.2)
     lose(ray_cluster, run_name)
     flow_thread.join(timeout=600)
@@ -130,7 +131,7 @@ def test_a_lost_node_fails_the_attempt_and_the_retry_resumes_from_the_checkpoint
     result = outcome[0]
     assert len(lineage.attempts()) == 2
     assert result.start_step == 10 and result.step == 30
-    assert complete_steps(store, run_name)[-1] == 30
+    assert complete_steps(Run(run_name, store))[-1] == 30
     first = lineage.attempts()[0]["outcome"]
     assert re.match(r"failed: TrainingFailed: lost node \d: its Ray actor \(\S+, [\d.]+\) is gone", first), first
     actors = ray_actors(run_name)
@@ -259,7 +260,7 @@ def test_stopping_a_ray_job_checkpoints_that_step_on_every_node_and_removes_its_
 
     with pytest.raises(Preempted, match="stopped by SIGTERM after step 5"):
         run_ray(cfg, spec, on_line=on_line)
-    assert 5 in complete_steps(open_store(cfg.store), "stopped")
+    assert 5 in complete_steps(Run("stopped", open_store(cfg.store)))
     assert ray_leftovers("stopped") == ([], [])
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from lmyard.checkpoint import dcp as sc
 from lmyard.checkpoint import dcp_load, retention
-from lmyard.checkpoint.catalog import checkpoints_prefix, complete_steps, read_manifest, read_state, step_prefix
+from lmyard.checkpoint.catalog import complete_steps, read_manifest, read_state
 from lmyard.checkpoint.commit import StepExists
 from lmyard.checkpoint.manifest import DamagedCheckpoint
 from lmyard.checkpoint.readahead import tensor_in
@@ -31,6 +31,7 @@ from lmyard.config import CheckpointConfig
 from lmyard.errors import StoreOutage
 from lmyard.layout import RunLayout
 from lmyard.paths import sha256_file
+from lmyard.run import Run
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -110,7 +111,7 @@ def _full(model, opt) -> dict:
 def _save_steps(rank, world, tmp, store):
     model = _fsdp(_model())
     opt = _optimizer(model)
-    ckpt = sc.ShardedCheckpointer(store, RUN, f"{tmp}/staging-{rank}", say=print)
+    ckpt = sc.ShardedCheckpointer(Run(RUN, store), f"{tmp}/staging-{rank}", say=print)
     for step in (2, 4):
         _train(model, opt, 2, seed=step)
         if step == 2:
@@ -135,7 +136,7 @@ def _load_fresh(rank, tmp, store, out):
     opt = _optimizer(model)
     said = io.StringIO()
     with contextlib.redirect_stdout(said):
-        loaded = load_latest_sharded(store, RUN, model, opt, f"{tmp}/cache-{rank}")
+        loaded = load_latest_sharded(Run(RUN, store), model, opt, f"{tmp}/cache-{rank}")
     torch.save(
         {"step": loaded.step, "state": loaded.state.model_dump(), **_local(model, opt)}, f"{tmp}/{out}_rank{rank}.pt"
     )
@@ -144,7 +145,7 @@ def _load_fresh(rank, tmp, store, out):
 
 def _damage(tmp):
     shutil.copytree(f"{tmp}/store", f"{tmp}/damaged")
-    shard = f"{tmp}/damaged/{step_prefix(RUN, 4)}/dcp/__1_0.distcp"
+    shard = f"{tmp}/damaged/{RunLayout(RUN).step(4)}/dcp/__1_0.distcp"
     data = bytearray(open(shard, "rb").read())
     data[len(data) // 2] ^= 0x01
     open(shard, "wb").write(bytes(data))
@@ -155,12 +156,12 @@ def _ddp_checkpoint_into_fsdp(rank, tmp, store):
         plain = _model()
         opt = _optimizer(plain)
         _train(plain, opt, 3)
-        save_full(store, "ddp", 3, plain.state_dict(), opt.state_dict(), [], _state(3), f"{tmp}/staging")
+        save_full(Run("ddp", store), 3, plain.state_dict(), opt.state_dict(), [], _state(3), f"{tmp}/staging")
         torch.save(_full(plain, opt), f"{tmp}/plain.pt")
     dist.barrier()
     model = _fsdp(_model(seed=5))
     opt = _optimizer(model)
-    assert load_latest_sharded(store, "ddp", model, opt, f"{tmp}/cache-{rank}").step == 3
+    assert load_latest_sharded(Run("ddp", store), model, opt, f"{tmp}/cache-{rank}").step == 3
     full = _full(model, opt)
     if rank == 0:
         torch.save(full, f"{tmp}/fsdp.pt")
@@ -171,11 +172,11 @@ def _s3_round_trip(rank, tmp, uri):
     model = _fsdp(_model())
     opt = _optimizer(model)
     _train(model, opt, 3)
-    save_sharded(store, RUN, model, opt, _state(3), f"{tmp}/staging-{rank}")  # synchronous: returns once committed
+    save_sharded(Run(RUN, store), model, opt, _state(3), f"{tmp}/staging-{rank}")  # synchronous: returns once committed
     before = _local(model, opt)
     model2 = _fsdp(_model(seed=5))
     opt2 = _optimizer(model2)
-    assert load_latest_sharded(store, RUN, model2, opt2, f"{tmp}/cache-{rank}").step == 3
+    assert load_latest_sharded(Run(RUN, store), model2, opt2, f"{tmp}/cache-{rank}").step == 3
     _assert_equal(before, _local(model2, opt2))
 
 
@@ -192,8 +193,7 @@ def _one_rank_cannot_upload(rank, tmp):
     opt = _optimizer(model)
     said = []
     ckpt = sc.ShardedCheckpointer(
-        open_store(root),
-        RUN,
+        Run(RUN, open_store(root)),
         f"{tmp}/staging-{rank}",
         max_pending=1,
         retries=1,
@@ -230,7 +230,7 @@ def _llama_with_activation_checkpointing(rank, world, tmp):
     idx = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(rank))
     model(idx[:, :-1], idx[:, 1:]).backward()
     opt.step()
-    save_sharded(open_store(f"{tmp}/store"), "llama", model, opt, _state(1), f"{tmp}/staging-{rank}")
+    save_sharded(Run("llama", open_store(f"{tmp}/store")), model, opt, _state(1), f"{tmp}/staging-{rank}")
     full = _full(model, opt)
     if rank == 0:
         torch.save(full, f"{tmp}/llama_full.pt")
@@ -316,16 +316,16 @@ def _load(path):
 def test_sharded_checkpoint_layout_every_file_in_the_manifest_written_last(ranks):
     tmp, _ = ranks
     store = open_store(str(tmp / "store"))
-    assert complete_steps(store, RUN) == [2, 4]
-    prefix = store.local_path(step_prefix(RUN, 4))
-    manifest = read_manifest(store, RUN, 4)
+    assert complete_steps(Run(RUN, store)) == [2, 4]
+    prefix = store.local_path(RunLayout(RUN).step(4))
+    manifest = read_manifest(Run(RUN, store), 4)
     assert manifest.format == "dcp" and manifest.world_size == 2 and manifest.val_loss == 0.25
     assert set(manifest.files) == {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "rng.pt", "state.json"}
     for name, meta in manifest.files.items():
         path = os.path.join(prefix, name)
         assert os.path.getsize(path) == meta.bytes and sha256_file(path) == meta.sha256
         assert os.path.getmtime(path) <= os.path.getmtime(os.path.join(prefix, "manifest.json"))
-    assert read_state(store, RUN, 4).cursor == 40
+    assert read_state(Run(RUN, store), 4).cursor == 40
     assert not os.listdir(tmp / "staging-0" / RUN) and not os.listdir(tmp / "staging-1" / RUN)
 
 
@@ -341,7 +341,7 @@ def test_two_rank_checkpoint_reshards_onto_one_rank(ranks, one_rank, tmp_path):
     tmp, _ = ranks
     model = _fsdp(_model(seed=7))
     opt = _optimizer(model)
-    loaded = load_latest_sharded(open_store(str(tmp / "store")), RUN, model, opt, str(tmp_path))
+    loaded = load_latest_sharded(Run(RUN, open_store(str(tmp / "store"))), model, opt, str(tmp_path))
     assert loaded.step == 4 and len(loaded.rng) == 2
     _assert_equal(_load(tmp / "full_step4.pt"), _full(model, opt))
 
@@ -349,7 +349,7 @@ def test_two_rank_checkpoint_reshards_onto_one_rank(ranks, one_rank, tmp_path):
 def test_sharded_checkpoint_reads_whole_without_a_process_group_into_a_plain_model(ranks, tmp_path):
     tmp, _ = ranks
     # the evaluator's, the export's and a `ddp` resume's way: full state dicts, no process group
-    ckpt = load_step(open_store(str(tmp / "store")), RUN, 4, str(tmp_path))
+    ckpt = load_step(Run(RUN, open_store(str(tmp / "store"))), 4, str(tmp_path))
     plain = _model(seed=3)
     opt = _optimizer(plain)
     plain.load_state_dict(ckpt.model)
@@ -358,12 +358,12 @@ def test_sharded_checkpoint_reads_whole_without_a_process_group_into_a_plain_mod
     assert len(ckpt.rng) == 2 and ckpt.state.step == 4
     other = _model(seed=4)  # or straight into a plain model and its optimizer
     other_opt = _optimizer(other)
-    assert dcp_load.load_sharded(open_store(str(tmp / "store")), RUN, 4, other, other_opt, str(tmp_path)).step == 4
+    assert dcp_load.load_sharded(Run(RUN, open_store(str(tmp / "store"))), 4, other, other_opt, str(tmp_path)).step == 4
     _assert_equal(_load(tmp / "full_step4.pt"), _full(other, other_opt))
     weights_only = _model(seed=5)  # the model alone (an evaluator's)
-    dcp_load.load_sharded(open_store(str(tmp / "store")), RUN, 4, weights_only, None, str(tmp_path))
+    dcp_load.load_sharded(Run(RUN, open_store(str(tmp / "store"))), 4, weights_only, None, str(tmp_path))
     _assert_equal(_load(tmp / "full_step4.pt")["model"], weights_only.state_dict())
-    model_only = dcp_load.load_full(open_store(str(tmp / "store")), RUN, 4, str(tmp_path), optimizer=False)
+    model_only = dcp_load.load_full(Run(RUN, open_store(str(tmp / "store"))), 4, str(tmp_path), optimizer=False)
     _assert_equal(_load(tmp / "full_step4.pt")["model"], model_only.model)
     assert model_only.optim == {"state": {}, "param_groups": []}
 
@@ -373,14 +373,14 @@ def test_damaged_shard_file_is_named_and_the_ranks_fall_back_to_the_previous_che
     store = open_store(str(tmp / "damaged"))
     plain = _model()
     with pytest.raises(ValueError, match="step_00000004/dcp/__1_0.distcp does not match its manifest checksum"):
-        dcp_load.load_sharded(store, RUN, 4, plain, _optimizer(plain), str(tmp_path))
+        dcp_load.load_sharded(Run(RUN, store), 4, plain, _optimizer(plain), str(tmp_path))
     # at 2 ranks only rank 1 reads that file: both ranks fell back together, with a warning naming it
     for rank in (0, 1):
         loaded = _load(tmp / f"fallback_rank{rank}.pt")
         assert loaded.pop("step") == 2 and loaded.pop("state")["step"] == 2
         _assert_equal(_load(tmp / f"rank{rank}_step2.pt"), loaded)
         said = (tmp / f"fallback_rank{rank}.log").read_text()
-        assert f"checkpoint {store.uri(step_prefix(RUN, 4))} is damaged" in said
+        assert f"checkpoint {store.uri(RunLayout(RUN).step(4))} is damaged" in said
         assert "__1_0.distcp" in said
 
 
@@ -388,16 +388,16 @@ def test_a_rank_that_cannot_upload_leaves_the_step_without_manifest_invisible(ra
     # rank 0 waited for rank 1's marker of this attempt (an earlier attempt's was there), then gave up
     tmp, _ = ranks
     store = open_store(str(tmp / "broken" / "store"))
-    keys = store.list(checkpoints_prefix(RUN))
+    keys = store.list(RunLayout(RUN).checkpoints)
     assert any(k.endswith("dcp/__0_0.distcp") for k in keys) and not any("manifest" in k for k in keys)
-    assert complete_steps(store, RUN) == []
+    assert complete_steps(Run(RUN, store)) == []
 
 
 def test_sharded_checkpoint_round_trips_through_s3(ranks, tmp_path):
     _, store = ranks  # the ranks saved and loaded it back bitwise; here it is read from S3 on one process
-    assert complete_steps(store, RUN) == [3]
-    assert len([k for k in store.list(step_prefix(RUN, 3)) if k.endswith(".distcp")]) == 2
-    ckpt = load_step(store, RUN, 3, str(tmp_path))
+    assert complete_steps(Run(RUN, store)) == [3]
+    assert len([k for k in store.list(RunLayout(RUN).step(3)) if k.endswith(".distcp")]) == 2
+    ckpt = load_step(Run(RUN, store), 3, str(tmp_path))
     assert ckpt.uri.startswith("s3://") and set(ckpt.model) == set(_model().state_dict())
 
 
@@ -406,7 +406,7 @@ def test_llama_sharded_under_activation_checkpointing_loads_into_a_plain_llama(r
     from lmyard.models.registry import build_model
 
     tmp, _ = ranks
-    ckpt = load_step(open_store(str(tmp / "store")), "llama", 1, str(tmp_path))
+    ckpt = load_step(Run("llama", open_store(str(tmp / "store"))), 1, str(tmp_path))
     plain = build_model(ModelConfig(preset="llama-tiny"), 300)
     opt = torch.optim.AdamW(plain.param_groups(0.1), lr=1e-3)
     plain.load_state_dict(ckpt.model)  # no `_checkpoint_wrapped_module` in the names: a plain model's keys
@@ -423,12 +423,14 @@ def test_retention_deletes_sharded_checkpoints_like_others(tmp_path):
     store = open_store(str(tmp_path / "store"))
     model = _model()
     for step in range(1, 6):  # without a process group: one rank's sharded checkpoint
-        save_sharded(store, RUN, model, _optimizer(model), _state(step, val_loss=5.0 - step), str(tmp_path / "s"))
-    save_full(store, RUN, 6, model.state_dict(), {"state": {}, "param_groups": []}, [], _state(6), str(tmp_path / "s"))
-    deleted = retention.apply(store, RUN, CheckpointConfig(keep_last=2, keep_every=4, keep_best=False))
-    assert deleted == [1, 2, 3] and complete_steps(store, RUN) == [4, 5, 6]
+        save_sharded(Run(RUN, store), model, _optimizer(model), _state(step, val_loss=5.0 - step), str(tmp_path / "s"))
+    save_full(
+        Run(RUN, store), 6, model.state_dict(), {"state": {}, "param_groups": []}, [], _state(6), str(tmp_path / "s")
+    )
+    deleted = retention.apply(Run(RUN, store), CheckpointConfig(keep_last=2, keep_every=4, keep_best=False))
+    assert deleted == [1, 2, 3] and complete_steps(Run(RUN, store)) == [4, 5, 6]
     for step in deleted:
-        assert store.list(step_prefix(RUN, step)) == []
+        assert store.list(RunLayout(RUN).step(step)) == []
 
 
 class _Payload:
@@ -441,30 +443,30 @@ def test_loading_a_sharded_checkpoint_never_unpickles_arbitrary_objects(tmp_path
     store = open_store(str(tmp_path / "store"))
     model = _model()
     for step in (4, 8):
-        save_sharded(store, RUN, model, _optimizer(model), _state(step), str(tmp_path / "s"))
-    prefix = store.local_path(step_prefix(RUN, 8))
+        save_sharded(Run(RUN, store), model, _optimizer(model), _state(step), str(tmp_path / "s"))
+    prefix = store.local_path(RunLayout(RUN).step(8))
     with open(os.path.join(prefix, "dcp", ".metadata"), "wb") as f:  # a malicious index, its checksum made to match
         pickle.dump({"x": _Payload()}, f)
     manifest = json.loads(open(os.path.join(prefix, "manifest.json")).read())
     manifest["files"]["dcp/.metadata"]["sha256"] = sha256_file(os.path.join(prefix, "dcp", ".metadata"))
     open(os.path.join(prefix, "manifest.json"), "w").write(json.dumps(manifest))
     fresh = _model(seed=9)
-    assert load_latest_sharded(store, RUN, fresh, _optimizer(fresh), str(tmp_path / "cache")).step == 4
+    assert load_latest_sharded(Run(RUN, store), fresh, _optimizer(fresh), str(tmp_path / "cache")).step == 4
     assert not (tmp_path / "pwned-marker").exists()
     with pytest.raises(DamagedCheckpoint, match="refers to (os|posix).system, which a checkpoint may not"):
-        load_step(store, RUN, 8, str(tmp_path / "cache"))
+        load_step(Run(RUN, store), 8, str(tmp_path / "cache"))
 
 
 def test_a_complete_sharded_step_is_never_overwritten(tmp_path):
     store = open_store(str(tmp_path / "store"))
     model = _model()
-    save_sharded(store, RUN, model, _optimizer(model), _state(2), str(tmp_path / "s"))
-    manifest = read_manifest(store, RUN, 2)
+    save_sharded(Run(RUN, store), model, _optimizer(model), _state(2), str(tmp_path / "s"))
+    manifest = read_manifest(Run(RUN, store), 2)
     other = _model(seed=3)
     with pytest.raises(StepExists, match="step_00000002 already exists complete"):
-        save_sharded(store, RUN, other, _optimizer(other), _state(2), str(tmp_path / "s"))
-    assert read_manifest(store, RUN, 2) == manifest
-    prefix = store.local_path(step_prefix(RUN, 2))
+        save_sharded(Run(RUN, store), other, _optimizer(other), _state(2), str(tmp_path / "s"))
+    assert read_manifest(Run(RUN, store), 2) == manifest
+    prefix = store.local_path(RunLayout(RUN).step(2))
     for name, meta in manifest.files.items():
         assert sha256_file(os.path.join(prefix, name)) == meta.sha256
 
@@ -485,7 +487,7 @@ def test_a_hung_upload_does_not_hold_up_the_next_sharded_saves_and_commits_stay_
     opt = _optimizer(model)
     model(torch.zeros(2, 8)).sum().backward()
     opt.step()
-    ckpt = sc.ShardedCheckpointer(open_store(uri), RUN, str(tmp_path / "staging"), max_pending=4, say=print)
+    ckpt = sc.ShardedCheckpointer(Run(RUN, open_store(uri)), str(tmp_path / "staging"), max_pending=4, say=print)
     try:
         proxy.hold()  # the server hangs: the upload of step 1 neither ends nor fails
         ckpt.save(model, opt, _state(1), [])
@@ -495,11 +497,11 @@ def test_a_hung_upload_does_not_hold_up_the_next_sharded_saves_and_commits_stay_
             assert time.monotonic() - t0 < 5, f"save of step {step} waited for the hung upload"
             ckpt.writing.result(timeout=20)  # DCP wrote this step's files to the staging folder meanwhile
             assert (tmp_path / "staging" / RUN / f"step_{step:08d}" / "rank_00000" / ".metadata").exists()
-        assert complete_steps(direct, RUN) == []
+        assert complete_steps(Run(RUN, direct)) == []
         proxy.release()
         ckpt.flush(timeout_s=180)
-        assert complete_steps(direct, RUN) == [1, 2, 3]
-        committed = [read_manifest(direct, RUN, step).committed for step in (1, 2, 3)]
+        assert complete_steps(Run(RUN, direct)) == [1, 2, 3]
+        committed = [read_manifest(Run(RUN, direct), step).committed for step in (1, 2, 3)]
         assert committed == sorted(committed)
     finally:
         proxy.release()
@@ -515,8 +517,8 @@ def _wide_checkpoint(tmp_path, files: int = 1) -> tuple:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(4, 512)).sum().backward()
     opt.step()
-    save_sharded(store, RUN, model, opt, _state(3), str(tmp_path / "s"), write_threads=files)
-    folder = os.path.join(store.local_path(step_prefix(RUN, 3)), "dcp")
+    save_sharded(Run(RUN, store), model, opt, _state(3), str(tmp_path / "s"), write_threads=files)
+    folder = os.path.join(store.local_path(RunLayout(RUN).step(3)), "dcp")
     assert len([f for f in os.listdir(folder) if f.endswith(".distcp")]) == files
     return store, model, sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
 
@@ -534,7 +536,9 @@ def test_resume_reads_each_byte_of_a_sharded_checkpoint_once_and_loads_it_exactl
     torch.manual_seed(1)
     fresh = nn.Sequential(*(nn.Linear(512, 512) for _ in range(8)))
     before = _bytes_read()
-    dcp_load.load_sharded(store, RUN, 3, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), str(tmp_path / "c"))
+    dcp_load.load_sharded(
+        Run(RUN, store), 3, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), str(tmp_path / "c")
+    )
     read = _bytes_read() - before
     assert size <= read < 1.2 * size, f"read {read} bytes for {size} bytes of files"  # checked and loaded in one pass
     _assert_equal(saved.state_dict(), fresh.state_dict())
@@ -545,7 +549,7 @@ def test_resume_reads_each_byte_of_a_sharded_checkpoint_once_and_loads_it_exactl
 def test_a_sharded_file_damaged_past_its_first_tensors_is_named_and_nothing_hangs(tmp_path, damage, files, damaged):
     """Also when it is one of a rank's four files, read in lanes beside the others."""
     store, _, _ = _wide_checkpoint(tmp_path, files)
-    shard = os.path.join(store.local_path(step_prefix(RUN, 3)), "dcp", damaged)
+    shard = os.path.join(store.local_path(RunLayout(RUN).step(3)), "dcp", damaged)
     size = os.path.getsize(shard)
     with open(shard, "r+b") as f:
         if damage == "truncated":
@@ -557,7 +561,9 @@ def test_a_sharded_file_damaged_past_its_first_tensors_is_named_and_nothing_hang
             f.write(bytes([byte[0] ^ 0xFF]))
     fresh = nn.Sequential(*(nn.Linear(512, 512) for _ in range(8)))
     with pytest.raises(DamagedCheckpoint, match=f"step_00000003/dcp/{damaged} does not match its manifest checksum"):
-        dcp_load.load_sharded(store, RUN, 3, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), str(tmp_path / "c"))
+        dcp_load.load_sharded(
+            Run(RUN, store), 3, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), str(tmp_path / "c")
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -571,7 +577,7 @@ def test_resume_onto_a_gpu_copies_from_the_reused_pinned_buffers_exactly(tmp_pat
     fresh(torch.randn(4, 512, device="cuda")).sum().backward()
     opt.step()  # its moments exist, on the GPU, and differ from the checkpoint's
     phases: dict = {}
-    dcp_load.load_sharded(store, RUN, 3, fresh, opt, str(tmp_path / "c"), phases=phases)
+    dcp_load.load_sharded(Run(RUN, store), 3, fresh, opt, str(tmp_path / "c"), phases=phases)
     _assert_equal(saved.state_dict(), {k: v.cpu() for k, v in fresh.state_dict().items()})
     assert phases["copy"] > 0 and phases["hash"] > 0, phases
 
@@ -616,7 +622,7 @@ def test_staging_buffers_made_ahead_are_pinned_and_shaped_like_the_state_and_the
                 assert local.device.type == "cpu" and local.is_pinned() and (c.shape, c.dtype) == (t.shape, t.dtype)
                 assert not isinstance(t, DTensor) or c.placements == t.placements
         store = open_store(str(tmp_path / "store"))
-        ckpt = sc.ShardedCheckpointer(store, RUN, str(tmp_path / "staging"), say=print)
+        ckpt = sc.ShardedCheckpointer(Run(RUN, store), str(tmp_path / "staging"), say=print)
         ckpt.prepare(model, opt)
         ckpt.save(model, opt, _state(2, world_size=1), [rng_state()])
         ckpt.before_update()
@@ -625,7 +631,7 @@ def test_staging_buffers_made_ahead_are_pinned_and_shaped_like_the_state_and_the
         ckpt.close()
         fresh = _fsdp(_model(seed=7).cuda())
         fresh_opt = _optimizer(fresh)
-        load_latest_sharded(store, RUN, fresh, fresh_opt, str(tmp_path / "cache"))
+        load_latest_sharded(Run(RUN, store), fresh, fresh_opt, str(tmp_path / "cache"))
         _assert_equal(saved, _local(fresh, fresh_opt))
     finally:
         dist.destroy_process_group()

@@ -17,6 +17,7 @@ from lmyard.launch.follower import Follower
 from lmyard.launch.launcher import launch
 from lmyard.launch.local_job import LocalJob
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.stages import (
     EvalResult,
     EvalSpec,
@@ -76,7 +77,6 @@ def test_an_evaluation_from_an_installed_package_reaches_mlflow_the_prefect_tabl
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     from lmyard.evaluate.spec import as_text
-    from lmyard.store import open_store
     from lmyard.tracking.lineage import Lineage
     from tasks.evaluate import evaluate_checkpoint
 
@@ -84,7 +84,7 @@ def test_an_evaluation_from_an_installed_package_reaches_mlflow_the_prefect_tabl
     cfg = staged.model_copy(update={"tracking": staged.tracking.model_copy(update={"uri": mlflow_server.uri})})
     plugin = str(REPO / "tests" / "fixtures" / "example_evaluation")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [plugin, os.environ.get("PYTHONPATH")])))
-    lineage = Lineage.open(cfg, open_store(cfg.store), shard_address=sharded.shards.address, code_version="test")
+    lineage = Lineage.open(cfg, Run.of(cfg), shard_address=sharded.shards.address, code_version="test")
 
     @flow(name="evaluate-with-a-plugin")
     def evaluate_step_2():

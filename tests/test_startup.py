@@ -19,8 +19,8 @@ from lmyard.errors import Preempted
 from lmyard.launch.follower import stop_all
 from lmyard.launch.local_job import run_local
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.stages.startup import LAUNCHED_AT_ENV, launched_at
-from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
 from lmyard.train.components import Startup
 
@@ -44,7 +44,7 @@ def test_startup_parts_are_logged_once_non_negative_and_sum_to_no_more_than_the_
     }
     cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=3, **extra))
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
-    lineage = Lineage.open(cfg, open_store(cfg.store), shard_address=shards.address, code_version="test")
+    lineage = Lineage.open(cfg, Run.of(cfg), shard_address=shards.address, code_version="test")
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": lineage.to_dict()}
     lines: list[str] = []
     started = time.time()
@@ -88,7 +88,7 @@ def test_an_interrupted_and_resumed_run_holds_each_attempts_restart_and_its_good
     extra = {"train.compile": "false", "tracking.system_metrics": "false", "eval.interval": 100}
     cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=6, **extra))
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
-    lineage = Lineage.open(cfg, open_store(cfg.store), shard_address=shards.address, code_version="test")
+    lineage = Lineage.open(cfg, Run.of(cfg), shard_address=shards.address, code_version="test")
 
     def attempt(start_step: int, on_line) -> Lineage:
         current = lineage.record_attempt(resumed_from=None, start_step=start_step, info={})

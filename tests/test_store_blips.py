@@ -11,6 +11,7 @@ from conftest import tiny_overrides
 from tcp_proxy import TcpProxy
 
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
 
@@ -50,7 +51,7 @@ def test_a_store_blip_while_looking_for_checkpoints_does_not_end_the_flow(s3_ser
         ),
     )
     store = open_store(cfg.store)
-    lineage = Lineage.open(cfg, store, shard_address="a", code_version="test")
+    lineage = Lineage.open(cfg, Run(cfg.run_name, store), shard_address="a", code_version="test")
     training, said = _Training(), []
     seen: list[int] = []
 
@@ -93,7 +94,7 @@ def test_the_look_for_checkpoints_waits_between_tries_while_the_store_is_down_af
         "smoke",
         tiny_overrides(tmp_path, **{"store": f"s3://{(bucket := s3_server.new_bucket())}/s", "eval.poll_s": 0.5}),
     )
-    lineage = Lineage.open(cfg, open_store(cfg.store), shard_address="a", code_version="test")
+    lineage = Lineage.open(cfg, Run.of(cfg), shard_address="a", code_version="test")
     s3_server.remove_bucket(bucket)  # deleted mid-run
     training, said, looks = _Training(), [], []
     training.done.set()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
+from lmyard.run import Run
 from lmyard.tracking.sink import MLflowSink
 
 
@@ -48,11 +49,10 @@ def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_m
     from lmyard.evaluate.history import log_evaluation
     from lmyard.recipes import load_recipe
     from lmyard.stages import EvalResult
-    from lmyard.store import open_store
     from lmyard.tracking.lineage import Lineage
 
     cfg = load_recipe("smoke", [f"store={tmp_path / 'store'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"])
-    lineage = Lineage.open(cfg, open_store(cfg.store), shard_address="a" * 64, code_version="test")
+    lineage = Lineage.open(cfg, Run.of(cfg), shard_address="a" * 64, code_version="test")
     ckpt = f"{cfg.store}/runs/smoke/checkpoints/step_00000003"
     log_evaluation(
         lineage,
@@ -92,13 +92,12 @@ def test_evaluation_is_logged_at_its_step_and_linked_to_the_checkpoints_logged_m
 
 def _sqlite_lineage(tmp_path, *overrides: str):
     from lmyard.recipes import load_recipe
-    from lmyard.store import open_store
     from lmyard.tracking.lineage import Lineage
 
     cfg = load_recipe(
         "smoke", [f"store={tmp_path / 'store'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", *overrides]
     )
-    return cfg, Lineage.open(cfg, open_store(cfg.store), shard_address="a" * 64, code_version="test")
+    return cfg, Lineage.open(cfg, Run.of(cfg), shard_address="a" * 64, code_version="test")
 
 
 @pytest.mark.integration
@@ -149,7 +148,7 @@ def test_retention_retires_the_logged_models_of_the_checkpoints_it_deletes(tmp_p
     for step in (1, 2, 3, 4):
         state = {"step": step, "val_loss": None, "cursor": step, "tokens_seen": step, "world_size": 1}
         state |= {"shard_address": "a", "config": {}, "model": {}}
-        uri = save_full(store, "smoke", step, {"w": torch.zeros(2)}, {}, [], state, str(tmp_path / "stage"))
+        uri = save_full(Run("smoke", store), step, {"w": torch.zeros(2)}, {}, [], state, str(tmp_path / "stage"))
         ids[step] = lineage.log_checkpoint_model(step, uri, {"checkpoint": uri, "step": step})
 
     assert retain_checkpoints(cfg, 4, True, final=True) == [1, 2]

@@ -17,6 +17,7 @@ from tcp_proxy import TcpProxy
 
 from lmyard.layout import RunLayout
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
 from lmyard.tracking.sink import MLflowSink
@@ -148,7 +149,7 @@ def test_credentials_in_the_tracking_uri_reach_no_param_tag_or_lineage_file(mlfl
         [f"store={tmp_path / 'store'}", f"tracking.uri={secret_uri}", f"tracking.experiment=creds-{time.time_ns()}"],
     )
     store = open_store(cfg.store)
-    lineage = Lineage.open(cfg, store, shard_address="abc", code_version="test")
+    lineage = Lineage.open(cfg, Run(cfg.run_name, store), shard_address="abc", code_version="test")
     run = MlflowClient(mlflow_server.uri).get_run(lineage.ref.mlflow_run_id)
     assert run.data.params["tracking.uri"] == mlflow_server.uri.replace("http://", "http://alice:***@")
     saved = store.read_bytes(RunLayout(cfg.run_name).lineage).decode()

@@ -16,6 +16,7 @@ from lmyard.errors import Diverged, Preempted, UserError
 from lmyard.launch.local_job import run_local
 from lmyard.models.gpt2.model import GPT, GPTConfig
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.store import open_store
 from lmyard.train.build import grad_accum_steps
 from lmyard.train.trainer import StepParts, train_step
@@ -127,7 +128,7 @@ def test_sigterm_mid_training_checkpoints_that_step_and_the_resumed_run_equals_t
     assert isinstance(err, Preempted) and "stopped by SIGTERM after step 5" in str(err)
     stopped_at = 5
     tmp, _ = shard_env
-    assert stopped_at in complete_steps(open_store(str(tmp / "store")), "preempted")
+    assert stopped_at in complete_steps(Run("preempted", open_store(str(tmp / "store"))))
     result, _ = _run(shard_env, "preempted")
     assert result.start_step == stopped_at and result.step == 12  # no step lost, none repeated
     _assert_identical(_whole_checkpoint(shard_env, "straight", 12), _whole_checkpoint(shard_env, "preempted", 12))

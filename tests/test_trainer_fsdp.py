@@ -14,6 +14,7 @@ from lmyard.checkpoint.resume import load_step
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.launch.local_job import run_local
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -52,7 +53,7 @@ def _run(env, run_name, parallel, *, nproc=2, faults="", **extra):
 
 def _weights(env, run_name, step=8):
     tmp, _ = env
-    return load_step(open_store(str(tmp / "store")), run_name, step, str(tmp / "load")).model
+    return load_step(Run(run_name, open_store(str(tmp / "store"))), step, str(tmp / "load")).model
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def test_a_two_rank_fsdp_checkpoint_reshards_onto_one_rank_with_the_same_token_o
     assert result.start_step == 4 and result.step == 8
     tmp, _ = env
     store = open_store(str(tmp / "store"))
-    assert read_state(store, "fsdp-to-one", 8).cursor == read_state(store, "fsdp-straight", 8).cursor
+    assert read_state(Run("fsdp-to-one", store), 8).cursor == read_state(Run("fsdp-straight", store), 8).cursor
     one = _weights(env, "fsdp-to-one")
     for name in fsdp_straight:  # one rank reads both ranks' sequences: the same updates up to summation order
         torch.testing.assert_close(one[name], fsdp_straight[name], rtol=2e-4, atol=2e-5, msg=name)
@@ -137,7 +138,7 @@ def test_the_pretrain_flow_trains_a_sharded_llama_and_evaluates_every_sharded_ch
     summary = pretrain(config=cfg)
     assert summary.steps == 8
     store = open_store(cfg.store)
-    assert read_manifest(store, "fsdp-flow", 8).format == "dcp"
+    assert read_manifest(Run("fsdp-flow", store), 8).format == "dcp"
     client = MlflowClient(cfg.tracking.uri)
     val = {m.step: m.value for m in client.get_metric_history(summary.mlflow_run_id, "loss/val")}
     evaluated = {m.step: m.value for m in client.get_metric_history(summary.mlflow_run_id, "loss/eval")}
@@ -156,7 +157,7 @@ def test_bf16_shards_resume_exactly_with_their_float32_masters(env):
     assert result.start_step == 4 and result.step == 8
     tmp, _ = env
     store = open_store(str(tmp / "store"))
-    straight, resumed = (load_step(store, run, 8, str(tmp / "load")) for run in ("bf16-straight", "bf16-crashed"))
+    straight, resumed = (load_step(Run(run, store), 8, str(tmp / "load")) for run in ("bf16-straight", "bf16-crashed"))
     for name, weight in straight.model.items():
         assert weight.dtype == torch.bfloat16 and torch.equal(resumed.model[name], weight), name
     assert len(straight.optim["state"]) == len(straight.model)

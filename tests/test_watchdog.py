@@ -13,6 +13,7 @@ from lmyard.errors import TrainingFailed
 from lmyard.launch.local_job import run_local
 from lmyard.launch.watchdog import Watchdog
 from lmyard.recipes import load_recipe
+from lmyard.run import Run
 from lmyard.store import open_store
 
 pytestmark = pytest.mark.slow
@@ -67,7 +68,7 @@ def test_hung_rank_is_detected_within_the_configured_time_and_the_job_killed(tmp
         run_local(cfg, spec, on_line=on_line)
     assert str(e.value).endswith("; a retry resumes from the last checkpoint")  # launch.retries=1
     assert 6 <= seen["watchdog:"] - seen["injected hang"] < 6 + 5  # timeout + polling and kill slack
-    assert complete_steps(open_store(cfg.store), "smoke") == [4]
+    assert complete_steps(Run("smoke", open_store(cfg.store))) == [4]
     assert _ranks_of(tmp_path) == [], "a killed job left ranks running (each rank has a session of its own)"
 
     result = run_local(cfg, spec, on_line=lambda line: None)  # the retry: resumes at step 4, the fault has fired
@@ -131,7 +132,7 @@ def test_rank_hung_before_its_first_step_is_killed_after_the_startup_timeout_nam
     assert str(info.value).endswith("; run the same command again to resume from the last checkpoint")  # no retry
     assert "injected hang" in seen, "the fault did not fire: the test proves nothing"
     assert startup_s <= seen["watchdog:"] - started < startup_s + 15  # from the job's start, + polling and kill slack
-    assert complete_steps(open_store(cfg.store), "smoke") == []
+    assert complete_steps(Run("smoke", open_store(cfg.store))) == []
     assert _ranks_of(tmp_path) == [], "a killed job left ranks running"
 
 

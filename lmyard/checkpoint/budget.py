@@ -10,9 +10,8 @@ from dataclasses import dataclass
 
 from lmyard.config import RunConfig
 from lmyard.errors import UserError
-from lmyard.layout import RunLayout
 from lmyard.models import registry
-from lmyard.store import Store
+from lmyard.run import Run
 
 MIB = 2**20
 
@@ -78,10 +77,11 @@ def _device(folder: str) -> tuple[int, int]:
     return os.stat(probe).st_dev, st.f_bavail * st.f_frsize
 
 
-def disks(cfg: RunConfig, store: Store, cache_dir: str, size: int, node_share: int) -> list[Disk]:
-    """The disks this node writes checkpoints to, with their needs: the cache's staging, and a local store.
-    `size`: one whole checkpoint's bytes; `node_share`: the bytes of one this node stages (0: none)."""
-    c, staging = cfg.checkpoint, os.path.join(cache_dir, "staging", cfg.run_name)
+def disks(cfg: RunConfig, run: Run, size: int, node_share: int) -> list[Disk]:
+    """The disks this node writes checkpoints to, with their needs: the cache's staging (`run.cache`), and a
+    local store. `size`: one whole checkpoint's bytes; `node_share`: the bytes of one this node stages (0: none)."""
+    store, cache_dir = run.store, run.cache
+    c, staging = cfg.checkpoint, os.path.join(cache_dir, "staging", run.name)
     pending = f"checkpoint.max_pending={c.max_pending} pending + 1 being staged"
     stored = f"{kept(cfg)} kept (checkpoint.keep_last={c.keep_last}, keep_best, keep_every)"
     fix_cache = "lower checkpoint.max_pending or point LMYARD_CACHE at a bigger disk"
@@ -95,7 +95,7 @@ def disks(cfg: RunConfig, store: Store, cache_dir: str, size: int, node_share: i
         pending + capped,
         fix_cache,
     )
-    local = store.local_path(RunLayout(cfg.run_name).checkpoints)
+    local = store.local_path(run.layout.checkpoints)
     if local is None:
         return [cache] if node_share else []
     store_dev, store_free = _device(local)
@@ -121,11 +121,11 @@ def disks(cfg: RunConfig, store: Store, cache_dir: str, size: int, node_share: i
     return [held, cache] if node_share else [held]
 
 
-def check(cfg: RunConfig, store: Store, cache_dir: str, fields: dict, *, node_share: float) -> None:
+def check(cfg: RunConfig, run: Run, fields: dict, *, node_share: float) -> None:
     """A UserError, one line, when the checkpoints of `cfg` cannot fit the disks this node writes them to (see
     the module doc). `node_share`: the fraction of a checkpoint this node stages (0 to 1)."""
     size = checkpoint_bytes(cfg, fields)
-    for disk in disks(cfg, store, cache_dir, size, int(size * node_share)):
+    for disk in disks(cfg, run, size, int(size * node_share)):
         if disk.needed > disk.free:
             raise UserError(
                 f"checkpoints do not fit {disk.folder}: {disk.needed / MIB:,.1f} MiB needed ({disk.what}, "

@@ -2,7 +2,7 @@
 
 A checkpoint exists once its manifest (lmyard.checkpoint.manifest.Manifest) does: the
 commit writes it last (lmyard.checkpoint.commit). `state.json` is a
-lmyard.checkpoint.schema.CheckpointState. Keys come from lmyard.layout.RunLayout.
+lmyard.checkpoint.schema.CheckpointState. Each function takes the run's handle (lmyard.run.Run).
 """
 
 from __future__ import annotations
@@ -14,56 +14,48 @@ from pydantic import ValidationError
 from lmyard.checkpoint.manifest import DamagedCheckpoint, Manifest
 from lmyard.checkpoint.schema import CheckpointState
 from lmyard.layout import MANIFEST, RunLayout
-from lmyard.store import Store
+from lmyard.run import Run
 
 
-def checkpoints_prefix(run_name: str) -> str:
-    return RunLayout(run_name).checkpoints
-
-
-def step_prefix(run_name: str, step: int) -> str:
-    return RunLayout(run_name).step(step)
-
-
-def complete_steps(store: Store, run_name: str, keys: list[str] | None = None) -> list[int]:
+def complete_steps(run: Run, keys: list[str] | None = None) -> list[int]:
     """Steps that have a manifest, oldest first (`keys`: a listing of the checkpoints prefix already made)."""
     steps = set()
-    for key in store.list(checkpoints_prefix(run_name)) if keys is None else keys:
+    for key in run.store.list(run.layout.checkpoints) if keys is None else keys:
         step = RunLayout.step_of(key)
-        if key.endswith(f"/{MANIFEST}") and step is not None and key == RunLayout(run_name).manifest(step):
+        if key.endswith(f"/{MANIFEST}") and step is not None and key == run.layout.manifest(step):
             steps.add(step)
     return sorted(steps)
 
 
-def read_manifest(store: Store, run_name: str, step: int) -> Manifest:
+def read_manifest(run: Run, step: int) -> Manifest:
     """The manifest of checkpoint `step`; DamagedCheckpoint when it is not one lmyard wrote (a failed read raises
     as it is: that is not damage)."""
-    key = RunLayout(run_name).manifest(step)
-    data = store.read_bytes(key)
+    key = run.layout.manifest(step)
+    data = run.store.read_bytes(key)
     try:
         return Manifest.model_validate_json(data)
     except ValidationError as e:
-        raise DamagedCheckpoint(f"{store.uri(key)} is not a checkpoint manifest: {str(e).splitlines()[0]}") from None
+        raise DamagedCheckpoint(f"{run.uri(key)} is not a checkpoint manifest: {str(e).splitlines()[0]}") from None
 
 
-def read_state(store: Store, run_name: str, step: int) -> CheckpointState:
-    return CheckpointState.model_validate_json(store.read_bytes(RunLayout(run_name).step_file(step, "state.json")))
+def read_state(run: Run, step: int) -> CheckpointState:
+    return CheckpointState.model_validate_json(run.store.read_bytes(run.layout.step_file(step, "state.json")))
 
 
-def verify(store: Store, run_name: str, step: int) -> dict:
+def verify(run: Run, step: int) -> dict:
     """Check that every file of checkpoint `step` is in the store with the size its manifest records;
     where it landed, its bytes, and how long serializing and uploading took. ValueError names a mismatch."""
-    layout = RunLayout(run_name)
-    manifest = read_manifest(store, run_name, step)
+    layout = run.layout
+    manifest = read_manifest(run, step)
     for name, meta in manifest.files.items():
-        found = store.size(layout.step_file(step, name))
+        found = run.store.size(layout.step_file(step, name))
         if found != meta.bytes:
             raise ValueError(
-                f"{store.uri(layout.step_file(step, name))} holds {found} bytes; its manifest says {meta.bytes}"
+                f"{run.uri(layout.step_file(step, name))} holds {found} bytes; its manifest says {meta.bytes}"
             )
     return {
         "step": step,
-        "uri": store.uri(layout.step(step)),
+        "uri": run.uri(layout.step(step)),
         "format": manifest.format,
         "files": len(manifest.files),
         "bytes": manifest.bytes,
@@ -73,19 +65,19 @@ def verify(store: Store, run_name: str, step: int) -> dict:
     }
 
 
-def damaged(store: Store, run_name: str) -> dict[int, list[str]]:
+def damaged(run: Run) -> dict[int, list[str]]:
     """step -> the URIs of its checkpoints moved aside as damaged (`quarantine`), oldest first."""
     found: dict[int, set[str]] = {}
-    for key in store.list(RunLayout(run_name).damaged_root):
+    for key in run.store.list(run.layout.damaged_root):
         if (where := RunLayout.damaged_step_of(key)) is not None:
-            found.setdefault(where[0], set()).add(store.uri(where[1]))
+            found.setdefault(where[0], set()).add(run.uri(where[1]))
     return {step: sorted(uris) for step, uris in found.items()}  # the folder names end with UTC time: sortable
 
 
-def quarantine(store: Store, run_name: str, step: int) -> str:
+def quarantine(run: Run, step: int) -> str:
     """Move a damaged checkpoint aside (runs/<run>/damaged/step_N-<time>/), so its step can be written again
     and nothing is ever rewritten in place; returns where it went."""
-    layout = RunLayout(run_name)
+    store, layout = run.store, run.layout
     dest = layout.damaged(step, time.strftime("%Y%m%dT%H%M%S", time.gmtime()))
     src = layout.step(step)
     for key in store.list(src):

@@ -20,7 +20,7 @@ import torch
 
 from lmyard.checkpoint.full import FullCheckpointer
 from lmyard.config import RunConfig
-from lmyard.store import Store
+from lmyard.run import Run
 
 if TYPE_CHECKING:  # torch's DCP and DTensor cost every rank a second to import: only a sharded model's
     from lmyard.checkpoint.dcp import ShardedCheckpointer
@@ -58,8 +58,7 @@ class Checkpointer(Protocol):
 
 def make_checkpointer(
     cfg: RunConfig,
-    store: Store,
-    cache_dir: str,
+    run: Run,
     rank: int,
     *,
     sharded: bool,
@@ -69,14 +68,13 @@ def make_checkpointer(
     """The checkpointer for a model `sharded` over the ranks (train.parallel=fsdp, as lmyard.train.distributed.parallelism
     decided) or not; every rank makes it at the same point (a collective for DCP). `fence` runs before each
     manifest is written (lmyard.checkpoint.commit: the lineage's lease)."""
-    c, staging = cfg.checkpoint, os.path.join(cache_dir, "staging")
+    c, staging = cfg.checkpoint, os.path.join(run.cache, "staging")
     checkpointer: ShardedCheckpointer | FullCheckpointer
     if sharded:
         from lmyard.checkpoint.dcp import ShardedCheckpointer
 
         checkpointer = ShardedCheckpointer(
-            store,
-            cfg.run_name,
+            run,
             staging,
             write_threads=c.files_per_rank,
             max_pending=c.max_pending,
@@ -85,8 +83,7 @@ def make_checkpointer(
         )
     else:
         checkpointer = FullCheckpointer(
-            store,
-            cfg.run_name,
+            run,
             staging,
             rank=rank,
             max_pending=c.max_pending,

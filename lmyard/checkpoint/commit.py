@@ -19,9 +19,9 @@ from typing import TypeVar
 from lmyard import faults
 from lmyard.checkpoint.manifest import Manifest
 from lmyard.errors import LeaseLost, StoreFull, StoreOutage
-from lmyard.layout import RunLayout
 from lmyard.paths import free_space, no_space
 from lmyard.retry import Backoff, retrying
+from lmyard.run import Run
 from lmyard.store import Store
 
 T = TypeVar("T")
@@ -121,10 +121,10 @@ def outage(what: str, policy: RetryPolicy, staged: str) -> StoreOutage | StoreFu
     )
 
 
-def ensure_new(store: Store, run_name: str, step: int, files: dict | None = None) -> bool:
+def ensure_new(run: Run, step: int, files: dict | None = None) -> bool:
     """False when step `step` has no manifest yet; True when it has one listing exactly `files` (a retried commit
     whose manifest did land); else StepExists: a complete step is never written again."""
-    layout = RunLayout(run_name)
+    store, layout = run.store, run.layout
     if not store.exists(layout.manifest(step)):
         return False
     if files is not None and Manifest.model_validate_json(store.read_bytes(layout.manifest(step))).files == files:
@@ -162,9 +162,9 @@ def upload_files(store: Store, files: dict[str, str], step: int, policy: RetryPo
     return time.perf_counter() - t0
 
 
-def commit(store: Store, run_name: str, manifest: Manifest, policy: RetryPolicy, staged: str) -> str:
+def commit(run: Run, manifest: Manifest, policy: RetryPolicy, staged: str) -> str:
     """Write the manifest of a checkpoint whose files are all in the store (the commit); returns its URI."""
-    layout = RunLayout(run_name)
+    store, layout = run.store, run.layout
     manifest = manifest.model_copy(update={"committed": time.time()})
 
     def write() -> None:
@@ -176,14 +176,11 @@ def commit(store: Store, run_name: str, manifest: Manifest, policy: RetryPolicy,
     return store.uri(layout.step(manifest.step))
 
 
-def publish(
-    store: Store, run_name: str, files: dict[str, str], manifest: Manifest, policy: RetryPolicy, staged: str
-) -> str:
+def publish(run: Run, files: dict[str, str], manifest: Manifest, policy: RetryPolicy, staged: str) -> str:
     """The whole commit of staged files (name in the step folder -> local path): refused if the step is complete
     with other files, a no-op if with the same, else the files and then the manifest (with the upload's seconds)."""
-    if policy.run(manifest.step, staged, lambda: ensure_new(store, run_name, manifest.step, manifest.files)):
-        return store.uri(RunLayout(run_name).step(manifest.step))
-    layout = RunLayout(run_name)
-    keys = {layout.step_file(manifest.step, name): path for name, path in files.items()}
-    upload_s = upload_files(store, keys, manifest.step, policy, staged)
-    return commit(store, run_name, manifest.model_copy(update={"upload_s": round(upload_s, 3)}), policy, staged)
+    if policy.run(manifest.step, staged, lambda: ensure_new(run, manifest.step, manifest.files)):
+        return run.uri(run.layout.step(manifest.step))
+    keys = {run.layout.step_file(manifest.step, name): path for name, path in files.items()}
+    upload_s = upload_files(run.store, keys, manifest.step, policy, staged)
+    return commit(run, manifest.model_copy(update={"upload_s": round(upload_s, 3)}), policy, staged)

@@ -39,8 +39,7 @@ from lmyard.checkpoint.manifest import FileMeta, Manifest, file_meta
 from lmyard.checkpoint.pinned import pinned_empty
 from lmyard.checkpoint.ranks import agree, distributed, rank_world
 from lmyard.errors import StoreOutage
-from lmyard.layout import RunLayout
-from lmyard.store import Store
+from lmyard.run import Run
 
 DCP_DIR = "dcp"
 
@@ -134,8 +133,7 @@ class ShardedCheckpointer:
 
     def __init__(
         self,
-        store: Store,
-        run_name: str,
+        run: Run,
         staging_dir: str,
         *,
         async_staging: bool | None = None,
@@ -148,16 +146,16 @@ class ShardedCheckpointer:
         say: Callable[[str], None] = print,
         process_group=None,
     ):
-        self.store, self.run_name = store, run_name
-        self.policy, self.commit_timeout_s = RetryPolicy(retries, backoff_s, say, store), commit_timeout_s
-        self.max_pending, self.layout = max_pending, RunLayout(run_name)
+        self.run, self.store = run, run.store
+        self.policy, self.commit_timeout_s = RetryPolicy(retries, backoff_s, say, run.store), commit_timeout_s
+        self.max_pending, self.layout = max_pending, run.layout
         self.stopping = threading.Event()  # set by close(): the upload thread stops retrying
         self.on_commit, self.say = on_commit or (lambda step, uri: None), say
         self.owns_group = process_group is None and distributed()
         self.group = dist.new_group(backend="gloo") if self.owns_group else process_group
         self.rank, self.world = rank_world(self.group)
         self.attempt = agree(uuid.uuid4().hex, self.group)  # markers of an earlier attempt at a step don't count
-        self.staging = os.path.join(staging_dir, run_name)
+        self.staging = os.path.join(staging_dir, run.name)
         self.write_threads = write_threads  # DCP's writer threads, one file each per rank
         self._make_stager(async_staging)
         self.writing: Future | None = None  # DCP future of the newest save: its staged buffers are reused by the next
@@ -345,7 +343,7 @@ class ShardedCheckpointer:
     def _finish(self, job: _Job) -> None:
         job.future.result()  # DCP wrote this rank's files (raises if any rank failed)
         times = {"step": job.step, "written_s": time.perf_counter() - job.t0}
-        new = lambda: ensure_new(self.store, self.run_name, job.step)
+        new = lambda: ensure_new(self.run, job.step)
         self._persist(lambda: self.policy.run(job.step, self.staging, new))  # a complete step: StepExists
         names = sorted(os.listdir(job.folder))
         with ThreadPoolExecutor(max(1, min(len(names), 8))) as pool:  # sha256: one thread a file
@@ -398,7 +396,7 @@ class ShardedCheckpointer:
 
         def commit() -> None:
             nonlocal uri
-            uri = publish(self.store, self.run_name, extra, manifest, self.policy, self.staging)
+            uri = publish(self.run, extra, manifest, self.policy, self.staging)
 
         self._persist(commit)
         assert uri is not None, "_persist returns only once commit() has run"

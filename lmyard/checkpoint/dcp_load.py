@@ -32,8 +32,8 @@ from lmyard.checkpoint.readahead import LANES, FileJob, ReadAhead, memory, tenso
 from lmyard.checkpoint.schema import CheckpointState
 from lmyard.checkpoint.state import Checkpoint, Loaded
 from lmyard.errors import UserError
-from lmyard.layout import RunLayout
 from lmyard.paths import confined
+from lmyard.run import Run
 from lmyard.store import Store
 
 
@@ -228,8 +228,7 @@ def _unwrap(e: BaseException) -> Exception:
 
 
 def _read_sharded(
-    store: Store,
-    run_name: str,
+    run: Run,
     step: int,
     state: dict,
     cache_dir: str,
@@ -240,8 +239,8 @@ def _read_sharded(
 ) -> tuple[Manifest, dict]:
     """Fill `state` (a state dict, empty with _SafeEmptyPlanner) from checkpoint `step`; (manifest, extras).
     `phases`, if given, gets this rank's seconds per phase of the read (_VerifiedReader.phases)."""
-    prefix = RunLayout(run_name).step(step)
-    manifest = read_manifest(store, run_name, step)
+    store, prefix = run.store, run.layout.step(step)
+    manifest = read_manifest(run, step)
     if manifest.format != "dcp":
         raise DamagedCheckpoint(f"{store.uri(prefix)} is not a sharded checkpoint (format {manifest.format})")
     local = os.path.join(cache_dir, "checkpoint-load", str(os.getpid()), prefix)
@@ -287,8 +286,7 @@ def _check_masters(state: dict, metadata, uri: str) -> None:
 
 
 def load_sharded(
-    store: Store,
-    run_name: str,
+    run: Run,
     step: int,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -304,28 +302,28 @@ def load_sharded(
     """
     target = state_dict(model, optimizer)
     planner = _SafeLoadPlanner()
-    _, extras = _read_sharded(store, run_name, step, target, cache_dir, planner, process_group, phases=phases)
+    _, extras = _read_sharded(run, step, target, cache_dir, planner, process_group, phases=phases)
     set_state_dict(
         model,
         optimizer if optimizer is not None else [],
         model_state_dict=target["model"],
         optim_state_dict=target.get("optim", {}),
     )
-    return Loaded(step, store.uri(RunLayout(run_name).step(step)), extras["rng"], extras["state"])
+    return Loaded(step, run.uri(run.layout.step(step)), extras["rng"], extras["state"])
 
 
-def load_full(store: Store, run_name: str, step: int, cache_dir: str, optimizer: bool = True) -> Checkpoint:
+def load_full(run: Run, step: int, cache_dir: str, optimizer: bool = True) -> Checkpoint:
     """Sharded checkpoint `step` read whole on this process (no process group), as today's full state dicts:
     `model` by parameter name, `optim` as `optimizer.state_dict()` gives it (by parameter index; empty with
     `optimizer=False`, which reads a third of the bytes into memory: an evaluator's or an export's load).
     `resume.load_step` calls it for sharded checkpoints."""
     full: dict = {}
     planner = _SafeEmptyPlanner(keys=None if optimizer else {"model"})
-    _, extras = _read_sharded(store, run_name, step, full, cache_dir, planner, no_dist=True)
+    _, extras = _read_sharded(run, step, full, cache_dir, planner, no_dist=True)
     optim = optim_by_index(full["optim"]) if "optim" in full else {"state": {}, "param_groups": []}
     return Checkpoint(
         step=step,
-        uri=store.uri(RunLayout(run_name).step(step)),
+        uri=run.uri(run.layout.step(step)),
         model=full["model"],
         optim=optim,
         rng=extras["rng"],

@@ -30,9 +30,8 @@ from lmyard.checkpoint.pinned import pinned_empty
 from lmyard.checkpoint.schema import CheckpointState
 from lmyard.checkpoint.state import Checkpoint
 from lmyard.errors import StoreFull, StoreOutage
-from lmyard.layout import RunLayout
 from lmyard.paths import confined, no_space
-from lmyard.store import Store
+from lmyard.run import Run
 
 FILES = ("model.pt", "optim.pt", "rng.pt", "state.json")
 STAGED = "staged.json"  # the manifest of a staged folder kept for the rerun (the store was full); never uploaded
@@ -159,8 +158,7 @@ class FullCheckpointer:
 
     def __init__(
         self,
-        store: Store,
-        run_name: str,
+        run: Run,
         staging_dir: str,
         *,
         rank: int = 0,
@@ -170,9 +168,9 @@ class FullCheckpointer:
         on_commit: Callable[[int, str], None] | None = None,
         say: Callable[[str], None] = print,
     ):
-        self.store, self.run_name, self.writes = store, run_name, rank == 0
-        self.staging = os.path.join(staging_dir, run_name)
-        self.max_pending, self.policy = max_pending, RetryPolicy(retries, backoff_s, say, store, recovers=True)
+        self.run, self.store, self.writes = run, run.store, rank == 0
+        self.staging = os.path.join(staging_dir, run.name)
+        self.max_pending, self.policy = max_pending, RetryPolicy(retries, backoff_s, say, run.store, recovers=True)
         self.on_commit, self.say = on_commit or (lambda step, uri: None), say
         self.snapshot = Snapshot()
         self.cond = threading.Condition()
@@ -210,7 +208,7 @@ class FullCheckpointer:
         if not os.path.isdir(self.staging):
             return
         try:
-            newest = max(complete_steps(self.store, self.run_name), default=-1)
+            newest = max(complete_steps(self.run), default=-1)
         except Exception:
             return
         for name in sorted(os.listdir(self.staging)):
@@ -375,7 +373,7 @@ class FullCheckpointer:
                 folder, manifest = self.pending[0]
             files = {name: os.path.join(folder, name) for name in FILES}
             try:
-                uri = publish(self.store, self.run_name, files, manifest, self.policy, folder)
+                uri = publish(self.run, files, manifest, self.policy, folder)
             except StoreFull:
                 self.keep_for_rerun()
                 raise
@@ -393,10 +391,10 @@ class FullCheckpointer:
             self.on_commit(manifest.step, uri)
 
 
-def read_full(store: Store, run_name: str, manifest: Manifest, cache_dir: str) -> Checkpoint:
+def read_full(run: Run, manifest: Manifest, cache_dir: str) -> Checkpoint:
     """A `full` checkpoint, each file verified against its manifest. DamagedCheckpoint when its bytes are wrong;
     a read that fails (the store down, a network error) raises as it is: that is not damage."""
-    layout, step = RunLayout(run_name), manifest.step
+    store, layout, step = run.store, run.layout, manifest.step
     local = os.path.join(cache_dir, "checkpoint-load", str(os.getpid()), layout.step(step))  # ranks load at once
 
     def fetched(name: str) -> tuple[str, str]:

@@ -26,7 +26,6 @@ from lmyard.checkpoint.checkpointer import make_checkpointer
 from lmyard.checkpoint.state import Loaded, rng_state, set_rng_state
 from lmyard.config import RunConfig
 from lmyard.errors import ExitCode, NoSpace, Preempted, StoreFull, error_for, exit_code_of, one_line, status_of
-from lmyard.layout import RunLayout
 from lmyard.paths import no_space
 from lmyard.run import Run
 
@@ -65,10 +64,8 @@ class CheckpointManager:
     ):
         self.cfg, self.cache, self.model, self.optimizer = cfg, run.cache, model, optimizer
         self.rank, self.world, self.hold_for_eval = rank, world, hold_for_eval
-        self.store = run.store
-        self.checkpointer = make_checkpointer(
-            cfg, self.store, run.cache, rank, sharded=sharded, on_commit=self._committed, fence=fence
-        )
+        self.run = run
+        self.checkpointer = make_checkpointer(cfg, run, rank, sharded=sharded, on_commit=self._committed, fence=fence)
         self.before_update = self.checkpointer.before_update  # the step calls it as it is: nothing in between
         self.last_checkpoint: str | None = None
 
@@ -78,7 +75,7 @@ class CheckpointManager:
         stages on rank 0's node (ranks 0 .. LOCAL_WORLD_SIZE - 1), a sharded one each node its ranks' shards."""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         share = local / world if sharded else float(rank < local)
-        budget.check(cfg, run.store, run.cache, fields, node_share=share)
+        budget.check(cfg, run, fields, node_share=share)
 
     # ---- loading --------------------------------------------------------------------
     def load(self, model_spec: dict) -> Resumed:
@@ -93,11 +90,10 @@ class CheckpointManager:
             dist.barrier()  # every rank has read before a damaged one is moved
         if self.rank == 0:
             for step in damaged:
-                quarantine(self.store, self.cfg.run_name, step)
+                quarantine(self.run, step)
         if ckpt is not None:
             self._restore_rng(ckpt)
-        layout = RunLayout(self.cfg.run_name)
-        return Resumed(ckpt, [self.store.uri(layout.step(s)) for s in damaged])
+        return Resumed(ckpt, [self.run.uri(self.run.layout.step(s)) for s in damaged])
 
     def rollback_target(self, model_spec: dict) -> Loaded | None:
         """The last checkpoint, once committed, loaded into the model and optimizer with this rank's RNG state
@@ -114,8 +110,7 @@ class CheckpointManager:
         if self.world > 1:
             dist.barrier()
         return resume.load_latest(
-            self.store,
-            self.cfg.run_name,
+            self.run,
             self.model,
             self.optimizer,
             self.cache,
@@ -164,7 +159,7 @@ class CheckpointManager:
         self.last_checkpoint = uri
         print(f"checkpoint step {step} committed -> {uri}", flush=True)
         if not self.hold_for_eval:  # else the flow applies retention as it finishes evaluating each checkpoint
-            retention.apply(self.store, self.cfg.run_name, self.cfg.checkpoint)
+            retention.apply(self.run, self.cfg.checkpoint)
 
     def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
         """Block until every checkpoint so far is committed; StoreOutage after `timeout_s`."""
@@ -172,7 +167,7 @@ class CheckpointManager:
 
     def committed_steps(self) -> list[int]:
         """The steps the store holds complete checkpoints of (read back, not assumed)."""
-        return complete_steps(self.store, self.cfg.run_name)
+        return complete_steps(self.run)
 
     # ---- failing and ending ---------------------------------------------------------
     @property

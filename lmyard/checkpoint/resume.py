@@ -1,9 +1,9 @@
 """Reading checkpoints back, either format: resume, rollback, evaluation, export.
 
-    load_step(store, run, step)            the whole state on one process (an evaluator, an export)
+    load_step(run, step, cache_dir)        the whole state on one process (an evaluator, an export)
     load_into(..., model, optimizer)       into a live model: sharded (every rank its shards, any world
                                            size) or plain (every rank the whole state)
-    find_latest(store, run, ..., load)     the newest checkpoint that loads; damaged ones skipped
+    find_latest(run, cache_dir, load)      the newest checkpoint that loads; damaged ones skipped
     load_latest(..., model, optimizer)     find_latest + load_into, after checking the model's shape
 
 Design notes: docs/checkpoints.md, `lmyard/checkpoint/resume.py`.
@@ -24,42 +24,40 @@ from lmyard.checkpoint.manifest import DamagedCheckpoint
 from lmyard.checkpoint.ranks import agree, gather
 from lmyard.checkpoint.state import Checkpoint, Loaded
 from lmyard.errors import UserError
-from lmyard.layout import RunLayout
 from lmyard.retry import Backoff, retrying
-from lmyard.store import Store
+from lmyard.run import Run
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def load_step(store: Store, run_name: str, step: int, cache_dir: str, optimizer: bool = True) -> Checkpoint:
+def load_step(run: Run, step: int, cache_dir: str, optimizer: bool = True) -> Checkpoint:
     """Checkpoint `step`, either format, whole on this process, verified against its manifest (`optimizer=False`:
     a sharded checkpoint's optimizer state is not read). DamagedCheckpoint when its bytes are wrong."""
-    manifest = read_manifest(store, run_name, step)
+    manifest = read_manifest(run, step)
     if manifest.format == "dcp":
         from lmyard.checkpoint.dcp_load import load_full  # torch's DCP and DTensor: imported only where read
 
-        return load_full(store, run_name, step, cache_dir, optimizer=optimizer)
-    return read_full(store, run_name, manifest, cache_dir)
+        return load_full(run, step, cache_dir, optimizer=optimizer)
+    return read_full(run, manifest, cache_dir)
 
 
-def load_complete(store: Store, run_name: str, step: int, cache_dir: str, hint: str, optimizer: bool = True):
+def load_complete(run: Run, step: int, cache_dir: str, hint: str, optimizer: bool = True):
     """`load_step` for an operator command: a damaged checkpoint (or one that does not load) is a UserError naming
     it, the complete steps, and `hint` (what to give instead, e.g. "give another step with --step")."""
     import pickle
 
     try:
-        return load_step(store, run_name, step, cache_dir, optimizer=optimizer)
+        return load_step(run, step, cache_dir, optimizer=optimizer)
     except (ValueError, OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as e:
         raise UserError(
-            f"checkpoint {store.uri(RunLayout(run_name).step(step))} is damaged ({str(e).splitlines()[0]}); "
-            f"{hint} (complete steps: {complete_steps(store, run_name)})"
+            f"checkpoint {run.uri(run.layout.step(step))} is damaged ({str(e).splitlines()[0]}); "
+            f"{hint} (complete steps: {complete_steps(run)})"
         ) from None
 
 
 def load_into(
-    store: Store,
-    run_name: str,
+    run: Run,
     step: int,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -70,11 +68,11 @@ def load_into(
 ) -> Loaded:
     """Checkpoint `step`, either format, into `model` and `optimizer`: a sharded (FSDP2) model on every rank
     together, or a plain one (each rank reads the whole state)."""
-    if sharded and read_manifest(store, run_name, step).format == "dcp":
+    if sharded and read_manifest(run, step).format == "dcp":
         from lmyard.checkpoint.dcp_load import load_sharded  # torch's DCP and DTensor: only a sharded model's
 
-        return load_sharded(store, run_name, step, model, optimizer, cache_dir, group)
-    ckpt = load_step(store, run_name, step, cache_dir)
+        return load_sharded(run, step, model, optimizer, cache_dir, group)
+    ckpt = load_step(run, step, cache_dir)
     if sharded:
         from lmyard.checkpoint.dcp_load import load_full_into
 
@@ -112,8 +110,7 @@ def _together(load: Callable[[int], T], group) -> Callable[[int], T]:
 
 @overload
 def find_latest(
-    store: Store,
-    run_name: str,
+    run: Run,
     cache_dir: str,
     load: None = None,
     *,
@@ -125,8 +122,7 @@ def find_latest(
 
 @overload
 def find_latest(
-    store: Store,
-    run_name: str,
+    run: Run,
     cache_dir: str,
     load: Callable[[int], T],
     *,
@@ -137,8 +133,7 @@ def find_latest(
 
 
 def find_latest(
-    store: Store,
-    run_name: str,
+    run: Run,
     cache_dir: str,
     load: Callable[[int], object] | None = None,
     *,
@@ -148,9 +143,9 @@ def find_latest(
 ) -> tuple[object, list[int]]:
     """(the newest checkpoint that `load(step)` loads, the damaged steps skipped on the way); see the module doc.
     `load` defaults to `load_step` (the whole state on this process)."""
-    load = _together(load or (lambda step: load_step(store, run_name, step, cache_dir)), group)
+    load = _together(load or (lambda step: load_step(run, step, cache_dir)), group)
     damaged: list[int] = []
-    for step in reversed(agree(complete_steps(store, run_name), group)):
+    for step in reversed(agree(complete_steps(run), group)):
         try:
             return retrying(
                 functools.partial(load, step),
@@ -161,7 +156,7 @@ def find_latest(
             ), damaged
         except DamagedCheckpoint as e:
             msg = (
-                f"warning: checkpoint {store.uri(RunLayout(run_name).step(step))} is damaged "
+                f"warning: checkpoint {run.uri(run.layout.step(step))} is damaged "
                 f"({str(e).splitlines()[0]}); falling back to the previous one"
             )
             log.warning(msg)
@@ -176,8 +171,7 @@ def _say_read_failed(step: int, e: Exception, attempt: int, delay: float | None)
 
 
 def load_latest(
-    store: Store,
-    run_name: str,
+    run: Run,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     cache_dir: str,
@@ -191,10 +185,10 @@ def load_latest(
 
     def load(step: int) -> Loaded:
         if model_spec is not None:
-            check_shape(store, run_name, step, model_spec)
-        return load_into(store, run_name, step, model, optimizer, cache_dir, sharded=sharded, group=group)
+            check_shape(run, step, model_spec)
+        return load_into(run, step, model, optimizer, cache_dir, sharded=sharded, group=group)
 
-    return find_latest(store, run_name, cache_dir, load, group=group)
+    return find_latest(run, cache_dir, load, group=group)
 
 
 def _shape(spec: dict) -> dict:
@@ -204,11 +198,11 @@ def _shape(spec: dict) -> dict:
     }
 
 
-def check_shape(store: Store, run_name: str, step: int, model_spec: dict) -> None:
+def check_shape(run: Run, step: int, model_spec: dict) -> None:
     """UserError when checkpoint `step` holds a model of another shape than `model_spec` (its state.json says;
     a state.json that does not parse is left to the load, which calls it damaged)."""
     try:
-        saved = read_state(store, run_name, step).model
+        saved = read_state(run, step).model
     except ValueError:
         return
     if not saved:  # a state written without a model spec
@@ -222,6 +216,6 @@ def check_shape(store: Store, run_name: str, step: int, model_spec: dict) -> Non
         return " ".join(f"{k}={spec.get(k)}" for k in keys)
 
     raise UserError(
-        f"run '{run_name}' has checkpoint step {step} of another model ({shape(old)}) than this config builds "
+        f"run '{run.name}' has checkpoint step {step} of another model ({shape(old)}) than this config builds "
         f"({shape(new)}); use a new run_name or model.init_from to start from other weights"
     )

@@ -16,25 +16,25 @@ from collections.abc import Set as AbstractSet
 from lmyard.checkpoint.catalog import complete_steps, read_manifest
 from lmyard.config import CheckpointConfig
 from lmyard.layout import EVALUATED, RunLayout
-from lmyard.store import Store
+from lmyard.run import Run
 
 
-def protected_steps(store: Store, run_name: str) -> set[int]:
-    key = RunLayout(run_name).protected
-    return set(json.loads(store.read_bytes(key)).get("steps", [])) if store.exists(key) else set()
+def protected_steps(run: Run) -> set[int]:
+    key = run.layout.protected
+    return set(json.loads(run.store.read_bytes(key)).get("steps", [])) if run.store.exists(key) else set()
 
 
-def protect_checkpoint(store: Store, run_name: str, step: int) -> list[int]:
+def protect_checkpoint(run: Run, step: int) -> list[int]:
     """Add `step` to runs/<run>/protected.json ({"steps": [...]}): retention keeps what a registered model points
     to. All protected steps, sorted."""
-    steps = protected_steps(store, run_name) | {step}
-    store.write_bytes(RunLayout(run_name).protected, json.dumps({"steps": sorted(steps)}).encode())
+    steps = protected_steps(run) | {step}
+    run.store.write_bytes(run.layout.protected, json.dumps({"steps": sorted(steps)}).encode())
     return sorted(steps)
 
 
-def mark_evaluated(store: Store, run_name: str, step: int, ok: bool) -> None:
+def mark_evaluated(run: Run, step: int, ok: bool) -> None:
     """Release checkpoint `step` for retention: its evaluation has ended (`ok`: it succeeded)."""
-    store.write_bytes(RunLayout(run_name).evaluated(step), json.dumps({"ok": ok, "time": time.time()}).encode())
+    run.store.write_bytes(run.layout.evaluated(step), json.dumps({"ok": ok, "time": time.time()}).encode())
 
 
 def plan(
@@ -55,20 +55,20 @@ def plan(
     return sorted(keep), [s for s in steps if s not in keep]
 
 
-def apply(store: Store, run_name: str, policy: CheckpointConfig, hold_for_eval: bool = False) -> list[int]:
+def apply(run: Run, policy: CheckpointConfig, hold_for_eval: bool = False) -> list[int]:
     """Delete what the policy does not keep; returns the deleted steps.
 
     With `hold_for_eval`, checkpoints without an `evaluated.json` are kept (an evaluator still needs them).
     """
-    layout = RunLayout(run_name)
+    store, layout = run.store, run.layout
     keys = store.list(layout.checkpoints)
-    steps = complete_steps(store, run_name, keys)
-    val = {s: read_manifest(store, run_name, s).val_loss for s in steps}
+    steps = complete_steps(run, keys)
+    val = {s: read_manifest(run, s).val_loss for s in steps}
     held = set()
     if hold_for_eval:
         released = {RunLayout.step_of(k) for k in keys if k.endswith(f"/{EVALUATED}")}
         held = set(steps) - released
-    _, delete = plan(steps, val, policy, protected_steps(store, run_name), held)
+    _, delete = plan(steps, val, policy, protected_steps(run), held)
     for s in delete:
         store.delete(layout.manifest(s))
         store.delete(layout.step(s))

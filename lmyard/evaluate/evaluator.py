@@ -49,7 +49,7 @@ def evaluate_checkpoint(cfg: RunConfig, shards: ShardSet, step: int, run: Run | 
     device = device_for(cfg.eval)
     run = run or Run.of(cfg)
     # a private checkpoint cache: the trainer may be downloading the same checkpoint to resume
-    ckpt = resume.load_step(run.store, run.name, step, os.path.join(run.cache, "eval"))
+    ckpt = resume.load_step(run, step, os.path.join(run.cache, "eval"))
     ctx = Context(cfg, model_from_checkpoint(ckpt, device), ckpt, shards, device, run.cache)
     scores = {spec.name: spec.score(spec.run(ctx)) for spec in registry.enabled(cfg.eval)}
     return EvalResult(
@@ -67,7 +67,7 @@ def evaluate_latest(cfg: RunConfig, shards: ShardSet, step: int | None = None) -
     """Evaluate checkpoint `step` of cfg.run_name, or its newest complete one."""
     run = Run.of(cfg)
     if step is None:
-        steps = catalog.complete_steps(run.store, run.name)
+        steps = catalog.complete_steps(run)
         if not steps:
             raise UserError(
                 f"run {cfg.run_name!r} has no complete checkpoint in {cfg.store}: train it first, or "

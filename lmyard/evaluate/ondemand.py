@@ -23,6 +23,7 @@ from lmyard.checkpoint import catalog, resume
 from lmyard.config import EvalConfig, TokenizerConfig, redact_uri
 from lmyard.errors import UserError
 from lmyard.layout import RunLayout
+from lmyard.run import Run
 from lmyard.store import Store, open_store
 from lmyard.tracking.registered import is_registered
 
@@ -80,19 +81,19 @@ def resolve(given: str, step: int | None, store_uri: str, tracking_uri: str) -> 
 
 
 def _checkpoint(given: str, root: str, run: str, step: int | None) -> Source:
-    from lmyard.tracking.runs import lineage_run_id
+    from lmyard.tracking.lineage import lineage_run_id
 
-    store = _store(root)
-    steps = catalog.complete_steps(store, run)
+    lineage = Run(run, _store(root))
+    steps = catalog.complete_steps(lineage)
     if not steps:
         raise UserError(
-            f"run {run!r} has no complete checkpoint in {redact_uri(store.uri(RunLayout(run).checkpoints))}: "
+            f"run {run!r} has no complete checkpoint in {redact_uri(lineage.uri(lineage.layout.checkpoints))}: "
             "train it first (lmyard run), or give another run"
         )
     if step is not None and step not in steps:
         raise UserError(f"run {run!r} has no complete checkpoint of step {step}; complete steps: {steps}")
     chosen = steps[-1] if step is None else step
-    return Source(given, "checkpoint", root, run, chosen, mlflow_run_id=lineage_run_id(store, run))
+    return Source(given, "checkpoint", root, run, chosen, mlflow_run_id=lineage_run_id(lineage))
 
 
 def _export_info(folder: str, where: str) -> dict:
@@ -143,9 +144,8 @@ def load(src: Source, device: str, cache_dir: str, tracking_uri: str) -> Loaded:
 
     if src.kind == "checkpoint":
         assert src.store and src.run_name and src.step is not None
-        ckpt = resume.load_complete(
-            _store(src.store), src.run_name, src.step, cache_dir, "give another step with --step", optimizer=False
-        )
+        run = Run(src.run_name, _store(src.store))
+        ckpt = resume.load_complete(run, src.step, cache_dir, "give another step with --step", optimizer=False)
         facts, config = checkpoint_facts(ckpt), ckpt.state.config
         return Loaded(
             model_from_checkpoint(ckpt, device),
@@ -185,10 +185,10 @@ def _run_config(src: Source) -> dict:
     micro_batch: the val loss the run logged); else {}, and the defaults."""
     if not (src.store and src.run_name and src.step is not None):
         return {}
-    store = _store(src.store)
-    if src.step not in catalog.complete_steps(store, src.run_name):
+    run = Run(src.run_name, _store(src.store))
+    if src.step not in catalog.complete_steps(run):
         return {}
-    return catalog.read_state(store, src.run_name, src.step).config
+    return catalog.read_state(run, src.step).config
 
 
 # ---------------------------------------------------------------- eval

@@ -22,6 +22,7 @@ from lmyard.errors import UserError
 from lmyard.layout import RunLayout
 from lmyard.models import registry
 from lmyard.models.spec import HFAdapter
+from lmyard.run import Run
 from lmyard.store import open_store
 from lmyard.tracking.registered import export_folder, is_registered
 
@@ -89,20 +90,18 @@ def parse_source(uri: str, step: int | None) -> tuple[str, str, int | None]:
 
 def load_checkpoint(uri: str, step: int | None, cache_dir: str) -> Checkpoint:
     """The complete checkpoint named by `uri` (and `step`); a missing, incomplete or damaged one is a UserError."""
-    root, run, step = parse_source(uri, step)
-    store = open_store(root)
-    steps = catalog.complete_steps(store, run)
+    root, name, step = parse_source(uri, step)
+    run = Run(name, open_store(root))
+    steps = catalog.complete_steps(run)
     if step is None and not steps:
-        raise UserError(
-            f"{store.uri(RunLayout(run).checkpoints)} holds no complete checkpoint (one with its manifest.json)"
-        )
+        raise UserError(f"{run.uri(run.layout.checkpoints)} holds no complete checkpoint (one with its manifest.json)")
     step = steps[-1] if step is None else step
-    where = store.uri(catalog.step_prefix(run, step))
+    where = run.uri(run.layout.step(step))
     if step not in steps:
-        started = store.list(catalog.step_prefix(run, step))
+        started = run.store.list(run.layout.step(step))
         state = "is incomplete (no manifest.json)" if started else "does not exist"
         raise UserError(f"checkpoint {where} {state}; complete steps: {steps or 'none'}")
-    return resume.load_complete(store, run, step, cache_dir, "export another step with --step")
+    return resume.load_complete(run, step, cache_dir, "export another step with --step")
 
 
 # ---------------------------------------------------------------- writing the folder

@@ -107,9 +107,8 @@ def _check_disks(cfg: RunConfig, trial: Trial, vocab: dict[str, int]) -> None:
     key = cfg.tokenizer.model_dump_json()
     n_vocab = vocab[key] = vocab.get(key) or get_tokenizer(cfg.tokenizer).n_vocab
     fields = {"arch": cfg.model.architecture(), **registry.resolve(cfg.model, n_vocab)}
-    run = Run.of(cfg)
     try:
-        budget.check(cfg, run.store, run.cache, fields, node_share=1.0)
+        budget.check(cfg, Run.of(cfg), fields, node_share=1.0)
     except UserError as e:
         raise UserError(f"trial {trial.name} ({said(trial.overrides)}): {e}") from None
 
@@ -166,7 +165,7 @@ def _trial(row: dict[str, Any]) -> Trial:
 def pending(config: RunConfig, p: Plan) -> list[dict[str, Any]]:
     """The trials not done yet: a finished or stopped trial's lineage is not trained again."""
     store = Run.of(config).store
-    return [row for row in p.trials if not record.done(record.outcome(config, store, _trial(row)))]
+    return [row for row in p.trials if not record.done(record.outcome(config, Run(row["name"], store)))]
 
 
 def trial_log(config: RunConfig, name: str) -> Path:
@@ -175,7 +174,8 @@ def trial_log(config: RunConfig, name: str) -> Path:
 
 def run_one(config: RunConfig, command: list[str], name: str) -> None:
     """One trial's `lmyard run` to its end, here (the local backend); TrialFailed if it failed."""
-    proc = TrialProcess(name, command, trial_log(config, name), config.tracking.uri, Run.of(config).store, {})
+    trial = Run(name, Run.of(config).store)
+    proc = TrialProcess(trial, command, trial_log(config, name), config.tracking.uri, {})
     try:
         for step, loss in proc.points():
             log.info(f"trial {name}: val loss {loss:.4f} at step {step}")
@@ -202,7 +202,7 @@ def run_on_ray(config: RunConfig, p: Plan, commands: dict[str, list[str]]) -> No
     store = Run.of(config).store
     for name, (_, stopped_at, _) in ends.items():
         if stopped_at is not None:
-            record.mark_stopped(config, store, Trial(name, {}), stopped_at)
+            record.mark_stopped(config, Run(name, store), stopped_at)
     failed = {n: (e, code) for n, (e, _, code) in ends.items() if e}
     for e, _ in failed.values():
         log.error(e)  # one line each: the trial's own (its name, exit code, last line, log)
@@ -218,7 +218,7 @@ def summarize(config: RunConfig, p: Plan, parent: str, n_vocab: int) -> SweepRes
     """The table of trials and (sizes) the fitted power law, logged on the sweep's run."""
     store, rows = Run.of(config).store, []
     for row in p.trials:
-        o = record.outcome(config, store, _trial(row))
+        o = record.outcome(config, Run(row["name"], store))
         n, d, flops = record.compute(trial_config(config, _trial(row)), n_vocab, o.step)
         rows.append(
             {

@@ -14,7 +14,7 @@ from typing import Any
 
 from lmyard.config import RunConfig, redact_uri
 from lmyard.models import registry
-from lmyard.sweep.space import Trial
+from lmyard.run import Run
 from lmyard.tracking.client import check_reachable, mlflow_client
 from lmyard.tracking.lineage import Lineage, _experiment_id
 
@@ -59,8 +59,9 @@ def close_parent(cfg: RunConfig, run_id: str, status: str) -> None:
     mlflow_client(cfg.tracking.uri).set_terminated(run_id, status)
 
 
-def outcome(cfg: RunConfig, store, trial: Trial) -> Outcome:
-    lineage = Lineage.find(cfg.tracking.uri, store, trial.name)
+def outcome(cfg: RunConfig, trial: Run) -> Outcome:
+    """How the trial's lineage (`trial`: its handle) stands: not started, running, finished, stopped or failed."""
+    lineage = Lineage.find(cfg.tracking.uri, trial)
     if lineage is None:
         return Outcome(trial.name, "not started", None, None, None)
     run = lineage.client.get_run(lineage.ref.mlflow_run_id)
@@ -76,9 +77,9 @@ def done(o: Outcome) -> bool:
     return o.status in ("finished", "stopped")
 
 
-def mark_stopped(cfg: RunConfig, store, trial: Trial, step: int) -> None:
+def mark_stopped(cfg: RunConfig, trial: Run, step: int) -> None:
     """Tag a trial the scheduler stopped at `step` (before its last): done for the sweep, not for its lineage."""
-    lineage = Lineage.find(cfg.tracking.uri, store, trial.name)
+    lineage = Lineage.find(cfg.tracking.uri, trial)
     if lineage is not None:
         lineage.set_tags({STOPPED_TAG: str(step)})
 

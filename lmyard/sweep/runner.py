@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from lmyard.errors import ExitCode, StageFailed
+from lmyard.run import Run
 from lmyard.tracking.lineage import Lineage
 
 POLL_S = 2.0
@@ -45,8 +46,8 @@ def _die_with_parent() -> None:  # in the child, before exec: SIGTERM when the s
 class TrialProcess:
     """`command` (a trial's `lmyard run`) running with its output in `log`; `points()` yields its val losses."""
 
-    def __init__(self, name: str, command: list[str], log: Path, tracking_uri: str, store, env: dict[str, str]):
-        self.name, self.log, self.tracking_uri, self.store = name, log, tracking_uri, store
+    def __init__(self, trial: Run, command: list[str], log: Path, tracking_uri: str, env: dict[str, str]):
+        self.trial, self.name, self.log, self.tracking_uri = trial, trial.name, log, tracking_uri
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
@@ -55,7 +56,7 @@ class TrialProcess:
         self.seen: set[int] = set()
 
     def _new_points(self) -> list[tuple[int, float]]:
-        lineage = Lineage.find(self.tracking_uri, self.store, self.name)
+        lineage = Lineage.find(self.tracking_uri, self.trial)
         if lineage is None:
             return []
         history = lineage.metric_history("loss/val")

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from lmyard.config import RunConfig
 from lmyard.errors import UserError
 from lmyard.launch import ray as ray_launch
+from lmyard.run import Run
 from lmyard.store import open_store
 from lmyard.sweep.runner import TrialProcess
 from lmyard.sweep.space import Schedule
@@ -111,9 +112,8 @@ def _trainable():
         def setup(self, config: dict[str, Any]) -> None:
             t = config["trial"]
             env = {"RAY_ADDRESS": t["ray_address"]}
-            self.proc = TrialProcess(
-                t["name"], t["command"], Path(t["log"]), t["tracking_uri"], open_store(t["store"]), env
-            )
+            trial = Run(t["name"], open_store(t["store"]))
+            self.proc = TrialProcess(trial, t["command"], Path(t["log"]), t["tracking_uri"], env)
             self.points, self.last, self.grace_s = self.proc.points(), (0, float("nan")), float(t["grace_s"])
 
         def step(self) -> dict[str, Any]:

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmyard.errors import LeaseLost, UserError
-from lmyard.layout import RunLayout
-from lmyard.store import LocalStore, Store
+from lmyard.run import Run
+from lmyard.store import LocalStore
 
 FIELDS = ("token", "heartbeat", "ttl_s")  # what a lease record needs to be judged (no epoch: an older lmyard's, 0)
 STALE = 2 / 3  # of the ttl: a holder whose heartbeat is older stops writing (see the module doc)
@@ -220,8 +220,8 @@ class Fence:
     """The trainer's side of the lease (see the module doc): `check()` before a commit, `due_check()` at step
     boundaries (a read at most every ttl/6 s); both raise LeaseLost once the lease is not `ref`'s any more."""
 
-    def __init__(self, store: Store, run_name: str, ref: LeaseRef):
-        self.backend, self.run_name, self.ref = _backend(store, run_name), run_name, ref
+    def __init__(self, run: Run, ref: LeaseRef):
+        self.backend, self.run_name, self.ref = _backend(run), run.name, ref
         self.every_s, self.last = ref.ttl_s / 6, time.monotonic()
 
     def check(self) -> None:
@@ -305,23 +305,22 @@ class Lease:
         self.release()
 
 
-def _backend(store: Store, run_name: str) -> _LocalLease | _S3Lease:
-    key = RunLayout(run_name).lease
+def _backend(run: Run) -> _LocalLease | _S3Lease:
+    store, key = run.store, run.layout.lease
     return _LocalLease(store, key) if isinstance(store, LocalStore) else _S3Lease(store, key)
 
 
 def acquire(
-    store: Store,
-    run_name: str,
+    run: Run,
     holder: dict,
     ttl_s: float = 60.0,
     wait_s: float = 90.0,
     poll_s: float = 1.0,
     on_lost: Callable[[], object] | None = None,
 ) -> Lease:
-    """Take the lease of lineage `run_name`, waiting up to `wait_s` for its holder to end (or its lease to
-    expire); a UserError naming the holder when it does not. `holder` adds to host, pid and since."""
-    backend = _backend(store, run_name)
+    """Take the lease of lineage `run`, waiting up to `wait_s` for its holder to end (or its lease to expire); a
+    UserError naming the holder when it does not. `holder` adds to host, pid and since."""
+    backend, run_name = _backend(run), run.name
     record = {
         "host": socket.gethostname(),
         "pid": os.getpid(),

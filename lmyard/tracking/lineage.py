@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 
 from lmyard.config import RunConfig, redact_uri
 from lmyard.errors import UserError
-from lmyard.layout import RunLayout
+from lmyard.run import Run
 from lmyard.tracking import cost, schema
 from lmyard.tracking.client import check_reachable, mlflow_client
 
@@ -45,10 +45,10 @@ def _experiment_id(client, cfg: RunConfig) -> str:
     )
 
 
-def _saved_run_id(store, run_name: str) -> str | None:
+def lineage_run_id(run: Run) -> str | None:
     """The MLflow run id in runs/<run_name>/lineage.json (None: no lineage yet); a UserError naming the file and
     the fix when it does not parse, so a damaged file never blocks the lineage with a traceback."""
-    key = RunLayout(run_name).lineage
+    store, key = run.store, run.layout.lineage
     if not store.exists(key):
         return None
     try:
@@ -113,35 +113,35 @@ class Lineage:
     # ------------------------------------------------------------ lifecycle
 
     @classmethod
-    def open(cls, cfg: RunConfig, store, *, shard_address: str, code_version: str) -> Lineage:
+    def open(cls, cfg: RunConfig, run: Run, *, shard_address: str, code_version: str) -> Lineage:
         """Create the lineage's MLflow run (params: the whole config), or reopen it (status RUNNING again).
 
         Attempts are recorded by `record_attempt`, once per launch of the trainer.
         """
         check_reachable(cfg.tracking.uri)
         client = mlflow_client(cfg.tracking.uri)
-        run_id, changed, params = _saved_run_id(store, cfg.run_name), {}, cfg.flat()
+        run_id, changed, params = lineage_run_id(run), {}, cfg.flat()
         if run_id is not None:
             try:
-                run = client.get_run(run_id)
+                tracked = client.get_run(run_id)
             except Exception:
                 raise UserError(
                     f"lineage {cfg.run_name!r} belongs to MLflow run {run_id}, which "
                     f"{redact_uri(cfg.tracking.uri)} does not hold: point tracking.uri at the server that has it, "
                     "or choose a new run_name"
                 ) from None
-            experiment_id = run.info.experiment_id
-            attempts = int(run.data.tags.get("lmyard.attempts", "0"))
-            changed = {k: v for k, v in params.items() if k in run.data.params and run.data.params[k] != v}
+            experiment_id = tracked.info.experiment_id
+            attempts = int(tracked.data.tags.get("lmyard.attempts", "0"))
+            changed = {k: v for k, v in params.items() if k in tracked.data.params and tracked.data.params[k] != v}
             client.update_run(run_id, status="RUNNING")
         else:
-            experiment_id, run_id, attempts = *_create_run(client, cfg, store, params), 0
+            experiment_id, run_id, attempts = *_create_run(client, cfg, run, params), 0
         lineage = cls(_ref(cfg.run_name, cfg.tracking.uri, experiment_id, run_id, attempts))
         lineage.__dict__["client"] = client
         tags = {
             "lmyard.shard_address": shard_address,
             "lmyard.code_version": code_version,
-            "lmyard.store": store.uri(RunLayout(cfg.run_name).root),
+            "lmyard.store": run.uri(run.layout.root),
         }
         if cfg.tracking.parent_run_id:  # a trial of a sweep: nested under the sweep's run in the MLflow UI
             tags["mlflow.parentRunId"] = cfg.tracking.parent_run_id
@@ -151,16 +151,16 @@ class Lineage:
         return lineage
 
     @classmethod
-    def find(cls, tracking_uri: str, store, run_name: str) -> Lineage | None:
-        """The lineage of runs/<run_name> as it stands (found through the store), without reopening its run;
-        None when the store has no such lineage."""
-        run_id = _saved_run_id(store, run_name)
+    def find(cls, tracking_uri: str, run: Run) -> Lineage | None:
+        """The lineage of `run` (runs/<run_name>) as it stands (found through the store), without reopening its
+        MLflow run; None when the store has no such lineage."""
+        run_id, run_name = lineage_run_id(run), run.name
         if run_id is None:
             return None
         client = mlflow_client(tracking_uri)
-        run = client.get_run(run_id)
-        attempt = int(run.data.tags.get("lmyard.attempts", "0"))
-        lineage = cls(_ref(run_name, tracking_uri, run.info.experiment_id, run_id, attempt))
+        tracked = client.get_run(run_id)
+        attempt = int(tracked.data.tags.get("lmyard.attempts", "0"))
+        lineage = cls(_ref(run_name, tracking_uri, tracked.info.experiment_id, run_id, attempt))
         lineage.__dict__["client"] = client
         return lineage
 
@@ -401,7 +401,7 @@ def _ref(run_name: str, tracking_uri: str, experiment_id: str, run_id: str, atte
     )
 
 
-def _create_run(client, cfg: RunConfig, store, params: dict[str, str]) -> tuple[str, str]:
+def _create_run(client, cfg: RunConfig, run: Run, params: dict[str, str]) -> tuple[str, str]:
     """A new MLflow run for lineage `cfg.run_name`, its params the whole (redacted) config, its id saved in
     runs/<run_name>/lineage.json; (experiment id, run id)."""
     from mlflow.entities import Param
@@ -412,5 +412,5 @@ def _create_run(client, cfg: RunConfig, store, params: dict[str, str]) -> tuple[
     for i in range(0, len(items), 100):
         client.log_batch(run_id, params=items[i : i + 100])
     saved = {"mlflow_run_id": run_id, "experiment_id": experiment_id, "tracking_uri": redact_uri(cfg.tracking.uri)}
-    store.write_bytes(RunLayout(cfg.run_name).lineage, json.dumps(saved).encode())
+    run.store.write_bytes(run.layout.lineage, json.dumps(saved).encode())
     return experiment_id, run_id

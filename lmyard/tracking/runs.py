@@ -17,10 +17,12 @@ from pydantic import BaseModel
 from lmyard.checkpoint import catalog
 from lmyard.config import redact_uri
 from lmyard.errors import UserError
-from lmyard.layout import RUNS, RunLayout
+from lmyard.layout import RUNS
+from lmyard.run import Run
 from lmyard.store import Store
 from lmyard.tracking import cost, lease, schema
 from lmyard.tracking.client import mlflow_client, tracking_errors
+from lmyard.tracking.lineage import lineage_run_id
 
 
 class LeaseHolder(BaseModel):
@@ -116,8 +118,8 @@ def run_names(store: Store) -> list[str]:
     return sorted(names)
 
 
-def _lease(store: Store, run_name: str) -> LeaseHolder | None:
-    key = RunLayout(run_name).lease
+def _lease(run: Run) -> LeaseHolder | None:
+    store, key = run.store, run.layout.lease
     if not store.exists(key):
         return None
     record = lease.parse(store.read_bytes(key), store.uri(key))
@@ -129,30 +131,20 @@ def _lease(store: Store, run_name: str) -> LeaseHolder | None:
     )
 
 
-def lineage_run_id(store: Store, run_name: str) -> str | None:
-    key = RunLayout(run_name).lineage
-    if not store.exists(key):
-        return None
-    try:
-        return json.loads(store.read_bytes(key))["mlflow_run_id"]
-    except (ValueError, KeyError, TypeError):
-        raise UserError(f"{store.uri(key)} is not a lineage file lmyard wrote; move it aside") from None
-
-
-def run_row(store: Store, run_name: str) -> RunRow:
-    steps = catalog.complete_steps(store, run_name)
+def run_row(run: Run) -> RunRow:
+    steps = catalog.complete_steps(run)
     return RunRow(
-        run_name=run_name,
+        run_name=run.name,
         checkpoints=len(steps),
         newest_step=steps[-1] if steps else None,
-        newest_checkpoint=store.uri(RunLayout(run_name).step(steps[-1])) if steps else None,
-        lease=_lease(store, run_name),
-        mlflow_run_id=lineage_run_id(store, run_name),
+        newest_checkpoint=run.uri(run.layout.step(steps[-1])) if steps else None,
+        lease=_lease(run),
+        mlflow_run_id=lineage_run_id(run),
     )
 
 
 def list_runs(store: Store) -> list[RunRow]:
-    return [run_row(store, name) for name in run_names(store)]
+    return [run_row(Run(name, store)) for name in run_names(store)]
 
 
 def _attempts(tags: dict[str, str]) -> list[Attempt]:
@@ -263,38 +255,39 @@ def _evaluation_rows(client, run_id: str, step: int) -> dict[str, str]:
     return {what: value for score in scores.values() for what, value in score.get("rows", {}).items()}
 
 
-def checkpoint_damage(store: Store, run_name: str, step: int, checksums: bool = False) -> str | None:
+def checkpoint_damage(run: Run, step: int, checksums: bool = False) -> str | None:
     """What is wrong with checkpoint `step`'s files against its manifest: their sizes (one listing call a file),
     and with `checksums` their SHA-256 (reads every byte); None when nothing is."""
     from lmyard.checkpoint.manifest import mismatch
 
     try:
-        catalog.verify(store, run_name, step)
-        catalog.read_state(store, run_name, step)
+        catalog.verify(run, step)
+        catalog.read_state(run, step)
         if checksums:
-            for name, meta in catalog.read_manifest(store, run_name, step).files.items():
-                key = RunLayout(run_name).step_file(step, name)
-                if store.sha256(key) != meta.sha256:
-                    raise mismatch(store.uri(key))
+            for name, meta in catalog.read_manifest(run, step).files.items():
+                key = run.layout.step_file(step, name)
+                if run.store.sha256(key) != meta.sha256:
+                    raise mismatch(run.uri(key))
     except ValueError as e:  # DamagedCheckpoint and pydantic's ValidationError are ValueErrors
         return str(e).splitlines()[0]
     return None
 
 
-def run_status(store: Store, run_name: str, tracking_uri: str, checksums: bool = False) -> RunStatus:
-    """The state of lineage `run_name`; UserError when the store holds no such lineage."""
+def run_status(run: Run, tracking_uri: str, checksums: bool = False) -> RunStatus:
+    """The state of lineage `run`; UserError when the store holds no such lineage."""
+    run_name, store = run.name, run.store
     if run_name not in run_names(store):
         known = ", ".join(run_names(store)) or "none"
         raise UserError(f"no lineage {run_name!r} in {store.uri(RUNS)} (lineages there: {known})")
-    row = run_row(store, run_name)
+    row = run_row(run)
     step = row.newest_step
-    damage = checkpoint_damage(store, run_name, step, checksums) if step is not None else None
-    tokens = catalog.read_state(store, run_name, step).tokens_seen if step is not None and not damage else None
+    damage = checkpoint_damage(run, step, checksums) if step is not None else None
+    tokens = catalog.read_state(run, step).tokens_seen if step is not None and not damage else None
     status = RunStatus(
         **row.model_dump(),
         tokens_seen=tokens,
         newest_damaged=damage,
-        damaged_steps=sorted(catalog.damaged(store, run_name)),
+        damaged_steps=sorted(catalog.damaged(run)),
         mlflow_status=None,
         mlflow_run_url=None,
         attempts=[],
@@ -307,18 +300,18 @@ def run_status(store: Store, run_name: str, tracking_uri: str, checksums: bool =
     client = mlflow_client(tracking_uri)
     fix = "give --tracking-uri (or LMYARD_TRACKING__URI) the MLflow server the lineage was recorded on"
     with tracking_errors(tracking_uri, f"lineage {run_name}'s MLflow run {row.mlflow_run_id}", fix):
-        run = client.get_run(row.mlflow_run_id)
+        tracked = client.get_run(row.mlflow_run_id)
         history = client.get_metric_history(row.mlflow_run_id, schema.EVAL_LOSS)
         versions = client.search_model_versions(f"run_id = '{row.mlflow_run_id}'")
         last = max(history, key=lambda m: m.step) if history else None
         rows = _evaluation_rows(client, row.mlflow_run_id, last.step) if last else {}
-    status.mlflow_status = run.info.status
-    status.mlflow_run_url = run_url(tracking_uri, run.info.experiment_id, row.mlflow_run_id)
-    status.attempts = _with_restarts(_attempts(run.data.tags), client, row.mlflow_run_id, run.data.metrics)
+    status.mlflow_status = tracked.info.status
+    status.mlflow_run_url = run_url(tracking_uri, tracked.info.experiment_id, row.mlflow_run_id)
+    status.attempts = _with_restarts(_attempts(tracked.data.tags), client, row.mlflow_run_id, tracked.data.metrics)
     status.flow_run_url = next((a.flow_run_url for a in reversed(status.attempts) if a.flow_run_url), None)
-    status.usage = _usage(run.data.tags)
+    status.usage = _usage(tracked.data.tags)
     status.last_evaluation = LastEvaluation(step=last.step, val_loss=last.value, rows=rows) if last else None
-    status.goodput = _goodput(run.data.metrics)
+    status.goodput = _goodput(tracked.data.metrics)
     status.registered_versions = [
         ModelVersion(
             name=v.name, version=str(v.version), aliases=list(v.aliases or []), uri=f"models:/{v.name}/{v.version}"

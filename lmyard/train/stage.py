@@ -102,7 +102,7 @@ def _train(spec_path: str | None, run: TrainRun) -> TrainResult:
     run.sink = metrics_sink(lineage, d.is_main)  # rank 0 logs to MLflow; the others to nothing
     with node_system_metrics(cfg, lineage, d):
         handle = Run.of(cfg)  # the run's store, keys and this node's cache, opened once for the rank
-        fence = Fence(handle.store, handle.name, spec.lease) if spec.lease else None
+        fence = Fence(handle, spec.lease) if spec.lease else None
         run.trainer = trainer = Trainer(spec, handle, d, run.sink, fence=fence, startup=startup)
         try:
             result = trainer.train()

@@ -37,6 +37,7 @@ from lmyard.checkpoint.state import rng_state  # noqa: E402
 from lmyard.config import ModelConfig  # noqa: E402
 from lmyard.models.gpt2.model import GPT  # noqa: E402
 from lmyard.models.registry import model_config  # noqa: E402
+from lmyard.run import Run  # noqa: E402
 from lmyard.store import open_store  # noqa: E402
 
 
@@ -47,7 +48,7 @@ def bench(preset: str, batch: int, store_dir: str, interval: int) -> dict:
     cmodel = torch.compile(model)
     x = torch.randint(0, 50257, (batch, 1025), device="cuda")
     store = open_store(store_dir)
-    ckpt = FullCheckpointer(store, f"bench-{preset}", f"{store_dir}/staging", say=lambda s: None)
+    ckpt = FullCheckpointer(Run(f"bench-{preset}", store), f"{store_dir}/staging", say=lambda s: None)
 
     def step(before_update=None):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -101,11 +102,11 @@ def bench(preset: str, batch: int, store_dir: str, interval: int) -> dict:
     store.delete(f"runs/bench-{preset}")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    sync = FullCheckpointer(store, f"bench-{preset}-sync", f"{store_dir}/staging", say=lambda s: None)
+    sync = FullCheckpointer(Run(f"bench-{preset}-sync", store), f"{store_dir}/staging", say=lambda s: None)
     sync.save_state(model.state_dict(), opt.state_dict(), {"step": 1, "cursor": 0}, [rng_state()])
     sync.close()
     out["sync_s"] = round(time.perf_counter() - t0, 2)
-    out["checkpoint_gb"] = round(read_manifest(store, f"bench-{preset}-sync", 1).bytes / 1e9, 2)
+    out["checkpoint_gb"] = round(read_manifest(Run(f"bench-{preset}-sync", store), 1).bytes / 1e9, 2)
     cost = max(out["async"]["blocked_s"], out["async"]["extra_wall_s"])
     out["async_vs_sync"] = round(cost / out["sync_s"], 4)
     out[f"overhead_at_interval_{interval}"] = round(cost / (interval * base), 5)

@@ -41,6 +41,7 @@ from lmyard.checkpoint.catalog import complete_steps  # noqa: E402
 from lmyard.data.shards import ShardSet  # noqa: E402
 from lmyard.launch.local_job import run_local  # noqa: E402
 from lmyard.recipes import load_recipe  # noqa: E402
+from lmyard.run import Run  # noqa: E402
 from lmyard.store import open_store  # noqa: E402
 
 STEP_LINE = re.compile(r"^step (\d+)/\d+ \|.*\| ([\d,]+) tok/s")
@@ -94,7 +95,7 @@ def measure(cfg, shards, with_eval: bool, warmup_steps: int, evaluator_cpus: set
             with open(spec_path, "w") as f:
                 json.dump({"config": spec["config"], "shards": spec["shards"]}, f)
             while not stop.is_set():
-                for step in complete_steps(store, cfg.run_name):
+                for step in complete_steps(Run(cfg.run_name, store)):
                     if step not in evaluated and not stop.is_set():
                         t0 = time.perf_counter()
                         proc = subprocess.run(

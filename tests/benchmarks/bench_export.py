@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from lmyard.run import Run
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -33,7 +35,7 @@ def main() -> None:
     state = {"step": 1, "tokens_seen": 0, "config": cfg.model_dump(mode="json"), "model": gcfg.__dict__}
     t0 = time.perf_counter()
     store = open_store(f"{args.dir}/store")
-    writer = FullCheckpointer(store, "bench", f"{args.dir}/staging", say=lambda s: None)
+    writer = FullCheckpointer(Run("bench", store), f"{args.dir}/staging", say=lambda s: None)
     writer.save(model, None, state, [])
     writer.close()
     uri = store.uri(RunLayout("bench").step(1))

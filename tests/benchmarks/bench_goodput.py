@@ -56,6 +56,7 @@ from lmyard.errors import Preempted  # noqa: E402
 from lmyard.launch.follower import Follower  # noqa: E402
 from lmyard.launch.local_job import LocalJob  # noqa: E402
 from lmyard.recipes import load_recipe  # noqa: E402
+from lmyard.run import Run  # noqa: E402
 from lmyard.store import open_store  # noqa: E402
 
 RUN = "goodput"
@@ -186,7 +187,7 @@ def run(a: argparse.Namespace, work: Path) -> dict:
         if attempt.ended.startswith("failed: UserError"):  # the config cannot run: no retry runs it either
             raise SystemExit(f"attempt {attempt.n} {attempt.ended}")
     wall = time.monotonic() - t0
-    committed = complete_steps(open_store(cfg.store), RUN)
+    committed = complete_steps(Run(RUN, open_store(cfg.store)))
     return summarize(a, cfg, attempts, committed[-1] if committed else 0, wall, caches)
 
 

@@ -54,6 +54,7 @@ from torch import nn  # noqa: E402
 from lmyard.checkpoint import dcp as sc  # noqa: E402
 from lmyard.checkpoint import dcp_load  # noqa: E402
 from lmyard.layout import RunLayout  # noqa: E402
+from lmyard.run import Run  # noqa: E402
 from lmyard.store import LocalStore  # noqa: E402
 
 RUN = "bench-dcp"
@@ -155,7 +156,11 @@ def sync_save(model, opt, folder: str, group) -> float:
 
 def async_saves(model, opt, loss_fn, store, staging: str, stream: bool, a, rank: int, base_s: float) -> list[dict]:
     ckpt = sc.ShardedCheckpointer(
-        store, RUN, staging, async_staging=stream, write_threads=a.write_threads, say=lambda s: print(s, flush=True)
+        Run(RUN, store),
+        staging,
+        async_staging=stream,
+        write_threads=a.write_threads,
+        say=lambda s: print(s, flush=True),
     )
     t0 = time.perf_counter()
     ckpt.prepare(model, opt)  # as a trainer does after its first step: the pinned buffers, in the background
@@ -367,7 +372,7 @@ def main() -> None:
     phases: dict = {}
     mine = timed(
         lambda: dcp_load.load_sharded(
-            LocalStore(str(root / "store")), RUN, last, model, opt, str(root / "cache"), phases=phases
+            Run(RUN, LocalStore(str(root / "store"))), last, model, opt, str(root / "cache"), phases=phases
         )
     )
     load_s = worst(mine)
