@@ -108,3 +108,42 @@ def test_ranks_sharing_the_unbuffered_output_never_cut_into_each_others_lines():
     expected = {f"step {i} of rank 0 | loss 5.0" for i in range(3000)}
     expected |= {f"[rank 1] step {i} of rank 1 | loss 5.0" for i in range(3000)}
     assert set(lines) == expected and len(lines) == len(expected), sorted(set(lines) - expected)[:5]
+
+
+def test_a_rank_that_prints_in_its_signal_handler_while_printing_goes_on():
+    """The trainer says `SIGTERM received` from its handler, which runs inside whatever print the main thread
+    was in: the rank's line writer must not wait on itself (a rank hung there until torchrun killed it)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    code = (
+        "import signal, sys, time; from lmyard.stages.runtime import prefix_rank_lines; prefix_rank_lines(0)\n"
+        "done = []\n"
+        "def said(*_): print('SIGTERM received; checkpointing after this step', flush=True); done.append(1)\n"
+        "signal.signal(signal.SIGTERM, said)\n"
+        "print('ready', flush=True)\n"
+        "while len(done) < 10: print('step ' * 200, flush=True)\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('stopped', flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-u", "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    read: list[str] = []
+    reader = threading.Thread(target=lambda: read.append(proc.stdout.read()), daemon=True)  # type: ignore[union-attr]
+    reader.start()  # drained as it goes: a full pipe would hold the prints, not the lock
+    for _ in range(500):  # again and again, so some land inside a write
+        if proc.poll() is not None:
+            break
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.02)
+    proc.wait(timeout=60)
+    reader.join(60)
+    out = read[0] if read else ""
+    assert proc.returncode == 0 and "SIGTERM received" in out and out.endswith("stopped\n"), (
+        proc.returncode,
+        out[-300:],
+    )

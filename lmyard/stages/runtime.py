@@ -154,26 +154,27 @@ RANK_LINE = re.compile(r"^\[rank (\d+)\] ")  # how a training rank but 0 starts 
 class _RankLines:
     """A text stream that writes whole lines, each started with `prefix`: print's text and its newline are one write,
     so the ranks that share the job's output (unbuffered) never cut into each other's lines. A partial line waits
-    for its newline or a flush."""
+    for its newline or a flush. Reentrant: a signal handler that prints (the trainer's SIGTERM line) runs inside
+    whatever write the main thread was in, and must not wait for its lock."""
 
     def __init__(self, stream, prefix: str):
         self.stream, self.prefix, self.pending, self.at_start = stream, prefix, "", True
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
 
     def write(self, text: str) -> int:
         with self.lock:
-            self.pending += text
-            cut = self.pending.rfind("\n") + 1
+            data, self.pending = self.pending + text, ""
+            cut = data.rfind("\n") + 1
+            self.pending = data[cut:] + self.pending  # what a handler left pending meanwhile stays after it
             if cut:
-                self._out(self.pending[:cut])
-                self.pending = self.pending[cut:]
+                self._out(data[:cut])
         return len(text)
 
     def flush(self) -> None:
         with self.lock:
-            if self.pending:
-                self._out(self.pending)
-                self.pending = ""
+            data, self.pending = self.pending, ""
+            if data:
+                self._out(data)
         self.stream.flush()
 
     def _out(self, text: str) -> None:
