@@ -54,6 +54,12 @@ class _Launch(_Section):
         description="Kill the job when a rank has not completed its first step this long after the job started "
         "(stuck in rendezvous, resume or compile); raise it for big models; null: never.",
     )
+    standby: bool | None = Field(
+        None,
+        description="Warm standbys (the local backend): while an attempt trains, a process per rank imports "
+        "torch and its compiler, and the next attempt's ranks start in them (docs/launch.md). Default: on where "
+        "training runs on this machine's NVIDIA GPUs.",
+    )
     grace_s: float = Field(
         120,
         gt=0,

@@ -68,12 +68,14 @@ def torchrun_command(
     local_addr: str | None = None,
     spec_path: str | None = None,
     node_rank: str | None = None,
+    module: str = "lmyard.stages",
 ) -> list[str]:
     """torchrun running the trainer on one node: standalone for one node, else a c10d (or static) rendezvous.
 
     `node` (when the caller knows it) tells torchrun whether this node hosts the rendezvous. `node_rank` instead: a
     static rendezvous at the endpoint, this node's rank as given (a placeholder the node fills in: Kubernetes'
-    `$(NODE_RANK)`, lmyard.launch.kubernetes); node 0 hosts it."""
+    `$(NODE_RANK)`, lmyard.launch.kubernetes); node 0 hosts it. `module`: the ranks' entry (lmyard.launch.standby
+    starts them in a warm standby)."""
     n = cfg.launch.nnodes
     cmd = [
         python,
@@ -101,7 +103,7 @@ def torchrun_command(
             cmd += ["--rdzv_conf", f"is_host={int(node == 0)},join_timeout={RDZV_TIMEOUT_S}"]
         if local_addr:
             cmd += ["--local_addr", local_addr]
-    return [*cmd, "-m", "lmyard.stages", "train", *(["--spec", spec_path] if spec_path else [])]
+    return [*cmd, "-m", module, "train", *(["--spec", spec_path] if spec_path else [])]
 
 
 def stage_command(cfg: RunConfig, spec: StageSpec, *, python: str = sys.executable, **torchrun) -> list[str]:

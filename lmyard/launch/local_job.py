@@ -21,8 +21,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from lmyard import backends
 from lmyard.config import RunConfig
-from lmyard.launch import jobdirs
+from lmyard.launch import jobdirs, standby
 from lmyard.launch.follower import Follower
 from lmyard.launch.job import stage_command, stage_env
 from lmyard.stages import EXCHANGE_ENV, Exchange, StageSpec, TrainSpec, read_beats, write_json
@@ -50,8 +51,14 @@ class LocalJob:
         self.folder = jobdirs.new_job_folder(spec.stage)  # removed by close(); a dead launcher's, by the next job
         self.exchange = Exchange(self.folder)
         write_json(self.exchange.path("spec.json"), spec)
-        self.cmd = stage_command(cfg, spec, spec_path=self.exchange.path("spec.json"), **torchrun)
         self.env = {**os.environ, **stage_env(cfg), EXCHANGE_ENV: self.folder}
+        self.standbys, self.ranks = None, cfg.launch.nproc_per_node
+        here = backends.of(cfg).on_flow_host  # the launcher lives across attempts (not a Ray node's actor)
+        if isinstance(spec, TrainSpec) and here and standby.wanted(cfg.launch.standby, cfg.train.device):
+            self.standbys = standby.pool()  # this attempt's ranks start in its waiting standbys, if any
+            self.env[standby.STANDBY_ENV] = self.standbys.folder
+            torchrun["module"] = "lmyard.launch.standby"
+        self.cmd = stage_command(cfg, spec, spec_path=self.exchange.path("spec.json"), **torchrun)
         self.proc: subprocess.Popen | None = None
 
     @classmethod
@@ -79,6 +86,17 @@ class LocalJob:
             events.put(("exit", 0, self.proc.wait()))
 
         threading.Thread(target=pump, daemon=True, name=f"{self.spec.stage}-output").start()
+        if self.standbys is not None:
+            threading.Thread(target=self._refill, daemon=True, name="standby-refill").start()
+
+    def _refill(self) -> None:
+        """Once every rank has stepped (they took the standbys that were warm, and the restart's imports are
+        done): standbys for the next attempt, warm long before this one ends."""
+        while self.proc is not None and self.proc.poll() is None:
+            if len(self.read_all("heartbeat")) >= self.ranks and self.standbys is not None:
+                self.standbys.refill(self.ranks, self.env)
+                return
+            time.sleep(1.0)
 
     def read(self, name: str) -> bytes | None:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 LAUNCHED_AT_ENV = "LMYARD_LAUNCHED_AT"
+RANK_STARTED_ENV = "LMYARD_RANK_STARTED"  # a warm standby's rank: when torchrun started it (lmyard.launch.standby)
 
 
 def launched_at() -> tuple[float, str]:

@@ -24,7 +24,7 @@ from lmyard import faults
 from lmyard.config import RunConfig
 from lmyard.errors import Diverged
 from lmyard.stages import Exchange, Progress
-from lmyard.stages.startup import launched_at
+from lmyard.stages.startup import RANK_STARTED_ENV, launched_at
 from lmyard.tracking.schema import GOODPUT_METRICS, RESTART_METRICS
 
 # Dense bf16 peak FLOP/s per GPU for MFU (vendor datasheets, SXM parts, no sparsity).
@@ -331,15 +331,19 @@ class Startup:
             parts = " + ".join(f"{k.replace('_', ' ')} {times[k]:.2f} s" for k in self.PARTS)
             print(
                 f"startup to the end of step {first}: {times['total']:.2f} s = {parts} "
-                f"(launch from {self.launched_by}'s start)",
+                f"(launch from {self.launched_by}'s start"
+                + ("; in a warm standby)" if RANK_STARTED_ENV in os.environ else ")"),
                 flush=True,
             )
 
 
 def process_start(launched: float) -> float:
-    """This process's start (Unix seconds); `launched` where it cannot be read."""
+    """This rank's start (Unix seconds): its process's, or where a warm standby runs it (lmyard.launch.standby),
+    when torchrun started the process that handed it over; `launched` where it cannot be read."""
     import psutil
 
+    with contextlib.suppress(KeyError, ValueError):
+        return float(os.environ[RANK_STARTED_ENV])
     try:
         return psutil.Process().create_time()
     except psutil.Error:

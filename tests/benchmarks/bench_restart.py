@@ -1,16 +1,18 @@
-"""Where a restart's seconds go: one cold start, one restart on the same node, one on a fresh node, in parts.
+"""Where a restart's seconds go: a cold start, restarts on the same node (a fresh interpreter, a warm standby), one
+on a fresh node, in parts.
 
-    python tests/benchmarks/bench_restart.py --out restart.json              # GPT-2 124M on one GPU, ~2.5 min
+    python tests/benchmarks/bench_restart.py --out restart.json              # GPT-2 124M on one GPU, ~3 min
     python tests/benchmarks/bench_restart.py --device cpu --preset tiny --steps 4 --tokens 200000 \\
         --tokenizer bytes --set train.compile=false --set train.micro_batch=2 --set train.batch_tokens=128 \\
         --set model.block_size=64 --set model.n_layer=2 --set model.n_embd=64 --set model.n_head=2   # a CPU dry run
 
-Three launches of the train stage through the launcher's own path (lmyard.launch.local_job.LocalJob: `torchrun -m
-lmyard.stages train`) on memory-mapped shards of random tokens, each to its `train.max_steps`:
+Four launches of the train stage through the launcher's own path (lmyard.launch.local_job.LocalJob: torchrun)
+on memory-mapped shards of random tokens, each to its `train.max_steps`:
 
 1. cold: empty lmyard, inductor and Triton caches, no checkpoint: `--steps` steps, a checkpoint at the last;
-2. restart: the same node's caches, resumed from that checkpoint, `--steps` more;
-3. fresh node: new empty caches, resumed from the newest checkpoint: only the run's store carries anything.
+2. restart: the same node's caches, resumed from that checkpoint, `--steps` more, launch.standby=false;
+3. restart, warm standby: the same, its ranks in the standbys launch 1 started (waited for until warm);
+4. fresh node: new empty caches, resumed from the newest checkpoint: only the run's store carries anything.
 
 For each it prints the trainer's own parts (lmyard.train.components.Startup, its `startup to the end of step N`
 line: whatever parts the code names, so the same command measures the code before and after a change) and two
@@ -43,6 +45,8 @@ from bench_goodput import Attempt  # noqa: E402
 from bench_goodput import config as goodput_config  # noqa: E402
 from random_shards import make_shards  # noqa: E402
 
+from lmyard.launch import standby as standby_pool  # noqa: E402
+
 RUN = "restart"
 IMPORT_ROW = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \|( +)(\S+)$")
 RANK_IMPORTS = "import lmyard.stages.entry, lmyard.train.stage"
@@ -68,15 +72,19 @@ def rank_start(launched: float, found: dict, done: threading.Event) -> None:
     while not done.wait(0.05):
         for p in me.children(recursive=True):
             try:
-                if "lmyard.stages" in " ".join(p.cmdline()) and "TORCHELASTIC_RUN_ID" in p.environ():
+                cmd = " ".join(p.cmdline())  # a rank: the train stage, or the process a standby takes it from
+                if (
+                    "lmyard.stages" in cmd or "lmyard.launch.standby train" in cmd
+                ) and "TORCHELASTIC_RUN_ID" in p.environ():
                     found["torchrun_outside"] = max(0.0, p.create_time() - launched)
                     return
             except psutil.Error:
                 continue
 
 
-def launch(n: int, name: str, a: argparse.Namespace, work: Path, spec: dict, steps: int) -> dict:
+def launch(n: int, name: str, a: argparse.Namespace, work: Path, spec: dict, steps: int, standby: bool) -> dict:
     cfg = config(a, work, steps)
+    cfg = cfg.model_copy(update={"launch": cfg.launch.model_copy(update={"standby": standby})})
     spec = {**spec, "config": cfg.model_dump(mode="json")}
     attempt = Attempt(n, cfg, spec, time.monotonic() + 1e9, a.echo)
     cache_lines: list[str] = []
@@ -108,6 +116,15 @@ def launch(n: int, name: str, a: argparse.Namespace, work: Path, spec: dict, ste
         **found,
         "compile_cache": cache_lines,
     }
+
+
+def wait_warm(n: int, timeout_s: float = 300.0) -> float:
+    """Seconds waited until `n` standbys are warm (a preemption minutes into a run finds them so)."""
+    t0 = time.monotonic()
+    folder = standby_pool.pool().folder
+    while len(list(Path(folder).glob("*.sock"))) < n and time.monotonic() - t0 < timeout_s:
+        time.sleep(0.2)
+    return round(time.monotonic() - t0, 2)
 
 
 def import_times(code: str, top: int) -> dict:
@@ -147,11 +164,14 @@ def run(a: argparse.Namespace, work: Path) -> dict:
     shards = make_shards(work / "store", a.tokens, a.tokenizer)
     spec = {"shards": shards, "lineage": None}
     use_caches(work / "node1")
-    launches = [launch(1, "cold", a, work, spec, a.steps)]
-    launches.append(launch(2, "restart", a, work, spec, 2 * a.steps))
+    launches = [launch(1, "cold", a, work, spec, a.steps, standby=True)]  # its standbys warm up meanwhile
+    launches.append(launch(2, "restart", a, work, spec, 2 * a.steps, standby=False))
+    warm_s = wait_warm(a.nproc)
+    launches.append(launch(3, "restart, warm standby", a, work, spec, 3 * a.steps, standby=True))
     shutil.rmtree(work / "node1", ignore_errors=True)
-    use_caches(work / "node2")
-    launches.append(launch(3, "fresh node", a, work, spec, 3 * a.steps))
+    use_caches(work / "node2")  # another environment: the standbys refuse it, as they would not be there
+    launches.append(launch(4, "fresh node", a, work, spec, 4 * a.steps, standby=True))
+    standby_pool.close()
     return {
         "preset": a.preset,
         "device": a.device,
@@ -159,6 +179,7 @@ def run(a: argparse.Namespace, work: Path) -> dict:
         "steps_per_launch": a.steps,
         "overrides": a.overrides,
         "launches": launches,
+        "standby_warm_wait_s": warm_s,
         "imports_rank": import_times(RANK_IMPORTS, a.top),
         "imports_torchrun": import_times(TORCHRUN_IMPORTS, a.top),
     }

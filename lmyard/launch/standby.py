@@ -1,0 +1,284 @@
+"""Warm standbys: while an attempt trains, a process per rank of this node imports torch, its compiler and the
+train stage; the next attempt's ranks start in them instead of in a fresh interpreter.
+
+    pool = standby.pool()               # the launcher's: env[STANDBY_ENV] = pool.folder; pool.refill(n, env)
+    python -m lmyard.launch.standby STAGE ARGS   # torchrun's child: `python -m lmyard.stages STAGE ARGS`, in a
+                                                 # waiting standby (its streams, signals, exit code) or here
+    python -m lmyard.launch.standby --serve PATH # a standby: warm up, wait for one rank, run it
+
+A standby refuses a rank whose environment differs in what is read at import (`differs`), ends with the
+launcher that started it, and dies with the rank's process. Design notes: docs/launch.md (warm standby).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+STANDBY_ENV = "LMYARD_STANDBY"  # the folder of this node's standby sockets, in the ranks' environment
+# what may differ between the environment a standby was started with and the rank's: torchrun's per-rank
+# variables and lmyard's per-attempt ones, read when the stage runs; anything else (a cache folder, a thread
+# count, a compiler setting) is read at import, so a standby of another environment is not used
+PER_RANK = frozenset(
+    {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}
+    | {"GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+    | {"NCCL_ASYNC_ERROR_HANDLING", "CUDA_MODULE_LOADING"}
+)
+PER_RANK_PREFIXES = ("LMYARD_", "TORCHELASTIC_", "TORCH_ELASTIC_")
+
+
+def differs(started: dict[str, str], rank: dict[str, str]) -> list[str]:
+    """The variables set differently in `rank` than in `started` that a standby cannot take (sorted)."""
+    keys = (set(started) | set(rank)) - PER_RANK
+    return sorted(k for k in keys if not k.startswith(PER_RANK_PREFIXES) and started.get(k) != rank.get(k))
+
+
+def wanted(standby: bool | None, device: str) -> bool:
+    """launch.standby: on, off, or (None) on when training would run on this node's NVIDIA GPUs."""
+    if standby is not None:
+        return standby
+    return device != "cpu" and os.path.exists("/dev/nvidiactl")
+
+
+@dataclass
+class _Standby:
+    proc: subprocess.Popen
+    name: str  # its socket is <folder>/<name>.sock once warm; <name>.taken once a rank has it
+    env: dict[str, str]
+
+
+@dataclass
+class Pool:
+    """The standbys this process started (children of it: they end with it, see `serve`)."""
+
+    folder: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="lmyard-standby-"))
+    standbys: list[_Standby] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def waiting(self) -> list[_Standby]:
+        """Standbys alive that no rank has taken (warming up, or warm)."""
+        return [
+            s
+            for s in self.standbys
+            if s.proc.poll() is None and not os.path.exists(os.path.join(self.folder, f"{s.name}.taken"))
+        ]
+
+    def refill(self, n: int, env: dict[str, str]) -> int:
+        """Called as an attempt of `n` ranks launches: `n` standbys for the next one besides those warm now, which
+        this attempt's ranks take; each started with `env` (the launch's environment); those of another
+        environment are stopped. How many were started."""
+        with self.lock:
+            self.standbys = [s for s in self.standbys if s.proc.poll() is None]
+            for s in self.waiting():
+                if differs(s.env, env):
+                    s.proc.kill()
+            waiting = [s for s in self.waiting() if not differs(s.env, env)]
+            warm = [s for s in waiting if os.path.exists(os.path.join(self.folder, f"{s.name}.sock"))]
+            missing = n - (len(waiting) - min(n, len(warm)))
+            for _ in range(max(0, missing)):
+                self.standbys.append(self._start(env))
+            return max(0, missing)
+
+    def _start(self, env: dict[str, str]) -> _Standby:
+        name = uuid.uuid4().hex[:12]
+        with open(os.path.join(self.folder, f"{name}.log"), "ab") as log:  # its own errors, if it fails to warm
+            proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", "lmyard.launch.standby", "--serve", os.path.join(self.folder, name)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=env,
+                start_new_session=True,  # a Ctrl-C reaches the rank through the one torchrun started, once
+            )
+        return _Standby(proc, name, dict(env))
+
+    def close(self) -> None:
+        """Stop every standby, waiting or serving a rank, and remove the folder."""
+        with self.lock:
+            for s in self.standbys:
+                with contextlib.suppress(OSError):
+                    s.proc.kill()
+                    s.proc.wait(timeout=10)
+            self.standbys = []
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_POOL: Pool | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def pool() -> Pool:
+    """This process's pool, made on first use and closed at exit."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = Pool()
+            atexit.register(_POOL.close)
+        return _POOL
+
+
+def close() -> None:
+    """Stop this process's standbys now (a test's end, a launcher that launches nothing more)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is not None:
+            _POOL.close()
+            atexit.unregister(_POOL.close)
+            _POOL = None
+
+
+# ---------------------------------------------------------------- the rank's side and the standby's
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+WARM = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "lmyard.stages.entry", "lmyard.train.stage")
+
+
+def rank(argv: list[str]) -> int:
+    """The rank: in a standby when one takes it, else `python -m lmyard.stages ARGV` in this process (exec)."""
+    started = time.time()
+    folder = os.environ.get(STANDBY_ENV)
+    for path in sorted(glob.glob(os.path.join(folder, "*.sock"))) if folder else []:
+        code = _hand_over(path, argv, started)
+        if code is not None:
+            return code
+    os.execv(sys.executable, [sys.executable, "-u", "-m", "lmyard.stages", *argv])
+
+
+def _hand_over(path: str, argv: list[str], started: float) -> int | None:
+    """The standby at `path` runs the rank: its exit code; None when it is taken or refuses (the next one, or
+    this process, runs it)."""
+    claim = open(path.removesuffix(".sock") + ".claim", "a")  # held until this process ends
+    try:
+        fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conn.settimeout(30)
+        conn.connect(path)
+        body = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "started": started}
+        socket.send_fds(conn, [json.dumps(body).encode()], [0, 1, 2])
+        reply = json.loads(conn.recv(65536) or b"{}")
+    except (OSError, ValueError):
+        claim.close()
+        return None
+    if "pid" not in reply:
+        print(f"warm standby not used: {reply.get('refused', 'it ended')}", file=sys.stderr, flush=True)
+        claim.close()
+        return None
+    pid = int(reply["pid"])
+    for sig in FORWARDED:
+        signal.signal(sig, lambda s, _frame: _forward(pid, s))
+    conn.settimeout(None)
+    while True:
+        try:
+            end = conn.recv(65536)
+            break
+        except InterruptedError:
+            continue
+    if not end:  # the standby died without a word: a signal (the OOM killer, a kill -9) ended it
+        os.kill(os.getpid(), signal.SIGKILL)
+    return int(json.loads(end)["exit"])
+
+
+def _forward(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def serve(path: str) -> int:
+    """A standby: warm up, wait for one rank (while the launcher lives), run it; its exit code."""
+    import importlib
+
+    started = dict(os.environ)  # what the imports read (they may set defaults of their own)
+    for name in WARM:
+        importlib.import_module(name)
+    launcher = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path + ".warming")
+    listener.listen(1)
+    os.rename(path + ".warming", path + ".sock")  # found only once warm
+    listener.settimeout(1.0)
+    while True:
+        try:
+            conn, _ = listener.accept()
+            break
+        except TimeoutError:
+            if os.getppid() != launcher:  # the launcher is gone: nothing will launch here again
+                return 0
+    open(path + ".taken", "w").close()
+    os.unlink(path + ".sock")
+    listener.close()
+    return _run(conn, started)
+
+
+def _run(conn: socket.socket, started: dict[str, str]) -> int:
+    """Take the rank over from the process at the other end of `conn` (this process was `started` with that
+    environment), run it, send its exit code."""
+    import runpy
+    import traceback
+
+    msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    body = json.loads(msg)
+    changed = differs(started, body["env"])
+    if changed:
+        conn.send(json.dumps({"refused": f"its environment differs in {', '.join(changed[:3])}"}).encode())
+        return 0
+    _adopt(body, fds, started)
+    conn.send(json.dumps({"pid": os.getpid()}).encode())
+    threading.Thread(target=_die_with_rank, args=(conn,), daemon=True, name="standby-rank").start()
+    sys.argv = ["python -m lmyard.stages", *body["argv"]]
+    try:  # `python -m lmyard.stages ARGS`, in this process: the command torchrun would have run
+        runpy.run_module("lmyard.stages", run_name="__main__", alter_sys=False)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    except BaseException:  # as the interpreter ends a cold rank: the traceback, exit code 1
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    conn.send(json.dumps({"exit": code}).encode())
+    return code
+
+
+def _adopt(body: dict, fds: list[int], started: dict[str, str]) -> None:
+    """Become the rank's process: its standard streams, environment (with what the imports added, as a cold
+    rank's) and working folder, and when torchrun started it (lmyard.stages.startup.RANK_STARTED_ENV)."""
+    from lmyard.stages.startup import RANK_STARTED_ENV
+
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    added = {k: v for k, v in os.environ.items() if k not in started}
+    os.environ.clear()
+    os.environ.update({**added, **body["env"], RANK_STARTED_ENV: str(body["started"])})
+    os.chdir(body["cwd"])
+
+
+def _die_with_rank(conn: socket.socket) -> None:
+    """The rank's process ended (torchrun killed it): so does this one."""
+    while conn.recv(65536):
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        os._exit(serve(sys.argv[2]))
+    sys.exit(rank(sys.argv[1:]))
