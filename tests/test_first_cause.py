@@ -135,12 +135,15 @@ def test_a_rank_that_prints_in_its_signal_handler_while_printing_goes_on():
     read: list[str] = []
     reader = threading.Thread(target=lambda: read.append(proc.stdout.read()), daemon=True)  # type: ignore[union-attr]
     reader.start()  # drained as it goes: a full pipe would hold the prints, not the lock
-    for _ in range(500):  # again and again, so some land inside a write
-        if proc.poll() is not None:
-            break
-        os.kill(proc.pid, signal.SIGTERM)
-        time.sleep(0.02)
-    proc.wait(timeout=60)
+    try:
+        for _ in range(500):  # again and again, so some land inside a write
+            if proc.poll() is not None:
+                break
+            os.kill(proc.pid, signal.SIGTERM)
+            time.sleep(0.02)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()  # a rank that hung: not left behind
     reader.join(60)
     out = read[0] if read else ""
     assert proc.returncode == 0 and "SIGTERM received" in out and out.endswith("stopped\n"), (
