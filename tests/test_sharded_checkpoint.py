@@ -198,9 +198,9 @@ def _one_rank_cannot_upload(rank, tmp):
         max_pending=1,
         retries=1,
         backoff_s=0.1,
-        commit_timeout_s=3,
         say=said.append,
     )
+    ckpt.commit_timeout_s = 3
     ckpt.save(model, opt, _state(6), [])
     if rank == 0:
         with pytest.raises(StoreOutage, match="ranks \\[1\\] did not upload their shards within 3 s"):

@@ -130,6 +130,7 @@ class ShardedCheckpointer:
     """
 
     sharded = True  # loads go into the sharded model, each rank reading its shards
+    commit_timeout_s = 1800.0  # how long rank 0's commit waits for every rank's upload (an instance may set less)
 
     def __init__(
         self,
@@ -141,13 +142,12 @@ class ShardedCheckpointer:
         max_pending: int = 2,
         retries: int = 6,
         backoff_s: float = 1.0,
-        commit_timeout_s: float = 1800.0,
         on_commit: Callable[[int, str], None] | None = None,
         say: Callable[[str], None] = print,
         process_group=None,
     ):
         self.run, self.store = run, run.store
-        self.policy, self.commit_timeout_s = RetryPolicy(retries, backoff_s, say, run.store), commit_timeout_s
+        self.policy = RetryPolicy(retries, backoff_s, say, run.store)
         self.max_pending, self.layout = max_pending, run.layout
         self.stopping = threading.Event()  # set by close(): the upload thread stops retrying
         self.on_commit, self.say = on_commit or (lambda step, uri: None), say
