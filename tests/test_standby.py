@@ -1,6 +1,6 @@
-"""Warm standbys (lmyard.launch.standby): a restarted attempt's ranks start in processes that imported torch while
-the attempt before trained; they take the rank's streams, signals and exit code, refuse a rank of another
-environment, and leave no process behind."""
+"""Warm standbys (lmyard.launch.standby): a restarted attempt's torchrun and ranks start in processes that imported
+torch while the attempt before trained; they take the process's streams, signals and exit code, refuse one of
+another environment, and leave no process behind."""
 
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ def _losses(lines: list[str]) -> dict[int, str]:
 
 @pytest.mark.integration
 def test_preempted_attempts_restart_in_warm_standbys_with_the_same_losses_and_leave_no_process(tmp_path, monkeypatch):
-    """Attempt 1 (cold) is preempted at step 2; attempt 2 starts in the standbys, is preempted at step 4 (the
-    SIGTERM reaches the trainer through the rank's process: step 4 committed); attempt 3, launched with another
+    """Attempt 1 (cold) is preempted at step 2; attempt 2's torchrun and ranks start in the standbys, and it is
+    preempted at step 4 (the SIGTERM reaches the trainer through both: step 4 committed); attempt 3, launched with another
     inductor cache folder, is refused by the standbys and runs cold. Losses equal an uninterrupted cold run's."""
     monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("LMYARD_FAULT_PAUSE_S", "8")  # the ranks pause after the faulted step: the SIGTERM lands there
@@ -81,16 +81,16 @@ def test_preempted_attempts_restart_in_warm_standbys_with_the_same_losses_and_le
                     ),
                 )
             assert stop_at in complete_steps(Run.of(cfg)), said[i]
-            _wait_warm(2)
+            _wait_warm(3)  # torchrun's and the two ranks'
         monkeypatch.setenv("LMYARD_FAULTS", "")
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "another-node"))
         run_local(cfg, spec, on_line=said[2].append)
     finally:
         standby.close()
-    warm = [any(line.endswith("in a warm standby)") for line in lines) for lines in said]
+    warm = [any(line.endswith("; torchrun and the rank in warm standbys)") for line in lines) for lines in said]
     assert warm == [False, True, False], said
-    refused = [line for line in said[2] if "warm standby not used" in line]
-    assert len(refused) == 2 and all("TORCHINDUCTOR_CACHE_DIR" in line for line in refused), said[2]
+    refused = [line for line in said[2] if "warm standby not used" in line]  # torchrun's and each rank's, once
+    assert len(refused) == 3 and all("TORCHINDUCTOR_CACHE_DIR" in line for line in refused), said[2]
     resumed = {**_losses(said[0]), **_losses(said[1]), **_losses(said[2])}
     assert resumed == _losses(reference) and sorted(resumed) == [1, 2, 3, 4, 5, 6], (resumed, reference)
     left = [p for p in psutil.Process().children(recursive=True) if "lmyard.launch.standby" in " ".join(p.cmdline())]

@@ -68,19 +68,20 @@ def torchrun_command(
     local_addr: str | None = None,
     spec_path: str | None = None,
     node_rank: str | None = None,
-    module: str = "lmyard.stages",
+    standby: bool = False,
 ) -> list[str]:
     """torchrun running the trainer on one node: standalone for one node, else a c10d (or static) rendezvous.
 
     `node` (when the caller knows it) tells torchrun whether this node hosts the rendezvous. `node_rank` instead: a
     static rendezvous at the endpoint, this node's rank as given (a placeholder the node fills in: Kubernetes'
-    `$(NODE_RANK)`, lmyard.launch.kubernetes); node 0 hosts it. `module`: the ranks' entry (lmyard.launch.standby
-    starts them in a warm standby)."""
+    `$(NODE_RANK)`, lmyard.launch.kubernetes); node 0 hosts it. `standby`: torchrun and its ranks start in this
+    node's warm standbys, where there are (lmyard.launch.standby)."""
     n = cfg.launch.nnodes
+    warm = ["lmyard.launch.standby", "--agent"] if standby else ["lmyard.launch.torchrun"]
     cmd = [
         python,
         "-m",
-        "lmyard.launch.torchrun",  # torchrun: a preempted rank stops no other, a failed rank is one line
+        *warm,  # torchrun: a preempted rank stops no other, a failed rank is one line
         "--nnodes",
         str(n),
         "--nproc_per_node",
@@ -103,7 +104,8 @@ def torchrun_command(
             cmd += ["--rdzv_conf", f"is_host={int(node == 0)},join_timeout={RDZV_TIMEOUT_S}"]
         if local_addr:
             cmd += ["--local_addr", local_addr]
-    return [*cmd, "-m", module, "train", *(["--spec", spec_path] if spec_path else [])]
+    rank = "lmyard.launch.standby" if standby else "lmyard.stages"
+    return [*cmd, "-m", rank, "train", *(["--spec", spec_path] if spec_path else [])]
 
 
 def stage_command(cfg: RunConfig, spec: StageSpec, *, python: str = sys.executable, **torchrun) -> list[str]:

@@ -57,7 +57,7 @@ class LocalJob:
         if isinstance(spec, TrainSpec) and here and standby.wanted(cfg.launch.standby, cfg.train.device):
             self.standbys = standby.pool()  # this attempt's ranks start in its waiting standbys, if any
             self.env[standby.STANDBY_ENV] = self.standbys.folder
-            torchrun["module"] = "lmyard.launch.standby"
+            torchrun["standby"] = True
         self.cmd = stage_command(cfg, spec, spec_path=self.exchange.path("spec.json"), **torchrun)
         self.proc: subprocess.Popen | None = None
 
@@ -90,11 +90,11 @@ class LocalJob:
             threading.Thread(target=self._refill, daemon=True, name="standby-refill").start()
 
     def _refill(self) -> None:
-        """Once every rank has stepped (they took the standbys that were warm, and the restart's imports are
-        done): standbys for the next attempt, warm long before this one ends."""
+        """Once every rank has stepped (torchrun and the ranks took the standbys that were warm, and the restart's
+        imports are done): standbys for the next attempt's torchrun and ranks, warm long before this one ends."""
         while self.proc is not None and self.proc.poll() is None:
             if len(self.read_all("heartbeat")) >= self.ranks and self.standbys is not None:
-                self.standbys.refill(self.ranks, self.env)
+                self.standbys.refill(self.ranks + 1, self.env)
                 return
             time.sleep(1.0)
 

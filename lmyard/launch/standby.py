@@ -1,10 +1,11 @@
-"""Warm standbys: while an attempt trains, a process per rank of this node imports torch, its compiler and the
-train stage; the next attempt's ranks start in them instead of in a fresh interpreter.
+"""Warm standbys: while an attempt trains, a process per rank of this node (and one for torchrun) imports torch,
+its compiler and the train stage; the next attempt's torchrun and ranks start in them, not in fresh interpreters.
 
-    pool = standby.pool()               # the launcher's: env[STANDBY_ENV] = pool.folder; pool.refill(n, env)
-    python -m lmyard.launch.standby STAGE ARGS   # torchrun's child: `python -m lmyard.stages STAGE ARGS`, in a
-                                                 # waiting standby (its streams, signals, exit code) or here
-    python -m lmyard.launch.standby --serve PATH # a standby: warm up, wait for one rank, run it
+    pool = standby.pool()               # the launcher's: env[STANDBY_ENV] = pool.folder; pool.refill(n + 1, env)
+    python -m lmyard.launch.standby --agent ARGS # the launcher's child: `python -m lmyard.launch.torchrun ARGS`,
+                                                 # in a waiting standby (its streams, signals, exit code) or here
+    python -m lmyard.launch.standby STAGE ARGS   # torchrun's child: `python -m lmyard.stages STAGE ARGS`, likewise
+    python -m lmyard.launch.standby --serve PATH # a standby: warm up, wait for one process to take over, run it
 
 A standby refuses a rank whose environment differs in what is read at import (`differs`), ends with the
 launcher that started it, and dies with the rank's process. Design notes: docs/launch.md (warm standby).
@@ -30,6 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 
 STANDBY_ENV = "LMYARD_STANDBY"  # the folder of this node's standby sockets, in the ranks' environment
+RANK, AGENT = "lmyard.stages", "lmyard.launch.torchrun"  # what a standby runs: a rank, or torchrun's agent
 # what may differ between the environment a standby was started with and the rank's: torchrun's per-rank
 # variables and lmyard's per-attempt ones, read when the stage runs; anything else (a cache folder, a thread
 # count, a compiler setting) is read at import, so a standby of another environment is not used
@@ -144,30 +146,39 @@ def close() -> None:
 # ---------------------------------------------------------------- the rank's side and the standby's
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-WARM = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "lmyard.stages.entry", "lmyard.train.stage")
+WARM: tuple[str, ...] = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed.run")
+WARM += (
+    "lmyard.stages.entry",
+    "lmyard.train.stage",
+)  # not AGENT: runpy runs it as __main__, and warns of a module imported already
 
 
-def rank(argv: list[str]) -> int:
-    """The rank: in a standby when one takes it, else `python -m lmyard.stages ARGV` in this process (exec)."""
+def take_over(module: str, argv: list[str]) -> int:
+    """`python -m MODULE ARGV` (RANK or AGENT): in a standby when one takes it, else in this process (exec)."""
     started = time.time()
     folder = os.environ.get(STANDBY_ENV)
-    for path in sorted(glob.glob(os.path.join(folder, "*.sock"))) if folder else []:
-        code = _hand_over(path, argv, started)
-        if code is not None:
-            return code
-    os.execv(sys.executable, [sys.executable, "-u", "-m", "lmyard.stages", *argv])
+    with contextlib.suppress(_Refused):  # said once; the others were started alike
+        for path in sorted(glob.glob(os.path.join(folder, "*.sock"))) if folder else []:
+            code = _hand_over(path, module, argv, started)
+            if code is not None:
+                return code
+    os.execv(sys.executable, [sys.executable, "-u", "-m", module, *argv])
 
 
-def _hand_over(path: str, argv: list[str], started: float) -> int | None:
-    """The standby at `path` runs the rank: its exit code; None when it is taken or refuses (the next one, or
-    this process, runs it)."""
+class _Refused(Exception):
+    """A standby refused to take over (another environment, or it ended): this process runs cold."""
+
+
+def _hand_over(path: str, module: str, argv: list[str], started: float) -> int | None:
+    """The standby at `path` runs `module`: its exit code; None when another process took it (the next one may
+    serve). Raises _Refused after one line when it refuses."""
     claim = open(path.removesuffix(".sock") + ".claim", "a")  # held until this process ends
     try:
         fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         conn.settimeout(30)
         conn.connect(path)
-        body = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "started": started}
+        body = {"module": module, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "started": started}
         socket.send_fds(conn, [json.dumps(body).encode()], [0, 1, 2])
         reply = json.loads(conn.recv(65536) or b"{}")
     except (OSError, ValueError):
@@ -176,7 +187,7 @@ def _hand_over(path: str, argv: list[str], started: float) -> int | None:
     if "pid" not in reply:
         print(f"warm standby not used: {reply.get('refused', 'it ended')}", file=sys.stderr, flush=True)
         claim.close()
-        return None
+        raise _Refused
     pid = int(reply["pid"])
     for sig in FORWARDED:
         signal.signal(sig, lambda s, _frame: _forward(pid, s))
@@ -200,7 +211,7 @@ def _forward(pid: int, sig: int) -> None:
 
 
 def serve(path: str) -> int:
-    """A standby: warm up, wait for one rank (while the launcher lives), run it; its exit code."""
+    """A standby: warm up, wait for one process to take over (while the launcher lives), run it; its exit code."""
     import importlib
 
     started = dict(os.environ)  # what the imports read (they may set defaults of their own)
@@ -226,8 +237,8 @@ def serve(path: str) -> int:
 
 
 def _run(conn: socket.socket, started: dict[str, str]) -> int:
-    """Take the rank over from the process at the other end of `conn` (this process was `started` with that
-    environment), run it, send its exit code."""
+    """Take a rank or torchrun over from the process at the other end of `conn` (this process was `started` with
+    that environment), run it, send its exit code."""
     import runpy
     import traceback
 
@@ -240,9 +251,9 @@ def _run(conn: socket.socket, started: dict[str, str]) -> int:
     _adopt(body, fds, started)
     conn.send(json.dumps({"pid": os.getpid()}).encode())
     threading.Thread(target=_die_with_rank, args=(conn,), daemon=True, name="standby-rank").start()
-    sys.argv = ["python -m lmyard.stages", *body["argv"]]
-    try:  # `python -m lmyard.stages ARGS`, in this process: the command torchrun would have run
-        runpy.run_module("lmyard.stages", run_name="__main__", alter_sys=False)
+    sys.argv = [f"python -m {body['module']}", *body["argv"]]
+    try:  # `python -m MODULE ARGS`, in this process: the command torchrun (or the launcher) would have run
+        runpy.run_module(body["module"], run_name="__main__", alter_sys=False)
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
@@ -258,27 +269,40 @@ def _run(conn: socket.socket, started: dict[str, str]) -> int:
 
 
 def _adopt(body: dict, fds: list[int], started: dict[str, str]) -> None:
-    """Become the rank's process: its standard streams, environment (with what the imports added, as a cold
-    rank's) and working folder, and when torchrun started it (lmyard.stages.startup.RANK_STARTED_ENV)."""
-    from lmyard.stages.startup import RANK_STARTED_ENV
+    """Become the process that handed over: its standard streams, environment and working folder. A rank's has
+    what the imports added, as a cold rank's, and when torchrun started it (lmyard.stages.startup.RANK_STARTED_ENV);
+    torchrun's has only its own (the ranks it starts get no more than a cold torchrun's would) and
+    AGENT_STARTED_ENV, that its ranks run under a warm torchrun."""
+    from lmyard.stages.startup import AGENT_STARTED_ENV, RANK_STARTED_ENV
 
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    added = {k: v for k, v in os.environ.items() if k not in started}
+    rank = body["module"] == RANK
+    added = {k: v for k, v in os.environ.items() if k not in started and rank}
+    mine = {RANK_STARTED_ENV if rank else AGENT_STARTED_ENV: str(body["started"])}
     os.environ.clear()
-    os.environ.update({**added, **body["env"], RANK_STARTED_ENV: str(body["started"])})
+    os.environ.update({**added, **body["env"], **mine})
     os.chdir(body["cwd"])
 
 
 def _die_with_rank(conn: socket.socket) -> None:
-    """The rank's process ended (torchrun killed it): so does this one."""
+    """The process that handed over ended (killed: torchrun's SIGKILL, or the launcher's): so do this one and
+    what it started (a torchrun's ranks, a rank's compile workers)."""
+    import psutil
+
     while conn.recv(65536):
         pass
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve"]:
         os._exit(serve(sys.argv[2]))
-    sys.exit(rank(sys.argv[1:]))
+    if sys.argv[1:2] == ["--agent"]:
+        sys.exit(take_over(AGENT, sys.argv[2:]))
+    sys.exit(take_over(RANK, sys.argv[1:]))

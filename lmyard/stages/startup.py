@@ -12,6 +12,7 @@ import os
 
 LAUNCHED_AT_ENV = "LMYARD_LAUNCHED_AT"
 RANK_STARTED_ENV = "LMYARD_RANK_STARTED"  # a warm standby's rank: when torchrun started it (lmyard.launch.standby)
+AGENT_STARTED_ENV = "LMYARD_AGENT_STARTED"  # a rank whose torchrun ran in a warm standby: when the launcher started it
 
 
 def launched_at() -> tuple[float, str]:

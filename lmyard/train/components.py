@@ -24,7 +24,7 @@ from lmyard import faults
 from lmyard.config import RunConfig
 from lmyard.errors import Diverged
 from lmyard.stages import Exchange, Progress
-from lmyard.stages.startup import RANK_STARTED_ENV, launched_at
+from lmyard.stages.startup import AGENT_STARTED_ENV, RANK_STARTED_ENV, launched_at
 from lmyard.tracking.schema import GOODPUT_METRICS, RESTART_METRICS
 
 # Dense bf16 peak FLOP/s per GPU for MFU (vendor datasheets, SXM parts, no sparsity).
@@ -331,10 +331,19 @@ class Startup:
             parts = " + ".join(f"{k.replace('_', ' ')} {times[k]:.2f} s" for k in self.PARTS)
             print(
                 f"startup to the end of step {first}: {times['total']:.2f} s = {parts} "
-                f"(launch from {self.launched_by}'s start"
-                + ("; in a warm standby)" if RANK_STARTED_ENV in os.environ else ")"),
+                f"(launch from {self.launched_by}'s start" + _standbys(),
                 flush=True,
             )
+
+
+def _standbys() -> str:
+    """The startup line's end: which of this rank and its torchrun started in a warm standby."""
+    rank, agent = RANK_STARTED_ENV in os.environ, AGENT_STARTED_ENV in os.environ
+    if rank and agent:
+        return "; torchrun and the rank in warm standbys)"
+    if rank:
+        return "; in a warm standby)"
+    return "; torchrun in a warm standby)" if agent else ")"
 
 
 def process_start(launched: float) -> float:

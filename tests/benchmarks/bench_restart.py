@@ -11,7 +11,7 @@ on memory-mapped shards of random tokens, each to its `train.max_steps`:
 
 1. cold: empty lmyard, inductor and Triton caches, no checkpoint: `--steps` steps, a checkpoint at the last;
 2. restart: the same node's caches, resumed from that checkpoint, `--steps` more, launch.standby=false;
-3. restart, warm standby: the same, its ranks in the standbys launch 1 started (waited for until warm);
+3. restart, warm standby: the same, its torchrun and ranks in the standbys launch 1 started (waited for until warm);
 4. fresh node: new empty caches, resumed from the newest checkpoint: only the run's store carries anything.
 
 For each it prints the trainer's own parts (lmyard.train.components.Startup, its `startup to the end of step N`
@@ -166,7 +166,7 @@ def run(a: argparse.Namespace, work: Path) -> dict:
     use_caches(work / "node1")
     launches = [launch(1, "cold", a, work, spec, a.steps, standby=True)]  # its standbys warm up meanwhile
     launches.append(launch(2, "restart", a, work, spec, 2 * a.steps, standby=False))
-    warm_s = wait_warm(a.nproc)
+    warm_s = wait_warm(a.nproc + 1)  # torchrun's and each rank's
     launches.append(launch(3, "restart, warm standby", a, work, spec, 3 * a.steps, standby=True))
     shutil.rmtree(work / "node1", ignore_errors=True)
     use_caches(work / "node2")  # another environment: the standbys refuse it, as they would not be there
