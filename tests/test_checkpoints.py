@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -15,6 +16,7 @@ from checkpoint_helpers import load_latest, save_full
 from conftest import tiny_overrides
 from tcp_proxy import TcpProxy
 
+from lmyard.checkpoint import manifest as manifest_module
 from lmyard.checkpoint import retention
 from lmyard.checkpoint.catalog import complete_steps, read_manifest
 from lmyard.checkpoint.full import FullCheckpointer
@@ -232,6 +234,43 @@ def test_damaged_newest_checkpoint_makes_the_loader_fall_back_and_say_which(tmp_
     assert f"checkpoint {uri} is damaged" in capsys.readouterr().out
 
 
+def test_a_file_over_one_piece_is_checked_piece_by_piece_and_a_byte_flipped_in_any_piece_is_damage(tmp_path):
+    data = os.urandom(4 * 1000 + 500)
+    path = tmp_path / "optim.pt"
+    path.write_bytes(data)
+    pieces = [hashlib.sha256(data[i : i + 1000]).hexdigest() for i in range(0, len(data), 1000)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(manifest_module, "PIECE_BYTES", 1000)
+        meta = manifest_module.file_meta(str(path))
+        assert meta.sha256 == hashlib.sha256(data).hexdigest() and meta.pieces == pieces
+        older = manifest_module.FileMeta(bytes=len(data), sha256=meta.sha256)  # a manifest of before the pieces
+        assert manifest_module.matches(str(path), meta) and manifest_module.matches(str(path), older)
+        for at in (0, 1999, len(data) - 1):
+            flipped = bytearray(data)
+            flipped[at] ^= 0x01
+            path.write_bytes(bytes(flipped))
+            assert not manifest_module.matches(str(path), meta) and not manifest_module.matches(str(path), older)
+        path.write_bytes(data[:-1])
+        assert not manifest_module.matches(str(path), meta)
+    assert manifest_module.file_meta(str(path)).pieces is None  # one piece: the whole file's sha256 is enough
+
+
+def test_a_checkpoint_damaged_in_one_piece_of_a_file_falls_back_to_the_one_before(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(manifest_module, "PIECE_BYTES", 256)
+    store = open_store(str(tmp_path / "store"))
+    _save_local(store, "r", 4, staging=str(tmp_path / "stage"))
+    uri = _save_local(store, "r", 8, staging=str(tmp_path / "stage"))
+    assert len(read_manifest(Run("r", store), 8).files["model.pt"].pieces or []) > 1
+    assert load_latest(Run("r", store), str(tmp_path / "cache")).step == 8
+    path = os.path.join(uri, "model.pt")
+    data = bytearray(open(path, "rb").read())
+    data[300] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    ckpt = load_latest(Run("r", store), str(tmp_path / "cache"))
+    assert ckpt.step == 4 and torch.equal(ckpt.model["w"], torch.full((4,), 4.0))
+    assert f"checkpoint {uri} is damaged" in capsys.readouterr().out
+
+
 def test_a_verified_checkpoint_is_the_report_the_checkpoint_task_records(tmp_path):
     from lmyard.checkpoint.catalog import verify
     from tasks.results import CheckpointReport
@@ -256,6 +295,7 @@ def test_loading_never_unpickles_arbitrary_objects(tmp_path, monkeypatch):
     with open(os.path.join(uri, "model.pt"), "wb") as f:  # a malicious file, its checksum made to match
         pickle.dump({"w": _Payload()}, f)
     manifest = json.loads(open(os.path.join(uri, "manifest.json")).read())
+    manifest["files"]["model.pt"] = {"bytes": os.path.getsize(os.path.join(uri, "model.pt"))}
     manifest["files"]["model.pt"]["sha256"] = sha256_file(os.path.join(uri, "model.pt"))
     open(os.path.join(uri, "manifest.json"), "w").write(json.dumps(manifest))
     ckpt = load_latest(Run("r", store), str(tmp_path / "cache"))

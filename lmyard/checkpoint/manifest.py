@@ -2,18 +2,20 @@
 
     runs/<run>/checkpoints/step_NNNNNNNN/manifest.json
 
-A checkpoint exists once its manifest does. The manifest lists every file of the
-checkpoint with its size and sha256 (a loader checks each file before reading
-it), the format that wrote the files (`full`: model.pt optim.pt rng.pt
-state.json; `dcp`: dcp/ shards of every rank, rng.pt, state.json), the world
-size that wrote it and the timings of the save. Torch-free: the flow's process
-reads it (lmyard.checkpoint.catalog).
+A checkpoint exists once its manifest does. It lists every file with its size and
+sha256, and for a file over one piece (PIECE_BYTES) each piece's sha256, which a
+loader checks on several threads (one sha256 of llama-1b's 9.2 GB optimizer file
+takes 7.5 s); the format that wrote the files (`full`: model.pt optim.pt rng.pt
+state.json; `dcp`: dcp/ shards of every rank, rng.pt, state.json), the world size
+that wrote it and the save's timings. Torch-free: the flow's process reads it.
 """
 
 from __future__ import annotations
 
 import builtins
+import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from lmyard.paths import sha256_file
 
 Format = Literal["full", "dcp"]
+PIECE_BYTES = 256 << 20  # a file over this is also hashed piece by piece: the check runs on HASH_THREADS
+HASH_THREADS = 8
 
 
 class DamagedCheckpoint(ValueError):
@@ -31,6 +35,7 @@ class FileMeta(BaseModel):
     model_config = ConfigDict(extra="forbid")
     bytes: int
     sha256: str
+    pieces: list[str] | None = Field(None, description="sha256 of each PIECE_BYTES piece (a file over one piece).")
 
 
 class Manifest(BaseModel):
@@ -55,7 +60,36 @@ class Manifest(BaseModel):
 
 
 def file_meta(path: str) -> FileMeta:
-    return FileMeta(bytes=os.path.getsize(path), sha256=sha256_file(path))
+    """Size and sha256 of a written file; over one piece, each piece's too (hashed beside the whole)."""
+    size = os.path.getsize(path)
+    if size <= PIECE_BYTES:
+        return FileMeta(bytes=size, sha256=sha256_file(path))
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        whole = pool.submit(sha256_file, path)
+        pieces = list(pool.map(lambda i: _piece_sha256(path, i), range(-(-size // PIECE_BYTES))))
+        return FileMeta(bytes=size, sha256=whole.result(), pieces=pieces)
+
+
+def _piece_sha256(path: str, index: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(index * PIECE_BYTES)
+        left = PIECE_BYTES
+        while left and (block := f.read(min(left, 1 << 22))):
+            h.update(block)
+            left -= len(block)
+    return h.hexdigest()
+
+
+def matches(path: str, meta: FileMeta) -> bool:
+    """Whether the file at `path` holds the bytes `meta` lists: piece by piece on HASH_THREADS where the
+    manifest lists pieces, else one sha256."""
+    if not os.path.exists(path) or os.path.getsize(path) != meta.bytes:
+        return False
+    if not meta.pieces or len(meta.pieces) != -(-meta.bytes // PIECE_BYTES):
+        return sha256_file(path) == meta.sha256
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        return list(pool.map(lambda i: _piece_sha256(path, i), range(len(meta.pieces)))) == meta.pieces
 
 
 def check_file(manifest: Manifest, name: str, path: str, uri: str) -> str:
@@ -63,7 +97,7 @@ def check_file(manifest: Manifest, name: str, path: str, uri: str) -> str:
     meta = manifest.files.get(name)
     if meta is None:
         raise DamagedCheckpoint(f"{uri} is not in the checkpoint's manifest")
-    if not os.path.exists(path) or sha256_file(path) != meta.sha256:
+    if not matches(path, meta):
         raise mismatch(uri)
     return path
 
