@@ -448,6 +448,7 @@ def test_loading_a_sharded_checkpoint_never_unpickles_arbitrary_objects(tmp_path
     with open(os.path.join(prefix, "dcp", ".metadata"), "wb") as f:  # a malicious index, its checksum made to match
         pickle.dump({"x": _Payload()}, f)
     manifest = json.loads(open(os.path.join(prefix, "manifest.json")).read())
+    manifest["files"]["dcp/.metadata"] = {"bytes": os.path.getsize(os.path.join(prefix, "dcp", ".metadata"))}
     manifest["files"]["dcp/.metadata"]["sha256"] = sha256_file(os.path.join(prefix, "dcp", ".metadata"))
     open(os.path.join(prefix, "manifest.json"), "w").write(json.dumps(manifest))
     fresh = _model(seed=9)
