@@ -66,8 +66,11 @@ def file_meta(path: str) -> FileMeta:
         return FileMeta(bytes=size, sha256=sha256_file(path))
     with ThreadPoolExecutor(HASH_THREADS) as pool:
         whole = pool.submit(sha256_file, path)
-        pieces = list(pool.map(lambda i: _piece_sha256(path, i), range(-(-size // PIECE_BYTES))))
-        return FileMeta(bytes=size, sha256=whole.result(), pieces=pieces)
+        return FileMeta(bytes=size, sha256=whole.result(), pieces=_piece_hashes(path, size, pool))
+
+
+def _piece_hashes(path: str, size: int, pool: ThreadPoolExecutor) -> list[str]:
+    return list(pool.map(lambda i: _piece_sha256(path, i), range(-(-size // PIECE_BYTES))))
 
 
 def _piece_sha256(path: str, index: int) -> str:
@@ -86,10 +89,10 @@ def matches(path: str, meta: FileMeta) -> bool:
     manifest lists pieces, else one sha256."""
     if not os.path.exists(path) or os.path.getsize(path) != meta.bytes:
         return False
-    if not meta.pieces or len(meta.pieces) != -(-meta.bytes // PIECE_BYTES):
+    if not meta.pieces:
         return sha256_file(path) == meta.sha256
     with ThreadPoolExecutor(HASH_THREADS) as pool:
-        return list(pool.map(lambda i: _piece_sha256(path, i), range(len(meta.pieces)))) == meta.pieces
+        return _piece_hashes(path, meta.bytes, pool) == meta.pieces
 
 
 def check_file(manifest: Manifest, name: str, path: str, uri: str) -> str:

@@ -146,11 +146,9 @@ def close() -> None:
 # ---------------------------------------------------------------- the rank's side and the standby's
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+# not AGENT: runpy runs it as __main__, and warns of a module imported already
 WARM: tuple[str, ...] = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed.run")
-WARM += (
-    "lmyard.stages.entry",
-    "lmyard.train.stage",
-)  # not AGENT: runpy runs it as __main__, and warns of a module imported already
+WARM += ("lmyard.stages.entry", "lmyard.train.stage")
 
 
 def take_over(module: str, argv: list[str]) -> int:
