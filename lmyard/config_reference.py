@@ -2,7 +2,7 @@
 
     lmyard config --reference > docs/config.md
 
-tests/test_config_errors.py fails when the committed page differs from what
+tests/unit/config/test_config_errors.py fails when the committed page differs from what
 this writes, so a field's description is its one documentation.
 """
 

@@ -29,37 +29,64 @@ os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
 REPO = Path(__file__).resolve().parents[1]
 
 
-# a test is `integration` when it is `slow` or uses one of these servers (directly or through another fixture), or
-# is marked so by hand (it trains, compiles or runs Triton's interpreter for seconds; a server through
-# request.getfixturevalue): `pytest -m "not integration"` runs the unit tests alone (docs/tests.md)
+# The folder is the tier (docs/tests.md): tests/unit/<part>/ mirrors lmyard's parts, tests/integration/ holds the
+# tests that start servers, train or compile; each of its tests is marked `integration`, so `-m integration` and
+# `-m "not integration"` still pick a tier. A test belongs in tests/integration/ when it is `slow`, uses one of
+# these servers (directly or through another fixture), or is marked `integration` by hand (it trains, compiles or
+# runs Triton's interpreter for seconds; a server through request.getfixturevalue): under tests/unit/ it is a
+# collection error.
 SERVER_FIXTURES = {"prefect_api_url", "cli_env", "s3_server", "s3_bucket", "mlflow_server"}
+UNIT, INTEGRATION = REPO / "tests" / "unit", REPO / "tests" / "integration"
 
 
 # Under pytest-xdist (`-n N`, .ci/run) a test file's tests run on one worker, in order, so its module fixtures (an
 # image, simulated hosts, a registry) are made once; the files that use one shared thing of this machine also share
 # a worker: Ray's test cluster on 127.0.0.1. The files that take longest go first (measured on 2 cores), so no
 # worker starts one of them last (pyproject's addopts keep this order: --no-loadscope-reorder).
-SHARED_WORKER = {"test_ray.py": "ray", "test_sweeps.py": "ray"}
+SHARED_WORKER = {"test_ray.py": "ray", "test_sweeps_integration.py": "ray"}
 LONGEST_FIRST = (
     "test_hosts.py",
     "test_hosts_ray.py",
     "test_docker.py",
     "test_ray.py",
-    "test_sweeps.py",
+    "test_sweeps_integration.py",
     "test_hosts_prefect.py",
     "test_deployments.py",
     "test_slurm.py",
     "test_interrupts.py",
     "test_preemption.py",
-    "test_compile_cache.py",
+    "test_compile_cache_integration.py",
 )
+
+
+def integration_by_rule(item: pytest.Item) -> bool:
+    """Whether a test belongs in tests/integration/: `slow`, using a server fixture, or marked `integration`."""
+    marked = item.get_closest_marker("slow") or item.get_closest_marker("integration")
+    return bool(marked or SERVER_FIXTURES & set(getattr(item, "fixturenames", ())))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """A test file under tests/unit/ holding a test of the integration tier fails to collect, saying where it goes."""
+    report = yield
+    if report.passed and UNIT in Path(collector.path).parents:
+        wrong = [i for i in report.result if isinstance(i, pytest.Item) and integration_by_rule(i)]
+        if wrong:
+            report.outcome = "failed"
+            report.result = []
+            report.longrepr = "\n".join(
+                f"{i.nodeid} is an integration test (slow, using a server, or marked integration): move it to "
+                "tests/integration/"
+                for i in wrong
+            )
+    return report
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
     for item in items:
-        if item.get_closest_marker("slow") or SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if INTEGRATION in item.path.parents or integration_by_rule(item):
             item.add_marker(pytest.mark.integration)
 
 

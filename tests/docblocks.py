@@ -1,8 +1,9 @@
 """The fenced blocks of README.md and docs/*.md: their language, their commands and their `not run` markers.
 
 Every fence names its language (`text` for output, listings and diagrams). A block of a shell (bash, sh, shell,
-console) or of Python is run by tests/test_documented_commands.py unless the line just before its fence is
-`<!-- not run: WHY -->` (an HTML comment: the rendered page does not show it), WHY saying why it cannot be.
+console) or of Python is run (the shell's by tests/integration/test_documented_commands_integration.py, Python's
+by tests/unit/house/test_documented_commands.py) unless the line just before its fence is `<!-- not run: WHY -->`
+(an HTML comment: the rendered page does not show it), WHY saying why it cannot be.
 docs/history/ is a dated log of past measurements, quoted as they were run, and is left out.
 """
 

@@ -1,5 +1,5 @@
-"""Launch a training run from the host this runs in (tests/test_hosts.py runs it in the services host, the
-launching machine of a multi-host run; tests/test_hosts_ray.py beside host a's Ray node): shard, open the
+"""Launch a training run from the host this runs in (tests/integration/test_hosts.py runs it in the services host, the
+launching machine of a multi-host run; tests/integration/test_hosts_ray.py beside host a's Ray node): shard, open the
 lineage, follow the containers (launch.backend=docker) or the Ray actors (ray) through lmyard's launcher, recording
 its attempts as the train task does.
 

@@ -11,7 +11,7 @@ from lmyard.backends.base import Backend
 from lmyard.sections import _Section
 
 # the public keys of Ray's RuntimeEnv (ray.runtime_env.RuntimeEnv.known_fields, less its private ones, plus nsight
-# and rocprof_sys, which it takes under those names); tests/test_config_errors.py checks them against Ray's
+# and rocprof_sys, which it takes under those names); tests/unit/config/test_config_errors.py checks them against Ray's
 RUNTIME_ENV_KEYS = frozenset(
     {
         "conda", "config", "container", "env_vars", "excludes", "image_uri", "java_jars", "nsight", "pip",

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-# ---------------------------------------------------------------- the plain side (tests/test_parity.py uses it too)
+# ---------------------------------------------------------------- the plain side (tests/integration/test_parity.py uses it too)
 
 
 def hf_model(fields: dict, seed: int) -> torch.nn.Module:
