@@ -299,8 +299,10 @@ def _die_with_rank(conn: socket.socket) -> None:
 
 
 if __name__ == "__main__":
+    from lmyard.stages.runtime import exit_fast
+
     if sys.argv[1:2] == ["--serve"]:
-        os._exit(serve(sys.argv[2]))
+        exit_fast(lambda: serve(sys.argv[2]))
     if sys.argv[1:2] == ["--agent"]:
-        sys.exit(take_over(AGENT, sys.argv[2:]))
-    sys.exit(take_over(RANK, sys.argv[1:]))
+        exit_fast(lambda: take_over(AGENT, sys.argv[2:]))
+    exit_fast(lambda: take_over(RANK, sys.argv[1:]))

@@ -15,6 +15,7 @@ import tempfile
 from lmyard.errors import ExitCode
 from lmyard.launch.cause import AGENT, signal_order
 from lmyard.stages import EXCHANGE_ENV, RANK_EXITS_ENV, RankExit, rank_exits
+from lmyard.stages.runtime import exit_fast
 
 
 def main() -> int:
@@ -91,4 +92,4 @@ def _record_exits(exits: dict[int, int], times: dict[int, float]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_fast(main)

@@ -1,7 +1,6 @@
 """`python -m lmyard.stages STAGE`: the stage entrypoints (lmyard.stages.entry)."""
 
-import sys
-
 from lmyard.stages.entry import main
+from lmyard.stages.runtime import exit_fast
 
-sys.exit(main())
+exit_fast(main)
