@@ -124,8 +124,11 @@ class Attempt:
         self.startup: dict[str, float] = {}
         self.step_ms: list[float] = []
         self.ended = ""
+        self.last_line_at = time.monotonic()
+        self.end_s: float | None = None  # from its last line to its process's exit: the ranks' and torchrun's end
 
     def on_line(self, line: str) -> None:
+        self.last_line_at = time.monotonic()
         if self.echo:
             print(f"[attempt {self.n}] {line}", flush=True)
         if m := STEP_LINE.match(line):
@@ -155,6 +158,7 @@ class Attempt:
             self.ended = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         finally:
             done.set()
+            self.end_s = round(time.monotonic() - self.last_line_at, 2)
         return time.monotonic() - t0
 
     def _started(self, started) -> None:
@@ -166,6 +170,7 @@ class Attempt:
             "start_step": self.start_step,
             "stopped_at": self.stopped_at,
             "ended": self.ended,
+            "end_s": self.end_s,
             "startup_s": self.startup,
         }
 

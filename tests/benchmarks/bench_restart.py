@@ -107,11 +107,13 @@ def launch(n: int, name: str, a: argparse.Namespace, work: Path, spec: dict, ste
         found["imports_outside"] = max(
             0.0, parts.get("launch", parts.get("torchrun", 0) + parts.get("imports", 0)) - found["torchrun_outside"]
         )
-    print(f"{name}: {attempt.ended} after {took:.1f} s; {cache_lines[-1] if cache_lines else ''}", flush=True)
+    print(f"{name}: {attempt.ended} after {took:.1f} s (its last line to its exit: {attempt.end_s} s); "
+          f"{cache_lines[-1] if cache_lines else ''}", flush=True)  # fmt: skip
     return {
         "launch": name,
         "ended": attempt.ended,
         "seconds": round(took, 2),
+        "end_s": attempt.end_s,
         "parts_s": parts,
         **found,
         "compile_cache": cache_lines,
@@ -149,13 +151,15 @@ def import_times(code: str, top: int) -> dict:
 
 def table(launches: list[dict]) -> str:
     names = list(dict.fromkeys(k for r in launches for k in r["parts_s"] if k != "total"))
-    outside = ["torchrun_outside", "imports_outside"]
+    outside = ["torchrun_outside", "imports_outside", "end_s"]  # end_s: the attempt's last line to its exit
     head = ["part", *(r["launch"] for r in launches)]
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * len(launches)]
     for name in [*names, "total", *outside]:
         cells = [r["parts_s"].get(name, r.get(name)) for r in launches]
         lines.append(
-            f"| {name.replace('_', ' ')} | " + " | ".join("" if c is None else f"{c:.2f}" for c in cells) + " |"
+            f"| {'end (last line to exit)' if name == 'end_s' else name.replace('_', ' ')} | "
+            + " | ".join("" if c is None else f"{c:.2f}" for c in cells)
+            + " |"
         )
     return "\n".join(lines)
 
