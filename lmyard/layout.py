@@ -1,4 +1,5 @@
-"""Where things live in the store: the one owner of every key under `runs/<run>/` and `shards/<address>/`.
+"""Where things live in the store: the one owner of every key under `runs/<run>/`, `shards/<address>/` and
+`compile/`.
 
 Design notes: docs/tracking.md, `lmyard/layout.py`.
 """
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 MANIFEST = "manifest.json"
 RUNS = "runs"  # the folder of every lineage
+COMPILE = "compile"  # compiled code, shared by every lineage whose key matches (lmyard.train.compile_cache)
 EVALUATED = "evaluated.json"
 _STEP_DIR = re.compile(r"(?:^|/)step_(\d{8})(?:/|$)")
 _DAMAGED_DIR = re.compile(r"/damaged/step_(\d{8})-[^/]+/")
@@ -64,14 +66,6 @@ class RunLayout:
         return f"{self.rank_markers(step)}/rank_{rank:05d}.json"
 
     @property
-    def compile_root(self) -> str:
-        return f"{self.root}/compile"
-
-    def compile_cache(self, key: str, ext: str) -> str:
-        """torch.compile's cache artifacts (`bin`) and their record (`json`) for one key (lmyard.train.compile_cache)."""
-        return f"{self.compile_root}/{key}.{ext}"
-
-    @property
     def damaged_root(self) -> str:
         return f"{self.root}/damaged"
 
@@ -123,3 +117,9 @@ class ShardLayout:
     def shard_name(split: str, index: int) -> str:
         """The name of a split's index-th shard (`val_000003.bin`): its file name here and in a local cache."""
         return f"{split}_{index:06d}.bin"
+
+
+def compile_cache(key: str, name: str) -> str:
+    """torch.compile's cache artifacts for one key (`KEY.WRITER-N.bin`) and their record (`KEY.json`): the store's,
+    not one lineage's (lmyard.train.compile_cache)."""
+    return f"{COMPILE}/{key}.{name}"

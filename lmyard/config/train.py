@@ -67,8 +67,8 @@ class TrainConfig(_Section):
     compile_cache: bool = Field(
         True,
         description="Save torch.compile's cache artifacts to the run's store after an attempt's first compile and "
-        "load them before every later attempt's first step, on any node (runs/<run>/compile/; code the first step "
-        "runs: read only from the run's own store).",
+        "load them before every later attempt's first step, on any node, and in every lineage of that store with the "
+        "same key (compile/; code the first step runs: read only from the run's own store).",
     )
     threads_per_rank: int | None = Field(None, gt=0, description="CPU threads per rank; default: cores / local ranks.")
     log_interval: int = Field(20, gt=0, description="Steps between metric logs (and divergence checks).")

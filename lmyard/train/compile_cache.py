@@ -1,4 +1,5 @@
-"""Compiled code travels with the lineage: torch.compile's cache artifacts in the run's store.
+"""Compiled code travels with the lineage: torch.compile's cache artifacts in the run's store, shared by every
+lineage of that store whose key matches (a retry, a sweep's trials, the next scheduled retraining).
 
     cache = CompileCache.of(cfg, run, world, device, rank)   the key of what makes compiled code valid
     cache.load()          every rank, before the first step: the store's artifacts into inductor's caches
@@ -14,17 +15,20 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import uuid
 from dataclasses import dataclass, field
 
 import torch
 
 from lmyard.config import RunConfig
+from lmyard.layout import COMPILE, compile_cache
 from lmyard.run import Run
 
 # train config fields that do not shape a compiled graph: a retry that changes them keeps its compiled code
 NOT_COMPILED = {"max_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "seed", "log_interval", "guard"}
 NOT_COMPILED |= {"grad_clip", "threads_per_rank", "compile_cache"}
 SAVE_WAIT_S = 60.0  # how long an attempt's end waits for the artifacts' upload
+NEAREST_OF = 20  # stored records read to name the fields that differ, for a key the store does not hold
 
 
 def key_fields(cfg: RunConfig, world: int, device: torch.device) -> dict:
@@ -77,7 +81,8 @@ class CompileCache:
     loaded: int = 0
     found: str = "off"  # off | loaded | none | mismatch | damaged
     saved_misses: int = 0  # torch's cache misses (graphs compiled here) at the last save
-    parts: list = field(default_factory=list)  # the record's parts this process saved (sha256, bytes)
+    parts: list = field(default_factory=list)  # the record's parts this process saved (name, sha256, bytes)
+    writer: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # its parts' names: two lineages never mix
     thread: threading.Thread | None = field(default=None, repr=False)
 
     @classmethod
@@ -97,11 +102,11 @@ class CompileCache:
         """The store's artifacts for this key into inductor's caches; how many were loaded (0: it compiles)."""
         if not self.enabled:
             return 0
-        layout, store = self.run.layout, self.run.store
-        meta_key = layout.compile_cache(self.key, "json")
+        store = self.run.store
+        meta_key = compile_cache(self.key, "json")
         if not store.exists(meta_key):
             self.found = "none"
-            self._say(self._no_match(layout, store))
+            self._say(self._no_match())
             return 0
         blobs: list[bytes] = []
         try:
@@ -118,7 +123,7 @@ class CompileCache:
             else:
                 problem = None if all(infos) else "torch could not read it"
                 keys = {(t, k) for info in infos if info for t, ks in info.artifacts.items() for k in ks}
-        where = store.uri(layout.compile_cache(self.key, "*"))
+        where = store.uri(compile_cache(self.key, "*"))
         if problem is not None:
             self.found = "damaged"
             self._say(f"{where} ignored: {problem}; compiling as without it")
@@ -131,25 +136,29 @@ class CompileCache:
         """Why the record and its parts cannot be used, or None (then `blobs` holds the parts, in order)."""
         if meta.get("fields") != self.fields or digest(meta["fields"]) != self.key:
             return "its recorded key is another job's"
-        for n, part in enumerate(meta["parts"]):
-            blob = self.run.store.read_bytes(self.run.layout.compile_cache(self.key, f"{n}.bin"))
+        for part in meta["parts"]:
+            blob = self.run.store.read_bytes(compile_cache(self.key, part["name"]))
             if hashlib.sha256(blob).hexdigest() != part["sha256"]:
-                return f"part {n}: its sha256 does not match its record (damaged)"
+                return f"part {part['name']}: its sha256 does not match its record (damaged)"
             blobs.append(blob)
         return None if blobs else "its record lists no parts"
 
-    def _no_match(self, layout, store) -> str:
-        """The line for a key with no artifacts: the fields that differ from those the store holds, if any."""
-        others = [k for k in store.list(layout.compile_root + "/") if k.endswith(".json")]
-        for k in others[:1]:
+    def _no_match(self) -> str:
+        """The line for a key with no artifacts: the fields that differ from the nearest key the store holds."""
+        store, nearest = self.run.store, None
+        for k in [k for k in store.list(COMPILE + "/") if k.endswith(".json")][:NEAREST_OF]:
             try:
                 theirs = json.loads(store.read_bytes(k))["fields"]
             except (OSError, ValueError, KeyError, TypeError):
                 continue
             differ = sorted(f for f in self.fields if self.fields[f] != theirs.get(f))
-            self.found = "mismatch"
-            return f"none for this job's key ({', '.join(differ) or 'the key'} differ from the stored ones); compiling"
-        return "none stored yet; compiling, then saving for the next attempt"
+            nearest = differ if nearest is None or len(differ) < len(nearest) else nearest
+        if nearest is None:
+            return "none stored yet; compiling, then saving for the next attempt"
+        self.found = "mismatch"
+        return (
+            f"none for this job's key ({', '.join(nearest) or 'the key'} differ from the nearest stored one); compiling"
+        )
 
     def save(self) -> None:
         """Rank 0, after the first step and at the attempt's end: what this process compiled (its validation's
@@ -167,20 +176,20 @@ class CompileCache:
             return
         self.saved_misses = missed
         blob, _ = saved
-        self.parts.append({"sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)})
+        name = f"{self.writer}-{len(self.parts)}.bin"
+        self.parts.append({"name": name, "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)})
         meta = {"fields": self.fields, "parts": list(self.parts)}
         if self.thread is not None:
             self.thread.join()
-        args = (len(self.parts) - 1, blob, meta)
+        args = (name, blob, meta)
         self.thread = threading.Thread(target=self._upload, args=args, daemon=True, name="compile-cache")
         self.thread.start()
 
-    def _upload(self, n: int, blob: bytes, meta: dict) -> None:
-        layout, store = self.run.layout, self.run.store
-        blob_key = layout.compile_cache(self.key, f"{n}.bin")
-        try:  # the part first, the record that lists it last: a record always describes whole parts
+    def _upload(self, name: str, blob: bytes, meta: dict) -> None:
+        store, blob_key = self.run.store, compile_cache(self.key, name)
+        try:  # the part first, the record that lists it last: a record always describes whole parts, this writer's
             store.write_bytes(blob_key, blob)
-            store.write_bytes(layout.compile_cache(self.key, "json"), json.dumps(meta).encode())
+            store.write_bytes(compile_cache(self.key, "json"), json.dumps(meta).encode())
             self._say(f"saved {len(blob):,} bytes of compiled artifacts to {store.uri(blob_key)}")
         except Exception as e:  # the run goes on: the next attempt compiles
             self._say(f"not saved ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")

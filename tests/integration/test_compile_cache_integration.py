@@ -1,6 +1,7 @@
-"""Compiled code travels with the lineage (lmyard.train.compile_cache): an attempt on an empty node loads what the
-first attempt compiled from the run's store and compiles nothing, by torch's own cache counters; a damaged record
-compiles as before, and the losses stay (the key and the records: tests/unit/train/test_compile_cache.py)."""
+"""Compiled code travels with the lineage (lmyard.train.compile_cache): an attempt on an empty node, and another
+lineage of the same model, load what the first attempt compiled from the run's store and compile nothing, by
+torch's own cache counters; a damaged record compiles as before, and the losses stay (the key and the records:
+tests/unit/train/test_compile_cache.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from conftest import tiny_overrides
 
 from lmyard.data.sharding import tokenize_and_shard
 from lmyard.launch.local_job import run_local
-from lmyard.layout import RunLayout
+from lmyard.layout import COMPILE
 from lmyard.recipes import load_recipe
 
 
@@ -29,7 +30,7 @@ def _attempt(tmp_path, store, node: str, steps: int, monkeypatch, **extra):
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_an_attempt_on_an_empty_node_loads_compiled_code_from_the_store_and_a_damaged_one_compiles(
+def test_an_attempt_on_an_empty_node_and_another_lineage_load_compiled_code_from_the_store_a_damaged_one_compiles(
     tmp_path, monkeypatch
 ):
     first, _ = _attempt(tmp_path, str(tmp_path / "store"), "node1", 2, monkeypatch)
@@ -42,8 +43,14 @@ def test_an_attempt_on_an_empty_node_loads_compiled_code_from_the_store_and_a_da
     # torch's own counters in the rank: every graph came from the loaded cache, none was compiled
     assert c.fxgraph_hits > 0 and c.fxgraph_misses == 0 and c.autograd_misses == 0, c
 
-    blob = RunLayout(load_recipe("smoke", []).run_name).compile_root
-    for path in (tmp_path / "store-damaged" / blob).glob("*.bin"):
+    # another lineage of the same model, from step 0 on a third empty node: the store's compiled code, none compiled,
+    # and the losses of the first attempt's two steps, which compiled it
+    other, lines = _attempt(tmp_path, str(tmp_path / "store"), "node4", 2, monkeypatch, run_name="another-lineage")
+    o = other.compile_cache
+    assert o is not None and o.found == "loaded" and o.fxgraph_misses == 0 and o.autograd_misses == 0, lines
+    assert (other.start_step, other.step) == (0, 2) and other.train_loss == pytest.approx(first.train_loss, abs=1e-6)
+
+    for path in (tmp_path / "store-damaged" / COMPILE).glob("*.bin"):
         path.write_bytes(path.read_bytes()[:-7] + b"damaged")
     damaged, lines = _attempt(tmp_path, str(tmp_path / "store-damaged"), "node3", 4, monkeypatch)
     d = damaged.compile_cache

@@ -1,6 +1,7 @@
 """Compiled code travels with the lineage (lmyard.train.compile_cache): a key that does not match, a damaged
 record and a foreign one each compile as before, with one line, and the key holds what makes compiled code valid
-(an attempt on an empty node loading it from the run's store: tests/integration/test_compile_cache_integration.py)."""
+and names no lineage (an attempt on an empty node and another lineage loading it from the run's store:
+tests/integration/test_compile_cache_integration.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from conftest import tiny_overrides
 
+from lmyard.layout import compile_cache
 from lmyard.recipes import load_recipe
 from lmyard.run import Run
 from lmyard.store import open_store
@@ -27,10 +29,10 @@ def _cache(tmp_path, world: int = 1, **extra) -> CompileCache:
 
 def _write(cache: CompileCache, blob: bytes, fields: dict | None = None, sha: str | None = None) -> None:
     """A record and blob under `cache`'s key, as a save writes them (fields, sha256 overridable)."""
-    part = {"sha256": sha or hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
+    part = {"name": "w-0.bin", "sha256": sha or hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
     meta = {"fields": fields or cache.fields, "parts": [part]}
-    cache.run.store.write_bytes(cache.run.layout.compile_cache(cache.key, "0.bin"), blob)
-    cache.run.store.write_bytes(cache.run.layout.compile_cache(cache.key, "json"), json.dumps(meta).encode())
+    cache.run.store.write_bytes(compile_cache(cache.key, "w-0.bin"), blob)
+    cache.run.store.write_bytes(compile_cache(cache.key, "json"), json.dumps(meta).encode())
 
 
 def test_a_key_with_no_artifacts_compiles_and_names_the_fields_that_differ_once(tmp_path, capsys):
@@ -69,3 +71,5 @@ def test_the_key_holds_what_makes_compiled_code_valid_and_not_the_schedule(tmp_p
     longer = key_fields(load_recipe("smoke", tiny_overrides(tmp_path, steps=60, **{"train.lr": 0.01})), 1, CPU)
     wider = key_fields(load_recipe("smoke", tiny_overrides(tmp_path, **{"model.n_embd": 128})), 1, CPU)
     assert digest(longer) == digest(base) and digest(wider) != digest(base)
+    other = key_fields(load_recipe("smoke", tiny_overrides(tmp_path, run_name="another-lineage")), 1, CPU)
+    assert digest(other) == digest(base)  # no lineage in the key: the store's compiled code serves all of them
