@@ -21,6 +21,16 @@ from lmyard.layout import RunLayout
 from lmyard.run import Run
 from lmyard.tracking import lease
 
+# the tests both tiers run: `from lease_helpers import *` in each, on its own `store` fixture
+__all__ = [
+    "test_second_acquirer_refuses_naming_the_holder",
+    "test_concurrent_acquirers_one_wins_the_other_waits_for_the_release",
+    "test_an_expired_lease_is_taken_over_and_a_live_one_is_renewed",
+    "test_a_stale_holder_cannot_commit_a_checkpoint_once_its_lease_is_taken_over",
+    "test_a_holder_whose_heartbeat_stalled_stops_before_another_can_take_over",
+    "test_a_corrupt_lease_file_is_one_line_naming_it_and_the_fix",
+]
+
 
 def _stall(held: lease.Lease) -> None:
     """The holder's flow process stops (SIGSTOP): no more heartbeats; its trainer runs on."""

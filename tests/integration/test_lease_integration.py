@@ -12,14 +12,7 @@ import time
 
 import pytest
 from conftest import lmyard_cmd, tiny_overrides
-from lease_helpers import (  # noqa: F401  the tests both tiers run, on this module's `store`
-    test_a_corrupt_lease_file_is_one_line_naming_it_and_the_fix,
-    test_a_holder_whose_heartbeat_stalled_stops_before_another_can_take_over,
-    test_a_stale_holder_cannot_commit_a_checkpoint_once_its_lease_is_taken_over,
-    test_an_expired_lease_is_taken_over_and_a_live_one_is_renewed,
-    test_concurrent_acquirers_one_wins_the_other_waits_for_the_release,
-    test_second_acquirer_refuses_naming_the_holder,
-)
+from lease_helpers import *  # noqa: F403  the tests both tiers run, on this module's `store`
 
 from lmyard.checkpoint.catalog import complete_steps, read_manifest
 from lmyard.errors import ExitCode, UserError
