@@ -64,6 +64,12 @@ class TrainConfig(_Section):
     seed: int = 1337
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto`: CUDA when present.")
     compile: bool | None = Field(None, description="torch.compile the model; default: on for CUDA.")
+    compile_scope: Literal["model", "blocks"] = Field(
+        "model",
+        description="What train.compile compiles without FSDP (one device, DDP): `model`, one graph of the whole "
+        "model; `blocks`, each block on its own, as train.parallel=fsdp always does (one block's compiled code "
+        "serves every block of its shape: a first step several times shorter, docs/performance.md).",
+    )
     compile_cache: bool = Field(
         True,
         description="Save torch.compile's cache artifacts to the run's store after an attempt's first compile and "

@@ -55,6 +55,7 @@ of both sides per seed, with the summary.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -72,6 +73,7 @@ REPO = HERE.parents[1]
 sys.path[:0] = [str(REPO), str(HERE)]
 
 SIDES = ("lmyard", "torchtitan")
+CACHE_VARS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}  # each side's own: compile_caches
 TITAN_TIME = re.compile(r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 TITAN_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+)")
 
@@ -299,6 +301,25 @@ def table(summary: dict) -> str:
 # ---------------------------------------------------------------- the run
 
 
+@contextlib.contextmanager
+def compile_caches(a: argparse.Namespace, folder: Path):
+    """Each side compiles into its own new, empty inductor and Triton caches (both default to one folder of the
+    machine, where the side that ran second would find the first's kernels), unless --shared-caches."""
+    if a.shared_caches:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in CACHE_VARS}
+    os.environ.update({k: str(folder / name) for k, name in CACHE_VARS.items()})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def one_seed(a: argparse.Namespace, work: Path, corpus: Path, shards, T: int, seed: int) -> dict:
     """Both sides from their own seeded initial weights on the same batches; their per-step points."""
     from bench_parity import settings
@@ -309,8 +330,10 @@ def one_seed(a: argparse.Namespace, work: Path, corpus: Path, shards, T: int, se
     crc_dir = work / f"crc-{seed}"
     crc_dir.mkdir(parents=True, exist_ok=True)
     shard = titan_shard(cfg, shards, T, a.gpus, work / f"titan-rows-{seed}.bin")
-    run = {"seed": seed, "lmyard": lmyard_side(cfg, shards.to_dict(), a.gpus, work, crc_dir)}
-    run["torchtitan"] = titan_side(a, cfg, shard, T, crc_dir)
+    with compile_caches(a, work / f"caches-{seed}" / "lmyard"):
+        run = {"seed": seed, "lmyard": lmyard_side(cfg, shards.to_dict(), a.gpus, work, crc_dir)}
+    with compile_caches(a, work / f"caches-{seed}" / "torchtitan"):
+        run["torchtitan"] = titan_side(a, cfg, shard, T, crc_dir)
     run["batches"] = check_batches(crc_dir, a.gpus)
     for side in SIDES:
         last = run[side][-1]
@@ -340,6 +363,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the per-step points and the summary here")
     p.add_argument("--titan-log", default=None, help="append torchtitan's whole output to this file")
     p.add_argument("--tmp", default=None, help="work folder (default: a new temporary one, removed)")
+    p.add_argument(
+        "--shared-caches",
+        action="store_true",
+        help="both sides use the machine's inductor and Triton caches (default: each its own, empty)",
+    )
     return p
 
 

@@ -24,6 +24,7 @@ from lmyard.train.distributed.parallel import (
     apply_activation_checkpointing,
     apply_float8,
     block_params,
+    compile_blocks,
     copies_mode,
     parallelize,
 )
@@ -51,7 +52,8 @@ class ComputeContext:
 
 def prepare_model(raw_model: torch.nn.Module, cfg: RunConfig, d) -> tuple[torch.nn.Module, ComputeContext]:
     """The model as the training step runs it: float8 linears (train.float8), activation checkpointing
-    (train.activation_checkpointing, resolved), DDP (more than one rank), then torch.compile (default on CUDA);
+    (train.activation_checkpointing, resolved), DDP (more than one rank), then torch.compile (default on CUDA: the
+    whole model, or each block before DDP with train.compile_scope=blocks);
     and the autocast context for its forward, with TF32 matmuls on CUDA. `d`: the trainer's Dist (world,
     local_rank, device). On one GPU this is torchtitan's single-device path: no FSDP, bf16 autocast.
 
@@ -64,6 +66,9 @@ def prepare_model(raw_model: torch.nn.Module, cfg: RunConfig, d) -> tuple[torch.
         apply_float8(raw_model, d.device, t.float8_recipe)
     apply_activation_checkpointing(raw_model, t.activation_checkpointing, t.activation_checkpointing_blocks)
     model = raw_model
+    compiled = t.compile if t.compile is not None else cuda
+    if compiled and t.compile_scope == "blocks":
+        compile_blocks(raw_model)  # in place, before DDP: each block's backward its own graph, its buckets' hooks
     if d.world > 1:
         model = DDP(
             model,
@@ -71,7 +76,7 @@ def prepare_model(raw_model: torch.nn.Module, cfg: RunConfig, d) -> tuple[torch.
             gradient_as_bucket_view=True,
             bucket_cap_mb=t.ddp_bucket_mb,
         )
-    if t.compile if t.compile is not None else cuda:
+    if compiled and t.compile_scope == "model":
         # torch types compile() as returning a callable; given a module it returns one (OptimizedModule)
         model = torch.compile(model)  # type: ignore[assignment]
     if cuda:

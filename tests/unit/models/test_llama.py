@@ -426,3 +426,17 @@ def test_more_checkpointed_blocks_than_the_model_has_is_a_user_error_before_trai
     full = TrainConfig(activation_checkpointing="full", activation_checkpointing_blocks=3)
     with pytest.raises(UserError, match=r"activation_checkpointing_blocks is 3 but the model has 2 blocks"):
         resolve(ModelConfig(preset="llama-tiny"), full, 1, None, 257)
+
+
+@pytest.mark.parametrize("scope", ["model", "blocks"])
+def test_the_ddp_path_compiles_the_whole_model_or_each_block_as_train_compile_scope_says(scope):
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    sets = ["model.preset=llama-tiny", "train.compile=true", f"train.compile_scope={scope}"]
+    cfg = load_recipe("smoke", [*sets, "train.activation_checkpointing=none"])
+    raw = _tiny()
+    model, _ = prepare_model(raw, cfg, Dist(0, 0, 1, torch.device("cpu")))
+    assert isinstance(model, OptimizedModule) == (scope == "model")
+    compiled_blocks = [b._compiled_call_impl is not None for b in raw.layers]
+    assert compiled_blocks == [scope == "blocks"] * len(raw.layers)
+    assert set(raw.state_dict()) == set(_tiny().state_dict())  # the checkpoint's names either way
