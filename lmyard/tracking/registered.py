@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
+from collections.abc import Callable
 
 from lmyard.config import redact_uri
 from lmyard.errors import UserError
@@ -67,10 +70,40 @@ def export_folder(uri: str, tracking_uri: str, cache_dir: str) -> str:
     model_id = version.model_id or str(version.source).removeprefix("models:/")
     location = client.get_logged_model(model_id).artifact_location
     dest = os.path.join(cache_dir, re.sub(r"[^A-Za-z0-9._-]", "_", f"{version.name}-{version.version}-{model_id}"))
-    local = mlflow.artifacts.download_artifacts(artifact_uri=location, dst_path=dest, tracking_uri=tracking_uri)
+    local = _downloaded(
+        dest,
+        lambda tmp: mlflow.artifacts.download_artifacts(artifact_uri=location, dst_path=tmp, tracking_uri=tracking_uri),
+    )
     with open(os.path.join(local, "MLmodel")) as f:
         flavor = yaml.safe_load(f).get("flavors", {}).get("python_function", {})
     hf = (flavor.get("artifacts") or {}).get("hf_model", {}).get("path")
     if not hf:
         raise UserError(f"model.init_from {uri}: that version is not a model lmyard registered (no hf_model artifact)")
     return os.path.join(local, hf)
+
+
+COMPLETE = ".complete"  # in a downloaded folder: written last, before the folder is renamed into place
+
+
+def _downloaded(dest: str, download: Callable[[str], str]) -> str:
+    """The folder `download(tmp)` returns, under `dest`: downloaded once into a folder of its own, then renamed to
+    `dest` whole, so the ranks of a node that resolve one version at once never read each other's partial files
+    (the first rename wins; the others use its copy). `dest` from before this, without its marker, is replaced."""
+    marker = os.path.join(dest, COMPLETE)
+    if not os.path.exists(marker):
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.", dir=os.path.dirname(dest))
+        try:
+            with open(os.path.join(tmp, COMPLETE), "w") as f:
+                f.write(os.path.relpath(download(tmp), tmp))
+            if os.path.isdir(dest) and not os.path.exists(marker):
+                shutil.rmtree(dest, ignore_errors=True)  # an older or interrupted download
+            try:
+                os.rename(tmp, dest)
+            except OSError:
+                if not os.path.exists(marker):  # not another rank's complete copy: say what failed
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    with open(marker) as f:
+        return os.path.normpath(os.path.join(dest, f.read()))
