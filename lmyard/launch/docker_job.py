@@ -388,7 +388,8 @@ class DockerJob:
                 )
 
     def _files(self, i: int, path: str) -> dict[str, bytes]:
-        """Regular files at `path` (a file or a folder) in container i, by base name; {} when absent."""
+        """Regular files at `path` (a file or a folder) in container i, by base name; {} when absent, or when its
+        engine stopped answering (its log stream says the node is lost: `_pump`)."""
         import docker
 
         try:
@@ -399,7 +400,7 @@ class DockerJob:
                     for m in tar.getmembers()
                     if m.isfile() and not os.path.basename(m.name).startswith(".")
                 }
-        except (docker.errors.NotFound, docker.errors.APIError, tarfile.TarError):
+        except (docker.errors.APIError, tarfile.TarError, OSError):  # requests' errors are OSErrors
             return {}
 
     def read(self, name: str) -> bytes | None:
