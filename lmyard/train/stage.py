@@ -26,6 +26,7 @@ from lmyard.stages import Exchange, TrainResult, TrainSpec, prefix_rank_lines, r
 from lmyard.tracking.lease import Fence
 from lmyard.tracking.lineage import LineageRef
 from lmyard.tracking.sink import MetricsSink, NullSink, metrics_sink, system_metrics
+from lmyard.train import kernel_warmup
 from lmyard.train.components import Startup
 from lmyard.train.distributed import Dist, setup_distributed
 from lmyard.train.trainer import Trainer
@@ -105,7 +106,8 @@ def _train(spec_path: str | None, run: TrainRun) -> TrainResult:
         fence = Fence(handle, spec.lease) if spec.lease else None
         run.trainer = trainer = Trainer(spec, handle, d, run.sink, fence=fence, startup=startup)
         try:
-            result = trainer.train()
+            with kernel_warmup.started(trainer.gcfg, d.device, d.local_rank):  # compiled as the model compiles
+                result = trainer.train()
         except Exception as e:
             oom = out_of_memory(e, cfg, trainer.state.step)
             if oom is None:
