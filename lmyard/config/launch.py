@@ -57,8 +57,9 @@ class _Launch(_Section):
     standby: bool | None = Field(
         None,
         description="Warm standbys (the local backend): while an attempt trains, a process per rank and one for "
-        "torchrun import torch and its compiler, and the next attempt's torchrun and ranks start in them "
-        "(docs/launch.md). Default: on where training runs on this machine's NVIDIA GPUs.",
+        "torchrun import torch and its compiler, and the next attempt's torchrun and ranks start in them; a "
+        "node's first attempt starts its ranks' beside its torchrun (docs/launch.md). Default: on where training "
+        "runs on this machine's NVIDIA GPUs.",
     )
     grace_s: float = Field(
         120,

@@ -68,6 +68,8 @@ class LocalJob:
         return cls(cfg, spec)
 
     def start(self, events: queue.Queue) -> None:
+        if self.standbys is not None:  # the node's first attempt: its ranks' standbys warm up beside torchrun
+            self.standbys.prestart(self.ranks, self.env)
         self.proc = subprocess.Popen(
             self.cmd,
             stdout=subprocess.PIPE,

@@ -1,14 +1,14 @@
 """Warm standbys: while an attempt trains, a process per rank of this node (and one for torchrun) imports torch,
 its compiler and the train stage; the next attempt's torchrun and ranks start in them, not in fresh interpreters.
 
-    pool = standby.pool()               # the launcher's: env[STANDBY_ENV] = pool.folder; pool.refill(n + 1, env)
+    pool = standby.pool()       # the launcher's: env[STANDBY_ENV] = pool.folder; prestart(n, env); refill(n + 1, env)
     python -m lmyard.launch.standby --agent ARGS # the launcher's child: `python -m lmyard.launch.torchrun ARGS`,
                                                  # in a waiting standby (its streams, signals, exit code) or here
     python -m lmyard.launch.standby STAGE ARGS   # torchrun's child: `python -m lmyard.stages STAGE ARGS`, likewise
     python -m lmyard.launch.standby --serve PATH # a standby: warm up, wait for one process to take over, run it
 
-A standby refuses a rank whose environment differs in what is read at import (`differs`), ends with the
-launcher that started it, and dies with the rank's process. Design notes: docs/launch.md (warm standby).
+prestart: a node's first attempt's, beside torchrun, for its ranks to wait for. A standby refuses a rank whose
+environment differs in what is read at import (`differs`); it ends with the launcher or the rank (docs/launch.md).
 """
 
 from __future__ import annotations
@@ -95,6 +95,15 @@ class Pool:
                 self.standbys.append(self._start(env))
             return max(0, missing)
 
+    def prestart(self, n: int, env: dict[str, str]) -> int:
+        """Called as an attempt of `n` ranks launches, before its torchrun: where no standby of `env` is waiting
+        (the node's first attempt, another environment), `n` started now, which its ranks wait for (`take_over`)
+        while torchrun starts. How many were started."""
+        with self.lock:
+            if any(not differs(s.env, env) for s in self.waiting()):
+                return 0
+        return self.refill(n, env)
+
     def _start(self, env: dict[str, str]) -> _Standby:
         name = uuid.uuid4().hex[:12]
         with open(os.path.join(self.folder, f"{name}.log"), "ab") as log:  # its own errors, if it fails to warm
@@ -106,6 +115,10 @@ class Pool:
                 env=env,
                 start_new_session=True,  # a Ctrl-C reaches the rank through the one torchrun started, once
             )
+        pid_path = os.path.join(self.folder, f"{name}.pid")  # a rank waits for it while it lives (`_started`)
+        with open(pid_path + ".tmp", "w") as f:
+            f.write(str(proc.pid))
+        os.replace(pid_path + ".tmp", pid_path)
         return _Standby(proc, name, dict(env))
 
     def close(self) -> None:
@@ -149,15 +162,25 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signa
 # not AGENT: runpy runs it as __main__, and warns of a module imported already
 WARM: tuple[str, ...] = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed.run")
 WARM += ("lmyard.stages.entry", "lmyard.train.stage")
+WARM_WAIT_S = 300.0  # the longest a rank waits for a standby that still warms up (then it starts cold)
 
 
 def take_over(module: str, argv: list[str]) -> int:
-    """`python -m MODULE ARGV` (RANK or AGENT): in a standby when one takes it, else in this process (exec)."""
+    """`python -m MODULE ARGV` (RANK or AGENT): in a standby when one takes it, else in this process (exec). A
+    rank also waits for a standby still warming up (started before this process: it is ahead of a cold start);
+    torchrun only takes a warm one (its own imports are shorter than a standby's)."""
     started = time.time()
     folder = os.environ.get(STANDBY_ENV)
     with contextlib.suppress(_Refused):  # said once; the others were started alike
-        for path in sorted(glob.glob(os.path.join(folder, "*.sock"))) if folder else []:
-            code = _hand_over(path, module, argv, started)
+        for base in _started(folder) if folder else []:
+            if module != RANK and not os.path.exists(base + ".sock"):
+                continue
+            claim = _claim(base)
+            if claim is None or not _warm(base):
+                if claim is not None:
+                    claim.close()
+                continue
+            code = _hand_over(base, claim, module, argv, started)
             if code is not None:
                 return code
     os.execv(sys.executable, [sys.executable, "-u", "-m", module, *argv])
@@ -167,15 +190,54 @@ class _Refused(Exception):
     """A standby refused to take over (another environment, or it ended): this process runs cold."""
 
 
-def _hand_over(path: str, module: str, argv: list[str], started: float) -> int | None:
-    """The standby at `path` runs `module`: its exit code; None when another process took it (the next one may
-    serve). Raises _Refused after one line when it refuses."""
-    claim = open(path.removesuffix(".sock") + ".claim", "a")  # held until this process ends
+def _started(folder: str) -> list[str]:
+    """The standbys of `folder` not taken yet (their paths without a suffix): the warm ones first, then the
+    others in the order they were started."""
+    bases = [p.removesuffix(".pid") for p in glob.glob(os.path.join(folder, "*.pid"))]
+    waiting = []
+    for base in bases:
+        with contextlib.suppress(OSError):
+            waiting.append((not os.path.exists(base + ".sock"), os.path.getmtime(base + ".pid"), base))
+    return [base for *_, base in sorted(waiting) if not os.path.exists(base + ".taken")]
+
+
+def _claim(base: str):
+    """The standby's claim, held by this process until it ends; None when another process holds it."""
+    claim = open(base + ".claim", "a")
     try:
         fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        claim.close()
+        return None
+    return claim
+
+
+def _warm(base: str, timeout_s: float = WARM_WAIT_S) -> bool:
+    """Whether the standby at `base` is warm (its socket there), waiting while it warms up and lives."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        proc = psutil.Process(int(open(base + ".pid").read()))
+    except (OSError, ValueError, psutil.Error):
+        return False
+    while not os.path.exists(base + ".sock"):
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE or time.monotonic() > deadline:
+                return False
+        except psutil.Error:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _hand_over(base: str, claim, module: str, argv: list[str], started: float) -> int | None:
+    """The standby at `base`, claimed, runs `module`: its exit code; None when it cannot be reached (the next one
+    may serve). Raises _Refused after one line when it refuses."""
+    try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         conn.settimeout(30)
-        conn.connect(path)
+        conn.connect(base + ".sock")
         body = {"module": module, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "started": started}
         socket.send_fds(conn, [json.dumps(body).encode()], [0, 1, 2])
         reply = json.loads(conn.recv(65536) or b"{}")

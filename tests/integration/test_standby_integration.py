@@ -38,9 +38,10 @@ def _losses(lines: list[str]) -> dict[int, str]:
 
 @pytest.mark.integration
 def test_preempted_attempts_restart_in_warm_standbys_with_the_same_losses_and_leave_no_process(tmp_path, monkeypatch):
-    """Attempt 1 (cold) is preempted at step 2; attempt 2's torchrun and ranks start in the standbys, and it is
-    preempted at step 4 (the SIGTERM reaches the trainer through both: step 4 committed); attempt 3, launched with another
-    inductor cache folder, is refused by the standbys and runs cold. Losses equal an uninterrupted cold run's."""
+    """Attempt 1 (the node's first) is preempted at step 2: its ranks start in standbys started beside its cold
+    torchrun; attempt 2's torchrun and ranks start in the standbys, and it is preempted at step 4 (the SIGTERM
+    reaches the trainer through both: step 4 committed); attempt 3, launched with another inductor cache folder,
+    stops the standbys of the old one and its ranks start in new ones. Losses equal an uninterrupted cold run's."""
     monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("LMYARD_FAULT_PAUSE_S", "8")  # the ranks pause after the faulted step: the SIGTERM lands there
     extra = {"train.compile": "false", "tracking.system_metrics": "false", "eval.interval": 100}
@@ -71,11 +72,38 @@ def test_preempted_attempts_restart_in_warm_standbys_with_the_same_losses_and_le
         run_local(cfg, spec, on_line=said[2].append)
     finally:
         standby.close()
-    warm = [any(line.endswith("; torchrun and the rank in warm standbys)") for line in lines) for lines in said]
-    assert warm == [False, True, False], said
-    refused = [line for line in said[2] if "warm standby not used" in line]  # torchrun's and each rank's, once
-    assert len(refused) == 3 and all("TORCHINDUCTOR_CACHE_DIR" in line for line in refused), said[2]
+    ends = ["; in a warm standby)", "; torchrun and the rank in warm standbys)", "; in a warm standby)"]
+    assert [any(line.endswith(end) for line in lines) for end, lines in zip(ends, said)] == [True] * 3, said
+    assert not [line for lines in said for line in lines if "warm standby not used" in line], said
     resumed = {**_losses(said[0]), **_losses(said[1]), **_losses(said[2])}
     assert resumed == _losses(reference) and sorted(resumed) == [1, 2, 3, 4, 5, 6], (resumed, reference)
     left = [p for p in psutil.Process().children(recursive=True) if "lmyard.launch.standby" in " ".join(p.cmdline())]
     assert not left, f"standby processes left: {left}"
+
+
+@pytest.mark.integration
+def test_a_rank_waits_for_a_standby_still_warming_and_one_of_another_environment_is_refused_in_one_line(tmp_path):
+    """Ranks as torchrun starts them (`python -m lmyard.launch.standby STAGE`): the first waits for the standby
+    started just before it and runs in it (the stage's exit code and error from there); the second, of another
+    inductor cache folder, is refused in one line and runs cold, with the same result."""
+    import subprocess
+    import sys
+
+    pool = standby.Pool(folder=str(tmp_path))
+    env = {**os.environ, standby.STANDBY_ENV: str(tmp_path)}
+    rank = [sys.executable, "-m", "lmyard.launch.standby", "nosuch"]  # a stage that does not exist: exit 2
+    try:
+        assert pool.prestart(1, env) == 1 and pool.prestart(1, env) == 0  # one waiting: none more
+        warm = subprocess.run(rank, env=env, capture_output=True, text=True, timeout=600)
+        (first,) = pool.standbys
+        assert (tmp_path / f"{first.name}.taken").exists()  # the rank ran there
+        assert pool.prestart(1, env) == 1
+        other = {**env, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "another-node")}
+        cold = subprocess.run(rank, env=other, capture_output=True, text=True, timeout=600)
+    finally:
+        pool.close()
+    for proc in (warm, cold):
+        assert proc.returncode == 2 and "invalid choice: 'nosuch'" in proc.stderr, proc.stderr
+    said = [line for line in cold.stderr.splitlines() if "warm standby not used" in line]
+    assert said == ["warm standby not used: its environment differs in TORCHINDUCTOR_CACHE_DIR"], cold.stderr
+    assert "warm standby not used" not in warm.stderr
