@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 import socket
 import threading
@@ -196,9 +197,12 @@ def describe(record: dict) -> str:
     )
 
 
-def verify(backend: _LocalLease | _S3Lease, run_name: str, ref: LeaseRef) -> None:
+def verify(
+    backend: _LocalLease | _S3Lease, run_name: str, ref: LeaseRef, bound: Callable[[dict], float] = lambda r: math.inf
+) -> None:
     """LeaseLost unless the lease record is still `ref`'s (token and epoch) and its heartbeat younger than
-    STALE * ttl (see the module doc); one read of the record."""
+    STALE * ttl (see the module doc); one read of the record. The heartbeat's age by the wall clock is capped by
+    `bound(record)`, what the caller's monotonic clock knows of it: a step of a wall clock stops nothing."""
     current, _ = backend.read()
     stopped = "this run stopped without writing further"
     if current is None or current["token"] != ref.token or int(current["epoch"]) != ref.epoch:
@@ -208,7 +212,7 @@ def verify(backend: _LocalLease | _S3Lease, run_name: str, ref: LeaseRef) -> Non
             else "another run (its lease.json is gone: that run released it since, or it was deleted)"
         )
         raise LeaseLost(f"lineage {run_name}: lease lost to {holder}; {stopped}")
-    age = time.time() - float(current["heartbeat"])
+    age = min(time.time() - float(current["heartbeat"]), bound(current))
     if age > STALE * ref.ttl_s:
         raise LeaseLost(
             f"lineage {run_name}: lease lost to whichever run takes it over next (its heartbeat is {age:.0f} s "
@@ -223,10 +227,21 @@ class Fence:
     def __init__(self, run: Run, ref: LeaseRef):
         self.backend, self.run_name, self.ref = _backend(run), run.name, ref
         self.every_s, self.last = ref.ttl_s / 6, time.monotonic()
+        self.seen: object = None  # the heartbeat of the last read, and when that read began
+        self.read_at, self.renewed_after = -math.inf, -math.inf
 
     def check(self) -> None:
-        verify(self.backend, self.run_name, self.ref)
+        began = time.monotonic()
+        verify(self.backend, self.run_name, self.ref, lambda record: self._since_renewal(record, began))
         self.last = time.monotonic()
+
+    def _since_renewal(self, record: dict, began: float) -> float:
+        """At most this long ago, by this process's monotonic clock, was the heartbeat renewed: one that changed
+        since the last read was written after that read began (unbounded until a change is seen)."""
+        if record["heartbeat"] != self.seen:
+            self.seen, self.renewed_after = record["heartbeat"], self.read_at
+        self.read_at = began
+        return time.monotonic() - self.renewed_after
 
     def due_check(self) -> None:
         if time.monotonic() - self.last < self.every_s:
@@ -254,6 +269,7 @@ class Lease:
     tag: str
     on_lost: Callable[[], object] | None = None
     lost: bool = False
+    renewed_at: float = field(default_factory=time.monotonic)  # before the last renewal written, monotonic
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -263,11 +279,12 @@ class Lease:
 
     def check(self) -> None:
         """LeaseLost unless this process still holds the lease (before anything that must not happen twice)."""
-        verify(self.backend, self.run_name, self.ref)
+        verify(self.backend, self.run_name, self.ref, lambda record: time.monotonic() - self.renewed_at)
 
     def _heartbeat(self) -> None:
         warned = False
         while not self._stop.wait(float(self.record["ttl_s"]) / 3):
+            renewing = time.monotonic()
             try:
                 tag = self.backend.write({**self.record, "heartbeat": time.time()}, self.tag)
             except Exception as e:
@@ -281,7 +298,7 @@ class Lease:
                 if self.on_lost is not None:
                     self.on_lost()
                 return
-            self.tag = tag
+            self.tag, self.renewed_at = tag, renewing
 
     def release(self) -> None:
         self._stop.set()
@@ -332,7 +349,7 @@ def acquire(
     deadline = time.monotonic() + wait_s
     while True:
         current, tag = backend.read()
-        now = time.time()
+        taking, now = time.monotonic(), time.time()
         tag = None if current is None else tag
         if current is None or expired(current, now):
             if current is not None:
@@ -340,7 +357,7 @@ def acquire(
             mine = {**record, "epoch": int(current["epoch"]) + 1 if current else 1, "heartbeat": now}
             new = backend.write(mine, tag)
             if new is not None:
-                lease = Lease(backend, backend.uri, run_name, mine, new, on_lost)
+                lease = Lease(backend, backend.uri, run_name, mine, new, on_lost, renewed_at=taking)
                 lease._thread = threading.Thread(target=lease._heartbeat, daemon=True, name="lineage-lease")
                 lease._thread.start()
                 return lease
