@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,8 +116,33 @@ def gpt2_ranks_or_skip():
         )
 
 
+_SESSION: dict[str, Path] = {}  # this worker's folder for what the session makes once (`_session_folder`)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_folder(tmp_path_factory):
+    _SESSION["root"] = tmp_path_factory.getbasetemp()
+
+
+def empty_mlflow_db(path: Path) -> None:
+    """An empty MLflow tracking store at `path` (unless one is there), copied from one this worker made once: MLflow
+    makes a new SQLite store by running each of its schema migrations, seconds of CPU that every run paid."""
+    if path.exists() or "root" not in _SESSION:
+        return
+    template = _SESSION["root"] / "mlflow-empty.db"
+    if not template.exists():
+        from mlflow.tracking import MlflowClient
+
+        making = template.with_name(f"{template.name}.{os.getpid()}")
+        MlflowClient(f"sqlite:///{making}").search_experiments()
+        os.replace(making, template)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(template, path)
+
+
 def tiny_overrides(tmp: Path, steps: int = 6, **extra) -> list[str]:
-    """`--set` assignments for a fast run: a 2-layer model, small batches, everything under tmp."""
+    """`--set` assignments for a fast run: a 2-layer model, small batches, everything under tmp (its MLflow store
+    an empty one, made at once: `empty_mlflow_db`)."""
     values = {
         "store": str(tmp / "store"),
         "tracking.uri": f"sqlite:///{tmp / 'mlflow.db'}",
@@ -135,6 +161,8 @@ def tiny_overrides(tmp: Path, steps: int = 6, **extra) -> list[str]:
         "checkpoint.interval": 3,
     }
     values.update(extra)
+    if values["tracking.uri"] == f"sqlite:///{tmp / 'mlflow.db'}":
+        empty_mlflow_db(tmp / "mlflow.db")
     return [f"{k}={v}" for k, v in values.items()]
 
 
