@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import json
 import os
 import shutil
@@ -138,6 +139,12 @@ def empty_mlflow_db(path: Path) -> None:
         os.replace(making, template)
     path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(template, path)
+
+
+def nothing_tracked_in(path: Path) -> bool:
+    """No MLflow store at `path`, or still the empty one that `empty_mlflow_db` put there, byte for byte."""
+    template = _SESSION["root"] / "mlflow-empty.db" if "root" in _SESSION else None
+    return not path.exists() or (template is not None and filecmp.cmp(path, template, shallow=False))
 
 
 def tiny_overrides(tmp: Path, steps: int = 6, **extra) -> list[str]:
