@@ -69,12 +69,18 @@ def _writable_by_image(path):
     return path
 
 
-def test_image_runs_as_a_non_root_user_and_is_labelled_with_its_sources(docker_client, stage_image):
+def test_image_runs_as_a_non_root_user_with_torchs_bytecode_and_is_labelled_with_its_sources(
+    docker_client, stage_image
+):
     from lmyard.launch.images import SOURCE_LABEL, source_digest
 
-    out = docker_client.containers.run(stage_image, ["sh", "-c", "id -u; echo $LMYARD_CODE_VERSION"], remove=True)
-    uid, version = out.decode().split()
+    # the user cannot write bytecode: without the image's, every rank would compile torch's modules at its start
+    check = "import os, torch, lmyard.train.stage as s; print(os.path.exists(torch.__cached__), os.path.exists(s.__cached__))"
+    cmd = f"id -u; echo $LMYARD_CODE_VERSION; python -c '{check}'"
+    out = docker_client.containers.run(stage_image, ["sh", "-c", cmd], remove=True)
+    uid, version, torch_pyc, lmyard_pyc = out.decode().split()
     assert uid == str(IMAGE_UID) and version.startswith("0.")
+    assert (torch_pyc, lmyard_pyc) == ("True", "True")
     assert docker_client.images.get(stage_image).labels[SOURCE_LABEL] == source_digest()
 
 
