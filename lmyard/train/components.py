@@ -334,6 +334,9 @@ class Startup:
                 f"(launch from {self.launched_by}'s start" + _standbys(),
                 flush=True,
             )
+            note = missing_bytecode()
+            if note:
+                print(note, flush=True)
 
 
 def _standbys() -> str:
@@ -344,6 +347,20 @@ def _standbys() -> str:
     if rank:
         return "; in a warm standby)"
     return "; torchrun in a warm standby)" if agent else ")"
+
+
+def missing_bytecode() -> str | None:
+    """A line when torch was imported from its sources with no bytecode beside them, none written (the environment
+    sets PYTHONDONTWRITEBYTECODE, or the install is read-only): every process then compiles torch's modules again
+    at its start, seconds of each restart (about 10 s of a GPU node's fresh-node restart). None when it has it."""
+    cached = getattr(torch, "__cached__", None)
+    if not cached or os.path.exists(cached):
+        return None
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    return (
+        f"torch has no bytecode in {site} and none is written here, so every start compiles its modules again "
+        f"(seconds of each restart): run `python -m compileall -q -j 0 {site}` once"
+    )
 
 
 def process_start(launched: float) -> float:
