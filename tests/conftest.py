@@ -31,6 +31,17 @@ os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config):
+    """Once, in the controller: the project's bytecode, which the environment may forbid processes to write
+    (PYTHONDONTWRITEBYTECODE, set on CI): the suite's hundreds of ranks, CLIs and flows each compiled lmyard's
+    modules again at their start (0.3 s of CPU a trainer rank). py_compile writes it whatever that setting says."""
+    if not hasattr(config, "workerinput"):
+        import compileall
+
+        for part in ("lmyard", "flows", "tasks"):
+            compileall.compile_dir(str(REPO / part), quiet=1)
+
+
 # The folder is the tier (docs/tests.md): tests/unit/<part>/ mirrors lmyard's parts, tests/integration/ holds the
 # tests that start servers, train or compile; each of its tests is marked `integration`, so `-m integration` and
 # `-m "not integration"` still pick a tier. A test belongs in tests/integration/ when it is `slow`, uses one of
