@@ -20,7 +20,9 @@ def _attempt(tmp_path, store, node: str, steps: int, monkeypatch, **extra):
     """One launch of the train stage on a node with empty caches (its own LMYARD_CACHE and inductor cache)."""
     monkeypatch.setenv("LMYARD_CACHE", str(tmp_path / node))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / node / "inductor"))
+    # one rank: what travels is the same for every rank, and each of the four attempts compiles on the CPU
     overrides = {"store": store, "train.compile": "true", "eval.interval": 100, "checkpoint.interval": 2, **extra}
+    overrides["launch.nproc_per_node"] = 1
     cfg = load_recipe("smoke", tiny_overrides(tmp_path, steps=steps, **overrides))
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards.to_dict(), "lineage": None}

@@ -15,6 +15,7 @@ from lmyard.store import open_store
 from lmyard.tracking.lineage import Lineage
 
 pytestmark = pytest.mark.slow
+ONE_RANK = {"launch.nproc_per_node": 1}  # a fallback reads and writes the same files whatever the ranks
 
 
 def test_fallback_moves_the_damaged_checkpoint_aside_and_the_attempt_names_what_was_loaded(
@@ -28,7 +29,13 @@ def test_fallback_moves_the_damaged_checkpoint_aside_and_the_attempt_names_what_
     overrides = tiny_overrides(
         tmp_path,
         steps=8,
-        **{"run_name": "fallback", "checkpoint.interval": 4, "checkpoint.keep_last": 5, "eval.interval": 100},
+        **{
+            "run_name": "fallback",
+            "checkpoint.interval": 4,
+            "checkpoint.keep_last": 5,
+            "eval.interval": 100,
+            **ONE_RANK,
+        },
     )
     cfg = load_recipe("smoke", overrides)
     shards, _ = tokenize_and_shard(cfg, log=lambda s: None)
@@ -73,7 +80,7 @@ def test_a_step_trained_again_after_a_fallback_is_evaluated_again_and_its_damage
     overrides = tiny_overrides(
         tmp_path,
         steps=8,
-        **{"run_name": run, "checkpoint.interval": 4, "checkpoint.keep_last": 5, "eval.interval": 100},
+        **{"run_name": run, "checkpoint.interval": 4, "checkpoint.keep_last": 5, "eval.interval": 100, **ONE_RANK},
     )
     cfg = load_recipe("smoke", overrides)
     first = pretrain(config=cfg)
