@@ -1,7 +1,8 @@
 """Where a restart's seconds go: a cold start, restarts on the same node (a fresh interpreter, a warm standby), one
 on a fresh node, in parts.
 
-    python tests/benchmarks/bench_restart.py --out restart.json              # GPT-2 124M on one GPU, ~3 min
+    python tests/benchmarks/bench_restart.py --set train.batch_tokens=65536 --set train.micro_batch=32 \
+        --out restart.json                                     # GPT-2 124M on one GPU, ~3 min
     python tests/benchmarks/bench_restart.py --device cpu --preset tiny --steps 4 --tokens 200000 \\
         --tokenizer bytes --set train.compile=false --set train.micro_batch=2 --set train.batch_tokens=128 \\
         --set model.block_size=64 --set model.n_layer=2 --set model.n_embd=64 --set model.n_head=2   # a CPU dry run
@@ -169,6 +170,9 @@ def run(a: argparse.Namespace, work: Path) -> dict:
     spec = {"shards": shards, "lineage": None}
     use_caches(work / "node1")
     launches = [launch(1, "cold", a, work, spec, a.steps, standby=True)]  # its standbys warm up meanwhile
+    if launches[0]["ended"] != "finished":  # nothing to restart from; its standbys would wait for no one
+        standby_pool.close()
+        raise SystemExit(f"the cold launch {launches[0]['ended']}")
     launches.append(launch(2, "restart", a, work, spec, 2 * a.steps, standby=False))
     warm_s = wait_warm(a.nproc + 1)  # torchrun's and each rank's
     launches.append(launch(3, "restart, warm standby", a, work, spec, 3 * a.steps, standby=True))
