@@ -85,12 +85,13 @@ class Snapshot:
         self.buffers: dict[str, torch.Tensor] = {}
         self.event: torch.cuda.Event | None = None
         self.stream: torch.cuda.Stream | None = None
+        self.hurry = threading.Event()  # set at the first save: the buffers still to make are made without pauses
 
     def allocate(self, tree, path: str = "") -> None:
         """Create the pinned buffers for a tree's CUDA tensors ahead of the first copy (seconds for GBs)."""
         if isinstance(tree, torch.Tensor):
             if tree.is_cuda and path not in self.buffers:
-                self.buffers[path] = pinned_empty(tree.shape, tree.dtype)
+                self.buffers[path] = pinned_empty(tree.shape, tree.dtype, self.hurry)
         elif isinstance(tree, dict):
             for k, v in tree.items():
                 self.allocate(v, f"{path}/{k}")
@@ -118,7 +119,7 @@ class Snapshot:
                 return tree.detach().clone()
             buf = self.buffers.get(path)
             if buf is None or buf.shape != tree.shape or buf.dtype != tree.dtype:
-                buf = self.buffers[path] = pinned_empty(tree.shape, tree.dtype)
+                buf = self.buffers[path] = pinned_empty(tree.shape, tree.dtype, self.hurry)
             buf.copy_(tree.detach(), non_blocking=True)
             return buf
         if isinstance(tree, dict):
@@ -232,6 +233,7 @@ class FullCheckpointer:
     def save_state(self, model: dict, optim: dict, state: dict, rng: list) -> float:
         """`save` of state dicts already made."""
         t0 = time.perf_counter()
+        self.snapshot.hurry.set()  # the buffers still being made (`prepare`) are waited for now: no more pauses
         with self.cond:
             self._raise_if_failed()
             if len(self.pending) >= self.max_pending:
