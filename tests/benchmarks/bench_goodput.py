@@ -16,7 +16,9 @@ the window the last attempt gets SIGTERM too, and its committed step is the run'
 
 Inductor's and Triton's caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR) and lmyard's own node-local cache
 (LMYARD_CACHE) lie under one folder (`--cache`, else $LMYARD_CACHE, else the run's temporary folder) that every
-attempt shares: a restart reuses the compiled kernels of the first attempt.
+attempt shares: a restart reuses the compiled kernels of the first attempt. `--earlier-lineage N` first trains N
+steps of another lineage of the same config in the same store, outside the window, on a node whose caches are then
+removed: the window's first start finds the store's compiled code, as a scheduled retraining's does.
 
 It reports, as JSON (`summary {...}`) and a table:
 - goodput: time in the steps that count / wall-clock, from the first launch to the last attempt's exit. The steps
@@ -180,6 +182,7 @@ def run(a: argparse.Namespace, work: Path) -> dict:
     caches: dict[str, str] = {}
     shards = make_shards(work / "store", a.tokens, a.tokenizer)
     spec = {"config": cfg.model_dump(mode="json"), "shards": shards, "lineage": None}
+    earlier = earlier_lineage(a, work, spec) if a.earlier_lineage else None
     attempts: list[Attempt] = []
     t0 = time.monotonic()
     deadline = t0 + a.minutes * 60
@@ -193,7 +196,31 @@ def run(a: argparse.Namespace, work: Path) -> dict:
             raise SystemExit(f"attempt {attempt.n} {attempt.ended}")
     wall = time.monotonic() - t0
     committed = complete_steps(Run(RUN, open_store(cfg.store)))
-    return summarize(a, cfg, attempts, committed[-1] if committed else 0, wall, caches)
+    return {**summarize(a, cfg, attempts, committed[-1] if committed else 0, wall, caches), "earlier_lineage": earlier}
+
+
+def earlier_lineage(a: argparse.Namespace, work: Path, spec: dict) -> dict:
+    """Before the window: another lineage of the same config in the same store (a scheduled retraining's run
+    before), `--earlier-lineage` steps on a node of its own, whose caches are then removed: the window's first
+    attempt finds only what the store carries (the compiled code, `train.compile_cache`), not its checkpoints."""
+    import shutil
+
+    node, names = work / "earlier-node", ("LMYARD_CACHE", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    before = {name: os.environ.get(name) for name in names}
+    for name, sub in zip(names, ("", "inductor", "triton")):
+        (node / sub).mkdir(parents=True, exist_ok=True)
+        os.environ[name] = str(node / sub)
+    cfg = config(a, work, run=f"{RUN}-earlier", max_steps=a.earlier_lineage, checkpoint_every=a.earlier_lineage)
+    attempt = Attempt(0, cfg, {**spec, "config": cfg.model_dump(mode="json")}, time.monotonic() + 1e9, a.echo)
+    took = attempt.run()
+    print(f"earlier lineage: {attempt.ended} after {took:.1f} s (not in the window)", flush=True)
+    shutil.rmtree(node, ignore_errors=True)
+    for name, value in before.items():  # the window's caches are its own (use_caches)
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    return {"steps": a.earlier_lineage, "ended": attempt.ended, "seconds": round(took, 1)}
 
 
 def summarize(a: argparse.Namespace, cfg, attempts: list[Attempt], final_step: int, wall: float, caches) -> dict:
@@ -268,12 +295,21 @@ def main() -> None:
         action="store_true",
         help="every attempt starts with empty lmyard, inductor and Triton caches, as on another node",
     )
+    ap.add_argument(
+        "--earlier-lineage",
+        type=int,
+        default=0,
+        help="first train another lineage of the same config in the store for this many steps, on a node of its "
+        "own (outside the window): the window's first start finds its compiled code in the store",
+    )
     ap.add_argument("--min-attempt", type=float, default=10.0, help="no new attempt this close to the window's end")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override (repeatable)")
     ap.add_argument("--echo", action="store_true", help="print the trainer's lines")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="lmyard-goodput-") as tmp:
         summary = run(a, Path(tmp))
+    if summary["earlier_lineage"]:
+        print(f"before the window, another lineage in the same store: {summary['earlier_lineage']}")
     print(
         "every attempt with empty caches, as on a fresh node (compiled code only from the store)"
         if summary["fresh_node"]
