@@ -300,6 +300,9 @@ class RayJob:
         torchrun = [{**rdzv, **({"node": i} if rdzv else {}), "local_addr": w["ip"]} for i, w in enumerate(where)]
         stage = self.spec.stage
         starts = [a.start.remote(stage, self.spec_json, self.env, t) for a, t in zip(self.actors, torchrun)]
+        # every start settled before one is judged: a node that fails at once (a full cache disk) must not send
+        # close() to another still starting, which would find no job there and leave its exchange folder behind
+        ray.wait(starts, num_returns=len(starts), timeout=CALL_S)
         pids = []
         for i, ref in enumerate(starts):
             try:
