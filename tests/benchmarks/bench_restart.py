@@ -1,7 +1,7 @@
 """Where a restart's seconds go: a cold start, restarts on the same node (a fresh interpreter, a warm standby), one
 on a fresh node, in parts.
 
-    python tests/benchmarks/bench_restart.py --set train.batch_tokens=65536 --set train.micro_batch=32 \
+    python tests/benchmarks/bench_restart.py --set train.batch_tokens=65536 --set train.micro_batch=32 \\
         --out restart.json                                     # GPT-2 124M on one GPU, ~3 min
     python tests/benchmarks/bench_restart.py --device cpu --preset tiny --steps 4 --tokens 200000 \\
         --tokenizer bytes --set train.compile=false --set train.micro_batch=2 --set train.batch_tokens=128 \\
