@@ -306,6 +306,8 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override (repeatable)")
     ap.add_argument("--echo", action="store_true", help="print the trainer's lines")
     a = ap.parse_args()
+    if a.earlier_lineage < 0:
+        ap.error(f"--earlier-lineage {a.earlier_lineage}: give the earlier lineage's steps (0: none)")
     with tempfile.TemporaryDirectory(prefix="lmyard-goodput-") as tmp:
         summary = run(a, Path(tmp))
     if summary["earlier_lineage"]:
