@@ -25,7 +25,7 @@ import torch
 
 from lmyard.checkpoint.catalog import complete_steps
 from lmyard.checkpoint.commit import PARKED_WAKE_S, Parked, RetryPolicy, outage, publish
-from lmyard.checkpoint.manifest import DamagedCheckpoint, Manifest, check_file, file_meta
+from lmyard.checkpoint.manifest import DamagedCheckpoint, FileMeta, Manifest, check_file, file_meta
 from lmyard.checkpoint.pinned import pinned_empty
 from lmyard.checkpoint.schema import CheckpointState
 from lmyard.checkpoint.state import Checkpoint
@@ -44,11 +44,13 @@ def stage(folder: str, model: dict, optim: dict, rng: list, state: dict) -> Mani
     t0 = time.perf_counter()
     try:
         os.makedirs(folder, exist_ok=True)
-        for name, tree in (("model.pt", model), ("optim.pt", optim), ("rng.pt", rng)):
-            with open(os.path.join(folder, name), "wb") as f:
-                torch.save(tree, f)
         with open(os.path.join(folder, "state.json"), "w") as f:
             json.dump(state, f, indent=1)
+        trees = {"model.pt": model, "optim.pt": optim, "rng.pt": rng}
+        # the files at once, each hashed by its writer: the optimizer's (2x the model's) sets the time
+        with ThreadPoolExecutor(len(trees)) as pool:
+            files = dict(pool.map(lambda item: _write(folder, *item), trees.items()))
+        files["state.json"] = file_meta(os.path.join(folder, "state.json"))
     except (OSError, RuntimeError) as e:
         full = no_space(e, os.path.dirname(folder), needed=sum(t.nbytes for t in _tensors([model, optim])))
         if full is None:
@@ -60,9 +62,17 @@ def stage(folder: str, model: dict, optim: dict, rng: list, state: dict) -> Mani
         step=state["step"],
         val_loss=state.get("val_loss"),
         world_size=state.get("world_size"),
-        files={name: file_meta(os.path.join(folder, name)) for name in FILES},
+        files={name: files[name] for name in FILES},
         serialize_s=round(time.perf_counter() - t0, 3),
     )
+
+
+def _write(folder: str, name: str, tree) -> tuple[str, FileMeta]:
+    """torch.save one tree into the folder; its name and size and sha256."""
+    path = os.path.join(folder, name)
+    with open(path, "wb") as f:
+        torch.save(tree, f)
+    return name, file_meta(path)
 
 
 def staged(folder: str) -> Manifest | None:
