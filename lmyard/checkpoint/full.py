@@ -44,12 +44,12 @@ def stage(folder: str, model: dict, optim: dict, rng: list, state: dict) -> Mani
     t0 = time.perf_counter()
     try:
         os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "state.json"), "w") as f:
-            json.dump(state, f, indent=1)
         trees = {"model.pt": model, "optim.pt": optim, "rng.pt": rng}
         # the files at once, each hashed by its writer: the optimizer's (2x the model's) sets the time
         with ThreadPoolExecutor(len(trees)) as pool:
             files = dict(pool.map(lambda item: _write(folder, *item), trees.items()))
+        with open(os.path.join(folder, "state.json"), "w") as f:  # last, as before: the others are written
+            json.dump(state, f, indent=1)
         files["state.json"] = file_meta(os.path.join(folder, "state.json"))
     except (OSError, RuntimeError) as e:
         full = no_space(e, os.path.dirname(folder), needed=sum(t.nbytes for t in _tensors([model, optim])))
