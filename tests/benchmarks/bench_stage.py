@@ -5,10 +5,10 @@ every SIGTERM waits for, with torch.save's CRC32 on and off, and optionally the 
     python tests/benchmarks/bench_stage.py --presets gpt2-124m llama-1b --runs 2 --before 31c3485
 
 For each preset it makes, in host memory, the trees a `full` checkpoint holds: the model's fp32 weights (the
-preset's shapes, vocabulary 50304, a tied weight once) and AdamW's two moments of each; then times stage() into a temporary folder
-(`--dir`, default the system's), the folder deleted before each run. `--before REV` also times the stage() of
-`git show REV:lmyard/checkpoint/full.py`, with the CRC32 on as that code ran. No GPU: the copy off the device is
-not part of it. llama-1b's trees take 14 GB of memory and of the folder's disk.
+preset's shapes, its vocabulary or else 50304, a tied weight once) and AdamW's two moments of each; then times
+stage() into a temporary folder (`--dir`, default the system's), the folder deleted before each run. `--before REV`
+also times the stage() of `git show REV:lmyard/checkpoint/full.py`, with the CRC32 on as that code ran. No GPU: the
+copy off the device is not part of it. llama-1b's trees take 18 GB of memory and of the folder's disk.
 """
 
 from __future__ import annotations
