@@ -69,8 +69,9 @@ def make_checkpointer(
     decided) or not; every rank makes it at the same point (a collective for DCP). `fence` runs before each
     manifest is written (lmyard.checkpoint.commit: the lineage's lease)."""
     c, staging = cfg.checkpoint, os.path.join(run.cache, "staging")
-    # torch.save's CRC32 of every record is a second checksum on the save's path (a third of a 124M model's
-    # serialisation): the manifest's sha256 covers every byte, and torch.load reads such files alike
+    # torch.save's CRC32 of every record is a second checksum on the save's path (a fifth of a 124M model's
+    # serialisation, bench_stage.py): the manifest's sha256 covers every byte, and torch.load reads such files
+    # alike. The setting is process-wide: every torch.save of a trainer rank skips it
     torch.serialization.set_crc32_options(False)
     checkpointer: ShardedCheckpointer | FullCheckpointer
     if sharded:
