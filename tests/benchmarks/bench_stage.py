@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -29,7 +30,7 @@ import torch  # noqa: E402
 
 from lmyard.checkpoint.full import stage  # noqa: E402
 from lmyard.config import ModelConfig  # noqa: E402
-from lmyard.models.registry import build_model  # noqa: E402
+from lmyard.models.registry import build_model, presets  # noqa: E402
 
 
 def trees(preset: str) -> tuple[dict, dict]:
@@ -67,9 +68,18 @@ def main() -> None:
     p.add_argument("--before", help="a git revision whose stage() is timed too (CRC32 on)")
     p.add_argument("--dir", default=None, help="where the staging folder goes (default: a temporary folder)")
     a = p.parse_args()
+    if unknown := [name for name in a.presets if name not in presets()]:
+        p.error(f"--presets: unknown {', '.join(unknown)}; choose from {', '.join(sorted(presets()))}")
+    if a.runs < 1:
+        p.error(f"--runs {a.runs}: give at least 1")
+    if a.dir and not os.path.isdir(a.dir):
+        p.error(f"--dir {a.dir} is not a folder: create it or choose another")
     variants = [("CRC32 on", stage, True), ("CRC32 off", stage, False)]
     if a.before:
-        variants.insert(0, (f"{a.before}, CRC32 on", stage_of(a.before), True))
+        try:
+            variants.insert(0, (f"{a.before}, CRC32 on", stage_of(a.before), True))
+        except subprocess.CalledProcessError:
+            p.error(f"--before {a.before}: git has no lmyard/checkpoint/full.py at that revision in {REPO}")
     root = Path(tempfile.mkdtemp(dir=a.dir, prefix="bench-stage-"))
     try:
         for preset in a.presets:
