@@ -26,6 +26,7 @@ from lmyard.store import Store
 
 T = TypeVar("T")
 PARKED_WAKE_S = 30.0  # a parked checkpoint is tried again this often even if no save comes
+DISCARD_WAIT_S = 30.0  # a discard waits this long for a staging write in flight (on a full disk it fails fast)
 
 
 def upload_backoff(base_s: float = 1.0) -> Backoff:

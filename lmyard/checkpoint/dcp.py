@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from lmyard.checkpoint.commit import Parked, RetryPolicy, ensure_new, outage, publish, upload_files
+from lmyard.checkpoint.commit import DISCARD_WAIT_S, Parked, RetryPolicy, ensure_new, outage, publish, upload_files
 from lmyard.checkpoint.manifest import FileMeta, Manifest, file_meta
 from lmyard.checkpoint.pinned import pinned_empty
 from lmyard.checkpoint.ranks import agree, distributed, rank_world
@@ -322,6 +322,9 @@ class ShardedCheckpointer:
         self.policy.closing.set()
         self.policy.wake.set()
         self.jobs.put(None)
+        if self.writing is not None:  # DCP's write in flight would outlive the delete: it ends first
+            with contextlib.suppress(Exception):  # its error (the full disk) is the one being handled
+                self.writing.result(timeout=DISCARD_WAIT_S)
         shutil.rmtree(self.staging, ignore_errors=True)
 
     def _raise_if_failed(self) -> None:

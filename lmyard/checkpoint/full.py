@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from lmyard.checkpoint.catalog import complete_steps
-from lmyard.checkpoint.commit import PARKED_WAKE_S, Parked, RetryPolicy, outage, publish
+from lmyard.checkpoint.commit import DISCARD_WAIT_S, PARKED_WAKE_S, Parked, RetryPolicy, outage, publish
 from lmyard.checkpoint.manifest import DamagedCheckpoint, FileMeta, Manifest, check_file, file_meta
 from lmyard.checkpoint.pinned import pinned_empty
 from lmyard.checkpoint.schema import CheckpointState
@@ -329,6 +329,10 @@ class FullCheckpointer:
             self.copy_job, self.pending, self.discarded = None, [], True
             self.cond.notify_all()
         if self.writes:
+            # a folder being staged now would outlive the delete (its makedirs after it): its writes end first
+            serializer = self.threads[0]
+            if serializer is not threading.current_thread():
+                serializer.join(DISCARD_WAIT_S)
             shutil.rmtree(self.staging, ignore_errors=True)
 
     def _raise_if_failed(self) -> None:
