@@ -19,13 +19,14 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import IO, cast
 
 import torch
 
 from lmyard.checkpoint.catalog import complete_steps
 from lmyard.checkpoint.commit import DISCARD_WAIT_S, PARKED_WAKE_S, Parked, RetryPolicy, outage, publish
-from lmyard.checkpoint.manifest import DamagedCheckpoint, FileMeta, Manifest, check_file, file_meta
+from lmyard.checkpoint.manifest import DamagedCheckpoint, FileMeta, Manifest, StreamHash, check_file, file_meta
 from lmyard.checkpoint.pinned import pinned_empty
 from lmyard.checkpoint.schema import CheckpointState
 from lmyard.checkpoint.state import Checkpoint
@@ -68,11 +69,39 @@ def stage(folder: str, model: dict, optim: dict, rng: list, state: dict) -> Mani
 
 
 def _write(folder: str, name: str, tree) -> tuple[str, FileMeta]:
-    """torch.save one tree into the folder; its name and size and sha256."""
-    path = os.path.join(folder, name)
-    with open(path, "wb") as f:
-        torch.save(tree, f)
-    return name, file_meta(path)
+    """torch.save one tree into the folder; its name and size and sha256, hashed as it is written."""
+    with open(os.path.join(folder, name), "wb") as f, ThreadPoolExecutor(2) as pool:
+        out = _HashingFile(f, pool)
+        torch.save(tree, cast(IO[bytes], out))  # torch.save needs only write and flush
+    return name, out.hash.meta()
+
+
+class _HashingFile:
+    """What torch.save writes into: each large record (a tensor's bytes, one memoryview) is written, hashed whole
+    and hashed by piece at once on three threads (file writes and hashlib release the GIL), so the whole-file
+    sha256 costs no time after the write and the file is never read back (lmyard.checkpoint.manifest.StreamHash)."""
+
+    AT_ONCE = 1 << 20  # smaller writes (the archive's headers, small tensors) stay on the caller's thread
+
+    def __init__(self, f, pool: ThreadPoolExecutor):
+        self.f, self.pool, self.hash = f, pool, StreamHash()
+
+    def write(self, data) -> int:
+        if len(data) < self.AT_ONCE:
+            self.f.write(data)
+            self.hash.update(data)
+            self.hash.update_pieces(data)
+            return len(data)
+        written, pieces = self.pool.submit(self.f.write, data), self.pool.submit(self.hash.update_pieces, data)
+        try:
+            self.hash.update(data)
+        finally:  # `data` is valid only during this call: nothing may still read it after the return
+            wait([written, pieces])
+        written.result(), pieces.result()  # a full disk: the write's OSError, errno kept
+        return len(data)
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def staged(folder: str) -> Manifest | None:

@@ -69,6 +69,38 @@ def file_meta(path: str) -> FileMeta:
         return FileMeta(bytes=size, sha256=whole.result(), pieces=_piece_hashes(path, size, pool))
 
 
+class StreamHash:
+    """`file_meta` of bytes as they are written, so the file is never read back: the whole sha256 and each
+    PIECE_BYTES piece's, fed by `update` and `update_pieces` (two threads may run them at once; hashlib releases
+    the GIL on large updates)."""
+
+    def __init__(self) -> None:
+        self.size, self.whole = 0, hashlib.sha256()
+        self.done: list[str] = []  # the finished pieces' sha256
+        self.piece, self.in_piece = hashlib.sha256(), 0
+
+    def update(self, data: memoryview | builtins.bytes) -> None:
+        self.whole.update(data)
+        self.size += len(data)
+
+    def update_pieces(self, data: memoryview | builtins.bytes) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), PIECE_BYTES - self.in_piece)
+            self.piece.update(view[:take])
+            self.in_piece, view = self.in_piece + take, view[take:]
+            if self.in_piece == PIECE_BYTES:
+                self.done.append(self.piece.hexdigest())
+                self.piece, self.in_piece = hashlib.sha256(), 0
+
+    def meta(self) -> FileMeta:
+        """The same FileMeta as `file_meta` of the written file."""
+        if self.size <= PIECE_BYTES:
+            return FileMeta(bytes=self.size, sha256=self.whole.hexdigest())
+        pieces = self.done + ([self.piece.hexdigest()] if self.in_piece else [])
+        return FileMeta(bytes=self.size, sha256=self.whole.hexdigest(), pieces=pieces)
+
+
 def _piece_hashes(path: str, size: int, pool: ThreadPoolExecutor) -> list[str]:
     return list(pool.map(lambda i: _piece_sha256(path, i), range(-(-size // PIECE_BYTES))))
 

@@ -9,12 +9,13 @@ import torch
 
 from lmyard.checkpoint import manifest as manifest_module
 from lmyard.checkpoint.full import FILES, stage
-from lmyard.checkpoint.manifest import matches
+from lmyard.checkpoint.manifest import StreamHash, file_meta, matches
 
 
 def _tree(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {f"w{i}": torch.randn(64 + i, 33, generator=g) for i in range(6)}
+    tree = {f"w{i}": torch.randn(64 + i, 33, generator=g) for i in range(6)}
+    return {**tree, "big": torch.randn(700, 500, generator=g)}  # over _HashingFile.AT_ONCE: hashed on threads
 
 
 def test_files_written_at_once_each_carry_their_own_bytes_sha256_and_pieces_and_load_back_equal(tmp_path, monkeypatch):
@@ -43,3 +44,19 @@ def test_files_written_at_once_each_carry_their_own_bytes_sha256_and_pieces_and_
         assert all(torch.equal(loaded["optim.pt"]["state"][0][k], v) for k, v in optim["state"][0].items())
         assert torch.equal(loaded["rng.pt"][0], rng[0]) and loaded["rng.pt"][1] == {"python": 7}
         assert json.loads((folder / "state.json").read_text()) == state
+
+
+def test_bytes_hashed_as_they_are_written_give_the_file_meta_of_the_written_file(tmp_path, monkeypatch):
+    """Writes split across piece boundaries, one piece exactly, a partial last piece and a file of under one piece:
+    the streamed sha256 and piece hashes must equal those `file_meta` reads back from the file."""
+    monkeypatch.setattr(manifest_module, "PIECE_BYTES", 1000)
+    rand = torch.Generator().manual_seed(3)
+    for sizes in ([30, 2500, 16, 1000, 7, 447], [1000, 1000], [400, 600], [999], [1, 1000, 999]):
+        streamed, path = StreamHash(), tmp_path / "file"
+        with open(path, "wb") as f:
+            for n in sizes:
+                data = memoryview(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=rand).numpy().tobytes())
+                f.write(data)
+                streamed.update(data)
+                streamed.update_pieces(data)
+        assert streamed.meta() == file_meta(str(path)), sizes
