@@ -3,11 +3,12 @@ every SIGTERM waits for, with torch.save's CRC32 on and off, and optionally the 
 
     python tests/benchmarks/bench_stage.py --presets gpt2-124m --runs 3
     python tests/benchmarks/bench_stage.py --presets gpt2-124m llama-1b --runs 2 --before 31c3485
+    python tests/benchmarks/bench_stage.py --presets gpt2-124m --runs 2 --before e2ce931 --before-crc off
 
 For each preset it makes, in host memory, the trees a `full` checkpoint holds: the model's fp32 weights (the
 preset's shapes, its vocabulary or else 50304, a tied weight once) and AdamW's two moments of each; then times
 stage() into a temporary folder (`--dir`, default the system's), the folder deleted before each run. `--before REV`
-also times the stage() of `git show REV:lmyard/checkpoint/full.py`, with the CRC32 on as that code ran. No GPU: the
+also times the stage() of `git show REV:lmyard/checkpoint/full.py`, with the CRC32 as `--before-crc` says. No GPU: the
 copy off the device is not part of it. llama-1b's trees take 18 GB of memory and of the folder's disk.
 """
 
@@ -65,7 +66,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", default=["gpt2-124m"])
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--before", help="a git revision whose stage() is timed too (CRC32 on)")
+    p.add_argument("--before", help="a git revision whose stage() is timed too")
+    p.add_argument(
+        "--before-crc",
+        choices=["on", "off"],
+        default="on",
+        help="torch.save's CRC32 for --before's stage(): as that revision's checkpointer set it (off since 841cb21)",
+    )
     p.add_argument("--dir", default=None, help="where the staging folder goes (default: a temporary folder)")
     a = p.parse_args()
     if unknown := [name for name in a.presets if name not in presets()]:
@@ -77,7 +84,8 @@ def main() -> None:
     variants = [("CRC32 on", stage, True), ("CRC32 off", stage, False)]
     if a.before:
         try:
-            variants.insert(0, (f"{a.before}, CRC32 on", stage_of(a.before), True))
+            before = (f"{a.before}, CRC32 {a.before_crc}", stage_of(a.before), a.before_crc == "on")
+            variants.insert(0, before)
         except subprocess.CalledProcessError:
             p.error(f"--before {a.before}: git has no lmyard/checkpoint/full.py at that revision in {REPO}")
     root = Path(tempfile.mkdtemp(dir=a.dir, prefix="bench-stage-"))
