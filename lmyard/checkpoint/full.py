@@ -87,6 +87,7 @@ class _HashingFile:
         self.f, self.pool, self.hash = f, pool, StreamHash()
 
     def write(self, data) -> int:
+        data = memoryview(data).cast("B")  # its length in bytes
         if len(data) < self.AT_ONCE:
             self.f.write(data)
             self.hash.update(data)

@@ -81,7 +81,7 @@ class StreamHash:
 
     def update(self, data: memoryview | builtins.bytes) -> None:
         self.whole.update(data)
-        self.size += len(data)
+        self.size += memoryview(data).nbytes
 
     def update_pieces(self, data: memoryview | builtins.bytes) -> None:
         view = memoryview(data).cast("B")
