@@ -165,6 +165,7 @@ class ShardedCheckpointer:
         self.unfinished: list[int] = []  # steps saved but not yet uploaded (on rank 0: committed)
         self.cond = threading.Condition()
         self.error: BaseException | None = None
+        self.discarded = False  # discard(): what is staged is given up, nothing more is uploaded
         self.blocked_s: list[float] = []
         self.timings: list[dict] = []  # per save: seconds from save() until written, uploaded, committed (rank 0)
         self.thread = threading.Thread(target=self._work, daemon=True, name="sharded-checkpoint-uploader")
@@ -318,6 +319,7 @@ class ShardedCheckpointer:
     def discard(self) -> None:
         """Stop without waiting and delete this rank's staging folder (a full disk: its space goes back; what was
         not committed is lost, and a rerun resumes from the last committed checkpoint)."""
+        self.discarded = True
         self.stopping.set()
         self.policy.closing.set()
         self.policy.wake.set()
@@ -345,6 +347,8 @@ class ShardedCheckpointer:
 
     def _finish(self, job: _Job) -> None:
         job.future.result()  # DCP wrote this rank's files (raises if any rank failed)
+        if self.discarded:  # given up while it was written: its folder is being deleted
+            return
         times = {"step": job.step, "written_s": time.perf_counter() - job.t0}
         new = lambda: ensure_new(self.run, job.step)
         self._persist(lambda: self.policy.run(job.step, self.staging, new))  # a complete step: StepExists
