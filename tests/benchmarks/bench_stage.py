@@ -53,12 +53,13 @@ def stage_of(rev: str):
     source = subprocess.run(
         ["git", "show", f"{rev}:lmyard/checkpoint/full.py"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout
-    path = Path(tempfile.mkdtemp()) / "full_before.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("full_before", path)
-    assert spec is not None and spec.loader is not None, "a file path always has a loader"
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory() as folder:  # the module needs its file only while it loads
+        path = Path(folder) / "full_before.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location("full_before", path)
+        assert spec is not None and spec.loader is not None, "a file path always has a loader"
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     return module.stage
 
 
